@@ -1,0 +1,1 @@
+"""Planner: cluster and model descriptions, cost models, search, simulator, plan files."""

@@ -1,0 +1,121 @@
+"""Model presets (GPT/LLaMA-style decoders) and the sizes the cost model derives from them.
+
+Counting conventions (used by the cost model, the simulator and the runtime alike):
+- a "layer" is one transformer block; the token embedding sits before layer 0 (first stage),
+  the final norm and LM head after the last layer (last stage);
+- FLOPs are for one token: forward = 2 x (matmul parameters) + 4 x seq_len x d_model for the
+  attention scores and weighted sum (dense, not halved for the causal mask); backward = 2 x forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer."""
+
+    name: str
+    arch: str
+    """`gpt` (LayerNorm, GELU MLP, learned positions, biases) or `llama` (RMSNorm, SwiGLU, RoPE)."""
+    num_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    """Hidden size of the MLP (4 d for GPT; the SwiGLU width for LLaMA)."""
+    seq_len: int
+    """Training sequence length in tokens."""
+    vocab_size: int
+    tie_embeddings: bool = True
+    """Whether the LM head reuses the token embedding (GPT-2 style)."""
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        d, f = self.d_model, self.d_ff
+        if self.arch == "gpt":
+            attn = 4 * d * d + 4 * d
+            mlp = 2 * d * f + f + d
+            norms = 4 * d
+        else:
+            attn = 4 * d * d
+            mlp = 3 * d * f
+            norms = 2 * d
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Parameters on the first stage: token embedding (+ learned positions for GPT)."""
+        pos = self.seq_len * self.d_model if self.arch == "gpt" else 0
+        return self.vocab_size * self.d_model + pos
+
+    def head_params(self) -> int:
+        """Parameters on the last stage: final norm (+ an untied LM head)."""
+        norm = 2 * self.d_model if self.arch == "gpt" else self.d_model
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return norm + head
+
+    def total_params(self) -> int:
+        """All parameters (tied embeddings counted once)."""
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+
+    def stage_params(self, start: int, end: int) -> int:
+        """Parameters held by a stage with layers [start, end) (embedding/head on the ends).
+
+        With tied embeddings the last stage keeps its own copy of the embedding matrix for the
+        head (its gradient is all-reduced with the first stage's in a real run), so it counts.
+        """
+        n = (end - start) * self.layer_params()
+        if start == 0:
+            n += self.embedding_params()
+        if end == self.num_layers:
+            n += self.head_params() + (self.vocab_size * self.d_model if self.tie_embeddings else 0)
+        return n
+
+    def layer_flops_per_token(self) -> float:
+        """Forward FLOPs of one block for one token."""
+        d, f = self.d_model, self.d_ff
+        matmul = 4 * d * d + (2 if self.arch == "gpt" else 3) * d * f
+        return 2.0 * matmul + 4.0 * self.seq_len * d
+
+    def head_flops_per_token(self) -> float:
+        """Forward FLOPs of the LM head (logits) for one token."""
+        return 2.0 * self.vocab_size * self.d_model
+
+    def stage_flops_per_token(self, start: int, end: int) -> float:
+        """Forward FLOPs per token of a stage with layers [start, end)."""
+        flops = (end - start) * self.layer_flops_per_token()
+        if end == self.num_layers:
+            flops += self.head_flops_per_token()
+        return flops
+
+    def activation_bytes_per_sequence(self, bytes_per_value: int = 2) -> int:
+        """Bytes of the hidden state passed across a stage boundary for one sequence."""
+        return self.seq_len * self.d_model * bytes_per_value
+
+
+PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec("gpt-tiny", "gpt", num_layers=4, d_model=128, n_heads=4, d_ff=512,
+                  seq_len=64, vocab_size=256),
+        ModelSpec("gpt-small", "gpt", num_layers=6, d_model=384, n_heads=6, d_ff=1536,
+                  seq_len=128, vocab_size=256),
+        ModelSpec("llama-150m", "llama", num_layers=12, d_model=768, n_heads=12, d_ff=2048,
+                  seq_len=1024, vocab_size=32000, tie_embeddings=False),
+        ModelSpec("gpt3-xl", "gpt", num_layers=24, d_model=2048, n_heads=16, d_ff=8192,
+                  seq_len=2048, vocab_size=50257),
+        ModelSpec("llama-1b", "llama", num_layers=16, d_model=2048, n_heads=32, d_ff=8192,
+                  seq_len=2048, vocab_size=128256),
+    )
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    """Look up a preset by name; UserError lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(PRESETS)
+        raise UserError(f"model: unknown preset {name!r}; known presets: {known}") from None

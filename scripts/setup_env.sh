@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up everything the project needs on a fresh machine, idempotently:
+# system packages (when root), a virtualenv in .venv, and the project with CPU torch.
+# Usage: bash scripts/setup_env.sh        (VENV=path to put the venv elsewhere)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+# System packages: iproute2/iptables for the emulated network, openssh-server for the SSH
+# tests, wireguard-go/wireguard-tools for the NAT tunnel, fortunes for real training text,
+# libnetfilter-queue-dev to build the NFQUEUE delay line.
+APT_PACKAGES="iproute2 iptables openssh-server wireguard-go wireguard-tools conntrack iperf3
+ fortunes fortunes-min libnetfilter-queue-dev procps"
+missing=""
+for p in $APT_PACKAGES; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing system packages:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  else
+    echo "setup: not root, cannot install:$missing (tests that need them will skip and say so)"
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating virtualenv $VENV"
+  python3 -m venv "$VENV"
+fi
+stamp="$VENV/.installed-$(cat setup.py constraints-cpu.txt | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing the project and CPU torch into $VENV (about a minute)"
+  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[dev,netem]" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest" \
+    || { echo "setup: install failed" >&2; exit 1; }
+  touch "$stamp"
+fi
