@@ -1,0 +1,9 @@
+"""Evolutionary search with local search over stage-group partitions (DESIGN.md §4)."""
+
+from scheduler.heuristic_evolutionary_solver.evolutionary import (
+    SearchConfig,
+    SearchResult,
+    evolutionary_search,
+)
+
+__all__ = ["SearchConfig", "SearchResult", "evolutionary_search"]

@@ -1,0 +1,260 @@
+"""Evolutionary search with local search over stage-group partitions.
+
+A candidate is a partition of the devices into S stage groups of R devices, kept in pipeline
+order. It is decoded into pipelines by bottleneck matching between consecutive groups
+(PairCache) and scored by any Objective. The population starts from topology-aware structured
+plans (islands.py) plus random ones; children come from group-preserving crossover, swap and
+block mutations, a reorder of the groups and a short first-improvement local search; the best
+plan is polished by steepest descent over all pairwise swaps at the end.
+
+Every run is reproducible from `seed`; `budget` caps objective evaluations, `time_limit_s` wall.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.heuristic_evolutionary_solver.islands import (
+    Groups,
+    leaf_orders,
+    structured_partitions,
+)
+from scheduler.heuristic_evolutionary_solver.matching import PairCache
+from scheduler.objective import Objective
+
+
+@dataclass
+class SearchConfig:
+    """Knobs of the evolutionary search."""
+
+    budget: int = 30_000
+    """Maximum objective evaluations."""
+    time_limit_s: float = 10.0
+    """Wall-clock limit in seconds (the search stops at whichever limit comes first)."""
+    population: int = 24
+    """Candidates kept alive."""
+    local_tries: int = 40
+    """Swap proposals of the local search applied to each child."""
+    patience: int = 6_000
+    """Stop evolving after this many evaluations without a better plan."""
+    seed: int = 0
+    """Seed of every random choice."""
+
+
+@dataclass
+class SearchResult:
+    """The best plan found and how the search got there."""
+
+    pipelines: np.ndarray
+    """(R, S) device ids."""
+    cost: float
+    evaluations: int
+    wall_s: float
+    history: list[tuple[int, float]] = field(default_factory=list)
+    """(evaluations so far, best cost so far) at every improvement."""
+    best_structured: tuple[str, float] = ("", float("inf"))
+    """Name and cost of the best hand-structured starting plan (before any search)."""
+
+
+Key = tuple[float, float]
+"""(cost, tie-break): the tie-break ranks plans of equal cost by their mean link times, which
+gives the search a slope to follow on the plateaus that bottleneck (max) costs create."""
+
+
+class _Scorer:
+    """Decodes and scores candidates, counting evaluations and tracking the best."""
+
+    def __init__(self, objective: Objective, cache: PairCache, t_tie: np.ndarray, budget: int,
+                 deadline: float) -> None:
+        self.objective, self.cache, self.t_tie = objective, cache, t_tie
+        self.budget, self.deadline = budget, deadline
+        self.evaluations = 0
+        self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
+        self.history: list[tuple[int, float]] = []
+
+    def exhausted(self) -> bool:
+        return self.evaluations >= self.budget or time.perf_counter() > self.deadline
+
+    def score(self, groups: Groups) -> Key:
+        self.evaluations += 1
+        chains = self.cache.chains(groups)
+        cost = float(self.objective.cost(chains))
+        tie = float(self.cache.t_act[chains[:, :-1], chains[:, 1:]].mean()) if chains.shape[1] > 1 \
+            else 0.0
+        g = chains.T  # (S, R) stage groups
+        tie += float(self.t_tie[g[:, :, None], g[:, None, :]].mean())
+        key = (cost, tie)
+        if key < self.best[0]:
+            if cost < self.best[0][0] - 1e-12:
+                self.history.append((self.evaluations, cost))
+            self.best = (key, list(groups))
+        return key
+
+
+def _swap(groups: Groups, a: int, i: int, b: int, j: int) -> Groups:
+    ga, gb = list(groups[a]), list(groups[b])
+    ga[i], gb[j] = gb[j], ga[i]
+    out = list(groups)
+    out[a], out[b] = tuple(sorted(ga)), tuple(sorted(gb))
+    return out
+
+
+def _random_partition(devices: np.ndarray, s: int, r: int, rng: np.random.Generator) -> Groups:
+    perm = rng.permutation(devices)[: s * r].reshape(s, r)
+    return [tuple(sorted(int(d) for d in row)) for row in perm]
+
+
+def _crossover(p1: Groups, p2: Groups, rng: np.random.Generator) -> Groups:
+    """Keep a random half of p1's groups intact, then p2's groups that still fit, then repair."""
+    s = len(p1)
+    keep = [p1[k] for k in rng.permutation(s)[: max(1, s // 2)]]
+    used = {d for g in keep for d in g}
+    for g in p2:
+        if len(keep) < s and used.isdisjoint(g):
+            keep.append(g)
+            used.update(g)
+    rest = [d for g in p2 for d in g if d not in used]
+    r = len(p1[0])
+    while len(keep) < s:
+        keep.append(tuple(sorted(rest[:r])))
+        rest = rest[r:]
+    return keep
+
+
+def _mutate(groups: Groups, rng: np.random.Generator) -> Groups:
+    """One to three swaps, or a block move exchanging several devices between two groups."""
+    s, r = len(groups), len(groups[0])
+    if s < 2:
+        return groups
+    if rng.random() < 0.3 and r > 1:
+        a, b = rng.choice(s, size=2, replace=False)
+        k = int(rng.integers(1, r))
+        ia, ib = rng.choice(r, size=k, replace=False), rng.choice(r, size=k, replace=False)
+        ga, gb = list(groups[a]), list(groups[b])
+        for i, j in zip(ia, ib):
+            ga[i], gb[j] = gb[j], ga[i]
+        out = list(groups)
+        out[a], out[b] = tuple(sorted(ga)), tuple(sorted(gb))
+        return out
+    for _ in range(int(rng.integers(1, 4))):
+        a, b = rng.choice(s, size=2, replace=False)
+        groups = _swap(groups, a, int(rng.integers(r)), b, int(rng.integers(r)))
+    return groups
+
+
+def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
+                  rng: np.random.Generator) -> tuple[Groups, Key]:
+    """First-improvement random pairwise swaps."""
+    s, r = len(groups), len(groups[0])
+    for _ in range(tries):
+        if scorer.exhausted() or s < 2:
+            break
+        a, b = rng.choice(s, size=2, replace=False)
+        cand = _swap(groups, a, int(rng.integers(r)), b, int(rng.integers(r)))
+        c = scorer.score(cand)
+        if c < cost:
+            groups, cost = cand, c
+    return groups, cost
+
+
+def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
+    """Steepest descent over all pairwise swaps (and a reorder) until no swap improves."""
+    s, r = len(groups), len(groups[0])
+    improved = True
+    while improved and not scorer.exhausted():
+        improved = False
+        best = (cost, groups)
+        for a in range(s):
+            for b in range(a + 1, s):
+                for i in range(r):
+                    for j in range(r):
+                        if scorer.exhausted():
+                            return best[1], best[0]
+                        cand = _swap(groups, a, i, b, j)
+                        c = scorer.score(cand)
+                        if c < best[0]:
+                            best = (c, cand)
+        if best[0] < cost:
+            cost, groups = best
+            reordered = scorer.cache.order(groups)
+            c = scorer.score(reordered)
+            if c < cost:
+                groups, cost = reordered, c
+            improved = True
+    return groups, cost
+
+
+def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.ndarray,
+                        num_stages: int, num_replicas: int, config: SearchConfig | None = None,
+                        extra_link_costs: list[np.ndarray] | None = None,
+                        progress: Callable[[int, float], None] | None = None) -> SearchResult:
+    """Search S x R plans over `devices` minimising `objective`.
+
+    `t_act[i, j]` is the time to send one stage boundary's activations from i to j (it drives
+    the matching between groups); `extra_link_costs` are more (N, N) matrices whose clustering
+    seeds the population (e.g. the data-parallel gradient time). Cost: O(budget) evaluations,
+    each O(S R^2) plus cached matchings.
+    """
+    config = config or SearchConfig()
+    start = time.perf_counter()
+    rng = np.random.default_rng(config.seed)
+    cache = PairCache(t_act)
+    t_tie = (extra_link_costs or [t_act])[0]
+    scorer = _Scorer(objective, cache, t_tie, config.budget, start + config.time_limit_s)
+    devices = np.asarray(devices, dtype=np.int64)
+    s, r = num_stages, num_replicas
+
+    orders = leaf_orders([t_act, *(extra_link_costs or [])], devices)
+    structured = structured_partitions(orders, s, r)
+    population: list[tuple[Key, Groups]] = []
+    best_structured = ("", float("inf"))
+    for name, groups in structured:
+        groups = cache.order(groups)
+        c = scorer.score(groups)
+        if c[0] < best_structured[1]:
+            best_structured = (name, c[0])
+        population.append((c, groups))
+    while len(population) < config.population + len(structured) // 2:
+        groups = cache.order(_random_partition(devices, s, r, rng))
+        population.append((scorer.score(groups), groups))
+    population = _select(population, config.population)
+
+    generation = 0
+    while not scorer.exhausted():
+        if scorer.history and scorer.evaluations - scorer.history[-1][0] > config.patience:
+            break
+        generation += 1
+        p1 = _tournament(population, rng)
+        child = _crossover(p1, _tournament(population, rng), rng) if rng.random() < 0.5 else p1
+        child = cache.order(_mutate(child, rng))
+        cost = scorer.score(child)
+        child, cost = _local_search(child, cost, scorer, config.local_tries, rng)
+        if cost < population[-1][0] and all(g != child for _, g in population):
+            population[-1] = (cost, child)
+            population.sort(key=lambda x: x[0])
+        if progress and generation % 50 == 0:
+            progress(scorer.evaluations, scorer.best[0][0])
+    # Polishing gets a fresh, bounded allowance so that the best plan is a swap-local optimum.
+    scorer.budget = scorer.evaluations + max(2_000, config.budget // 10)
+    scorer.deadline = time.perf_counter() + max(1.0, config.time_limit_s * 0.2)
+    _polish(scorer.best[1], scorer.best[0], scorer)
+    (best_cost, _), best_groups = scorer.best
+    return SearchResult(cache.chains(best_groups), best_cost, scorer.evaluations,
+                        time.perf_counter() - start, scorer.history, best_structured)
+
+
+def _select(population: list[tuple[Key, Groups]], size: int) -> list[tuple[Key, Groups]]:
+    unique: list[tuple[Key, Groups]] = []
+    for item in sorted(population, key=lambda x: x[0]):
+        if all(item[1] != g for _, g in unique):
+            unique.append(item)
+    return unique[:size]
+
+
+def _tournament(population: list[tuple[Key, Groups]], rng: np.random.Generator) -> Groups:
+    i, j = rng.integers(len(population), size=2)
+    return population[min(i, j)][1]  # population is sorted: lower index = better

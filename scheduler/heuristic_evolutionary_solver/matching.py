@@ -1,0 +1,162 @@
+"""From stage groups to pipelines: bottleneck matching between groups and the order of groups.
+
+A partition of the devices into S stage groups of R devices fixes the data-parallel traffic. The
+pipeline traffic then depends on which device of group a feeds which device of group b (a perfect
+matching, judged by its slowest pair: the bottleneck) and on the order of the groups along the
+pipeline (an open path through all groups: a small travelling-salesman problem).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+_BIG = 1e18
+
+
+def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
+    """Perfect matching of a square matrix minimising the largest chosen entry.
+
+    Returns (bottleneck, cols) with row i matched to cols[i]; among matchings with the optimal
+    bottleneck it picks one of least total cost. Binary search over the distinct values, each
+    step a feasibility check by linear assignment: O(R^3 log R^2).
+    """
+    values = np.unique(cost)
+    # No matching can beat the largest row or column minimum.
+    floor = max(cost.min(axis=1).max(), cost.min(axis=0).max())
+    lo, hi = int(np.searchsorted(values, floor)), len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        allowed = cost <= values[mid]
+        rows, cols = linear_sum_assignment(~allowed)
+        if allowed[rows, cols].all():
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = values[lo]
+    rows, cols = linear_sum_assignment(np.where(cost <= limit, cost, _BIG))
+    return float(limit), cols
+
+
+def best_path(edge: np.ndarray) -> list[int]:
+    """Open path through all nodes minimising the sum of symmetric `edge` costs.
+
+    Exact (Held-Karp, O(2^S S^2)) for S <= 10; nearest-neighbour from every start plus 2-opt
+    beyond that.
+    """
+    n = len(edge)
+    if n <= 2:
+        return list(range(n))
+    if n <= 10:
+        return _held_karp_path(edge)
+    return _two_opt_path(edge)
+
+
+def _held_karp_path(edge: np.ndarray) -> list[int]:
+    n = len(edge)
+    full = 1 << n
+    dp = np.full((full, n), np.inf)
+    parent = np.full((full, n), -1, dtype=np.int64)
+    for j in range(n):
+        dp[1 << j, j] = 0.0
+    for mask in range(1, full):
+        ends = [j for j in range(n) if mask >> j & 1]
+        if len(ends) < 2:
+            continue
+        for j in ends:
+            prev = mask ^ (1 << j)
+            cand = dp[prev] + edge[:, j]
+            k = int(np.argmin(cand))
+            dp[mask, j], parent[mask, j] = cand[k], k
+    mask, j = full - 1, int(np.argmin(dp[full - 1]))
+    path = []
+    while j >= 0:
+        path.append(j)
+        mask, j = mask ^ (1 << j), int(parent[mask, j])
+    return path[::-1]
+
+
+def _path_cost(edge: np.ndarray, path: list[int]) -> float:
+    return float(sum(edge[a, b] for a, b in zip(path, path[1:])))
+
+
+def _two_opt_path(edge: np.ndarray) -> list[int]:
+    n = len(edge)
+    best, best_cost = list(range(n)), np.inf
+    for start in range(n):
+        path, left = [start], set(range(n)) - {start}
+        while left:
+            nxt = min(left, key=lambda k: edge[path[-1], k])
+            path.append(nxt)
+            left.remove(nxt)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(1, n - 1):
+                for j in range(i + 1, n):
+                    cand = path[:i] + path[i:j + 1][::-1] + path[j + 1:]
+                    if _path_cost(edge, cand) < _path_cost(edge, path) - 1e-12:
+                        path, improved = cand, True
+        cost = _path_cost(edge, path)
+        if cost < best_cost:
+            best, best_cost = path, cost
+    return best
+
+
+class PairCache:
+    """Bottleneck matchings between stage groups, cached by the groups' device sets.
+
+    `t_act` is the (N, N) time to send one boundary's activations from row to column. The cost
+    of putting group b after group a is the bottleneck over the matching of the round trip
+    t_act[a_i, b_j] + t_act[b_j, a_i] (forward activations plus backward gradients).
+    """
+
+    def __init__(self, t_act: np.ndarray, max_entries: int = 200_000) -> None:
+        self.t_act = t_act
+        self.max_entries = max_entries
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, np.ndarray]] = {}
+
+    def pair(self, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, np.ndarray]:
+        """(cost, cols): a[i] feeds b[cols[i]]; `a` and `b` are sorted device tuples."""
+        flip = b < a
+        key = (b, a) if flip else (a, b)
+        hit = self._cache.get(key)
+        if hit is None:
+            x, y = np.array(key[0]), np.array(key[1])
+            cost = self.t_act[np.ix_(x, y)] + self.t_act[np.ix_(y, x)].T
+            hit = bottleneck_matching(cost)
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()
+            self._cache[key] = hit
+        if not flip:
+            return hit
+        inverse = np.empty_like(hit[1])
+        inverse[hit[1]] = np.arange(len(hit[1]))
+        return hit[0], inverse
+
+    def edge_matrix(self, groups: list[tuple[int, ...]]) -> np.ndarray:
+        """(S, S) symmetric matrix of pair costs between all groups."""
+        s = len(groups)
+        edge = np.zeros((s, s))
+        for i in range(s):
+            for j in range(i + 1, s):
+                edge[i, j] = edge[j, i] = self.pair(groups[i], groups[j])[0]
+        return edge
+
+    def chains(self, groups: list[tuple[int, ...]]) -> np.ndarray:
+        """(R, S) pipelines for groups already in stage order, following the matchings."""
+        r = len(groups[0])
+        out = np.empty((r, len(groups)), dtype=np.int64)
+        pos = np.arange(r)  # index into the current group held by each replica
+        out[:, 0] = groups[0]
+        for s in range(1, len(groups)):
+            _, cols = self.pair(groups[s - 1], groups[s])
+            pos = cols[pos]
+            out[:, s] = np.array(groups[s])[pos]
+        return out
+
+    def order(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The groups reordered along the cheapest open path."""
+        if len(groups) <= 2:
+            return list(groups)
+        return [groups[k] for k in best_path(self.edge_matrix(groups))]
