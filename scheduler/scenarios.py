@@ -49,6 +49,11 @@ REGIONAL_LINKS: dict[tuple[str, str], tuple[float, float]] = {
 }
 
 LinkFn = Callable[[int, int], tuple[float, float]]
+_STREAM = 0x5CE7A  # keeps scenario draws apart from other users of the same seed
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng([_STREAM, seed])
 
 
 def _assemble(name: str, regions: list[str], gpus: list[str], link: LinkFn,
@@ -60,7 +65,7 @@ def _assemble(name: str, regions: list[str], gpus: list[str], link: LinkFn,
     bw = np.full((n, n), np.inf)
     for i, j in itertools.permutations(range(n), 2):
         lat[i, j], bw[i, j] = link(i, j)
-    perm = np.random.default_rng(seed).permutation(n)
+    perm = _rng(seed).permutation(n)
     inv = np.argsort(perm)  # inv[id] = slot
     counters: dict[str, int] = {}
     devices = []
@@ -158,7 +163,7 @@ def random_cluster(seed: int = 0, num_devices: int = 64, num_regions: int = 4,
     unknown = [g for g in gpu_mix if g not in GPUS]
     if unknown:
         raise UserError(f"random: unknown GPU types {unknown}; known: {', '.join(GPUS)}")
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     region_of = rng.integers(0, num_regions, size=num_devices)
     regions = [f"region-{k}" for k in region_of]
     gpus = [gpu_mix[k] for k in rng.integers(0, len(gpu_mix), size=num_devices)]

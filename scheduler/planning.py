@@ -1,0 +1,112 @@
+"""Plan a cluster end to end: build the objective, search, run the baselines, make the Plan.
+
+This is the library behind `scheduler.py plan`; it does no I/O besides the progress callback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.baselines import best_of_random, index_order_plan
+from scheduler.cluster import Cluster
+from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
+from scheduler.errors import UserError
+from scheduler.heuristic_evolutionary_solver import SearchConfig, evolutionary_search
+from scheduler.models import ModelSpec
+from scheduler.objective import CostBreakdown, Objective
+from scheduler.plan import Plan, SyncConfig
+
+ObjectiveFactory = Callable[["PlanRequest"], Objective]
+
+
+@dataclass
+class PlanRequest:
+    """Everything `plan` needs besides the cluster and the model."""
+
+    num_stages: int
+    num_replicas: int
+    micro_batch_size: int = 1
+    num_micro_batches: int = 0
+    """0 = derive from the DT-FM token budget: 1.25e5 tokens per replica per step."""
+    objective: str = "dtfm"
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    random_samples: int = 1000
+
+
+@dataclass
+class PlanOutcome:
+    """The plan and the numbers the CLI prints next to it."""
+
+    plan: Plan
+    ours: CostBreakdown
+    random_cost: float
+    index_cost: float
+    history: list[tuple[int, float]]
+    best_structured: tuple[str, float]
+
+
+def default_micro_batches(model: ModelSpec, micro_batch_size: int) -> int:
+    """Micro-batches per replica that carry the DT-FM budget of 1.25e5 tokens (61 for gpt3-xl)."""
+    return max(1, int(DTFM_TOKENS_PER_REPLICA // (model.seq_len * micro_batch_size)))
+
+
+def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjective:
+    """The DT-FM objective for this request's shape and batch."""
+    sequences = req.num_micro_batches * req.micro_batch_size
+    return DtfmObjective(cluster, model, req.num_stages, req.num_replicas, sequences)
+
+
+OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
+    "dtfm": make_dtfm,
+}
+
+
+def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
+    """UserError unless S x R uses every device and S fits the model's layers."""
+    s, r, n = req.num_stages, req.num_replicas, cluster.num_devices
+    if s < 1 or r < 1:
+        raise UserError(f"--stages and --replicas must be >= 1, got {s} and {r}")
+    if s * r != n:
+        raise UserError(f"--stages {s} x --replicas {r} = {s * r} devices, but cluster "
+                        f"'{cluster.name}' has {n}; choose S x R = {n}")
+    if s > model.num_layers:
+        raise UserError(f"--stages {s}: {model.name} has only {model.num_layers} layers")
+    if req.objective not in OBJECTIVES:
+        raise UserError(f"--objective: unknown {req.objective!r}; known: {', '.join(OBJECTIVES)}")
+
+
+def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                 progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
+    """Search a plan and score the random and index-order baselines with the same objective."""
+    if req.num_micro_batches == 0:
+        req.num_micro_batches = default_micro_batches(model, req.micro_batch_size)
+    check_shape(cluster, model, req)
+    objective = OBJECTIVES[req.objective](cluster, model, req)
+    dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding
+    devices = np.arange(cluster.num_devices)
+    start = time.perf_counter()
+    result = evolutionary_search(objective, dtfm.t_act, devices, req.num_stages,
+                                 req.num_replicas, req.search, [dtfm.t_grad], progress)
+    wall = time.perf_counter() - start
+    ours = objective.breakdown(result.pipelines)
+    _, random_cost, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
+                                       req.random_samples, seed=req.search.seed)
+    index_cost = float(objective.cost(index_order_plan(devices, req.num_stages,
+                                                       req.num_replicas)))
+    plan = Plan(
+        cluster=cluster.name, cluster_sha256=cluster.sha256(), model=model.name,
+        stages=list(ours.stages), pipelines=result.pipelines.tolist(),
+        micro_batch_size=req.micro_batch_size, num_micro_batches=req.num_micro_batches,
+        sync=req.sync,
+        predicted={"objective": ours.objective, "cost": round(ours.cost_s, 6),
+                   **{k: round(v, 6) for k, v in ours.parts.items()}},
+        search={"method": "evolutionary", "seed": req.search.seed,
+                "evaluations": result.evaluations, "wall_s": round(wall, 3)},
+    )
+    return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
+                       result.best_structured)

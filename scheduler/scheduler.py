@@ -1,0 +1,191 @@
+"""Planner CLI: export scenarios, plan a cluster, evaluate any plan.
+
+    python scheduler/scheduler.py scenario worldwide --seed 0 --out cluster.json
+    python scheduler/scheduler.py plan --scenario worldwide --seed 0 --model gpt3-xl \\
+        --stages 8 --replicas 8 --out plan.json
+    python scheduler/scheduler.py evaluate --cluster cluster.json --plan plan.json
+
+User mistakes print `error: ...` and exit with status 2; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script: this file shares the package's name, so put the repo root first.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import numpy as np  # noqa: E402
+
+from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from scheduler.errors import UserError  # noqa: E402
+from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
+from scheduler.models import PRESETS, get_model  # noqa: E402
+from scheduler.plan import COMPRESSIONS, SYNC_MODES, SyncConfig, load_plan, save_plan  # noqa: E402
+from scheduler.planning import OBJECTIVES, PlanOutcome, PlanRequest, plan_cluster  # noqa: E402
+from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
+
+
+def _cluster_from_args(args: argparse.Namespace) -> Cluster:
+    if args.cluster and args.scenario:
+        raise UserError("give either --cluster FILE or --scenario NAME, not both")
+    if args.cluster:
+        return load_cluster(args.cluster)
+    if args.scenario:
+        return make_scenario(args.scenario, args.seed)
+    raise UserError("which cluster? give --cluster FILE or --scenario NAME")
+
+
+def cmd_scenario(args: argparse.Namespace) -> int:
+    """Export a built-in scenario as a cluster file."""
+    kwargs = {"num_devices": args.devices, "num_regions": args.regions} \
+        if args.name == "random" else {}
+    cluster = make_scenario(args.name, args.seed, **kwargs)
+    save_cluster(cluster, args.out)
+    print(f"wrote {args.out}: {cluster.name}, {cluster.num_devices} devices in "
+          f"{len(set(cluster.regions()))} regions")
+    return 0
+
+
+def _progress(evaluations: int, best: float) -> None:
+    print(f"\rsearching: {evaluations:7d} evaluations, best {best:10.4f} s", end="",
+          file=sys.stderr, flush=True)
+
+
+def _plan_table(out: PlanOutcome) -> str:
+    ours, p = out.ours, out.plan
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in ours.parts.items())
+    rows = [
+        f"plan {p.model} on {p.cluster}: {p.num_stages} stages x {p.num_replicas} replicas, "
+        f"objective {ours.objective}",
+        f"  {'':28s} {'cost (s)':>10s} {'ours / it':>10s}",
+        f"  {'ours (evolutionary)':28s} {ours.cost_s:10.3f} {1.0:10.3f}   ({parts})",
+        f"  {'best structured start':28s} {out.best_structured[1]:10.3f} "
+        f"{ours.cost_s / out.best_structured[1]:10.3f}",
+        f"  {'best of random plans':28s} {out.random_cost:10.3f} "
+        f"{ours.cost_s / out.random_cost:10.3f}",
+        f"  {'index order':28s} {out.index_cost:10.3f} {ours.cost_s / out.index_cost:10.3f}",
+        f"  search: {p.search['evaluations']} evaluations in {p.search['wall_s']:.2f} s "
+        f"(seed {p.search['seed']})",
+    ]
+    return "\n".join(rows)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search a plan, print it beside the baselines, write it atomically."""
+    cluster = _cluster_from_args(args)
+    model = get_model(args.model)
+    sync = SyncConfig(args.sync, args.inner_steps, args.compression)
+    sync.validate()
+    req = PlanRequest(args.stages, args.replicas, args.micro_batch_size, args.micro_batches,
+                      args.objective, sync,
+                      SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
+                                   seed=args.search_seed),
+                      args.random_samples)
+    out = plan_cluster(cluster, model, req, None if args.quiet else _progress)
+    if not args.quiet:
+        print(file=sys.stderr)
+    save_plan(out.plan, args.out)
+    if args.plot:
+        from scheduler.plots import plot_plan  # matplotlib only when asked
+        plot_plan(cluster, out.plan, out.history, args.plot)
+    if args.json:
+        print(json.dumps({"plan": args.out, "predicted": out.plan.predicted,
+                          "search": out.plan.search, "random_cost": out.random_cost,
+                          "index_cost": out.index_cost,
+                          "best_structured_cost": out.best_structured[1],
+                          "ratio_vs_random": out.ours.cost_s / out.random_cost,
+                          "ratio_vs_index": out.ours.cost_s / out.index_cost}))
+    else:
+        print(_plan_table(out))
+        print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Print the cost of any plan file under an objective."""
+    cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan, cluster)
+    if plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
+        print(f"warning: {args.plan} was made for cluster '{plan.cluster}' with other "
+              f"contents than {args.cluster}", file=sys.stderr)
+    model = get_model(plan.model)
+    req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
+                      plan.num_micro_batches, args.objective, plan.sync)
+    objective = OBJECTIVES[args.objective](cluster, model, req)
+    result = objective.breakdown(np.asarray(plan.pipelines))
+    if args.json:
+        print(json.dumps({"objective": result.objective, "cost": result.cost_s, **result.parts}))
+    else:
+        parts = ", ".join(f"{k} {v:.3f} s" for k, v in result.parts.items())
+        print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
+              f"({parts})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="scheduler.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sc = sub.add_parser("scenario", help="export a built-in cluster scenario")
+    sc.add_argument("name", choices=sorted(SCENARIOS))
+    sc.add_argument("--seed", type=int, default=0, help="shuffles device ids (default 0)")
+    sc.add_argument("--devices", type=int, default=64, help="random only: device count")
+    sc.add_argument("--regions", type=int, default=4, help="random only: region count")
+    sc.add_argument("--out", required=True, help="cluster file to write")
+    sc.set_defaults(func=cmd_scenario)
+
+    pl = sub.add_parser("plan", help="search a plan for a cluster and model")
+    src = pl.add_argument_group("cluster (one of)")
+    src.add_argument("--scenario", choices=sorted(SCENARIOS))
+    src.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
+    src.add_argument("--cluster", help="cluster/1 JSON file")
+    pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    pl.add_argument("--stages", type=int, required=True, help="pipeline stages S")
+    pl.add_argument("--replicas", type=int, required=True,
+                    help="data-parallel replicas R (S x R = devices)")
+    pl.add_argument("--objective", default="dtfm", choices=sorted(OBJECTIVES))
+    pl.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    pl.add_argument("--micro-batches", type=int, default=0,
+                    help="micro-batches per replica per step (default: the DT-FM budget of "
+                         "1.25e5 tokens per replica, i.e. 61 for gpt3-xl)")
+    pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
+    pl.add_argument("--inner-steps", type=int, default=1, help="DiLoCo H (with --sync diloco)")
+    pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
+    pl.add_argument("--budget", type=int, default=30_000, help="max objective evaluations")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="search wall limit (s)")
+    pl.add_argument("--search-seed", type=int, default=0)
+    pl.add_argument("--random-samples", type=int, default=1000,
+                    help="random plans of the best-of-random baseline")
+    pl.add_argument("--out", required=True, help="plan file to write (atomically)")
+    pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
+    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    pl.set_defaults(func=cmd_plan)
+
+    ev = sub.add_parser("evaluate", help="cost of any plan file")
+    ev.add_argument("--cluster", required=True)
+    ev.add_argument("--plan", required=True)
+    ev.add_argument("--objective", default="dtfm", choices=sorted(OBJECTIVES))
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_evaluate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; user errors exit 2 without a traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
