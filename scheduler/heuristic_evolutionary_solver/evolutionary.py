@@ -223,11 +223,10 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         population.append((scorer.score(groups), groups))
     population = _select(population, config.population)
 
-    generation = 0
+    last_report = 0.0
     while not scorer.exhausted():
         if scorer.history and scorer.evaluations - scorer.history[-1][0] > config.patience:
             break
-        generation += 1
         p1 = _tournament(population, rng)
         child = _crossover(p1, _tournament(population, rng), rng) if rng.random() < 0.5 else p1
         child = cache.order(_mutate(child, rng))
@@ -236,12 +235,15 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         if cost < population[-1][0] and all(g != child for _, g in population):
             population[-1] = (cost, child)
             population.sort(key=lambda x: x[0])
-        if progress and generation % 50 == 0:
+        if progress and time.perf_counter() - last_report > 0.5:
             progress(scorer.evaluations, scorer.best[0][0])
+            last_report = time.perf_counter()
     # Polishing gets a fresh, bounded allowance so that the best plan is a swap-local optimum.
     scorer.budget = scorer.evaluations + max(2_000, config.budget // 10)
     scorer.deadline = time.perf_counter() + max(1.0, config.time_limit_s * 0.2)
     _polish(scorer.best[1], scorer.best[0], scorer)
+    if progress:
+        progress(scorer.evaluations, scorer.best[0][0])
     (best_cost, _), best_groups = scorer.best
     return SearchResult(cache.chains(best_groups), best_cost, scorer.evaluations,
                         time.perf_counter() - start, scorer.history, best_structured)

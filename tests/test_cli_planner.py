@@ -1,0 +1,97 @@
+"""`python scheduler/scheduler.py`: round trips and user errors (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_entry
+from test_cluster_formats import tiny_cluster_dict
+
+SCHED = "scheduler/scheduler.py"
+
+
+def test_scenario_plan_evaluate_round_trip(tmp_path):
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    r = run_entry(SCHED, "scenario", "universities", "--seed", "2", "--out", str(cluster))
+    assert r.returncode == 0, r.stderr
+    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
+                  "--replicas", "8", "--budget", "2500", "--out", str(plan), "--json", "--quiet",
+                  "--plot", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    saved = json.loads(plan.read_text())
+    assert saved["predicted"]["objective"] == "dtfm"
+    assert saved["predicted"]["cost"] == pytest.approx(summary["predicted"]["cost"])
+    assert summary["ratio_vs_random"] < 1 and summary["ratio_vs_index"] < 1
+    assert sorted(d for chain in saved["pipelines"] for d in chain) == list(range(64))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cost"] == pytest.approx(saved["predicted"]["cost"], rel=1e-5)
+
+
+def test_plan_prints_a_table_with_baselines(tmp_path):
+    r = run_entry(SCHED, "plan", "--scenario", "spot", "--model", "gpt3-xl", "--stages", "8",
+                  "--replicas", "8", "--budget", "1500", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    for row in ("ours (evolutionary)", "best of random plans", "index order", "evaluations"):
+        assert row in r.stdout
+    assert "searching:" in r.stderr
+
+
+def _bad(raw_mutation):
+    raw = tiny_cluster_dict(4)
+    raw_mutation(raw)
+    return raw
+
+
+@pytest.mark.parametrize("raw,message", [
+    (_bad(lambda d: d["bandwidth_gbps"].pop()), "bandwidth_gbps: expected 4 rows"),
+    (_bad(lambda d: d["latency_ms"][2].append(1.0)), "latency_ms[2]: expected 4 values"),
+    (_bad(lambda d: d["bandwidth_gbps"][0].__setitem__(1, -2)), "bandwidth_gbps[0][1]"),
+    (_bad(lambda d: d["bandwidth_gbps"][3].__setitem__(1, 0)), "bandwidth_gbps[3][1]"),
+    (_bad(lambda d: d["bandwidth_gbps"][1].__setitem__(0, float("nan"))), "bandwidth_gbps[1][0]"),
+    (_bad(lambda d: d["devices"][0].pop("memory_gb")), "missing key 'memory_gb'"),
+    (_bad(lambda d: d["devices"][3].__setitem__("id", 1)), "duplicate id 1"),
+])
+def test_bad_cluster_exits_2_and_writes_nothing(tmp_path, raw, message):
+    cluster, out = tmp_path / "c.json", tmp_path / "p.json"
+    cluster.write_text(json.dumps(raw))
+    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
+                  "2", "--replicas", "2", "--out", str(out))
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [cluster]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "gpt-huge", "--stages", "2", "--replicas", "2"], "unknown preset 'gpt-huge'"),
+    (["--model", "gpt-tiny", "--stages", "3", "--replicas", "2"], "3 x --replicas 2 = 6"),
+    (["--model", "gpt-tiny", "--stages", "4", "--replicas", "1", "--sync", "diloco",
+      "--inner-steps", "0"], "sync.inner_steps"),
+])
+def test_bad_arguments_exit_2(tmp_path, args, message):
+    cluster, out = tmp_path / "c.json", tmp_path / "p.json"
+    cluster.write_text(json.dumps(tiny_cluster_dict(4)))
+    r = run_entry(SCHED, "plan", "--cluster", str(cluster), *args, "--out", str(out))
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_evaluate_rejects_a_plan_for_another_cluster(tmp_path):
+    small, plan = tmp_path / "small.json", tmp_path / "p.json"
+    small.write_text(json.dumps(tiny_cluster_dict(4)))
+    assert run_entry(SCHED, "plan", "--scenario", "datacenter", "--model", "gpt3-xl", "--stages",
+                     "8", "--replicas", "8", "--budget", "500", "--out", str(plan),
+                     "--quiet").returncode == 0
+    r = run_entry(SCHED, "evaluate", "--cluster", str(small), "--plan", str(plan))
+    assert r.returncode == 2 and "are not in cluster 'tiny'" in r.stderr
+
+
+def test_help_is_truthful():
+    r = run_entry(SCHED, "plan", "--help")
+    assert r.returncode == 0
+    for flag in ("--scenario", "--cluster", "--stages", "--replicas", "--objective", "--budget",
+                 "--search-seed", "--out", "--plot", "--json"):
+        assert flag in r.stdout
