@@ -1,0 +1,424 @@
+"""Wire protocol of the rendezvous server and the peers: versioned JSON datagrams with an HMAC.
+
+Every datagram is one JSON object of at most MAX_DATAGRAM_BYTES bytes with the fields
+`v` (version), `t` (type), `s` (session), `id` (sender's peer id), `n` (fresh nonce),
+`ts` (sender's unix time) and `mac` (HMAC-SHA256, hex, over the canonical JSON of all other
+fields). Unknown types, unknown or missing fields and wrong value types are rejected, so a
+receiver never acts on anything it did not validate completely.
+
+Keys. A token shared by the two peers is stretched with PBKDF2 (salted with the session name)
+into a master secret, from which two keys are derived with HMAC:
+- the *server key* authenticates peer <-> server messages;
+- the *peer key* authenticates the peer <-> peer handshake and never leaves the peers.
+Knowing the server key does not give the peer key, so neither the server nor anyone who learns
+the server key can forge the handshake, redirect a peer, or swap a WireGuard public key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION = 1
+MAX_DATAGRAM_BYTES = 1200  # below every path MTU we care about, so nothing fragments
+MAX_TOKEN_CHARS = 256
+PBKDF2_ITERATIONS = 100_000  # slows offline guessing of weak tokens from a captured datagram
+SESSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+PEER_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+NONCE_RE = re.compile(r"^[0-9a-f]{32}$")
+MAC_RE = re.compile(r"^[0-9a-f]{64}$")
+WG_KEY_RE = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")  # 32 bytes in base64
+
+COMMON_FIELDS = ("v", "t", "s", "id", "n", "ts", "mac")
+
+
+class ProtocolError(ValueError):
+    """A datagram that is malformed, too big, of an unknown kind or wrongly authenticated."""
+
+
+class SessionFull(ProtocolError):
+    """An authenticated registration for a session that has two other peers already."""
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """The two keys of one session, derived from its token."""
+
+    server_key: bytes
+    peer_key: bytes
+
+
+def validate_session(session: str) -> str:
+    """Return `session` if it is a valid session name, else raise ProtocolError."""
+    if not isinstance(session, str) or not SESSION_RE.match(session):
+        raise ProtocolError(
+            f"session name {session!r} is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -"
+        )
+    return session
+
+
+def derive_keys(token: str, session: str) -> SessionKeys:
+    """Stretch the token (salted with the session name) and derive the server and peer keys."""
+    validate_session(session)
+    if not isinstance(token, str) or not 1 <= len(token) <= MAX_TOKEN_CHARS:
+        raise ProtocolError(f"token must be 1-{MAX_TOKEN_CHARS} characters")
+    salt = f"udp-hole-punch/{VERSION}|{session}".encode()
+    master = hashlib.pbkdf2_hmac("sha256", token.encode(), salt, PBKDF2_ITERATIONS, 32)
+    server_key = hmac.new(master, b"server", hashlib.sha256).digest()
+    peer_key = hmac.new(master, b"peer", hashlib.sha256).digest()
+    return SessionKeys(server_key=server_key, peer_key=peer_key)
+
+
+def new_nonce() -> str:
+    """A fresh random 128-bit nonce, hex."""
+    return os.urandom(16).hex()
+
+
+def new_peer_id() -> str:
+    """A random 64-bit peer id, hex; one per peer process."""
+    return os.urandom(8).hex()
+
+
+# ---------------------------------------------------------------- field validators
+
+
+def _endpoint(value: Any) -> tuple[str, int]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ProtocolError("endpoint must be [ip, port]")
+    ip, port = value
+    if not isinstance(ip, str) or len(ip) > 45:
+        raise ProtocolError("endpoint ip must be a string")
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError as exc:
+        raise ProtocolError(f"endpoint ip {ip!r} is not an IP address") from exc
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ProtocolError("endpoint port must be an integer 1-65535")
+    return ip, port
+
+
+def _optional_endpoint(value: Any) -> tuple[str, int] | None:
+    return None if value is None else _endpoint(value)
+
+
+def _regex(rx: re.Pattern[str], what: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or not rx.match(value):
+            raise ProtocolError(f"{what} is malformed")
+        return value
+
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError("flag must be true or false")
+    return value
+
+
+def _echo(value: Any) -> str:
+    if value == "":
+        return value
+    return _regex(NONCE_RE, "echo nonce")(value)
+
+
+def _reason(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 200:
+        raise ProtocolError("reason must be a short string")
+    return value
+
+
+_peer_id = _regex(PEER_ID_RE, "peer id")
+_wg_key = _regex(WG_KEY_RE, "WireGuard public key")
+_key_hex = _regex(MAC_RE, "server key")
+
+_OTHER_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "id": _peer_id,
+    "pub": _endpoint,
+    "pub_probe": _optional_endpoint,
+    "priv": _endpoint,
+    "wg": _wg_key,
+}
+
+
+def _other(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) != set(_OTHER_FIELDS):
+        raise ProtocolError(f"'other' must have exactly the fields {sorted(_OTHER_FIELDS)}")
+    return {k: check(value[k]) for k, check in _OTHER_FIELDS.items()}
+
+
+# type -> (required fields, optional fields), besides COMMON_FIELDS
+SCHEMAS: dict[str, tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[Any], Any]]]] = {
+    # peer -> server: register (to the main port) or probe (to the probe port)
+    "reg": ({"priv": _endpoint, "wg": _wg_key, "probe": _bool}, {"skey": _key_hex}),
+    # server -> peer: what the server saw
+    "reg_ok": ({"pub": _endpoint, "probe": _bool}, {}),
+    # server -> peer: the other peer's endpoints and key
+    "peer": ({"pub": _endpoint, "other": _other}, {}),
+    # server -> peer: an authenticated refusal
+    "err": ({"reason": _reason}, {}),
+    # peer -> peer: handshake (echo = last nonce received from the other; done = I confirmed)
+    "hello": ({"to": _peer_id, "echo": _echo, "done": _bool, "wg": _wg_key}, {}),
+}
+
+
+def _canonical(msg: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in msg.items() if k != "mac"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def compute_mac(key: bytes, msg: dict[str, Any]) -> str:
+    """HMAC-SHA256 (hex) of the canonical JSON of `msg` without its `mac` field."""
+    return hmac.new(key, _canonical(msg), hashlib.sha256).hexdigest()
+
+
+def encode(
+    key: bytes,
+    mtype: str,
+    session: str,
+    peer_id: str,
+    now: float | None = None,
+    nonce: str | None = None,
+    **fields: Any,
+) -> bytes:
+    """Build, validate and sign one datagram; raise ProtocolError if it would be invalid."""
+    msg: dict[str, Any] = {
+        "v": VERSION,
+        "t": mtype,
+        "s": session,
+        "id": peer_id,
+        "n": new_nonce() if nonce is None else nonce,
+        "ts": round(time.time() if now is None else now, 3),
+        **fields,
+    }
+    msg["mac"] = compute_mac(key, msg)
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    parse(data)  # never send what a receiver would reject
+    return data
+
+
+def parse(data: bytes) -> dict[str, Any]:
+    """Check size, JSON syntax and the schema of one datagram (not its MAC); return it."""
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise ProtocolError(f"datagram of {len(data)} bytes exceeds {MAX_DATAGRAM_BYTES}")
+    try:
+        msg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError("datagram is not UTF-8 JSON") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError("datagram is not a JSON object")
+    if msg.get("v") != VERSION or isinstance(msg.get("v"), bool):
+        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r}")
+    mtype = msg.get("t")
+    if not isinstance(mtype, str) or mtype not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {mtype!r}")
+    required, optional = SCHEMAS[mtype]
+    missing = [k for k in (*COMMON_FIELDS, *required) if k not in msg]
+    if missing:
+        raise ProtocolError(f"{mtype}: missing fields {missing}")
+    unknown = set(msg) - set(COMMON_FIELDS) - set(required) - set(optional)
+    if unknown:
+        raise ProtocolError(f"{mtype}: unknown fields {sorted(unknown)}")
+    if not isinstance(msg["s"], str) or not SESSION_RE.match(msg["s"]):
+        raise ProtocolError("session name is malformed")
+    _peer_id(msg["id"])
+    _regex(NONCE_RE, "nonce")(msg["n"])
+    ts = msg["ts"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ProtocolError("ts must be a finite number")
+    _regex(MAC_RE, "mac")(msg["mac"])
+    for name, check in {**required, **optional}.items():
+        if name in msg:
+            check(msg[name])
+    return msg
+
+
+def verify(key: bytes, msg: dict[str, Any]) -> None:
+    """Raise ProtocolError unless the MAC of a parsed message matches `key`."""
+    if not hmac.compare_digest(compute_mac(key, msg), msg["mac"]):
+        raise ProtocolError("bad MAC (wrong token or tampered datagram)")
+
+
+# ---------------------------------------------------------------- server-side state
+
+
+@dataclass
+class RateLimiter:
+    """Token bucket per source IP; `allow` is False once a source exceeds its rate."""
+
+    rate_per_s: float = 50.0
+    burst: float = 100.0
+    max_sources: int = 10_000
+    clock: Callable[[], float] = time.monotonic
+    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def allow(self, source_ip: str) -> bool:
+        """Take one token from the source's bucket; False when it is empty."""
+        now = self.clock()
+        tokens, last = self._buckets.get(source_ip, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate_per_s)
+        if len(self._buckets) >= self.max_sources and source_ip not in self._buckets:
+            self._evict(now)
+        if tokens < 1.0:
+            self._buckets[source_ip] = (tokens, now)
+            return False
+        self._buckets[source_ip] = (tokens - 1.0, now)
+        return True
+
+    def _evict(self, now: float) -> None:
+        # buckets that have refilled completely carry no information: drop them first
+        full_after_s = self.burst / self.rate_per_s
+        for ip in [ip for ip, (_, last) in self._buckets.items() if now - last > full_after_s]:
+            del self._buckets[ip]
+        if len(self._buckets) >= self.max_sources:  # still full: a flood of sources, start over
+            self._buckets.clear()
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+@dataclass
+class Registration:
+    """What the server knows about one peer of a session."""
+
+    peer_id: str
+    pub: tuple[str, int]
+    priv: tuple[str, int]
+    wg: str
+    last_seen: float
+    pub_probe: tuple[str, int] | None = None
+
+    def as_other(self) -> dict[str, Any]:
+        """The record sent to the other peer."""
+        return {
+            "id": self.peer_id,
+            "pub": list(self.pub),
+            "pub_probe": None if self.pub_probe is None else list(self.pub_probe),
+            "priv": list(self.priv),
+            "wg": self.wg,
+        }
+
+
+@dataclass
+class Session:
+    """One session: its server key and up to two registered peers."""
+
+    server_key: bytes
+    peers: dict[str, Registration] = field(default_factory=dict)
+    seen_nonces: dict[str, float] = field(default_factory=dict)
+
+
+class Registry:
+    """Sessions and their peers, with expiry of stale registrations and replay protection."""
+
+    def __init__(
+        self,
+        pinned_token: str | None = None,
+        ttl_s: float = 60.0,
+        max_skew_s: float = 120.0,
+        max_sessions: int = 10_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pinned_token = pinned_token
+        self.ttl_s = ttl_s
+        self.max_skew_s = max_skew_s
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self._pinned_keys: dict[str, bytes] = {}
+
+    def _server_key_for(self, msg: dict[str, Any]) -> bytes:
+        name = msg["s"]
+        if self.pinned_token is not None:
+            if name not in self._pinned_keys:
+                if len(self._pinned_keys) >= self.max_sessions:
+                    self._pinned_keys.clear()  # a cache: recomputed when needed
+                self._pinned_keys[name] = derive_keys(self.pinned_token, name).server_key
+            return self._pinned_keys[name]
+        if name in self.sessions:
+            return self.sessions[name].server_key
+        if "skey" not in msg:
+            raise ProtocolError("unknown session")
+        # open mode: the first registration of a session fixes its server key
+        return bytes.fromhex(msg["skey"])
+
+    def authenticate(self, msg: dict[str, Any]) -> bytes:
+        """Check MAC, clock skew and replay of a parsed peer->server message; return its key."""
+        if msg["t"] != "reg":
+            raise ProtocolError(f"the server does not accept {msg['t']!r} messages")
+        key = self._server_key_for(msg)
+        verify(key, msg)
+        now = self.clock()
+        if abs(now - msg["ts"]) > self.max_skew_s:
+            raise ProtocolError(f"timestamp off by {now - msg['ts']:.0f} s (replay or bad clock)")
+        session = self.sessions.get(msg["s"])
+        if session is not None:
+            if msg["n"] in session.seen_nonces:
+                raise ProtocolError("replayed nonce")
+            if "skey" in msg and self.pinned_token is None and bytes.fromhex(msg["skey"]) != key:
+                raise ProtocolError("server key differs from the session's")
+        return key
+
+    def register(
+        self, msg: dict[str, Any], key: bytes, observed: tuple[str, int]
+    ) -> tuple[Session, Registration]:
+        """Record an authenticated registration or probe; raise ProtocolError if refused."""
+        now = self.clock()
+        self.expire()
+        name = msg["s"]
+        session = self.sessions.get(name)
+        if session is None:
+            if len(self.sessions) >= self.max_sessions:
+                raise ProtocolError("too many sessions")
+            session = self.sessions[name] = Session(server_key=key)
+        session.seen_nonces[msg["n"]] = now
+        peer_id = msg["id"]
+        reg = session.peers.get(peer_id)
+        if reg is None:
+            if len(session.peers) >= 2:
+                raise SessionFull("session full: two other peers are registered already")
+            if msg["probe"]:
+                raise ProtocolError("probe before registration")
+            reg = Registration(peer_id, observed, tuple(msg["priv"]), msg["wg"], now)
+            session.peers[peer_id] = reg
+        if msg["probe"]:
+            reg.pub_probe = observed
+        else:
+            reg.pub = observed
+            reg.priv = tuple(msg["priv"])
+            reg.wg = msg["wg"]
+        reg.last_seen = now
+        return session, reg
+
+    def other(self, session_name: str, peer_id: str) -> Registration | None:
+        """The other peer of the session, if it has registered."""
+        session = self.sessions.get(session_name)
+        if session is None:
+            return None
+        others = [r for pid, r in session.peers.items() if pid != peer_id]
+        return others[0] if others else None
+
+    def expire(self) -> int:
+        """Drop registrations not refreshed within ttl_s and empty sessions; return how many."""
+        now = self.clock()
+        dropped = 0
+        for name in list(self.sessions):
+            session = self.sessions[name]
+            for pid in [p for p, r in session.peers.items() if now - r.last_seen > self.ttl_s]:
+                del session.peers[pid]
+                dropped += 1
+            horizon = self.max_skew_s * 2
+            for n in [n for n, t in session.seen_nonces.items() if now - t > horizon]:
+                del session.seen_nonces[n]
+            if not session.peers:
+                del self.sessions[name]
+        return dropped

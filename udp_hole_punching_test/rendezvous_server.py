@@ -1,0 +1,193 @@
+"""Rendezvous server: tells the two peers of a session each other's public and private endpoints.
+
+    python udp_hole_punching_test/rendezvous_server.py --bind 0.0.0.0:3478 [--token T]
+
+It listens on two UDP ports, PORT and PORT+1 (the probe port). A peer registers on PORT and
+probes PORT+1 from the same socket; the server answers each with the address it observed, so
+a peer (and the other peer) can see whether its NAT keeps one public port for all destinations
+(endpoint-independent mapping, punchable) or picks a new one per destination (symmetric NAT).
+
+Every datagram is validated (size, JSON schema, HMAC, clock skew, replay) and rate-limited per
+source IP; anything else is counted and dropped without an answer. Without --token the first
+registration of a session fixes the session's server key (see README.md, "Security").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scheduler.errors import UserError  # noqa: E402
+from udp_hole_punching_test.protocol import (  # noqa: E402
+    ProtocolError,
+    RateLimiter,
+    Registry,
+    SessionFull,
+    encode,
+    parse,
+)
+
+log = logging.getLogger("rendezvous")
+SERVER_ID = "0" * 16  # the server's id in its replies
+
+
+def parse_hostport(text: str, what: str) -> tuple[str, int]:
+    """Split 'HOST:PORT' and check the port; raise UserError naming `what` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"{what} {text!r} must be HOST:PORT with a port 1-65535")
+    return host.strip("[]"), int(port)
+
+
+class RendezvousServer:
+    """The UDP server loop; `serve` runs until `stop` is called."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        pinned_token: str | None = None,
+        ttl_s: float = 60.0,
+        rate_per_s: float = 50.0,
+    ) -> None:
+        self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s)
+        self.limiter = RateLimiter(rate_per_s=rate_per_s, burst=2 * rate_per_s)
+        self.stats: Counter[str] = Counter()
+        self.sockets: list[socket.socket] = []
+        self._running = True
+        try:
+            for p in (port, port + 1):
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                s = socket.socket(family, socket.SOCK_DGRAM)
+                s.bind((host, p))
+                s.setblocking(False)
+                self.sockets.append(s)
+        except OSError as exc:
+            self.close()
+            raise UserError(f"cannot bind {host}:{port} and {host}:{port + 1}: {exc}") from exc
+        self.main_sock, self.probe_sock = self.sockets
+
+    def close(self) -> None:
+        """Close the sockets."""
+        for s in self.sockets:
+            s.close()
+
+    def stop(self) -> None:
+        """Ask `serve` to return."""
+        self._running = False
+
+    def handle(self, data: bytes, addr: tuple[str, int], sock: socket.socket) -> None:
+        """Validate one datagram and answer it; drop (and count) anything invalid."""
+        observed = (addr[0], addr[1])
+        if not self.limiter.allow(addr[0]):
+            self.stats["rate_limited"] += 1
+            return
+        try:
+            msg = parse(data)
+            key = self.registry.authenticate(msg)
+            if msg["probe"] != (sock is self.probe_sock):
+                raise ProtocolError("probe flag does not match the port it was sent to")
+            _, reg = self.registry.register(msg, key, observed)
+        except SessionFull as exc:  # authenticated, so it deserves an answer
+            self.stats["rejected"] += 1
+            self._send(sock, addr, key, msg, "err", reason=str(exc))
+            return
+        except ProtocolError as exc:
+            self.stats["rejected"] += 1
+            log.debug("dropped datagram from %s:%d: %s", addr[0], addr[1], exc)
+            return
+        self.stats["accepted"] += 1
+        self._send(sock, addr, key, msg, "reg_ok", pub=list(observed), probe=msg["probe"])
+        other = self.registry.other(msg["s"], msg["id"])
+        if other is not None and not msg["probe"]:
+            self._send(sock, addr, key, msg, "peer", pub=list(observed), other=other.as_other())
+            # tell the waiting peer now rather than at its next registration
+            self._send(sock, other.pub, key, msg, "peer", pub=list(other.pub), other=reg.as_other())
+
+    def _send(self, sock, addr, key: bytes, msg: dict, mtype: str, **fields) -> None:
+        data = encode(key, mtype, msg["s"], SERVER_ID, **fields)
+        try:
+            sock.sendto(data, addr)
+        except OSError as exc:  # an unreachable peer must not stop the server
+            log.debug("send to %s failed: %s", addr, exc)
+
+    def serve(self) -> None:
+        """Answer datagrams until stopped; expire stale registrations every second."""
+        sel = selectors.DefaultSelector()
+        for s in self.sockets:
+            sel.register(s, selectors.EVENT_READ)
+        last_expiry = time.monotonic()
+        while self._running:
+            for key, _ in sel.select(timeout=0.5):
+                sock = key.fileobj
+                for _ in range(64):  # drain, but let the other socket have its turn
+                    try:
+                        data, addr = sock.recvfrom(4096)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as exc:  # e.g. ICMP errors surfacing on the socket
+                        log.debug("recvfrom: %s", exc)
+                        break
+                    self.handle(data, addr, sock)
+            if time.monotonic() - last_expiry > 1.0:
+                dropped = self.registry.expire()
+                if dropped:
+                    log.info("expired %d stale registration(s)", dropped)
+                last_expiry = time.monotonic()
+        sel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bind", required=True, help="HOST:PORT; PORT+1 is used as the probe port")
+    ap.add_argument("--token", default=None, help="accept only sessions using this token")
+    ap.add_argument("--ttl-s", type=float, default=60.0, help="forget peers silent this long")
+    ap.add_argument("--rate-per-s", type=float, default=50.0, help="datagrams/s per source IP")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every dropped datagram")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s rendezvous %(message)s",
+    )
+    try:
+        host, port = parse_hostport(args.bind, "--bind")
+        if port == 65535:
+            raise UserError("--bind port must be below 65535 (PORT+1 is the probe port)")
+        if args.ttl_s <= 0 or args.rate_per_s <= 0:
+            raise UserError("--ttl-s and --rate-per-s must be positive")
+        server = RendezvousServer(host, port, args.token, args.ttl_s, args.rate_per_s)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"listening on {host}:{port} (probe port {port + 1})", flush=True)
+    if host in ("0.0.0.0", "::"):
+        # the kernel picks a reply's source address per route; a NAT drops replies that do not
+        # come from the address the peer sent to
+        print(
+            "warning: bound to a wildcard address; on a host with several addresses bind the "
+            "public one, or NATs will drop replies sent from another address",
+            flush=True,
+        )
+    try:
+        server.serve()
+    finally:
+        server.close()
+        print(f"stopped; datagrams {dict(server.stats)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
