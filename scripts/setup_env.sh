@@ -34,10 +34,14 @@ fi
 stamp="$VENV/.installed-$(cat setup.py constraints-cpu.txt | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "setup: installing the project and CPU torch into $VENV (about a minute)"
-  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[dev,netem]" 2>&1 \
-    | grep -v "^WARNING: Location" || true
+  log="$VENV/pip-install.log"
+  if ! { "$VENV/bin/pip" install --upgrade pip \
+         && "$VENV/bin/pip" install -c constraints-cpu.txt -e ".[dev,netem]"; } >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "setup: pip install failed (full log: $log)" >&2
+    exit 1
+  fi
   "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest" \
-    || { echo "setup: install failed" >&2; exit 1; }
+    || { echo "setup: the installed packages do not import (log: $log)" >&2; exit 1; }
   touch "$stamp"
 fi
