@@ -62,10 +62,12 @@ def _wireguard_missing() -> str | None:
 
 
 @contextmanager
-def lab_and_server(random_fully_a: bool = False, token: str | None = None):
+def lab_and_server(
+    random_fully_a: bool = False, token: str | None = None, router_firewall: bool = True
+):
     """A fresh two-NAT lab with the rendezvous server running in its public namespace."""
     prefix = f"n{os.getpid() % 100000}{next(_counter)}"
-    lab = Lab(prefix, random_fully={"a": random_fully_a, "b": False})
+    lab = Lab(prefix, {"a": random_fully_a, "b": False}, router_firewall=router_firewall)
     procs: list[subprocess.Popen] = []
     try:
         lab.up()
@@ -197,15 +199,16 @@ def test_tunnel_through_punched_hole_carries_gloo_send_recv(tmp_path):
 @pytest.mark.timeout(90)
 def test_late_second_peer_and_distinct_local_ports(tmp_path):
     with lab_and_server() as (lab, procs):
+        # --low-ttl 0: behind router-style firewalls plain hellos are enough
         pa = start_peer(lab, procs, "a", tmp_path / "a.json", "--no-wireguard",
-                        "--local-port", "40001")  # fmt: skip
+                        "--local-port", "40001", "--low-ttl", "0")  # fmt: skip
         wait_deadline = time.monotonic() + 3.0  # the second peer starts ~3 s later
         assert pa.poll() is None
         while time.monotonic() < wait_deadline:
             assert pa.poll() is None, finish(pa)
             time.sleep(0.2)
         pb = start_peer(lab, procs, "b", tmp_path / "b.json", "--no-wireguard",
-                        "--local-port", "50002")  # fmt: skip
+                        "--local-port", "50002", "--low-ttl", "0")  # fmt: skip
         code_b, out_b, err_b = finish(pb)
         code_a, out_a, err_a = finish(pa)
         assert code_a == 0 and code_b == 0, err_a + err_b
@@ -236,6 +239,27 @@ def test_random_fully_nat_fails_with_symmetric_diagnosis(tmp_path):
         assert "symmetric NAT" in err_a and "this side's NAT" in err_a
         assert "symmetric NAT" in err_b and "other side's NAT" in err_b
         assert "Traceback" not in err_a + err_b
+
+
+@pytest.mark.timeout(90)
+def test_accept_all_nat_box_needs_low_ttl_first_hellos(tmp_path):
+    """NAT boxes that accept unsolicited WAN input: the other's first hello becomes a conntrack
+    entry on our NAT box, our own mapping clashes with it and gets a random port. Opening our
+    mapping first with hellos that expire before the other NAT avoids that."""
+    with lab_and_server(router_firewall=False) as (lab, procs):
+        plain = ("--no-wireguard", "--punch-timeout-s", "3", "--low-ttl", "0")
+        pa = start_peer(lab, procs, "a", tmp_path / "a0.json", *plain, session="plain")
+        pb = start_peer(lab, procs, "b", tmp_path / "b0.json", *plain, session="plain")
+        (code_a, _, err_a), (code_b, _, err_b) = finish(pa), finish(pb)
+        assert code_a == 3 and code_b == 3, "plain punching unexpectedly worked"
+        assert "conntrack clash" in err_a
+        conntrack = lab.run("nata", "conntrack", "-L", "-p", "udp", check=False).stdout
+        pa = start_peer(lab, procs, "a", tmp_path / "a.json", "--no-wireguard", session="ttl")
+        pb = start_peer(lab, procs, "b", tmp_path / "b.json", "--no-wireguard", session="ttl")
+        (code_a, _, err_a), (code_b, _, err_b) = finish(pa), finish(pb)
+        assert code_a == 0 and code_b == 0, err_a + err_b + conntrack
+        ra = json.loads((tmp_path / "a.json").read_text())
+        assert ra["endpoint"][0] == NAT_WAN_IPS["b"]
 
 
 ATTACKER = r"""

@@ -123,12 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("action", choices=["up", "down"])
     ap.add_argument("--prefix", default="natlab")
     ap.add_argument("--random-fully", action="store_true", help="symmetric-like NAT on side a")
+    ap.add_argument(
+        "--no-router-firewall",
+        action="store_true",
+        help="accept all WAN input on the NAT boxes (breaks punching; see README.md)",
+    )
     args = ap.parse_args(argv)
     why = missing_requirements()
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    lab = Lab(args.prefix, random_fully={"a": args.random_fully, "b": False})
+    lab = Lab(
+        args.prefix,
+        random_fully={"a": args.random_fully, "b": False},
+        router_firewall=not args.no_router_firewall,
+    )
     if args.action == "up":
         lab.up()
         print(f"namespaces: {', '.join(lab.created)}; server address {SERVER_IP}")

@@ -65,6 +65,8 @@ class PeerConfig:
     register_timeout_s: float = 30.0
     punch_timeout_s: float = 15.0
     linger_s: float = 1.0
+    low_ttl: int = 2  # IP TTL of the first hellos (0: off); 2 = expires behind our own NAT
+    low_ttl_phase_s: float = 0.3
     wg_public_key: str | None = None  # None: punch only, no tunnel
 
 
@@ -133,6 +135,7 @@ class Puncher:
             self.sock.close()
             raise UserError(f"--local-port {cfg.local_port}: cannot bind: {exc}") from exc
         self.local_port = self.sock.getsockname()[1]
+        self._default_ttl = self.sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
         priv_ip = cfg.private_ip or detect_private_ip(cfg.server)
         self.priv: Endpoint = (priv_ip, self.local_port)
         self.probe_server: Endpoint = (cfg.server[0], cfg.server[1] + 1)
@@ -160,7 +163,7 @@ class Puncher:
             data = encode(self.keys.server_key, "reg", self.cfg.session, self.peer_id, **fields)
             self._sendto(data, addr)
 
-    def _hello(self, addr: Endpoint) -> None:
+    def _hello(self, addr: Endpoint, ttl: int | None = None) -> None:
         assert self.other is not None
         nonce = new_nonce()
         if len(self._sent) > 4096:  # bounded memory; old nonces cannot be echoed usefully
@@ -171,7 +174,14 @@ class Puncher:
             to=self.other.peer_id, echo=self._last_from_other,
             done=self.confirmed_at is not None, wg=self.wg_key,
         )  # fmt: skip
-        self._sendto(data, addr)
+        if ttl is None:
+            self._sendto(data, addr)
+            return
+        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        try:
+            self._sendto(data, addr)
+        finally:
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, self._default_ttl)
 
     # ------------------------------------------------------------ receiving
 
@@ -290,7 +300,8 @@ class Puncher:
         """Send hellos to every candidate endpoint until the two-way exchange is confirmed."""
         assert self.other is not None
         deadline = time.monotonic() + self.cfg.punch_timeout_s
-        interval_s, next_hello, next_register = 0.05, 0.0, time.monotonic() + 1.0
+        start = time.monotonic()
+        interval_s, next_hello, next_register = 0.05, 0.0, start + 1.0
         while True:
             now = time.monotonic()
             if self.confirmed_at is not None and (
@@ -304,8 +315,13 @@ class Puncher:
                 next_register = now + 1.0
             if now >= next_hello:
                 targets = [self.result.endpoint] if self.confirmed_at else self._candidates()
+                # First open our own NAT's mapping with hellos that expire before the other
+                # NAT: if the other's hello reached our NAT box first, a NAT box that accepts
+                # unsolicited WAN input would record it as a flow to itself, and our mapping
+                # would then clash with it and get a random port.
+                low = self.cfg.low_ttl if now - start < self.cfg.low_ttl_phase_s else None
                 for addr in targets:
-                    self._hello(addr)
+                    self._hello(addr, ttl=low or None)
                 next_hello = now + interval_s
                 interval_s = min(interval_s * 1.5, 0.5)
             self._receive(min(next_hello, next_register, deadline) - now)
@@ -359,9 +375,11 @@ class Puncher:
         )
         return (
             f"punching failed: {heard}; mappings: this side {r.my_mapping}, other side "
-            f"{r.other_mapping}. Likely a firewall that filters even solicited UDP, the other "
-            "peer stopped, or a token mismatch between the peers "
-            f"({r.rejected_datagrams} datagram(s) rejected)."
+            f"{r.other_mapping}. Likely causes: a NAT box that accepts unsolicited WAN input "
+            "and re-mapped our port for this one destination (a conntrack clash; keep "
+            "--low-ttl on), a firewall that filters even solicited UDP, the other peer stopped, "
+            f"or different tokens on the two peers ({r.rejected_datagrams} datagram(s) "
+            "rejected)."
         )
 
     def close(self) -> None:
@@ -447,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--private-ip", default=None, help="LAN address to announce (default: auto)")
     ap.add_argument("--register-timeout-s", type=float, default=30.0)
     ap.add_argument("--punch-timeout-s", type=float, default=15.0)
+    ap.add_argument(
+        "--low-ttl",
+        type=int,
+        default=2,
+        help="TTL of the hellos sent in the first 0.3 s, which open our NAT's mapping without "
+        "reaching the other NAT (0: off)",
+    )
     ap.add_argument("--no-wireguard", action="store_true", help="punch and report only")
     ap.add_argument("--hold-s", type=float, default=0.0, help="tunnel lifetime (0: until signal)")
     ap.add_argument("--result-json", type=Path, default=None, help="also write the result here")
@@ -461,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0 <= args.local_port <= 65535:
             raise UserError(f"--local-port {args.local_port} must be 0-65535")
+        if not 0 <= args.low_ttl <= 255:
+            raise UserError(f"--low-ttl {args.low_ttl} must be 0-255")
         if args.register_timeout_s <= 0 or args.punch_timeout_s <= 0:
             raise UserError("--register-timeout-s and --punch-timeout-s must be positive")
         server = parse_hostport(args.server, "--server")
@@ -484,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             private_ip=args.private_ip,
             register_timeout_s=args.register_timeout_s,
             punch_timeout_s=args.punch_timeout_s,
+            low_ttl=args.low_ttl,
             wg_public_key=keypair.public_key if keypair else None,
         )
         puncher = Puncher(cfg, keys)

@@ -8,9 +8,11 @@ names include the session hash and the peer's role and never collide between the
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -21,6 +23,7 @@ from scheduler.errors import UserError
 
 KEEPALIVE_S = 5  # well below the 30 s UDP conntrack timeout of Linux NATs and home routers
 WG_SOCKET_DIR = Path("/var/run/wireguard")
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def session_hash(session: str) -> str:
@@ -38,6 +41,12 @@ def tunnel_addresses(session: str) -> tuple[str, str]:
     """Tunnel IPs of role a and role b: 10.77.X.1 and 10.77.X.2, X derived from the session."""
     x = int(session_hash(session)[:2], 16)
     return f"10.77.{x}.1", f"10.77.{x}.2"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the peer dies, so no daemon is orphaned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _run(cmd: list[str], stdin: str | None = None) -> str:
@@ -130,7 +139,11 @@ class Tunnel:
             )
         env = {**os.environ, "WG_PROCESS_FOREGROUND": "1", "LOG_LEVEL": "error"}
         self.process = subprocess.Popen(
-            [exe, "-f", self.name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            [exe, "-f", self.name],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
         )
         self.implementation = "wireguard-go"
         deadline = time.monotonic() + 10.0
