@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from scheduler.errors import UserError
-from scheduler.heuristic_evolutionary_solver.matching import PairCache
+from scheduler.heuristic_evolutionary_solver.islands import chains_from_blocks
+from scheduler.heuristic_evolutionary_solver.matching import PairCache, best_path
 from scheduler.objective import Objective
 
 Baseline = tuple[np.ndarray, float, int]
@@ -59,45 +61,117 @@ def exhaustive(objective: Objective, devices: np.ndarray, num_stages: int,
     return best[1], best[0], count
 
 
+def region_orders(regions: list[str], devices: np.ndarray,
+                  t_act: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Devices grouped by their cluster-file region (the islands a person would read off the
+    network description), regions in a few hand-picked orders: biggest first; along the cheapest
+    path between regions (mean link time, up to 10 regions); and that path with big regions
+    first. Inside a region, devices keep id order."""
+    devices = np.asarray(devices)
+    names = sorted({regions[int(d)] for d in devices})
+    members = {g: [int(d) for d in devices if regions[int(d)] == g] for g in names}
+    by_size = sorted(names, key=lambda g: (-len(members[g]), g))
+    orders = [("regions by size", by_size)]
+    if 2 < len(names) <= 10:
+        mean = np.array([[t_act[np.ix_(members[a], members[b])].mean() if a != b else 0.0
+                          for b in names] for a in names])
+        path = [names[k] for k in best_path((mean + mean.T) / 2)]
+        orders.append(("regions along the cheapest path", path))
+        orders.append(("regions by size, then path",
+                       sorted(path, key=lambda g: -len(members[g]))))
+    return [(name, np.array([d for g in order for d in members[g]])) for name, order in orders]
+
+
+def hand_structured(objective: Objective, regions: list[str], t_act: np.ndarray,
+                    devices: np.ndarray, num_stages: int, num_replicas: int
+                    ) -> tuple[str, np.ndarray, float]:
+    """The best plan built by hand from the regions: every region order of `region_orders` cut
+    into whole chains per region (block S), whole stage groups per region (block 1), or
+    region-sized pieces of chains aligned across replicas (blocks in between); each taken as
+    built and with its groups re-matched and re-ordered. Independent of our search's seeding.
+    Returns (description, pipelines, cost)."""
+    cache = PairCache(t_act)
+    best: tuple[str, np.ndarray, float] = ("", np.empty(0), math.inf)
+    for name, order in region_orders(regions, devices, t_act):
+        for block in range(1, num_stages + 1):
+            chains = chains_from_blocks(order, num_stages, num_replicas, block)
+            groups = [tuple(sorted(int(d) for d in chains[:, k])) for k in range(num_stages)]
+            for how, plan in (("as built", chains),
+                              ("matched", cache.chains(cache.order(groups)))):
+                cost = float(objective.cost(plan))
+                if cost < best[2]:
+                    best = (f"{name}, blocks of {block} stages, {how}", plan, cost)
+    return best
+
+
 def gcma(objective: Objective, t_act: np.ndarray, devices: np.ndarray, num_stages: int,
-         num_replicas: int, population: int = 100, trials: int = 4900, seed: int = 0) -> Baseline:
-    """The published DT-FM search, re-implemented: a genetic algorithm over balanced partitions
-    (five-point crossover with size repair) whose offspring get one round of cyclic moves that
-    follow the published pipeline-affinity gain; an offspring replaces the worse of its parents
-    when it is better. Partitions are decoded by bottleneck matching and the exact group order.
+         num_replicas: int, population: int = 100, trials: int = 4900, seed: int = 0,
+         progress: Callable[[int, float], None] | None = None) -> Baseline:
+    """The published DT-FM search (GCMA), re-implemented step by step as published.
+
+    A genetic algorithm over balanced partitions of the devices into S stage groups of R:
+    `population` random partitions; each of `trials` offspring takes five random devices'
+    group labels from one random parent into the other (then the first over-full groups give
+    devices to the first under-full ones), gets one pass of cyclic moves driven by the
+    published default gain (`_move_cycles`), and is scored by the objective after bottleneck
+    matching and the exact group order. Replacement follows the published rule, comparison
+    quirk included (see `_replaces_parent`). Returns the best partition ever scored.
+    Seeded (the published code seeds nothing; its `random.seed = i` assigns, not calls).
     """
     rng = np.random.default_rng(seed)
     n, s, r = len(devices), num_stages, num_replicas
     devices = np.asarray(devices)
+    # The gain uses one-way activation time between devices (local indices), as published.
     pp = t_act[np.ix_(devices, devices)]
     cache = PairCache(t_act)
+    scored: dict[tuple[tuple[int, ...], ...], float] = {}
+
+    def groups_of(labels: np.ndarray) -> list[tuple[int, ...]]:
+        return [tuple(sorted(int(devices[k]) for k in np.flatnonzero(labels == g)))
+                for g in range(s)]
 
     def evaluate(labels: np.ndarray) -> float:
-        groups = [tuple(sorted(int(devices[k]) for k in np.flatnonzero(labels == g)))
-                  for g in range(s)]
-        return float(objective.cost(cache.chains(cache.order(groups))))
+        groups = groups_of(labels)
+        key = tuple(sorted(groups))
+        if key not in scored:
+            scored[key] = float(objective.cost(cache.chains(cache.order(groups))))
+        return scored[key]
 
-    pop = [np.repeat(np.arange(s), r)[rng.permutation(n)] for _ in range(population)]
-    scores = [evaluate(p) for p in pop]
-    evaluations = population
-    for _ in range(trials):
-        i, j = rng.integers(population, size=2)
-        child = _five_point_crossover(pop[i], pop[j], s, r, rng)
-        child = _cyclic_moves(child, pp, s)
+    pool = []
+    for _ in range(population):
+        labels = np.empty(n, dtype=np.int64)
+        labels[rng.permutation(n)] = np.arange(n) // r  # partition k = shuffled slice k
+        pool.append(labels)
+    scores = [evaluate(p) for p in pool]
+    best = min(zip(scores, range(population)))
+    best_labels = pool[best[1]]
+    best_score = best[0]
+    for trial in range(trials):
+        i, j = (int(x) for x in rng.integers(population, size=2))
+        child = _five_point_crossover(pool[i], pool[j], s, r, rng)
+        child = _move_cycles(child, pp, s)
         score = evaluate(child)
-        evaluations += 1
-        worse = i if scores[i] >= scores[j] else j
-        if score < scores[worse]:
-            pop[worse], scores[worse] = child, score
-    best = int(np.argmin(scores))
-    groups = [tuple(sorted(int(devices[k]) for k in np.flatnonzero(pop[best] == g)))
-              for g in range(s)]
-    return cache.chains(cache.order(groups)), scores[best], evaluations
+        if score < best_score:
+            best_score, best_labels = score, child
+        if _replaces_parent(score, scores[i], scores[j]):
+            worse = i if scores[i] > scores[j] else j
+            pool[worse], scores[worse] = child, score
+        if progress and trial % 100 == 0:
+            progress(population + trial + 1, best_score)
+    return cache.chains(cache.order(groups_of(best_labels))), best_score, population + trials
+
+
+def _replaces_parent(child: float, parent1: float, parent2: float) -> bool:
+    """The published replacement test: an offspring replaces the worse parent unless
+    `child > max(parent1, child > parent2)`; the boolean inside max() is a slip that makes
+    the test `child <= parent1` for costs above 1 s. Reproduced as written."""
+    return not child > max(parent1, float(child > parent2))
 
 
 def _five_point_crossover(p1: np.ndarray, p2: np.ndarray, s: int, r: int,
                           rng: np.random.Generator) -> np.ndarray:
-    """Copy five random devices' group labels from p1 into p2, then rebalance group sizes."""
+    """Copy five random devices' group labels from p1 into p2, then rebalance: scanning devices
+    in index order, a device in an over-full group moves to the first group with room."""
     child = p2.copy()
     points = rng.permutation(len(child))[:5]
     child[points] = p1[points]
@@ -111,47 +185,99 @@ def _five_point_crossover(p1: np.ndarray, p2: np.ndarray, s: int, r: int,
     return child
 
 
-def _cyclic_moves(labels: np.ndarray, pp: np.ndarray, s: int) -> np.ndarray:
-    """One cycle of single-device moves S0 -> S1 -> ... -> S0 (sizes stay balanced).
+def _gains(labels: np.ndarray, locked: np.ndarray, pp: np.ndarray,
+           s: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int] | None]]:
+    """The published default gain (G_ij, G_i and the move behind each G_i).
 
-    Gain of moving v from its group to group g (the published default gain): affinity to g
-    (mean pipeline time to g's members, lower is better) against the time to v's closest peer
-    in its own group. The cycle is kept only if its total gain is positive.
+    gain[v, q] = mean one-way activation time from v to group q's members (q != v's group) and
+    gain[v, p] = time to v's nearest peer in its own group p. Group p nominates its unlocked
+    device of least gain[v, p] (first by index on ties); its move to q is worth
+    gain[v, q] - gain[v, p], G_ij[p, q]; G_i[p] is the best of those. Groups with nothing to
+    nominate get -inf. (Larger is taken as better, as published.)
     """
-    labels = labels.copy()
     n = len(labels)
-    locked = np.zeros(n, dtype=bool)
+    onehot = np.zeros((n, s))
+    onehot[np.arange(n), labels] = 1.0
+    sizes = onehot.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        gain = (pp @ onehot) / sizes  # (n, s) mean time to every group
+    gain[:, sizes == 0] = 0.0  # an empty group has no members to average (published: 0)
+    same = labels[:, None] == labels[None, :]
+    np.fill_diagonal(same, False)
+    own = np.where(same, pp, np.inf).min(axis=1)  # nearest peer in own group
+    g_ij = np.full((s, s), -np.inf)
+    g_i = np.full(s, -np.inf)
+    moves: list[tuple[int, int] | None] = [None] * s
+    for p in range(s):
+        cand = np.flatnonzero((labels == p) & ~locked & np.isfinite(own))
+        if len(cand) == 0:
+            continue
+        v = int(cand[np.argmin(own[cand])])  # argmin takes the first on ties
+        row = gain[v] - own[v]
+        row[p] = -np.inf
+        g_ij[p] = row
+        q = int(np.argmax(row))
+        if np.isfinite(row[q]):
+            g_i[p], moves[p] = row[q], (v, q)
+    return g_ij, g_i, moves
 
-    def gains() -> np.ndarray:
-        onehot = np.eye(s, dtype=bool)[labels]  # (n, s)
-        mean_to = (pp @ onehot) / onehot.sum(axis=0)  # (n, s) mean time to each group
-        same = onehot @ onehot.T
-        np.fill_diagonal(same, False)
-        stay = np.where(same, pp, np.inf).min(axis=1)
-        stay[~np.isfinite(stay)] = 0.0
-        g = stay[:, None] - mean_to
-        g[onehot] = -np.inf
-        g[locked] = -np.inf
-        return g
 
-    g = gains()
-    v0, _ = np.unravel_index(np.argmax(g), g.shape)
-    start = cur = int(labels[v0])
-    total, moves = 0.0, []
-    for _ in range(n):
-        members = np.flatnonzero((labels == cur) & ~locked)
-        if len(members) == 0:
+def _move_cycles(labels: np.ndarray, pp: np.ndarray, s: int) -> np.ndarray:
+    """One round of the published cyclic partitioning (up to S cycles of moves).
+
+    A cycle starts at the group of largest G_i and follows each nominated move (v: Si -> Pv,
+    then Si = Pv) until it comes back to the start group S0; every moved device is locked for
+    the rest of the round. The cycle is cut after the prefix l maximising
+    sum(epsilon[:l]) + tau[l] (epsilon = G_i of each step, tau = G_ij back to S0), whose last
+    device goes to S0 instead, so group sizes stay equal. Of the offspring after each cycle,
+    the one with the best positive prefix of cycle gains is kept (published indexing).
+    """
+    if s < 2:
+        return labels
+    n = len(labels)
+    locked_v = np.zeros(n, dtype=bool)
+    locked_groups = np.zeros(s, dtype=bool)
+    offsprings, sums = [labels], [0.0]
+    for _ in range(s):
+        cur = offsprings[-1].copy()
+        movements: list[tuple[int, int, int]] = []
+        epsilon: list[float] = []
+        tau: list[float] = []
+        g_ij, g_i, moves = _gains(cur, locked_v, pp, s)
+        s0 = si = int(np.argmax(g_i))
+        for _ in range(n):
+            move = moves[si]
+            if move is None:
+                if not movements:
+                    break  # nothing left to move (the published code would fail here)
+                move = (movements[-1][0], s0)
+            v, pv = move
+            cur[v] = pv
+            locked_v[v] = True
+            locked_groups[pv] = True
+            movements.append((v, si, pv))
+            epsilon.append(float(g_i[si]))
+            tau.append(float(g_ij[si, s0]))
+            si = pv
+            if si == s0:
+                break
+            g_ij, g_i, moves = _gains(cur, locked_v, pp, s)
+        if not movements:
             break
-        v, t = np.unravel_index(np.argmax(g[members]), (len(members), s))
-        v = int(members[v])
-        total += g[v, t]
-        moves.append((v, int(labels[v])))
-        labels[v], locked[v] = t, True
-        cur = int(t)
-        if cur == start:
+        max_sum, cut = 0.0, 0
+        for k in range(1, len(epsilon)):
+            value = sum(epsilon[:k]) + tau[k]
+            if value > max_sum:
+                max_sum, cut = value, k
+        for k in range(len(movements) - 1, cut, -1):
+            cur[movements[k][0]] = movements[k][1]
+        cur[movements[cut][0]] = s0
+        offsprings.append(cur)
+        sums.append(max_sum)
+        if locked_groups.all():
             break
-        g = gains()
-    if cur != start or total <= 0:
-        for v, old in reversed(moves):
-            labels[v] = old
-    return labels
+    max_sum, keep = 0.0, 0
+    for k in range(1, len(sums)):
+        if sum(sums[:k]) > max_sum:
+            max_sum, keep = sum(sums[:k]), k - 1
+    return offsprings[keep]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.baselines import best_of_random, index_order_plan
+from scheduler.baselines import best_of_random, hand_structured, index_order_plan
 from scheduler.cluster import Cluster
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
 from scheduler.errors import UserError
@@ -48,6 +48,12 @@ class PlanOutcome:
     index_cost: float
     history: list[tuple[int, float]]
     best_structured: tuple[str, float]
+    """Our search's best topology-aware starting plan (name, cost), before evolution."""
+    baselines: dict[str, CostBreakdown] = field(default_factory=dict)
+    """Each baseline's cost with its parts, by row label: hand-structured (regions), best of N
+    random plans, index order."""
+    hand_structured: str = ""
+    """How the best hand-structured plan was built."""
 
 
 def default_micro_batches(model: ModelSpec, micro_batch_size: int) -> int:
@@ -94,10 +100,18 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                                  req.num_replicas, req.search, [dtfm.t_grad], progress)
     wall = time.perf_counter() - start
     ours = objective.breakdown(result.pipelines)
-    _, random_cost, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
+    how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
+                                        req.num_stages, req.num_replicas)
+    random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
                                        req.random_samples, seed=req.search.seed)
-    index_cost = float(objective.cost(index_order_plan(devices, req.num_stages,
-                                                       req.num_replicas)))
+    index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
+    baselines = {
+        "hand-structured (regions)": objective.breakdown(hand_plan),
+        f"best of {req.random_samples} random": objective.breakdown(random_plan),
+        "index order": objective.breakdown(index_plan),
+    }
+    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
+    index_cost = baselines["index order"].cost_s
     plan = Plan(
         cluster=cluster.name, cluster_sha256=cluster.sha256(), model=model.name,
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
@@ -109,4 +123,4 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3)},
     )
     return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
-                       result.best_structured)
+                       result.best_structured, baselines, how)

@@ -51,7 +51,11 @@ def plot_plan(cluster: Cluster, plan: Plan, history: list[tuple[int, float]],
     ax.set_title(f"{plan.model} on {plan.cluster}: chains as edges")
     ax.set_axis_off()
     if history:
-        ev, cost = zip(*history)
+        ev, cost = (list(x) for x in zip(*history))
+        total = int(plan.search.get("evaluations", ev[-1]))
+        if total > ev[-1]:  # carry the final best on to the end of the search
+            ev.append(total)
+            cost.append(cost[-1])
         conv.step(ev, cost, where="post")
         conv.set_xscale("log")
     conv.set_xlabel("evaluations")

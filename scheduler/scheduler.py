@@ -25,6 +25,7 @@ from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from scheduler.errors import UserError  # noqa: E402
 from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.models import PRESETS, get_model  # noqa: E402
+from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.plan import COMPRESSIONS, SYNC_MODES, SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.planning import OBJECTIVES, PlanOutcome, PlanRequest, plan_cluster  # noqa: E402
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
@@ -58,27 +59,50 @@ def _progress(evaluations: int, best: float) -> None:
 
 def _plan_table(out: PlanOutcome) -> str:
     ours, p = out.ours, out.plan
-    parts = ", ".join(f"{k} {v:.3f}" for k, v in ours.parts.items())
+    keys = list(ours.parts)
+    head = f"  {'':28s} {'cost (s)':>10s}" + "".join(f" {k:>12s}" for k in keys) + \
+        f" {'ours / it':>10s}"
+
+    def row(label: str, b: CostBreakdown) -> str:
+        parts = "".join(f" {b.parts.get(k, float('nan')):12.3f}" for k in keys)
+        return f"  {label:28s} {b.cost_s:10.3f}{parts} {ours.cost_s / b.cost_s:10.3f}"
+
     rows = [
         f"plan {p.model} on {p.cluster}: {p.num_stages} stages x {p.num_replicas} replicas, "
         f"objective {ours.objective}",
-        f"  {'':28s} {'cost (s)':>10s} {'ours / it':>10s}",
-        f"  {'ours (evolutionary)':28s} {ours.cost_s:10.3f} {1.0:10.3f}   ({parts})",
-        f"  {'best structured start':28s} {out.best_structured[1]:10.3f} "
-        f"{ours.cost_s / out.best_structured[1]:10.3f}",
-        f"  {'best of random plans':28s} {out.random_cost:10.3f} "
-        f"{ours.cost_s / out.random_cost:10.3f}",
-        f"  {'index order':28s} {out.index_cost:10.3f} {ours.cost_s / out.index_cost:10.3f}",
+        head,
+        row("ours (evolutionary)", ours),
+        *(row(label, b) for label, b in out.baselines.items()),
         f"  search: {p.search['evaluations']} evaluations in {p.search['wall_s']:.2f} s "
-        f"(seed {p.search['seed']})",
+        f"(seed {p.search['seed']}); best starting plan {out.best_structured[1]:.3f} s",
     ]
     return "\n".join(rows)
+
+
+def _plan_json(out: PlanOutcome, path: str) -> dict:
+    ours = out.ours
+    return {
+        "plan": path, "objective": ours.objective, "cost": ours.cost_s, "parts": ours.parts,
+        "predicted": out.plan.predicted, "search": out.plan.search,
+        "evaluations": out.plan.search["evaluations"], "wall_s": out.plan.search["wall_s"],
+        "baselines": {label: {"cost": b.cost_s, "parts": b.parts,
+                              "ratio_ours_to_it": ours.cost_s / b.cost_s}
+                      for label, b in out.baselines.items()},
+        "hand_structured": out.hand_structured,
+        "random_cost": out.random_cost, "index_cost": out.index_cost,
+        "best_structured_cost": out.best_structured[1],
+        "ratio_vs_random": ours.cost_s / out.random_cost,
+        "ratio_vs_index": ours.cost_s / out.index_cost,
+    }
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan, print it beside the baselines, write it atomically."""
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
+    if args.budget < 1 or args.time_limit <= 0 or args.random_samples < 1:
+        raise UserError(f"--budget ({args.budget}) and --random-samples ({args.random_samples}) "
+                        f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
     sync = SyncConfig(args.sync, args.inner_steps, args.compression)
     sync.validate()
     req = PlanRequest(args.stages, args.replicas, args.micro_batch_size, args.micro_batches,
@@ -94,12 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from scheduler.plots import plot_plan  # matplotlib only when asked
         plot_plan(cluster, out.plan, out.history, args.plot)
     if args.json:
-        print(json.dumps({"plan": args.out, "predicted": out.plan.predicted,
-                          "search": out.plan.search, "random_cost": out.random_cost,
-                          "index_cost": out.index_cost,
-                          "best_structured_cost": out.best_structured[1],
-                          "ratio_vs_random": out.ours.cost_s / out.random_cost,
-                          "ratio_vs_index": out.ours.cost_s / out.index_cost}))
+        print(json.dumps(_plan_json(out, args.out)))
     else:
         print(_plan_table(out))
         print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))

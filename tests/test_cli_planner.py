@@ -35,8 +35,11 @@ def test_plan_prints_a_table_with_baselines(tmp_path):
     r = run_entry(SCHED, "plan", "--scenario", "spot", "--model", "gpt3-xl", "--stages", "8",
                   "--replicas", "8", "--budget", "1500", "--out", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
-    for row in ("ours (evolutionary)", "best of random plans", "index order", "evaluations"):
+    for row in ("ours (evolutionary)", "hand-structured (regions)", "best of 1000 random",
+                "index order", "evaluations", "dp_comm_s", "pp_comm_s"):
         assert row in r.stdout
+    evaluations = json.loads((tmp_path / "p.json").read_text())["search"]["evaluations"]
+    assert 0 < evaluations <= 1500
     assert "searching:" in r.stderr
 
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.baselines import best_of_random, exhaustive, gcma, index_order_plan
+from scheduler.baselines import (
+    _five_point_crossover,
+    _gains,
+    _move_cycles,
+    _replaces_parent,
+    best_of_random,
+    exhaustive,
+    gcma,
+    hand_structured,
+    index_order_plan,
+)
 from scheduler.cost_dtfm import DtfmObjective
 from scheduler.heuristic_evolutionary_solver import SearchConfig, evolutionary_search
 from scheduler.heuristic_evolutionary_solver.matching import best_path, bottleneck_matching
@@ -71,3 +81,65 @@ def test_best_path_is_optimal():
     path = best_path(e)
     cost = lambda p: sum(e[a, b] for a, b in zip(p, p[1:]))
     assert cost(path) == pytest.approx(min(cost(p) for p in itertools.permutations(range(7))))
+
+
+def test_hand_structured_keeps_chains_inside_datacenter_instances():
+    # 8 instances of 8 GPUs: one chain per instance is the plan a person would write down.
+    cluster = make_scenario("datacenter", seed=3)
+    obj = DtfmObjective(cluster, get_model("gpt3-xl"), 8, 8)
+    how, plan, cost = hand_structured(obj, cluster.regions(), obj.t_act, np.arange(64), 8, 8)
+    regions = np.array(cluster.regions())
+    assert all(len(set(regions[chain])) == 1 for chain in plan)
+    assert cost == pytest.approx(obj.cost(plan)) and "blocks of 8 stages" in how
+    # By hand: PP 7 boundaries x 2 directions inside an instance, DP 7 peers across instances.
+    pp = 7 * 2 * (0.47124 * 8 / 100.0)
+    dp = 7 * 2 * (0.65 / 8 * 8 / 3.125)
+    assert cost == pytest.approx(pp + dp, rel=1e-4)
+
+
+def test_published_replacement_rule_quirk():
+    # child <= parent1 replaces the worse parent, whatever parent2 is ...
+    assert _replaces_parent(3.0, 4.0, 10.0) and _replaces_parent(4.0, 4.0, 1.0)
+    # ... and a child between the parents does not when parent1 is the better one.
+    assert not _replaces_parent(5.0, 4.0, 10.0)
+
+
+def test_crossover_and_cyclic_moves_keep_groups_balanced():
+    rng = np.random.default_rng(0)
+    s, r = 4, 3
+    pp = rng.uniform(0.1, 2.0, size=(12, 12))
+    for _ in range(50):
+        p1, p2 = (np.repeat(np.arange(s), r)[rng.permutation(12)] for _ in range(2))
+        child = _five_point_crossover(p1, p2, s, r, rng)
+        assert np.bincount(child, minlength=s).tolist() == [r] * s
+        moved = _move_cycles(child, pp, s)
+        assert np.bincount(moved, minlength=s).tolist() == [r] * s
+
+
+def test_published_gain_by_hand():
+    # Groups {0, 1} and {2, 3}; one-way activation times chosen so each entry is distinct.
+    pp = np.array([[0, 1, 4, 6],
+                   [2, 0, 3, 5],
+                   [7, 8, 0, 9],
+                   [1, 2, 3, 0]], dtype=float)
+    labels = np.array([0, 0, 1, 1])
+    g_ij, g_i, moves = _gains(labels, np.zeros(4, dtype=bool), pp, 2)
+    # Group 0 nominates device 0 (nearest own peer 1 < device 1's 2): mean to group 1 is
+    # (4 + 6) / 2 = 5, gain 5 - 1 = 4. Group 1 nominates device 3 (own 3 < device 2's 9):
+    # mean to group 0 is (1 + 2) / 2 = 1.5, gain 1.5 - 3 = -1.5.
+    assert moves == [(0, 1), (3, 0)]
+    assert g_i.tolist() == [4.0, -1.5] and g_ij[0, 1] == 4.0 and g_ij[1, 0] == -1.5
+    # A locked device is never nominated.
+    _, _, moves = _gains(labels, np.array([True, False, False, False]), pp, 2)
+    assert moves[0] == (1, 1)
+
+
+def test_published_search_is_valid_reproducible_and_improves_on_its_start():
+    cluster = make_scenario("regional", seed=1)
+    obj = DtfmObjective(cluster, get_model("gpt3-xl"), 8, 8)
+    a = gcma(obj, obj.t_act, np.arange(64), 8, 8, population=10, trials=30, seed=5)
+    b = gcma(obj, obj.t_act, np.arange(64), 8, 8, population=10, trials=30, seed=5)
+    start = gcma(obj, obj.t_act, np.arange(64), 8, 8, population=10, trials=0, seed=5)
+    assert sorted(a[0].ravel().tolist()) == list(range(64)) and a[2] == 40
+    assert np.array_equal(a[0], b[0]) and a[1] == b[1] == pytest.approx(obj.cost(a[0]))
+    assert a[1] <= start[1]

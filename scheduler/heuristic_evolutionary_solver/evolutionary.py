@@ -204,7 +204,9 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
     rng = np.random.default_rng(config.seed)
     cache = PairCache(t_act)
     t_tie = (extra_link_costs or [t_act])[0]
-    scorer = _Scorer(objective, cache, t_tie, config.budget, start + config.time_limit_s)
+    # The last fifth of the budget and of the time is kept for the final polish.
+    scorer = _Scorer(objective, cache, t_tie, config.budget - config.budget // 5,
+                     start + 0.8 * config.time_limit_s)
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
 
@@ -212,13 +214,21 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
     structured = structured_partitions(orders, s, r)
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))
+    seen: set[tuple[tuple[int, ...], ...]] = set()
     for name, groups in structured:
+        if population and scorer.exhausted():
+            break
+        key = tuple(sorted(groups))
+        if key in seen:  # different cuts often give the same partition: score it once
+            continue
+        seen.add(key)
         groups = cache.order(groups)
         c = scorer.score(groups)
         if c[0] < best_structured[1]:
             best_structured = (name, c[0])
         population.append((c, groups))
-    while len(population) < config.population + len(structured) // 2:
+    target = config.population + len(population) // 2
+    while len(population) < target and not scorer.exhausted():
         groups = cache.order(_random_partition(devices, s, r, rng))
         population.append((scorer.score(groups), groups))
     population = _select(population, config.population)
@@ -238,9 +248,10 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         if progress and time.perf_counter() - last_report > 0.5:
             progress(scorer.evaluations, scorer.best[0][0])
             last_report = time.perf_counter()
-    # Polishing gets a fresh, bounded allowance so that the best plan is a swap-local optimum.
-    scorer.budget = scorer.evaluations + max(2_000, config.budget // 10)
-    scorer.deadline = time.perf_counter() + max(1.0, config.time_limit_s * 0.2)
+    # Polishing gets what is left of the budget and time, so that the best plan is a swap-local
+    # optimum whenever they allow; `budget` stays a hard cap on evaluations.
+    scorer.budget = config.budget
+    scorer.deadline = start + config.time_limit_s
     _polish(scorer.best[1], scorer.best[0], scorer)
     if progress:
         progress(scorer.evaluations, scorer.best[0][0])

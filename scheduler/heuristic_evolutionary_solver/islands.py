@@ -46,11 +46,12 @@ def _islands_by_size(tree: np.ndarray, leaves: np.ndarray, devices: np.ndarray,
     return out
 
 
-def groups_from_blocks(order: np.ndarray, num_stages: int, num_replicas: int,
-                       block: int) -> Groups:
+def chains_from_blocks(order: np.ndarray, num_stages: int, num_replicas: int,
+                       block: int) -> np.ndarray:
     """Cut the order into pipeline segments of `block` stages; in each segment every chain takes
     `block` consecutive devices. block = S: whole chains inside islands; block = 1: whole stage
-    groups inside islands; in between: island-sized pieces of chains, aligned across replicas."""
+    groups inside islands; in between: island-sized pieces of chains, aligned across replicas.
+    Returns the (R, S) chains."""
     chains = np.empty((num_replicas, num_stages), dtype=np.int64)
     pos = 0
     for first in range(0, num_stages, block):
@@ -58,6 +59,13 @@ def groups_from_blocks(order: np.ndarray, num_stages: int, num_replicas: int,
         seg = np.asarray(order[pos: pos + width * num_replicas]).reshape(num_replicas, width)
         chains[:, first: first + width] = seg
         pos += width * num_replicas
+    return chains
+
+
+def groups_from_blocks(order: np.ndarray, num_stages: int, num_replicas: int,
+                       block: int) -> Groups:
+    """The stage groups (sorted device tuples) of `chains_from_blocks`."""
+    chains = chains_from_blocks(order, num_stages, num_replicas, block)
     return [tuple(sorted(int(d) for d in chains[:, s])) for s in range(num_stages)]
 
 
