@@ -115,7 +115,10 @@ def mapping_behaviour(pub: Endpoint | None, probe: Endpoint | None, priv: Endpoi
 def detect_private_ip(server: Endpoint) -> str:
     """The local address the kernel would use to reach the server (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(server)
+        try:
+            s.connect(server)
+        except OSError as exc:
+            raise UserError(f"--server {server[0]}:{server[1]}: no route to it ({exc})") from exc
         return s.getsockname()[0]
 
 
@@ -284,7 +287,7 @@ class Puncher:
                     break  # the probe port may be filtered; go on without that observation
                 if self.result.my_public is None:
                     raise PunchFailed(
-                        f"no answer from the rendezvous server {self.cfg.server} within "
+                        f"no answer from the rendezvous server {_ep(self.cfg.server)} within "
                         f"{self.cfg.register_timeout_s:.0f} s (wrong address or token, or "
                         "UDP to it is blocked)"
                     )
@@ -460,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="rendezvous server HOST:PORT")
     ap.add_argument("--session", required=True, help="session name shared by the two peers")
-    ap.add_argument("--token", required=True, help="secret shared by the two peers")
+    ap.add_argument(
+        "--token",
+        default=os.environ.get("PUNCH_TOKEN"),
+        help="secret shared by the two peers (default: $PUNCH_TOKEN, which keeps it out of ps)",
+    )
     ap.add_argument("--local-port", type=int, default=0, help="UDP port to punch from (0: any)")
     ap.add_argument("--private-ip", default=None, help="LAN address to announce (default: auto)")
     ap.add_argument("--register-timeout-s", type=float, default=30.0)
@@ -484,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     keypair = None
     puncher = None
     try:
+        if not args.token:
+            raise UserError("give the session's secret with --token T or PUNCH_TOKEN=T")
         if not 0 <= args.local_port <= 65535:
             raise UserError(f"--local-port {args.local_port} must be 0-65535")
         if not 0 <= args.low_ttl <= 255:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import selectors
 import signal
 import socket
@@ -115,9 +116,12 @@ class RendezvousServer:
             self._send(sock, other.pub, key, msg, "peer", pub=list(other.pub), other=reg.as_other())
 
     def _send(self, sock, addr, key: bytes, msg: dict, mtype: str, **fields) -> None:
-        data = encode(key, mtype, msg["s"], SERVER_ID, **fields)
         try:
+            data = encode(key, mtype, msg["s"], SERVER_ID, **fields)
             sock.sendto(data, addr)
+        except ProtocolError as exc:  # e.g. an address the protocol cannot carry
+            self.stats["unanswerable"] += 1
+            log.debug("cannot answer %s: %s", addr, exc)
         except OSError as exc:  # an unreachable peer must not stop the server
             log.debug("send to %s failed: %s", addr, exc)
 
@@ -151,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bind", required=True, help="HOST:PORT; PORT+1 is used as the probe port")
-    ap.add_argument("--token", default=None, help="accept only sessions using this token")
+    ap.add_argument(
+        "--token",
+        default=os.environ.get("PUNCH_TOKEN") or None,
+        help="accept only sessions using this token (default: $PUNCH_TOKEN; unset: first "
+        "registration of a session fixes its key)",
+    )
     ap.add_argument("--ttl-s", type=float, default=60.0, help="forget peers silent this long")
     ap.add_argument("--rate-per-s", type=float, default=50.0, help="datagrams/s per source IP")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every dropped datagram")
