@@ -63,7 +63,10 @@ def _wireguard_missing() -> str | None:
 
 @contextmanager
 def lab_and_server(
-    random_fully_a: bool = False, token: str | None = None, router_firewall: bool = True
+    random_fully_a: bool = False,
+    token: str | None = None,
+    router_firewall: bool = True,
+    relay_mbit_s: float = 0.0,
 ):
     """A fresh two-NAT lab with the rendezvous server running in its public namespace."""
     prefix = f"n{os.getpid() % 100000}{next(_counter)}"
@@ -75,6 +78,8 @@ def lab_and_server(
                "--bind", f"{SERVER_IP}:{SERVER_PORT}"]  # fmt: skip
         if token:
             cmd += ["--token", token]
+        if relay_mbit_s:
+            cmd += ["--relay-mbit-s", str(relay_mbit_s)]
         srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(srv)
         line = srv.stdout.readline()  # printed once both sockets are bound
@@ -122,6 +127,30 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> dict:
     return json.loads(path.read_text())
 
 
+def run_benchmark(lab: Lab, procs: list, ra: dict, rb: dict, size_mb: float) -> int:
+    """send_recv_test.py across the tunnel (rank 0 on role a); bytes rank 1's WireGuard got."""
+    rank0, rank1 = (("a", ra), ("b", rb)) if ra["tunnel"]["role"] == "a" else (
+        ("b", rb), ("a", ra))  # fmt: skip
+    url = f"tcp://{rank0[1]['tunnel']['address']}:29500"
+    runs = []
+    for rank, (side, r) in enumerate((rank0, rank1)):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": r["tunnel"]["interface"]}
+        cmd = [*lab.exec_prefix(f"cli{side}"), PY, str(SCRIPTS / "send_recv_test.py"),
+               "--dist-url", url, "--world-size", "2", "--rank", str(rank),
+               "--size-mb", str(size_mb), "--iters", "3", "--timeout-s", "60"]  # fmt: skip
+        runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env))  # fmt: skip
+    procs.extend(runs)
+    code0, out0, err0 = finish(runs[0], 90)
+    code1, _, err1 = finish(runs[1], 90)
+    assert code0 == 0 and code1 == 0, err0 + err1
+    bench = json.loads(out0.strip().splitlines()[-1])
+    assert bench["verified"] is True and bench["size_mb"] == size_mb
+    assert bench["bandwidth_mbit_s"] > 1
+    wg = lab.run(f"cli{rank1[0]}", "wg", "show", rank1[1]["tunnel"]["interface"], "transfer")
+    return int(wg.stdout.split()[1])
+
+
 REACH = r"""
 import socket, sys
 try:
@@ -160,34 +189,14 @@ def test_tunnel_through_punched_hole_carries_gloo_send_recv(tmp_path):
         ra = wait_for_file(tmp_path / "a.json", pa, 60)
         rb = wait_for_file(tmp_path / "b.json", pb, 60)
         for r, me, other in ((ra, "a", "b"), (rb, "b", "a")):
-            assert r["ok"] and r["tunnel"]["ok"], r
+            assert r["ok"] and r["tunnel"]["ok"] and r["path"] == "direct", r
             assert r["my_mapping"] == "endpoint-independent"
             assert r["my_public"][0] == NAT_WAN_IPS[me]  # seen through the NAT
             assert r["endpoint"][0] == NAT_WAN_IPS[other]  # the direct path, not a relay
             assert r["tunnel"]["listen_port"] == r["local_port"]
         assert ra["endpoint"][1] == rb["my_public"][1]
-        rank0, rank1 = (("a", ra), ("b", rb)) if ra["tunnel"]["role"] == "a" else (
-            ("b", rb), ("a", ra))  # fmt: skip
-        url = f"tcp://{rank0[1]['tunnel']['address']}:29500"
-        runs = []
-        for rank, (side, r) in enumerate((rank0, rank1)):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": r["tunnel"]["interface"]}
-            cmd = [*lab.exec_prefix(f"cli{side}"), PY, str(SCRIPTS / "send_recv_test.py"),
-                   "--dist-url", url, "--world-size", "2", "--rank", str(rank),
-                   "--size-mb", "2", "--iters", "3", "--timeout-s", "60"]  # fmt: skip
-            runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env))  # fmt: skip
-        procs.extend(runs)
-        code0, out0, err0 = finish(runs[0], 90)
-        code1, _, err1 = finish(runs[1], 90)
-        assert code0 == 0 and code1 == 0, err0 + err1
-        bench = json.loads(out0.strip().splitlines()[-1])
-        assert bench["verified"] is True and bench["size_mb"] == 2.0
-        assert bench["bandwidth_mbit_s"] > 1
-        # the bytes really went through WireGuard: its counters grew by more than the payload
-        wg = lab.run(f"cli{rank1[0]}", "wg", "show", rank1[1]["tunnel"]["interface"], "transfer")
-        rx = int(wg.stdout.split()[1])
-        assert rx > 2e6 * 4, wg.stdout  # 1 warm-up + 3 timed messages of 2 MB
+        rx = run_benchmark(lab, procs, ra, rb, size_mb=2)
+        assert rx > 2e6 * 4  # the bytes went through WireGuard: 1 warm-up + 3 timed messages
         pa.terminate()
         pb.terminate()
         assert finish(pa, 20)[0] == 0 and finish(pb, 20)[0] == 0
@@ -260,6 +269,31 @@ def test_accept_all_nat_box_needs_low_ttl_first_hellos(tmp_path):
         assert code_a == 0 and code_b == 0, err_a + err_b + conntrack
         ra = json.loads((tmp_path / "a.json").read_text())
         assert ra["endpoint"][0] == NAT_WAN_IPS["b"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_symmetric_nat_falls_back_to_the_relay_and_carries_gloo(tmp_path):
+    why = _wireguard_missing()
+    if why:
+        pytest.skip(why)
+    with lab_and_server(random_fully_a=True, relay_mbit_s=200) as (lab, procs):
+        args = ("--relay-fallback", "--punch-timeout-s", "3")
+        pa = start_peer(lab, procs, "a", tmp_path / "a.json", *args)
+        pb = start_peer(lab, procs, "b", tmp_path / "b.json", *args)
+        ra = wait_for_file(tmp_path / "a.json", pa, 60)
+        rb = wait_for_file(tmp_path / "b.json", pb, 60)
+        for r in (ra, rb):
+            assert r["ok"] and r["path"] == "relay" and r["tunnel"]["ok"], r
+            assert r["endpoint"] == [SERVER_IP, SERVER_PORT + 2]
+            assert "symmetric NAT" in r["diagnosis"]
+        rx = run_benchmark(lab, procs, ra, rb, size_mb=1)
+        assert rx > 1e6 * 4
+        srv = procs[0]
+        srv.terminate()
+        out, _ = srv.communicate(timeout=10)
+        stats = ast.literal_eval(out.strip().splitlines()[-1].split("datagrams ", 1)[1])
+        assert stats.get("relayed", 0) > 1000, stats  # the traffic really went via the server
 
 
 ATTACKER = r"""

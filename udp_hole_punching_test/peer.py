@@ -67,6 +67,8 @@ class PeerConfig:
     linger_s: float = 1.0
     low_ttl: int = 2  # IP TTL of the first hellos (0: off); 2 = expires behind our own NAT
     low_ttl_phase_s: float = 0.3
+    relay_fallback: bool = False  # after a failed punch, tunnel through the server's relay
+    relay_timeout_s: float = 10.0
     wg_public_key: str | None = None  # None: punch only, no tunnel
 
 
@@ -92,6 +94,7 @@ class PunchResult:
     my_public_probe: Endpoint | None = None
     other: dict[str, Any] | None = None
     endpoint: Endpoint | None = None  # the other's endpoint that carried the handshake
+    path: str = ""  # "direct" (punched) or "relay" (through the server)
     rtt_ms: float | None = None
     my_mapping: str = "unknown"
     other_mapping: str = "unknown"
@@ -142,6 +145,8 @@ class Puncher:
         priv_ip = cfg.private_ip or detect_private_ip(cfg.server)
         self.priv: Endpoint = (priv_ip, self.local_port)
         self.probe_server: Endpoint = (cfg.server[0], cfg.server[1] + 1)
+        self.relay_server: Endpoint = (cfg.server[0], cfg.server[1] + 2)
+        self.relay_ready = False
         self.result = PunchResult(ok=False, peer_id=self.peer_id, local_port=self.local_port)
         self.other: OtherPeer | None = None
         self.server_error = ""
@@ -211,7 +216,8 @@ class Puncher:
             msg = parse(data)
             if msg["s"] != self.cfg.session:
                 raise ProtocolError("another session")
-            if addr in (self.cfg.server, self.probe_server) and msg["t"] != "hello":
+            servers = (self.cfg.server, self.probe_server, self.relay_server)
+            if addr in servers and msg["t"] != "hello":
                 verify(self.keys.server_key, msg)
                 self._from_server(msg)
             elif msg["t"] == "hello":
@@ -243,6 +249,8 @@ class Puncher:
                 log.info("the other peer restarted (new id %s)", other.peer_id)
                 self._last_from_other = ""
             self.other = other
+        elif msg["t"] == "relay_ok":
+            self.relay_ready = msg["ready"]
         elif msg["t"] == "err":
             self.server_error = msg["reason"]
 
@@ -329,8 +337,33 @@ class Puncher:
                 interval_s = min(interval_s * 1.5, 0.5)
             self._receive(min(next_hello, next_register, deadline) - now)
         self.result.ok = True
+        self.result.path = "direct"
         self.result.rtt_ms = round(min(self._rtts) * 1000.0, 3)
         self._classify()
+
+    def relay(self) -> None:
+        """Bind this socket at the server's relay port until the other peer is bound too."""
+        deadline = time.monotonic() + self.cfg.relay_timeout_s
+        next_send = 0.0
+        t0 = time.monotonic()
+        while not self.relay_ready:
+            now = time.monotonic()
+            if now > deadline:
+                raise PunchFailed(
+                    f"no relay: {_ep(self.relay_server)} did not confirm both peers within "
+                    f"{self.cfg.relay_timeout_s:.0f} s (run the server with --relay-mbit-s and "
+                    "both peers with --relay-fallback)"
+                )
+            if now >= next_send:
+                data = encode(self.keys.server_key, "relay", self.cfg.session, self.peer_id)
+                self._sendto(data, self.relay_server)
+                next_send = now + 0.3
+            self._receive(min(next_send, deadline) - now)
+        self.result.ok = True
+        self.result.path = "relay"
+        self.result.endpoint = self.relay_server
+        self.result.rtt_ms = None
+        log.info("relay ready after %.2f s", time.monotonic() - t0)
 
     def _candidates(self) -> list[Endpoint]:
         assert self.other is not None
@@ -479,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         help="TTL of the hellos sent in the first 0.3 s, which open our NAT's mapping without "
         "reaching the other NAT (0: off)",
     )
+    ap.add_argument(
+        "--relay-fallback",
+        action="store_true",
+        help="if punching fails, tunnel through the server's relay (server: --relay-mbit-s)",
+    )
     ap.add_argument("--no-wireguard", action="store_true", help="punch and report only")
     ap.add_argument("--hold-s", type=float, default=0.0, help="tunnel lifetime (0: until signal)")
     ap.add_argument("--result-json", type=Path, default=None, help="also write the result here")
@@ -521,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             register_timeout_s=args.register_timeout_s,
             punch_timeout_s=args.punch_timeout_s,
             low_ttl=args.low_ttl,
+            relay_fallback=args.relay_fallback,
             wg_public_key=keypair.public_key if keypair else None,
         )
         puncher = Puncher(cfg, keys)
@@ -543,10 +582,18 @@ def main(argv: list[str] | None = None) -> int:
             f"public {_ep(puncher.other.pub)} private {_ep(puncher.other.priv)}",
             flush=True,
         )
-        puncher.punch()
+        try:
+            puncher.punch()
+        except PunchFailed as exc:
+            if not cfg.relay_fallback:
+                raise
+            puncher._classify()
+            puncher.result.diagnosis = str(exc)
+            print(f"warning: {exc}\nfalling back to the server's relay", flush=True)
+            puncher.relay()
     except PunchFailed as exc:
         puncher._classify()
-        puncher.result.diagnosis = str(exc)
+        puncher.result.diagnosis = "; ".join(d for d in (puncher.result.diagnosis, str(exc)) if d)
         _report(puncher.result, args.result_json)
         print(f"error: {exc}", file=sys.stderr)
         puncher.close()
@@ -554,11 +601,14 @@ def main(argv: list[str] | None = None) -> int:
             keypair.destroy()
         return EXIT_PUNCH_FAILED
     r = puncher.result
-    print(
-        f"punched: direct path to {_ep(r.endpoint)} from local port {r.local_port}, "
-        f"rtt {r.rtt_ms:.2f} ms; NAT mapping here {r.my_mapping}, there {r.other_mapping}",
-        flush=True,
-    )
+    if r.path == "direct":
+        print(
+            f"punched: direct path to {_ep(r.endpoint)} from local port {r.local_port}, "
+            f"rtt {r.rtt_ms:.2f} ms; NAT mapping here {r.my_mapping}, there {r.other_mapping}",
+            flush=True,
+        )
+    else:
+        print(f"relayed: through {_ep(r.endpoint)} from local port {r.local_port}", flush=True)
     if keypair is None:
         _report(r, args.result_json)
         puncher.close()

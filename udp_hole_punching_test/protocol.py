@@ -166,6 +166,10 @@ SCHEMAS: dict[str, tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[An
     "peer": ({"pub": _endpoint, "other": _other}, {}),
     # server -> peer: an authenticated refusal
     "err": ({"reason": _reason}, {}),
+    # peer -> server relay port: relay my traffic to the other peer (after punching failed)
+    "relay": ({}, {}),
+    # server -> peer: the relay saw us at `pub`; ready = the other peer is bound too
+    "relay_ok": ({"pub": _endpoint, "ready": _bool}, {}),
     # peer -> peer: handshake (echo = last nonce received from the other; done = I confirmed)
     "hello": ({"to": _peer_id, "echo": _echo, "done": _bool, "wg": _wg_key}, {}),
 }
@@ -261,17 +265,17 @@ class RateLimiter:
     clock: Callable[[], float] = time.monotonic
     _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def allow(self, source_ip: str) -> bool:
-        """Take one token from the source's bucket; False when it is empty."""
+    def allow(self, source_ip: str, cost: float = 1.0) -> bool:
+        """Take `cost` tokens from the source's bucket; False when it has too few."""
         now = self.clock()
         tokens, last = self._buckets.get(source_ip, (self.burst, now))
         tokens = min(self.burst, tokens + (now - last) * self.rate_per_s)
         if len(self._buckets) >= self.max_sources and source_ip not in self._buckets:
             self._evict(now)
-        if tokens < 1.0:
+        if tokens < cost:
             self._buckets[source_ip] = (tokens, now)
             return False
-        self._buckets[source_ip] = (tokens - 1.0, now)
+        self._buckets[source_ip] = (tokens - cost, now)
         return True
 
     def _evict(self, now: float) -> None:
@@ -296,6 +300,7 @@ class Registration:
     wg: str
     last_seen: float
     pub_probe: tuple[str, int] | None = None
+    relay_addr: tuple[str, int] | None = None  # where the relay port saw this peer
 
     def as_other(self) -> dict[str, Any]:
         """The record sent to the other peer."""
@@ -335,6 +340,7 @@ class Registry:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self._pinned_keys: dict[str, bytes] = {}
+        self._relay_index: dict[tuple[str, int], tuple[str, str]] = {}  # addr -> session, id
 
     def _server_key_for(self, msg: dict[str, Any]) -> bytes:
         name = msg["s"]
@@ -353,7 +359,7 @@ class Registry:
 
     def authenticate(self, msg: dict[str, Any]) -> bytes:
         """Check MAC, clock skew and replay of a parsed peer->server message; return its key."""
-        if msg["t"] != "reg":
+        if msg["t"] not in ("reg", "relay"):
             raise ProtocolError(f"the server does not accept {msg['t']!r} messages")
         key = self._server_key_for(msg)
         verify(key, msg)
@@ -399,6 +405,36 @@ class Registry:
         reg.last_seen = now
         return session, reg
 
+    def bind_relay(self, msg: dict[str, Any], observed: tuple[str, int]) -> bool:
+        """Record where the relay port sees an authenticated peer; True once both are bound."""
+        session = self.sessions.get(msg["s"])
+        reg = None if session is None else session.peers.get(msg["id"])
+        if session is None or reg is None:
+            raise ProtocolError("relay request before registration")
+        now = self.clock()
+        session.seen_nonces[msg["n"]] = now
+        if reg.relay_addr is not None:
+            self._relay_index.pop(reg.relay_addr, None)
+        reg.relay_addr = observed
+        self._relay_index[observed] = (msg["s"], msg["id"])
+        reg.last_seen = now
+        other = self.other(msg["s"], msg["id"])
+        return other is not None and other.relay_addr is not None
+
+    def relay_target(self, source: tuple[str, int]) -> tuple[str, int] | None:
+        """Where to forward a relayed datagram from `source` (None: not a bound peer)."""
+        entry = self._relay_index.get(source)
+        if entry is None:
+            return None
+        session = self.sessions.get(entry[0])
+        reg = None if session is None else session.peers.get(entry[1])
+        if reg is None or reg.relay_addr != source:
+            self._relay_index.pop(source, None)
+            return None
+        reg.last_seen = self.clock()  # relayed traffic (WireGuard keep-alives) keeps it alive
+        other = self.other(entry[0], entry[1])
+        return None if other is None else other.relay_addr
+
     def other(self, session_name: str, peer_id: str) -> Registration | None:
         """The other peer of the session, if it has registered."""
         session = self.sessions.get(session_name)
@@ -414,7 +450,9 @@ class Registry:
         for name in list(self.sessions):
             session = self.sessions[name]
             for pid in [p for p, r in session.peers.items() if now - r.last_seen > self.ttl_s]:
-                del session.peers[pid]
+                relay_addr = session.peers.pop(pid).relay_addr
+                if relay_addr is not None:
+                    self._relay_index.pop(relay_addr, None)
                 dropped += 1
             horizon = self.max_skew_s * 2
             for n in [n for n, t in session.seen_nonces.items() if now - t > horizon]:

@@ -7,6 +7,10 @@ probes PORT+1 from the same socket; the server answers each with the address it 
 a peer (and the other peer) can see whether its NAT keeps one public port for all destinations
 (endpoint-independent mapping, punchable) or picks a new one per destination (symmetric NAT).
 
+With --relay-mbit-s R > 0 it also relays, on PORT+2, the (WireGuard, end-to-end encrypted)
+traffic of two peers that could not punch: each binds its socket there with an authenticated
+`relay` request, after which anything not JSON from one bound address goes to the other.
+
 Every datagram is validated (size, JSON schema, HMAC, clock skew, replay) and rate-limited per
 source IP; anything else is counted and dropped without an answer. Without --token the first
 registration of a session fixes the session's server key (see README.md, "Security").
@@ -60,14 +64,19 @@ class RendezvousServer:
         pinned_token: str | None = None,
         ttl_s: float = 60.0,
         rate_per_s: float = 50.0,
+        relay_mbit_s: float = 0.0,
     ) -> None:
         self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s)
         self.limiter = RateLimiter(rate_per_s=rate_per_s, burst=2 * rate_per_s)
+        relay_bytes_s = relay_mbit_s * 1e6 / 8
+        # bytes per second per source; one second of burst
+        self.relay_limiter = RateLimiter(rate_per_s=relay_bytes_s, burst=relay_bytes_s)
         self.stats: Counter[str] = Counter()
         self.sockets: list[socket.socket] = []
         self._running = True
+        ports = (port, port + 1, port + 2) if relay_mbit_s > 0 else (port, port + 1)
         try:
-            for p in (port, port + 1):
+            for p in ports:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 s = socket.socket(family, socket.SOCK_DGRAM)
                 s.bind((host, p))
@@ -75,8 +84,9 @@ class RendezvousServer:
                 self.sockets.append(s)
         except OSError as exc:
             self.close()
-            raise UserError(f"cannot bind {host}:{port} and {host}:{port + 1}: {exc}") from exc
-        self.main_sock, self.probe_sock = self.sockets
+            raise UserError(f"cannot bind {host} ports {list(ports)}: {exc}") from exc
+        self.main_sock, self.probe_sock = self.sockets[:2]
+        self.relay_sock = self.sockets[2] if relay_mbit_s > 0 else None
 
     def close(self) -> None:
         """Close the sockets."""
@@ -90,12 +100,22 @@ class RendezvousServer:
     def handle(self, data: bytes, addr: tuple[str, int], sock: socket.socket) -> None:
         """Validate one datagram and answer it; drop (and count) anything invalid."""
         observed = (addr[0], addr[1])
+        if sock is self.relay_sock and not data.startswith(b"{"):
+            self._forward(data, observed)
+            return
         if not self.limiter.allow(addr[0]):
             self.stats["rate_limited"] += 1
             return
         try:
             msg = parse(data)
             key = self.registry.authenticate(msg)
+            if (msg["t"] == "relay") != (sock is self.relay_sock):
+                raise ProtocolError("relay requests go to the relay port, and only they")
+            if msg["t"] == "relay":
+                ready = self.registry.bind_relay(msg, observed)
+                self.stats["relay_bound"] += 1
+                self._send(sock, addr, key, msg, "relay_ok", pub=list(observed), ready=ready)
+                return
             if msg["probe"] != (sock is self.probe_sock):
                 raise ProtocolError("probe flag does not match the port it was sent to")
             _, reg = self.registry.register(msg, key, observed)
@@ -114,6 +134,22 @@ class RendezvousServer:
             self._send(sock, addr, key, msg, "peer", pub=list(observed), other=other.as_other())
             # tell the waiting peer now rather than at its next registration
             self._send(sock, other.pub, key, msg, "peer", pub=list(other.pub), other=reg.as_other())
+
+    def _forward(self, data: bytes, source: tuple[str, int]) -> None:
+        """Relay an opaque datagram (WireGuard, end-to-end encrypted) to the bound other peer."""
+        assert self.relay_sock is not None
+        target = self.registry.relay_target(source)
+        if target is None:
+            self.stats["relay_unbound"] += 1
+            return
+        if not self.relay_limiter.allow(source[0], cost=len(data)):
+            self.stats["relay_rate_limited"] += 1
+            return
+        try:
+            self.relay_sock.sendto(data, target)
+            self.stats["relayed"] += 1
+        except OSError as exc:
+            log.debug("relay to %s failed: %s", target, exc)
 
     def _send(self, sock, addr, key: bytes, msg: dict, mtype: str, **fields) -> None:
         try:
@@ -162,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         "registration of a session fixes its key)",
     )
     ap.add_argument("--ttl-s", type=float, default=60.0, help="forget peers silent this long")
+    ap.add_argument(
+        "--relay-mbit-s",
+        type=float,
+        default=0.0,
+        help="relay traffic between peers that cannot punch, on PORT+2, at most this many "
+        "Mbit/s per source IP (0: no relay)",
+    )
     ap.add_argument("--rate-per-s", type=float, default=50.0, help="datagrams/s per source IP")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every dropped datagram")
     args = ap.parse_args(argv)
@@ -173,15 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         host, port = parse_hostport(args.bind, "--bind")
         if port == 65535:
             raise UserError("--bind port must be below 65535 (PORT+1 is the probe port)")
-        if args.ttl_s <= 0 or args.rate_per_s <= 0:
-            raise UserError("--ttl-s and --rate-per-s must be positive")
-        server = RendezvousServer(host, port, args.token, args.ttl_s, args.rate_per_s)
+        if port >= 65534 and args.relay_mbit_s > 0:
+            raise UserError("--bind port must be below 65534 with a relay (PORT+2 is the relay)")
+        if args.ttl_s <= 0 or args.rate_per_s <= 0 or args.relay_mbit_s < 0:
+            raise UserError("--ttl-s and --rate-per-s must be positive, --relay-mbit-s >= 0")
+        server = RendezvousServer(
+            host, port, args.token, args.ttl_s, args.rate_per_s, args.relay_mbit_s
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    print(f"listening on {host}:{port} (probe port {port + 1})", flush=True)
+    relay = f", relay port {port + 2}" if server.relay_sock is not None else ""
+    print(f"listening on {host}:{port} (probe port {port + 1}{relay})", flush=True)
     if host in ("0.0.0.0", "::"):
         # the kernel picks a reply's source address per route; a NAT drops replies that do not
         # come from the address the peer sent to
