@@ -31,11 +31,13 @@ class PlanRequest:
     num_replicas: int
     micro_batch_size: int = 1
     num_micro_batches: int = 0
-    """0 = derive from the DT-FM token budget: 1.25e5 tokens per replica per step."""
+    """0 = derive from `tokens_per_replica` (the DT-FM budget: 61 micro-batches for gpt3-xl)."""
     objective: str = "dtfm"
     sync: SyncConfig = field(default_factory=SyncConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     random_samples: int = 1000
+    tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA
+    """Tokens each replica processes per step, used when num_micro_batches is 0."""
 
 
 @dataclass
@@ -56,9 +58,11 @@ class PlanOutcome:
     """How the best hand-structured plan was built."""
 
 
-def default_micro_batches(model: ModelSpec, micro_batch_size: int) -> int:
-    """Micro-batches per replica that carry the DT-FM budget of 1.25e5 tokens (61 for gpt3-xl)."""
-    return max(1, int(DTFM_TOKENS_PER_REPLICA // (model.seq_len * micro_batch_size)))
+def default_micro_batches(model: ModelSpec, micro_batch_size: int,
+                          tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA) -> int:
+    """Micro-batches per replica that carry `tokens_per_replica` tokens per step: the DT-FM
+    budget of 1.25e5 tokens gives 61 sequences of 2048 for gpt3-xl (at least 1)."""
+    return max(1, int(tokens_per_replica // (model.seq_len * micro_batch_size)))
 
 
 def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjective:
@@ -70,6 +74,9 @@ def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjec
 OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
     "dtfm": make_dtfm,
 }
+"""Objective factories by name; a new objective registers here and the CLI offers it."""
+DEFAULT_OBJECTIVE = "dtfm"
+"""What `plan` and `evaluate` use without --objective."""
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
@@ -77,6 +84,9 @@ def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
     s, r, n = req.num_stages, req.num_replicas, cluster.num_devices
     if s < 1 or r < 1:
         raise UserError(f"--stages and --replicas must be >= 1, got {s} and {r}")
+    if req.micro_batch_size < 1 or req.num_micro_batches < 1:
+        raise UserError(f"--micro-batch-size ({req.micro_batch_size}) and the micro-batch "
+                        f"count ({req.num_micro_batches}) must be >= 1")
     if s * r != n:
         raise UserError(f"--stages {s} x --replicas {r} = {s * r} devices, but cluster "
                         f"'{cluster.name}' has {n}; choose S x R = {n}")
@@ -90,7 +100,8 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
     """Search a plan and score the random and index-order baselines with the same objective."""
     if req.num_micro_batches == 0:
-        req.num_micro_batches = default_micro_batches(model, req.micro_batch_size)
+        req.num_micro_batches = default_micro_batches(model, req.micro_batch_size,
+                                                      req.tokens_per_replica)
     check_shape(cluster, model, req)
     objective = OBJECTIVES[req.objective](cluster, model, req)
     dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding

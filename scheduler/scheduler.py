@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -22,12 +23,19 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
 from scheduler.errors import UserError  # noqa: E402
 from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.models import PRESETS, get_model  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.plan import COMPRESSIONS, SYNC_MODES, SyncConfig, load_plan, save_plan  # noqa: E402
-from scheduler.planning import OBJECTIVES, PlanOutcome, PlanRequest, plan_cluster  # noqa: E402
+from scheduler.planning import (  # noqa: E402
+    DEFAULT_OBJECTIVE,
+    OBJECTIVES,
+    PlanOutcome,
+    PlanRequest,
+    plan_cluster,
+)
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
 
 
@@ -105,11 +113,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
     sync = SyncConfig(args.sync, args.inner_steps, args.compression)
     sync.validate()
+    if args.tokens_per_replica <= 0:
+        raise UserError(f"--tokens-per-replica: must be > 0, got {args.tokens_per_replica}")
     req = PlanRequest(args.stages, args.replicas, args.micro_batch_size, args.micro_batches,
                       args.objective, sync,
                       SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
                                    seed=args.search_seed),
-                      args.random_samples)
+                      args.random_samples, args.tokens_per_replica)
     out = plan_cluster(cluster, model, req, None if args.quiet else _progress)
     if not args.quiet:
         print(file=sys.stderr)
@@ -146,11 +156,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    p = argparse.ArgumentParser(prog="scheduler.py", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_scenario_command(sub: argparse._SubParsersAction) -> None:
+    """`scenario NAME --seed S --out FILE`."""
     sc = sub.add_parser("scenario", help="export a built-in cluster scenario")
     sc.add_argument("name", choices=sorted(SCENARIOS))
     sc.add_argument("--seed", type=int, default=0, help="shuffles device ids (default 0)")
@@ -159,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", required=True, help="cluster file to write")
     sc.set_defaults(func=cmd_scenario)
 
+
+def add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """`plan (--scenario NAME | --cluster FILE) --model M --stages S --replicas R --out FILE`."""
     pl = sub.add_parser("plan", help="search a plan for a cluster and model")
     src = pl.add_argument_group("cluster (one of)")
     src.add_argument("--scenario", choices=sorted(SCENARIOS))
@@ -168,31 +178,56 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     pl.add_argument("--replicas", type=int, required=True,
                     help="data-parallel replicas R (S x R = devices)")
-    pl.add_argument("--objective", default="dtfm", choices=sorted(OBJECTIVES))
+    pl.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
+                    help=f"cost model to minimise (default {DEFAULT_OBJECTIVE})")
     pl.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     pl.add_argument("--micro-batches", type=int, default=0,
-                    help="micro-batches per replica per step (default: the DT-FM budget of "
-                         "1.25e5 tokens per replica, i.e. 61 for gpt3-xl)")
+                    help="micro-batches per replica per step (default: derived from "
+                         "--tokens-per-replica: tokens / (seq_len x micro-batch size), i.e. 61 "
+                         "for gpt3-xl)")
+    pl.add_argument("--tokens-per-replica", type=float, default=DTFM_TOKENS_PER_REPLICA,
+                    help="token budget per replica per step that sets the default micro-batch "
+                         "count (default 1.25e5, the DT-FM setting)")
     pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
     pl.add_argument("--inner-steps", type=int, default=1, help="DiLoCo H (with --sync diloco)")
     pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
-    pl.add_argument("--budget", type=int, default=30_000, help="max objective evaluations")
-    pl.add_argument("--time-limit", type=float, default=10.0, help="search wall limit (s)")
-    pl.add_argument("--search-seed", type=int, default=0)
+    pl.add_argument("--budget", type=int, default=30_000,
+                    help="max objective evaluations of the search (default 30000)")
+    pl.add_argument("--time-limit", type=float, default=10.0,
+                    help="search wall limit in s (default 10); a run cut by it is not "
+                         "reproducible, one ended by the budget or convergence is")
+    pl.add_argument("--search-seed", type=int, default=0, help="seed of the search (default 0)")
     pl.add_argument("--random-samples", type=int, default=1000,
-                    help="random plans of the best-of-random baseline")
+                    help="random plans of the best-of-random baseline (default 1000)")
     pl.add_argument("--out", required=True, help="plan file to write (atomically)")
     pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
     pl.set_defaults(func=cmd_plan)
 
+
+def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
+    """`evaluate --cluster FILE --plan FILE [--objective NAME] [--json]`."""
     ev = sub.add_parser("evaluate", help="cost of any plan file")
-    ev.add_argument("--cluster", required=True)
-    ev.add_argument("--plan", required=True)
-    ev.add_argument("--objective", default="dtfm", choices=sorted(OBJECTIVES))
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--cluster", required=True, help="cluster/1 JSON file")
+    ev.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
+                    help=f"cost model (default {DEFAULT_OBJECTIVE})")
+    ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ev.set_defaults(func=cmd_evaluate)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_scenario_command, add_plan_command, add_evaluate_command]
+"""Each adds one subcommand; a new one (e.g. `simulate`) appends its adder here."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="scheduler.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 

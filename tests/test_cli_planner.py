@@ -98,3 +98,61 @@ def test_help_is_truthful():
     for flag in ("--scenario", "--cluster", "--stages", "--replicas", "--objective", "--budget",
                  "--search-seed", "--out", "--plot", "--json"):
         assert flag in r.stdout
+
+
+def test_evaluate_scores_a_hand_written_plan(tmp_path):
+    # A plan not made by us: only the keys plan/1 requires, no predicted/search blocks.
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    cluster.write_text(json.dumps(tiny_cluster_dict(4)))
+    plan.write_text(json.dumps({"format": "plan/1", "model": "gpt-tiny",
+                                "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}],
+                                "pipelines": [[3, 1], [0, 2]]}))
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    # By hand: 5 ms and 1 Gbps everywhere; one DP peer, one boundary each way.
+    from scheduler.cost_dtfm import dtfm_constants
+    from scheduler.models import get_model
+    c = dtfm_constants(get_model("gpt-tiny"), 2, 1)
+    dp = 2 * (0.005 + c.gradient_gb / 2 * 8 / 1.0)
+    pp = 2 * (0.005 + c.activation_gb * 8 / 1.0)
+    assert got["dp_comm_s"] == pytest.approx(dp) and got["pp_comm_s"] == pytest.approx(pp)
+    assert got["cost"] == pytest.approx(dp + pp)
+
+
+def test_evaluate_names_a_bad_plan(tmp_path):
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    cluster.write_text(json.dumps(tiny_cluster_dict(4)))
+    plan.write_text(json.dumps({"format": "plan/1", "model": "gpt-tiny",
+                                "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}],
+                                "pipelines": [[3, 1], [3, 2]]}))
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan))
+    assert r.returncode == 2 and "device 3 appears twice" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_budget_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "p.json"
+    r = run_entry(SCHED, "plan", "--scenario", "datacenter", "--model", "gpt3-xl", "--stages",
+                  "8", "--replicas", "8", "--budget", "0", "--out", str(out))
+    assert r.returncode == 2 and "--budget" in r.stderr and not out.exists()
+
+
+def test_runs_as_a_module_and_the_budget_caps_evaluations(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-m", "scheduler.scheduler", "plan", "--scenario",
+                        "regional", "--seed", "1", "--model", "gpt3-xl", "--stages", "8",
+                        "--replicas", "8", "--budget", "300", "--search-seed", "3", "--out",
+                        str(out), "--json", "--quiet"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["evaluations"] <= 300 and summary["search"]["seed"] == 3
+    saved = json.loads(out.read_text())
+    assert saved["num_micro_batches"] == 61 and saved["micro_batch_size"] == 1
+    assert set(saved["predicted"]) >= {"objective", "cost", "dp_comm_s", "pp_comm_s"}
+    assert summary["baselines"]["index order"]["cost"] >= summary["cost"]
