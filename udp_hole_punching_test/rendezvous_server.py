@@ -1,6 +1,7 @@
 """Rendezvous server: tells the two peers of a session each other's public and private endpoints.
 
-    python udp_hole_punching_test/rendezvous_server.py --bind 0.0.0.0:3478 [--token T]
+    python udp_hole_punching_test/rendezvous_server.py --bind HOST:3478 [--token T] \\
+        [--relay-mbit-s 200]
 
 It listens on two UDP ports, PORT and PORT+1 (the probe port). A peer registers on PORT and
 probes PORT+1 from the same socket; the server answers each with the address it observed, so
