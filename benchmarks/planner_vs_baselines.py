@@ -33,11 +33,9 @@ from scheduler.baselines import (  # noqa: E402
     index_order_plan,
 )
 from scheduler.cost_dtfm import DtfmObjective  # noqa: E402
-from scheduler.heuristic_evolutionary_solver import (  # noqa: E402
-    SearchConfig,
-    evolutionary_search,
-)
+from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.models import get_model  # noqa: E402
+from scheduler.planning import search_plan  # noqa: E402
 from scheduler.scenarios import DTFM_SCENARIOS, make_scenario  # noqa: E402
 
 
@@ -47,9 +45,9 @@ def run_one(scenario: str, seed: int, args: argparse.Namespace) -> dict:
     obj = DtfmObjective(cluster, get_model("gpt3-xl"), 8, 8)
     devices = np.arange(cluster.num_devices)
     t = time.perf_counter()
-    ours = evolutionary_search(obj, obj.t_act, devices, 8, 8,
-                               SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
-                                            seed=args.search_seed), [obj.t_grad])
+    ours = search_plan(cluster, obj, obj, 8, 8,
+                       SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
+                                    seed=args.search_seed))
     ours_wall = time.perf_counter() - t
     parts = obj.breakdown(ours.pipelines).parts
     _, _, structured = hand_structured(obj, cluster.regions(), obj.t_act, devices, 8, 8)

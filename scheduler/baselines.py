@@ -82,25 +82,31 @@ def region_orders(regions: list[str], devices: np.ndarray,
     return [(name, np.array([d for g in order for d in members[g]])) for name, order in orders]
 
 
+def structured_plans(regions: list[str], t_act: np.ndarray, devices: np.ndarray,
+                     num_stages: int, num_replicas: int) -> list[tuple[str, np.ndarray]]:
+    """Plans a person would build from the regions: every order of `region_orders` cut into
+    whole chains per region (block S), whole stage groups per region (block 1), or region-sized
+    pieces of chains aligned across replicas (blocks in between). Named (R, S) plans."""
+    return [(f"{name}, blocks of {block} stages",
+             chains_from_blocks(order, num_stages, num_replicas, block))
+            for name, order in region_orders(regions, devices, t_act)
+            for block in range(1, num_stages + 1)]
+
+
 def hand_structured(objective: Objective, regions: list[str], t_act: np.ndarray,
                     devices: np.ndarray, num_stages: int, num_replicas: int
                     ) -> tuple[str, np.ndarray, float]:
-    """The best plan built by hand from the regions: every region order of `region_orders` cut
-    into whole chains per region (block S), whole stage groups per region (block 1), or
-    region-sized pieces of chains aligned across replicas (blocks in between); each taken as
-    built and with its groups re-matched and re-ordered. Independent of our search's seeding.
-    Returns (description, pipelines, cost)."""
+    """The best of `structured_plans`, each taken as built and with its stage groups re-matched
+    and re-ordered (bottleneck matching, exact order). Returns (description, pipelines, cost)."""
     cache = PairCache(t_act)
     best: tuple[str, np.ndarray, float] = ("", np.empty(0), math.inf)
-    for name, order in region_orders(regions, devices, t_act):
-        for block in range(1, num_stages + 1):
-            chains = chains_from_blocks(order, num_stages, num_replicas, block)
-            groups = [tuple(sorted(int(d) for d in chains[:, k])) for k in range(num_stages)]
-            for how, plan in (("as built", chains),
-                              ("matched", cache.chains(cache.order(groups)))):
-                cost = float(objective.cost(plan))
-                if cost < best[2]:
-                    best = (f"{name}, blocks of {block} stages, {how}", plan, cost)
+    for name, chains in structured_plans(regions, t_act, devices, num_stages, num_replicas):
+        groups = [tuple(sorted(int(d) for d in chains[:, k])) for k in range(num_stages)]
+        for how, plan in (("as built", chains),
+                          ("matched", cache.chains(cache.order(groups)))):
+            cost = float(objective.cost(plan))
+            if cost < best[2]:
+                best = (f"{name}, {how}", plan, cost)
     return best
 
 

@@ -11,11 +11,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.baselines import best_of_random, hand_structured, index_order_plan
+from scheduler.baselines import (
+    best_of_random,
+    hand_structured,
+    index_order_plan,
+    structured_plans,
+)
 from scheduler.cluster import Cluster
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
 from scheduler.errors import UserError
-from scheduler.heuristic_evolutionary_solver import SearchConfig, evolutionary_search
+from scheduler.heuristic_evolutionary_solver import (
+    SearchConfig,
+    SearchResult,
+    evolutionary_search,
+)
 from scheduler.models import ModelSpec
 from scheduler.objective import CostBreakdown, Objective
 from scheduler.plan import Plan, SyncConfig
@@ -96,6 +105,18 @@ def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
         raise UserError(f"--objective: unknown {req.objective!r}; known: {', '.join(OBJECTIVES)}")
 
 
+def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num_stages: int,
+                num_replicas: int, config: SearchConfig,
+                progress: Callable[[int, float], None] | None = None) -> SearchResult:
+    """Our search over all devices of the cluster, minimising `objective`: DT-FM's link times
+    drive the matching and the clustering of the seeds, and the plans built from the cluster's
+    regions (baselines.structured_plans) join the starting population."""
+    devices = np.arange(cluster.num_devices)
+    seeds = structured_plans(cluster.regions(), dtfm.t_act, devices, num_stages, num_replicas)
+    return evolutionary_search(objective, dtfm.t_act, devices, num_stages, num_replicas, config,
+                               [dtfm.t_grad], progress, seeds)
+
+
 def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
     """Search a plan and score the random and index-order baselines with the same objective."""
@@ -107,8 +128,8 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding
     devices = np.arange(cluster.num_devices)
     start = time.perf_counter()
-    result = evolutionary_search(objective, dtfm.t_act, devices, req.num_stages,
-                                 req.num_replicas, req.search, [dtfm.t_grad], progress)
+    result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas, req.search,
+                         progress)
     wall = time.perf_counter() - start
     ours = objective.breakdown(result.pipelines)
     how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,

@@ -143,3 +143,15 @@ def test_published_search_is_valid_reproducible_and_improves_on_its_start():
     assert sorted(a[0].ravel().tolist()) == list(range(64)) and a[2] == 40
     assert np.array_equal(a[0], b[0]) and a[1] == b[1] == pytest.approx(obj.cost(a[0]))
     assert a[1] <= start[1]
+
+
+def test_given_plans_are_a_floor_and_the_budget_a_cap():
+    cluster = make_scenario("spot", seed=1)
+    obj = DtfmObjective(cluster, get_model("gpt3-xl"), 8, 8)
+    _, plan, cost = hand_structured(obj, cluster.regions(), obj.t_act, np.arange(64), 8, 8)
+    res = evolutionary_search(obj, obj.t_act, np.arange(64), 8, 8,
+                              SearchConfig(budget=5, seed=0), [obj.t_grad],
+                              initial_plans=[("by hand", plan)])
+    assert res.evaluations <= 5
+    assert res.cost <= cost and obj.cost(res.pipelines) == pytest.approx(res.cost)
+    assert res.history[0] == (1, pytest.approx(cost))

@@ -191,13 +191,17 @@ def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
 def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.ndarray,
                         num_stages: int, num_replicas: int, config: SearchConfig | None = None,
                         extra_link_costs: list[np.ndarray] | None = None,
-                        progress: Callable[[int, float], None] | None = None) -> SearchResult:
+                        progress: Callable[[int, float], None] | None = None,
+                        initial_plans: list[tuple[str, np.ndarray]] | None = None
+                        ) -> SearchResult:
     """Search S x R plans over `devices` minimising `objective`.
 
     `t_act[i, j]` is the time to send one stage boundary's activations from i to j (it drives
     the matching between groups); `extra_link_costs` are more (N, N) matrices whose clustering
-    seeds the population (e.g. the data-parallel gradient time). Cost: O(budget) evaluations,
-    each O(S R^2) plus cached matchings.
+    seeds the population (e.g. the data-parallel gradient time); `initial_plans` are named
+    (R, S) plans built elsewhere (e.g. from the cluster's regions): each is scored as given and
+    its stage groups join the population, so the result is never worse than any of them.
+    Cost: O(budget) evaluations, each O(S R^2) plus cached matchings.
     """
     config = config or SearchConfig()
     start = time.perf_counter()
@@ -210,8 +214,19 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
 
+    given: tuple[str, float, np.ndarray] = ("", float("inf"), np.empty(0))
+    given_history: list[tuple[int, float]] = []
+    structured: list[tuple[str, Groups]] = []
+    for name, plan in initial_plans or []:
+        plan = np.asarray(plan, dtype=np.int64)
+        scorer.evaluations += 1
+        cost = float(objective.cost(plan))
+        if cost < given[1]:
+            given = (name, cost, plan)
+            given_history.append((scorer.evaluations, cost))
+        structured.append((name, [tuple(sorted(int(d) for d in plan[:, k])) for k in range(s)]))
     orders = leaf_orders([t_act, *(extra_link_costs or [])], devices)
-    structured = structured_partitions(orders, s, r)
+    structured += structured_partitions(orders, s, r)
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -256,8 +271,22 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
     if progress:
         progress(scorer.evaluations, scorer.best[0][0])
     (best_cost, _), best_groups = scorer.best
-    return SearchResult(cache.chains(best_groups), best_cost, scorer.evaluations,
-                        time.perf_counter() - start, scorer.history, best_structured)
+    best_plan = cache.chains(best_groups)
+    if given[1] < best_structured[1]:
+        best_structured = (given[0], given[1])
+    if given[1] < best_cost:  # a given plan as built beats everything the search decoded
+        best_cost, best_plan = given[1], given[2]
+    return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
+                        _merge_history(given_history, scorer.history), best_structured)
+
+
+def _merge_history(*histories: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """One best-so-far curve from several (evaluation, cost) improvement lists."""
+    out: list[tuple[int, float]] = []
+    for ev, cost in sorted(p for h in histories for p in h):
+        if not out or cost < out[-1][1]:
+            out.append((ev, cost))
+    return out
 
 
 def _select(population: list[tuple[Key, Groups]], size: int) -> list[tuple[Key, Groups]]:
