@@ -155,3 +155,30 @@ def test_given_plans_are_a_floor_and_the_budget_a_cap():
     assert res.evaluations <= 5
     assert res.cost <= cost and obj.cost(res.pipelines) == pytest.approx(res.cost)
     assert res.history[0] == (1, pytest.approx(cost))
+
+
+class ChainSpeedObjective:
+    """A generic objective that is not DT-FM: the slowest chain's summed device time, plus a
+    little DT-FM so that links still matter. Which devices share a chain decides it."""
+
+    name = "chain-speed"
+
+    def __init__(self, dtfm: DtfmObjective, speed: np.ndarray) -> None:
+        self.dtfm, self.speed = dtfm, speed
+
+    def cost(self, pipelines: np.ndarray) -> float:
+        return float(self.speed[pipelines].sum(axis=1).max()) + 0.01 * self.dtfm.cost(pipelines)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generic_objective_reaches_the_exhaustive_optimum(seed):
+    cluster = make_scenario("random", seed=seed, num_devices=8, num_regions=2)
+    dtfm = DtfmObjective(cluster, get_model("gpt3-xl"), 2, 4)
+    speed = np.random.default_rng(seed).uniform(1.0, 10.0, size=8)
+    obj = ChainSpeedObjective(dtfm, speed)
+    _, optimum, _ = exhaustive(obj, np.arange(8), 2, 4)
+    found = evolutionary_search(obj, dtfm.t_act, np.arange(8), 2, 4,
+                                SearchConfig(budget=4000, time_limit_s=60, seed=seed),
+                                [dtfm.t_grad])
+    assert found.cost == pytest.approx(optimum, rel=1e-9)
+    assert obj.cost(found.pipelines) == pytest.approx(found.cost)

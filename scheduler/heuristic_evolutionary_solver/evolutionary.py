@@ -276,8 +276,40 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         best_structured = (given[0], given[1])
     if given[1] < best_cost:  # a given plan as built beats everything the search decoded
         best_cost, best_plan = given[1], given[2]
+    chain_history: list[tuple[int, float]] = []
+    best_plan, best_cost = _polish_chains(best_plan, best_cost, scorer, chain_history)
+    if progress:
+        progress(scorer.evaluations, best_cost)
     return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
-                        _merge_history(given_history, scorer.history), best_structured)
+                        _merge_history(given_history, scorer.history, chain_history),
+                        best_structured)
+
+
+def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,
+                   history: list[tuple[int, float]]) -> tuple[np.ndarray, float]:
+    """First-improvement swaps of any two slots of the (R, S) plan, scored as given (no
+    matching): sweeps until one finds nothing or the budget ends. The group search decodes
+    chains by link-time matching only; an objective that also cares which devices share a chain
+    (uneven GPUs, memory) needs these moves. For dtfm on symmetric links they rarely help."""
+    plan = plan.copy()
+    flat = plan.reshape(-1)
+    n = len(flat)
+    improved = True
+    while improved and not scorer.exhausted():
+        improved = False
+        for a in range(n):
+            for b in range(a + 1, n):
+                if scorer.exhausted():
+                    return plan, cost
+                flat[a], flat[b] = flat[b], flat[a]
+                scorer.evaluations += 1
+                c = float(scorer.objective.cost(plan))
+                if c < cost - 1e-12 * max(1.0, abs(cost)):
+                    cost, improved = c, True
+                    history.append((scorer.evaluations, c))
+                else:
+                    flat[a], flat[b] = flat[b], flat[a]
+    return plan, cost
 
 
 def _merge_history(*histories: list[tuple[int, float]]) -> list[tuple[int, float]]:
