@@ -1,0 +1,169 @@
+"""One process per device: read the plan, join the group, run this rank's stage of the training.
+
+    python dist_runner.py --plan plan.json --rank R --dist-url tcp://HOST:PORT \
+        [--world-size N] (--data PATH | --fake-data) --steps N \
+        [--ckpt-dir D --ckpt-every K --resume] [--metrics metrics.jsonl] [--timeout-s T]
+
+Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT are read from the environment.
+Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
+answer within --timeout-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scheduler.errors import UserError  # noqa: E402
+from scheduler.plan import load_plan  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        description="Run one rank (= device id) of a plan: its pipeline stage of its replica.")
+    p.add_argument("--plan", required=True, help="plan/1 JSON file")
+    p.add_argument("--rank", type=int, help="device id of this process (default: $RANK)")
+    p.add_argument("--world-size", type=int,
+                   help="number of processes (default: $WORLD_SIZE, else the plan's devices)")
+    p.add_argument("--dist-url", help="rendezvous tcp://HOST:PORT, hosted by rank 0 "
+                   "(default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    p.add_argument("--cluster", help="cluster/1 file: check that the plan was made for it")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", default=None,
+                     help="text file or folder (default: /usr/share/games/fortunes, Debian's "
+                     "fortunes packages)")
+    src.add_argument("--fake-data", action="store_true", help="seeded random tokens (speed tests)")
+    p.add_argument("--steps", type=int, required=True, help="train until this step (total)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW (inner) learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
+    p.add_argument("--ckpt-dir", help="folder for per-rank checkpoints (rank{R}.pt)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="save every K steps and at the end (needs --ckpt-dir)")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
+    p.add_argument("--metrics", help="metrics.jsonl path (replica r>0 writes PATH.r{r}.jsonl)")
+    p.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps")
+    p.add_argument("--eval-sequences", type=int, default=0,
+                   help="validation sequences per evaluation (0: none; always at the end if >0)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="how long any wait on a peer or the rendezvous may take")
+    p.add_argument("--wait-for-peers", action="store_true",
+                   help="DiLoCo: wait (and log) for a missing peer at an outer step instead of "
+                   "failing")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--log-every", type=int, default=1, help="print a progress line every K steps")
+    return p.parse_args(argv)
+
+
+def resolve_launch(args: argparse.Namespace, num_devices: int) -> tuple[int, int, str, bool]:
+    """(rank, world_size, dist_url, agent_store) from flags, else torchrun's environment."""
+    env = os.environ
+    rank = args.rank if args.rank is not None else _env_int("RANK")
+    if rank is None:
+        raise UserError("--rank is required (or set RANK, as torchrun does)")
+    world = args.world_size if args.world_size is not None else _env_int("WORLD_SIZE")
+    world = num_devices if world is None else world
+    url = args.dist_url
+    if url is None:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise UserError("--dist-url is required (or set MASTER_ADDR and MASTER_PORT)")
+        url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    agent_store = args.dist_url is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return rank, world, url, agent_store
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"${name}: expected an integer, got {value!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validate everything that can be checked alone, then rendezvous and train."""
+    args = parse_args(argv)
+    cluster = None
+    if args.cluster:
+        from scheduler.cluster import load_cluster
+        cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan, cluster)
+    if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
+        raise UserError(f"{args.plan} was made for cluster '{plan.cluster}' with a different "
+                        f"content than {args.cluster} (cluster_sha256 differs); re-plan")
+    if args.steps < 1:
+        raise UserError(f"--steps: must be >= 1, got {args.steps}")
+    if args.timeout_s <= 0:
+        raise UserError(f"--timeout-s: must be > 0, got {args.timeout_s}")
+    if args.resume and not args.ckpt_dir:
+        raise UserError("--resume needs --ckpt-dir")
+    rank, world, url, agent_store = resolve_launch(args, len(plan.devices()))
+
+    # torch imports after the cheap checks, so bad input fails fast
+    import torch
+
+    from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
+    from modules.dist import build_groups, parse_dist_url, rendezvous, topology
+    from modules.trainer import RunConfig, Trainer
+    from scheduler.models import get_model
+
+    topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
+    parse_dist_url(url)
+    spec = get_model(plan.model)
+    if args.fake_data:
+        data = FakeData(spec.seq_len, spec.vocab_size, seed=args.seed)
+    else:
+        data = TextData(load_tokens(args.data or DEFAULT_CORPUS), spec.seq_len, spec.vocab_size,
+                        seed=args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = RunConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                    timeout_s=args.timeout_s, ckpt_dir=args.ckpt_dir,
+                    ckpt_every=args.ckpt_every or (args.steps if args.ckpt_dir else 0),
+                    resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,
+                    eval_sequences=args.eval_sequences, wait_for_peers=args.wait_for_peers,
+                    log_every=max(1, args.log_every))
+    log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
+    log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
+        f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
+    store = rendezvous(url, rank, world, args.timeout_s, agent_store)
+    groups = build_groups(plan, topo, spec.tie_embeddings)
+    Trainer(plan, topo, groups, store, data, cfg, log=log).run()
+    log("done")
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
+def entry() -> None:
+    """Run main(); user errors exit 2, peer/rendezvous failures exit 1, without tracebacks."""
+    try:
+        code = main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    except RuntimeError as e:
+        from modules.dist import PeerError
+        if not isinstance(e, PeerError):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown on failure: gloo's destructors may wait on peers that are gone
+    os._exit(code) if code else sys.exit(0)
+
+
+if __name__ == "__main__":
+    entry()

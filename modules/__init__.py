@@ -1,0 +1,1 @@
+"""The torch runtime: model stages, pipeline schedule, data-parallel sync, data, checkpoints."""

@@ -1,0 +1,217 @@
+"""The training loop of one rank: pipeline step, tied-embedding sum, data-parallel sync, metrics,
+checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modules.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from modules.data import FakeData, Sharder, TextData
+from modules.diloco import DiLoCoOptimizer
+from modules.dist import Comm, Groups, Topology, wait_for_peers
+from modules.metrics import MetricsWriter, replica_metrics_path
+from modules.model import StageModel
+from modules.pipeline import PipelineStage
+from modules.sync import average_grads, make_group_average, sum_tied_grads
+from scheduler.errors import UserError
+from scheduler.models import get_model
+from scheduler.plan import Plan
+
+
+@dataclass
+class RunConfig:
+    """What a run does besides the plan (dist_runner's flags)."""
+
+    steps: int
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    timeout_s: float = 60.0
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    """Save every K steps (and at the end) when > 0 and ckpt_dir is set."""
+    resume: bool = False
+    metrics: str | None = None
+    eval_every: int = 0
+    """Validation loss every K steps (0: only at the end when eval_sequences > 0)."""
+    eval_sequences: int = 0
+    """Validation sequences per evaluation (0: no validation)."""
+    wait_for_peers: bool = False
+    """DiLoCo: keep waiting (and logging) for a missing peer instead of failing."""
+    log_every: int = 1
+
+
+def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW with GPT-style betas; the same in the runtime and in single-process references."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=cfg.weight_decay)
+
+
+class Trainer:
+    """One rank's share of the run described by a plan."""
+
+    def __init__(self, plan: Plan, topo: Topology, groups: Groups, store: dist.Store,
+                 data: TextData | FakeData, cfg: RunConfig, log=print) -> None:
+        self.plan, self.topo, self.groups, self.store, self.cfg = plan, topo, groups, store, cfg
+        self.log = log
+        self.spec = get_model(plan.model)
+        start, end = plan.stages[topo.stage]
+        self.model = StageModel(self.spec, start, end, seed=cfg.seed)
+        self.comm = Comm(cfg.timeout_s)
+        self.pipe = PipelineStage(self.model, topo, self.comm, plan.micro_batch_size)
+        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
+                               plan.micro_batch_size)
+        self.val = (data.val_batches(cfg.eval_sequences, plan.micro_batch_size)
+                    if cfg.eval_sequences else [])
+        self.params = list(self.model.parameters())
+        self.average = make_group_average(self.comm, groups.stage, len(topo.stage_ranks),
+                                          plan.sync.compression,
+                                          f"all-reduce of stage {topo.stage} over ranks "
+                                          f"{list(topo.stage_ranks)}")
+        inner = make_inner_optimizer(self.model, cfg)
+        if plan.sync.mode == "diloco":
+            self.opt: Any = DiLoCoOptimizer(
+                self.params, inner, outer_lr=plan.sync.outer_lr,
+                outer_momentum=plan.sync.outer_momentum, inner_steps=plan.sync.inner_steps,
+                all_reduce_fn=self._outer_all_reduce)
+        else:
+            self.opt = inner
+        self.step = 0
+        self.tokens = 0
+        self.dp_bytes = 0
+
+    def _outer_all_reduce(self, flat: torch.Tensor) -> int:
+        """DiLoCo's outer communication: check every group member is there, then average."""
+        if len(self.topo.stage_ranks) > 1:
+            t0 = time.perf_counter()
+            outer = self.opt.outer_count if isinstance(self.opt, DiLoCoOptimizer) else 0
+            wait_for_peers(self.store, f"diloco/stage{self.topo.stage}/outer{outer}",
+                           self.topo.rank, self.topo.stage_ranks, self.cfg.timeout_s,
+                           self.cfg.wait_for_peers, self.log)
+            self.comm.wait_s += time.perf_counter() - t0
+        sent = self.average(flat)
+        self.dp_bytes += sent
+        return sent
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        p, t = self.plan, self.topo
+        return {"model": p.model, "stages": [list(s) for s in p.stages], "rank": t.rank,
+                "replica": t.replica, "stage": t.stage, "world_size": t.world_size,
+                "sync_mode": p.sync.mode, "inner_steps": p.sync.inner_steps,
+                "micro_batch_size": p.micro_batch_size,
+                "num_micro_batches": p.num_micro_batches, "seed": self.cfg.seed}
+
+    def save(self) -> None:
+        """Write this rank's checkpoint (model, optimizers, data position = step, RNG)."""
+        state = {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
+                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                 "rng": torch.get_rng_state()}
+        save_checkpoint(checkpoint_path(self.cfg.ckpt_dir, self.topo.rank), self._meta(), state)
+
+    def load(self) -> None:
+        """Restore this rank's checkpoint and check every rank resumes at the same step."""
+        path = checkpoint_path(self.cfg.ckpt_dir, self.topo.rank)
+        state = load_checkpoint(path, self._meta())
+        try:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+            self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            self.dp_bytes = int(state["dp_bytes"])
+            torch.set_rng_state(state["rng"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise UserError(f"checkpoint {path}: does not fit this stage "
+                            f"({str(e).splitlines()[0]})") from None
+        steps = torch.tensor([self.step, -self.step], dtype=torch.int64)
+        work = dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True)
+        self.comm.wait(work, "comparing checkpoint steps with every rank")
+        if int(steps[0]) != -int(steps[1]):
+            raise UserError(f"checkpoints in {self.cfg.ckpt_dir} disagree: steps range from "
+                            f"{-int(steps[1])} to {int(steps[0])}; some rank saved later than "
+                            "others, resume from a consistent --ckpt-dir")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train_step(self) -> float | None:
+        """One optimizer step of this rank; returns the replica's mean loss on the last stage."""
+        topo, plan = self.topo, self.plan
+        self.opt.zero_grad(set_to_none=True)
+        x = y = None
+        if topo.is_first or topo.is_last:
+            x, y = self.sharder.micro_batches(self.step, topo.replica)
+        loss = self.pipe.train_step(x, y, plan.num_micro_batches)
+        sum_tied_grads(self.model.tied_pair(), self.comm, self.groups.tied)
+        if plan.sync.mode == "allreduce":
+            self.dp_bytes += average_grads(self.params, self.average)
+        self.opt.step()  # DiLoCo: inner step, and every H steps the outer (communicating) one
+        return loss
+
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the fixed validation set (returned on the last stage)."""
+        if not self.val:
+            return None
+        self.model.eval()
+        xs = [b[0] for b in self.val] if self.topo.is_first else None
+        ys = [b[1] for b in self.val] if self.topo.is_last else None
+        loss = self.pipe.eval_loss(xs, ys, len(self.val))
+        self.model.train()
+        return loss
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train from the current step (0, or the checkpoint's) up to cfg.steps."""
+        cfg, topo, plan = self.cfg, self.topo, self.plan
+        if cfg.resume:
+            self.load()
+            self.log(f"resumed from step {self.step}")
+        writer = None
+        if cfg.metrics and topo.is_last:
+            writer = MetricsWriter(replica_metrics_path(cfg.metrics, topo.replica),
+                                   append=cfg.resume)
+        tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
+        records = []
+        try:
+            while self.step < cfg.steps:
+                t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
+                dp0 = self.dp_bytes
+                loss = self.train_step()
+                self.step += 1
+                self.tokens += tokens_per_step
+                step_s = time.perf_counter() - t0
+                comm_s = self.comm.wait_s - wait0
+                rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
+                       "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
+                       "comm_s": round(comm_s, 6),
+                       "bytes_sent": self.comm.bytes_sent - bytes0,
+                       "dp_bytes_sent": self.dp_bytes - dp0,
+                       "outer_step": getattr(self.opt, "outer_count", None),
+                       "tokens_per_s": round(tokens_per_step * plan.num_replicas / step_s, 1),
+                       "replica": topo.replica, "wall_time": round(time.time(), 3)}
+                last = self.step == cfg.steps
+                if self.val and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                    val = self.evaluate()
+                    if val is not None:
+                        rec["val_loss"] = val
+                if writer:
+                    writer.write(rec)
+                if topo.is_last:
+                    records.append(rec)
+                    if topo.replica == 0 and (self.step % cfg.log_every == 0 or last):
+                        extra = f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+                        self.log(f"step {self.step}/{cfg.steps} loss {loss:.4f} "
+                                 f"tok/s {rec['tokens_per_s']:.0f} step_s {step_s:.3f} "
+                                 f"comm_s {comm_s:.3f}{extra}")
+                if cfg.ckpt_dir and cfg.ckpt_every and (self.step % cfg.ckpt_every == 0 or last):
+                    self.save()
+        finally:
+            if writer:
+                writer.close()
+        work = dist.barrier(async_op=True)  # nobody leaves (rank 0 hosts the store) early
+        self.comm.wait(work, "final barrier with every rank")
+        return records
+
+

@@ -1,0 +1,197 @@
+"""Start every rank of a plan on this machine, stream their logs, stop them all together.
+
+    python scripts/launch_local.py --plan plan.json [--netns-map map.json] -- [dist_runner args]
+
+Picks a free port on --host for the rendezvous, starts `python dist_runner.py --rank R ...` for
+every device of the plan (each in its own process group), prefixes each output line with the
+rank, and prints a progress summary. If a rank fails the others are stopped and the launcher
+exits with that rank's status; Ctrl+C or SIGTERM stops every child (SIGTERM to its process
+group, SIGKILL after --grace-s). With --netns-map, rank R runs under `ip netns exec NS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if not __package__:
+    sys.path.insert(0, str(ROOT))
+
+from scheduler.errors import UserError  # noqa: E402
+from scheduler.plan import load_plan  # noqa: E402
+
+PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
+
+
+class Stop(Exception):
+    """SIGTERM (or SIGHUP) arrived: stop every child."""
+
+
+def free_port(host: str) -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def load_netns_map(path: str | None, ranks: list[int]) -> dict[int, str]:
+    """{rank: namespace} from a JSON object {"0": "ns0", ...}; every rank must be mapped."""
+    if not path:
+        return {}
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--netns-map: cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError('--netns-map: expected a JSON object {"RANK": "NAMESPACE", ...}')
+    try:
+        mapping = {int(k): str(v) for k, v in raw.items()}
+    except ValueError:
+        raise UserError("--netns-map: keys must be rank numbers") from None
+    missing = [r for r in ranks if r not in mapping]
+    if missing:
+        raise UserError(f"--netns-map: ranks {missing} have no namespace")
+    return mapping
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Launcher flags, and the arguments after `--` for dist_runner.py."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description="Run every rank of a plan on this machine; "
+                                "arguments after -- go to dist_runner.py.")
+    p.add_argument("--plan", required=True, help="plan/1 JSON file")
+    p.add_argument("--host", default="127.0.0.1", help="rendezvous address (rank 0 listens)")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
+    p.add_argument("--threads-per-rank", type=int, default=0,
+                   help="OMP/torch threads per rank (0: cores / ranks, at least 1)")
+    p.add_argument("--netns-map", help='JSON {"RANK": "NETNS"}: run rank under ip netns exec')
+    p.add_argument("--gloo-ifname", help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
+    p.add_argument("--grace-s", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--runner", default=str(ROOT / "dist_runner.py"), help=argparse.SUPPRESS)
+    return p.parse_args(argv), rest
+
+
+def start_rank(rank: int, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start one rank in its own process group, stdout+stderr merged into a pipe."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, env=env, start_new_session=True, cwd=ROOT)
+
+
+def stream(rank: int, proc: subprocess.Popen, progress: dict[int, str],
+           lock: threading.Lock) -> None:
+    """Copy a rank's output with a `[rank R]` prefix; remember its latest progress line."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n").removeprefix(f"rank {rank}: ")
+        m = PROGRESS.search(line)
+        with lock:
+            if m:
+                progress[rank] = (f"step {m.group(1)}/{m.group(2)} loss {m.group(3)} "
+                                  f"tok/s {m.group(4)}")
+            print(f"[rank {rank}] {line}", flush=True)
+
+
+def stop_all(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every live child's process group, then SIGKILL what is left after grace_s."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # the child's own group (start_new_session), by its pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Launch, supervise and stop the ranks; returns the exit status."""
+    args, rest = parse_args(argv)
+    plan = load_plan(args.plan)
+    ranks = sorted(plan.devices())
+    netns = load_netns_map(args.netns_map, ranks)
+    port = args.port or free_port(args.host if not netns else "127.0.0.1")
+    url = f"tcp://{args.host}:{port}"
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    if args.gloo_ifname:
+        env["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
+    print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "
+          f"{plan.num_stages} stages), rendezvous {url}, {threads} thread(s) per rank",
+          flush=True)
+
+    def on_term(signum, frame):
+        raise Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    procs: dict[int, subprocess.Popen] = {}
+    done: queue.Queue = queue.Queue()
+    progress: dict[int, str] = {}
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    status = 0
+    try:
+        for r in ranks:
+            cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
+                   "--world-size", str(len(ranks)), "--dist-url", url,
+                   "--threads", str(threads), *rest]
+            if r in netns:
+                cmd = ["ip", "netns", "exec", netns[r], *cmd]
+            procs[r] = start_rank(r, cmd, env)
+            out = threading.Thread(target=stream, args=(r, procs[r], progress, lock),
+                                   daemon=True)
+            out.start()
+            threading.Thread(target=lambda r=r, out=out: (procs[r].wait(), out.join(),
+                                                          done.put(r)), daemon=True).start()
+        for _ in ranks:
+            r = done.get()
+            rc = procs[r].returncode
+            if rc != 0:
+                print(f"launch: rank {r} exited with status {rc}; stopping the other ranks",
+                      flush=True)
+                status = rc if rc > 0 else 1
+                break
+    except (KeyboardInterrupt, Stop) as e:
+        print(f"launch: {type(e).__name__ if isinstance(e, KeyboardInterrupt) else e}; "
+              "stopping every rank", flush=True)
+        status = 130
+    finally:
+        stop_all(procs, args.grace_s)
+    wall = time.monotonic() - t0
+    for r in sorted(progress):
+        print(f"launch: rank {r} last: {progress[r]}")
+    if status == 0:
+        print(f"launch: all {len(ranks)} ranks finished in {wall:.1f} s")
+    return status
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
