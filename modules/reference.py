@@ -1,0 +1,32 @@
+"""Single-process reference training: the full model on the runtime's global batches.
+
+A plan of S stages x R replicas with sync `allreduce` must reproduce these losses; tests and
+benchmarks compare against it.
+"""
+
+from __future__ import annotations
+
+from modules.data import FakeData, Sharder, TextData
+from modules.model import StageModel, tie_weights_
+from modules.trainer import RunConfig, make_inner_optimizer
+from scheduler.models import get_model
+from scheduler.plan import Plan
+
+
+def reference_losses(plan: Plan, data: TextData | FakeData, cfg: RunConfig) -> list[float]:
+    """Train the whole (truly tied) model on every step's global batch; loss of each step."""
+    spec = get_model(plan.model)
+    model = StageModel(spec, 0, spec.num_layers, seed=cfg.seed)
+    if spec.tie_embeddings:
+        tie_weights_(model)
+    opt = make_inner_optimizer(model, cfg)
+    sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches, plan.micro_batch_size)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = data.samples(step * sharder.global_batch, sharder.global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
