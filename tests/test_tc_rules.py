@@ -57,18 +57,22 @@ def test_commands_exact_text() -> None:
     text = [" ".join(x) for x in apply_commands(rules[2])]
     assert text == [
         "tc qdisc add dev veth7 root handle 1: htb default 0",
-        "tc class add dev veth7 parent 1: classid 1:1 htb rate 1000mbit ceil 1000mbit",
-        "tc class add dev veth7 parent 1:1 classid 1:10 htb rate 200mbit ceil 200mbit",
+        "tc class add dev veth7 parent 1: classid 1:1 htb rate 1000mbit ceil 1000mbit "
+        "quantum 200000",
+        "tc class add dev veth7 parent 1:1 classid 1:10 htb rate 200mbit ceil 200mbit "
+        "quantum 200000",
         "tc qdisc add dev veth7 parent 1:10 handle 10: netem delay 20ms limit 1000",
         "tc filter add dev veth7 parent 1: protocol ip prio 1 u32 match ip dst 10.9.0.1/32 "
         "flowid 1:10",
-        "tc class add dev veth7 parent 1:1 classid 1:11 htb rate 50mbit ceil 50mbit",
+        "tc class add dev veth7 parent 1:1 classid 1:11 htb rate 50mbit ceil 50mbit "
+        "quantum 200000",
         "tc qdisc add dev veth7 parent 1:11 handle 11: netem delay 30ms limit 1000",
         "tc filter add dev veth7 parent 1: protocol ip prio 1 u32 match ip dst 10.9.0.2/32 "
         "flowid 1:11",
     ]
     no_netem = [" ".join(x) for x in apply_commands(rules[2], netem=False)]
-    assert not any("netem" in x for x in no_netem) and len(no_netem) == len(text) - 2
+    assert not any("netem" in x for x in no_netem) and len(no_netem) == len(text)
+    assert no_netem[3] == "tc qdisc add dev veth7 parent 1:10 handle 10: pfifo limit 1334"
 
 
 def test_rates_exact_in_mbit_or_kbit() -> None:

@@ -6,8 +6,8 @@ and the largest one-way latency over all device pairs (a on A, b on B): what the
 the two hosts would see. Each sending host gets
 
     tc qdisc add dev IF root handle 1: htb default 0           # unmatched traffic: not shaped
-    tc class add dev IF parent 1: classid 1:1 htb rate LINK ceil LINK
-    tc class add dev IF parent 1:1 classid 1:MINOR htb rate R ceil R     # one per (R, delay) set
+    tc class add dev IF parent 1: classid 1:1 htb rate LINK ceil LINK quantum Q
+    tc class add dev IF parent 1:1 classid 1:MINOR htb rate R ceil R quantum Q  # per (R, delay)
     tc qdisc add dev IF parent 1:MINOR handle MINOR: netem delay Dms limit P  # if delay > 0
     tc filter add dev IF parent 1: protocol ip prio 1 u32 match ip dst ADDR/32 flowid 1:MINOR
 
@@ -178,21 +178,34 @@ def netem_limit_packets(rate_kbit: int, delay_ms: float) -> int:
     return max(1000, 2 * math.ceil(bdp))
 
 
+def htb_quantum(rate_kbit: int) -> int:
+    """htb's default quantum (rate/r2q, r2q = 10) clamped to the 1514..200000 bytes it accepts
+    without a kernel warning; with ceil = rate no class borrows, so it only silences that."""
+    return min(200_000, max(1514, rate_kbit * 1000 // 8 // 10))
+
+
 def apply_commands(rules: HostRules, netem: bool = True) -> list[list[str]]:
     """tc argv lists that install `rules` (netem leaves only when `netem`)."""
     dev = ["dev", rules.iface]
     link = format_rate(rules.link_kbit)
     cmds = [["tc", "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "0"],
             ["tc", "class", "add", *dev, "parent", "1:", "classid", "1:1", "htb",
-             "rate", link, "ceil", link]]
+             "rate", link, "ceil", link, "quantum", str(htb_quantum(rules.link_kbit))]]
     for c in rules.classes:
         rate = format_rate(c.rate_kbit)
         cmds.append(["tc", "class", "add", *dev, "parent", "1:1", "classid", c.classid, "htb",
-                     "rate", rate, "ceil", rate])
+                     "rate", rate, "ceil", rate, "quantum", str(htb_quantum(c.rate_kbit))])
         if netem and c.delay_ms > 0:
             cmds.append(["tc", "qdisc", "add", *dev, "parent", c.classid, "handle",
                          f"{c.minor:x}:", "netem", "delay", format_delay(c.delay_ms),
                          "limit", str(netem_limit_packets(c.rate_kbit, c.delay_ms))])
+        elif c.delay_ms > 0:
+            # Delay added elsewhere (receiver's delay line): the default 1000-packet leaf queue
+            # would drop TCP's slow-start overshoot on a long path and the flow would recover
+            # slowly, so give the leaf room for the round trip's bandwidth-delay product.
+            cmds.append(["tc", "qdisc", "add", *dev, "parent", c.classid, "handle",
+                         f"{c.minor:x}:", "pfifo", "limit",
+                         str(netem_limit_packets(c.rate_kbit, 2 * c.delay_ms))])
         for addr in c.dest_addresses:
             cmds.append(["tc", "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio",
                          "1", "u32", "match", "ip", "dst", f"{addr}/32", "flowid", c.classid])

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""A cluster file emulated on one machine: network-namespace hosts with shaped links.
+
+    python scripts/local_cluster.py up --cluster cluster.json [--hosts N] [--prefix stn]
+    python scripts/local_cluster.py probe [--prefix stn] [--out measured.json]
+    python scripts/local_cluster.py status|down [--prefix stn]
+
+`up` creates N namespace hosts `{prefix}-0..N-1` (eth0 198.18.0.1.., lo up, veths into bridge
+`{prefix}-br`), maps devices onto them (--group-by modulo: device i on host i % N; region:
+region k on host k % N), applies the cluster's tc rules in each namespace (netem where the
+kernel has it, else the NFQUEUE delay line on each receiver's INPUT; a missing delay is
+reported, never silent) and writes into --out-dir (default out/local_cluster/PREFIX):
+  ip_list         one `root@ADDRESS` per host (for cluster_ssh.py when sshd runs in them)
+  netns_map.json  rank -> namespace/address/iface, for the launcher (format netns-map/1)
+  cluster.json    the cluster with every device.host set to its namespace host's address
+`down` removes everything of the prefix (idempotent; also after a crash). Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scheduler.atomic_io import atomic_write_bytes, atomic_write_json  # noqa: E402
+from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from scheduler.errors import UserError  # noqa: E402
+from scripts.netemu import netns  # noqa: E402
+from scripts.netemu.cli import run_main  # noqa: E402
+from scripts.netemu.hostlist import HostEntry, format_host_list  # noqa: E402
+from scripts.netemu.local import DELAY_MODES, apply_local, show_local  # noqa: E402
+from scripts.netemu.shell import missing_root_tools  # noqa: E402
+from scripts.netemu.tcrules import group_devices  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NETNS_MAP_FORMAT = "netns-map/1"
+
+
+def netns_map(st: netns.NetnsState) -> dict:
+    """The rank -> namespace map the launcher reads (rank = device id)."""
+    hosts = [{"index": i, "netns": st.namespace(i), "address": netns.address(i),
+              "iface": netns.IFACE, "devices": list(g)} for i, g in enumerate(st.groups)]
+    ranks = {str(d): {"netns": h["netns"], "address": h["address"], "iface": netns.IFACE,
+                      "host": h["index"]} for h in hosts for d in h["devices"]}
+    return {"format": NETNS_MAP_FORMAT, "prefix": st.prefix, "delay_mode": st.delay_mode,
+            "hosts": hosts, "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))}
+
+
+def local_cluster_file(cluster: Cluster, st: netns.NetnsState) -> Cluster:
+    """The cluster with each device.host replaced by its namespace host's address."""
+    host_of = {d: i for i, g in enumerate(st.groups) for d in g}
+    devices = [replace(d, host=netns.address(host_of[d.id])) for d in cluster.devices]
+    return Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Create, shape and describe the namespace hosts."""
+    cluster = load_cluster(args.cluster)
+    n = args.hosts if args.hosts is not None else cluster.num_devices
+    groups = group_devices(cluster, args.group_by, n)
+    out_dir = Path(args.out_dir or ROOT / "out" / "local_cluster" / args.prefix)
+    st = netns.create(args.prefix, len(groups))
+    try:
+        st.groups = [list(g) for g in groups]
+        st.group_by, st.link_gbps = args.group_by, args.link_gbps
+        st.cluster_file, st.out_dir = str(Path(args.cluster).resolve()), str(out_dir)
+        st.save()
+        report = apply_local(st, cluster, args.delay)
+        entries = [HostEntry("root", netns.address(i)) for i in range(st.num_hosts)]
+        atomic_write_bytes(out_dir / "ip_list", format_host_list(
+            entries, f"namespace hosts of local cluster {st.prefix}").encode())
+        atomic_write_json(out_dir / "netns_map.json", netns_map(st))
+        save_cluster(local_cluster_file(cluster, st), out_dir / "cluster.json")
+    except BaseException:
+        netns.destroy(args.prefix)
+        raise
+    for i, g in enumerate(st.groups):
+        print(f"host {i}: netns {st.namespace(i)} {netns.address(i)} devices {g}")
+    for line in report:
+        print(line)
+    print(f"wrote {out_dir}/ip_list, netns_map.json, cluster.json")
+    print(f"state {netns.state_path(st.prefix)}; remove with: python scripts/local_cluster.py "
+          f"down --prefix {st.prefix}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Remove everything of the prefix."""
+    removed = netns.destroy(args.prefix)
+    print(f"removed: {', '.join(removed)}" if removed else
+          f"nothing of prefix {args.prefix!r} was left")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Show live rules vs the cluster; exit 1 on a mismatch."""
+    st = netns.load_state(args.prefix)
+    text, ok = show_local(st, load_cluster(st.cluster_file))
+    print(f"local cluster {st.prefix}: {st.num_hosts} hosts, delay {st.delay_mode}")
+    print(text)
+    return 0 if ok else 1
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Measure every ordered host pair; write measured.json."""
+    from scripts.netemu.probe import probe_local
+    st = netns.load_state(args.prefix)
+    out = Path(args.out or Path(st.out_dir) / "measured.json")
+    text = probe_local(st, load_cluster(st.cluster_file), out, args.seconds, args.pings)
+    print(text)
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="create namespace hosts and shape their links")
+    up.add_argument("--cluster", required=True, help="cluster/1 JSON file")
+    up.add_argument("--hosts", type=int, default=None,
+                    help="number of namespace hosts N (default: one per device)")
+    up.add_argument("--group-by", choices=("modulo", "region"), default="modulo",
+                    help="device -> host mapping (modulo: device i on host i %% N)")
+    up.add_argument("--link-gbps", type=float, default=100.0,
+                    help="link capacity in Gbit/s; a class above it is an error (100)")
+    up.add_argument("--delay", choices=DELAY_MODES, default="auto",
+                    help="auto: netem if the kernel has it, else the NFQUEUE delay line")
+    up.add_argument("--out-dir", help="where ip_list, netns_map.json, cluster.json go")
+    probe = sub.add_parser("probe", help="measure bandwidth and RTT per host pair")
+    probe.add_argument("--out", help="measured cluster file (default OUT_DIR/measured.json)")
+    probe.add_argument("--seconds", type=float, default=1.5, help="TCP stream per pair (1.5)")
+    probe.add_argument("--pings", type=int, default=10, help="TCP ping-pongs per pair (10)")
+    for name in ("down", "status"):
+        sub.add_parser(name, help=f"{name} the local cluster")
+    for sp in sub.choices.values():
+        sp.add_argument("--prefix", default="stn", help="name prefix of the namespace hosts (stn)")
+    args = p.parse_args(argv)
+    netns.check_prefix(args.prefix)
+    why = missing_root_tools(("ip", "tc", "iptables"))
+    if why:
+        raise UserError(f"local_cluster.py {args.cmd}: {why}")
+    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "probe": cmd_probe}[args.cmd](
+        args)
+
+
+if __name__ == "__main__":
+    run_main(main)

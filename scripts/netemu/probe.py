@@ -1,0 +1,127 @@
+"""Per-pair bandwidth and RTT between hosts, written back as a cluster file.
+
+The agent (probe_agent.py, stdlib only) runs a server on every host; each ordered pair is then
+measured one at a time (a TCP ping-pong for RTT, then a TCP stream for bandwidth), so pairs do
+not compete for the same sender's link or the CPU. In the measured cluster, device pairs on two
+different hosts get the measured bandwidth and half the measured RTT as one-way latency (the
+probe cannot split a round trip); device pairs on the same host keep the configured values.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scheduler.cluster import Cluster, save_cluster
+from scheduler.errors import UserError
+from scripts.netemu.shaping import table
+from scripts.netemu.tcrules import host_links
+
+AGENT = Path(__file__).resolve().parent / "probe_agent.py"
+PORT = 47913
+BW_TOLERANCE = 0.10
+RTT_TOLERANCE = 0.10
+RTT_SLACK_MS = 2.0
+
+
+@dataclass
+class PairResult:
+    """One ordered host pair."""
+
+    src: int
+    dst: int
+    rtt_ms: float
+    bit_per_s: float
+
+
+def parse_measure(out: str, where: str) -> tuple[float, float]:
+    """(rtt_ms, bit/s) from the agent's JSON line."""
+    try:
+        obj = json.loads(out.strip().splitlines()[-1])
+        return float(obj["rtt_ms"]), float(obj["bit_per_s"])
+    except (IndexError, KeyError, ValueError, TypeError):
+        raise UserError(f"probe {where}: unexpected agent output {out.strip()[-200:]!r}") from None
+
+
+def probe_pairs(num_hosts: int, measure: Callable[[int, int], tuple[float, float]],
+                log: Callable[[str], None] | None = None) -> list[PairResult]:
+    """Measure every ordered pair (src, dst) one after the other."""
+    out = []
+    for i in range(num_hosts):
+        for j in range(num_hosts):
+            if i != j:
+                rtt, bps = measure(i, j)
+                out.append(PairResult(i, j, rtt, bps))
+                if log:
+                    log(f"  {i}->{j}: rtt {rtt:.1f} ms, {bps / 1e6:.1f} Mbit/s")
+    return out
+
+
+def measured_cluster(cluster: Cluster, groups: list[tuple[int, ...]],
+                     results: list[PairResult]) -> Cluster:
+    """The cluster with inter-host entries replaced by measurements."""
+    lat = np.array(cluster.latency_ms, dtype=float)
+    bw = np.array(cluster.bandwidth_gbps, dtype=float)
+    for r in results:
+        sub = np.ix_(list(groups[r.src]), list(groups[r.dst]))
+        lat[sub] = r.rtt_ms / 2.0
+        bw[sub] = max(r.bit_per_s, 1.0) / 1e9
+    return Cluster(f"{cluster.name}-measured", list(cluster.devices), lat, bw)
+
+
+def comparison(cluster: Cluster, groups: list[tuple[int, ...]], results: list[PairResult],
+               delay_applied: bool) -> tuple[str, bool]:
+    """Configured vs measured table per pair; whether every pair meets the targets.
+
+    Targets: bandwidth within 10% of the configured rate; RTT within 10% + 2 ms of the
+    configured round trip (only where delay is applied; else the configured RTT is 0)."""
+    lat, bw = host_links(cluster, groups)
+    rows, all_ok = [], True
+    for r in results:
+        want_bps = bw[r.src, r.dst] * 1e9
+        want_rtt = (lat[r.src, r.dst] + lat[r.dst, r.src]) if delay_applied else 0.0
+        bw_ok = abs(r.bit_per_s - want_bps) <= BW_TOLERANCE * want_bps
+        rtt_ok = abs(r.rtt_ms - want_rtt) <= RTT_TOLERANCE * want_rtt + RTT_SLACK_MS
+        all_ok &= bw_ok and rtt_ok
+        rows.append([f"{r.src}->{r.dst}", f"{want_bps / 1e6:g}", f"{r.bit_per_s / 1e6:.1f}",
+                     f"{r.bit_per_s / want_bps:.3f}", f"{want_rtt:g}", f"{r.rtt_ms:.1f}",
+                     ("ok" if bw_ok else "BW") + ("" if rtt_ok else " RTT")])
+    head = ["pair", "rate Mbit/s", "measured", "ratio", "RTT ms", "measured", "within target"]
+    note = "" if delay_applied else "\n(delay not applied: configured RTT shown as 0)"
+    return table(head, rows) + note, all_ok
+
+
+def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: ignore[no-untyped-def]
+                pings: int = 10, quiet: bool = False) -> str:
+    """Probe the namespace hosts of `st`; write the measured cluster; returns the table text."""
+    from scripts.netemu.netns import address, start_in_namespace
+    from scripts.netemu.shell import sh
+    servers = []
+    try:
+        for i in range(st.num_hosts):
+            log = Path(st.out_dir or "/tmp") / f"probe_agent.{st.namespace(i)}.log"
+            servers.append(start_in_namespace(st, i, [sys.executable, str(AGENT), "serve",
+                                                      "--bind", address(i), "--port",
+                                                      str(PORT)], log))
+
+        def measure(i: int, j: int) -> tuple[float, float]:
+            p = sh([*st.exec_prefix(i), sys.executable, str(AGENT), "measure", "--to",
+                    f"{address(j)}:{PORT}", "--seconds", str(seconds), "--pings", str(pings)],
+                   timeout=120)
+            return parse_measure(p.stdout, f"{i}->{j}")
+
+        results = probe_pairs(st.num_hosts, measure, None if quiet else print)
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(timeout=10)
+    groups = [tuple(g) for g in st.groups]
+    save_cluster(measured_cluster(cluster, groups, results), out)
+    applied = st.delay_mode in ("netem", "delay-line")
+    text, _ = comparison(cluster, groups, results, applied)
+    return text

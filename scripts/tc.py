@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Apply, show or reset a cluster's tc rules on every host: over SSH, or on local namespace hosts.
+
+    python scripts/tc.py apply|show|reset --cluster cluster.json --hosts ip_list
+        [--known-hosts FILE] [--key KEY] [--sudo] [--group-by ...] [--iface eth0]
+    python scripts/tc.py apply|show|reset --cluster cluster.json --local PREFIX
+
+Over SSH, line k of ip_list is host k; its address is what the other hosts' u32 filters match.
+Where a kernel has no sch_netem the rules go in without netem leaves and the delay is handled
+by the delay line (local namespaces: started automatically; SSH hosts: started when python3 and
+NetfilterQueue are present there, else reported as "delay not applied"). `show` compares the live
+qdiscs/classes/filters with the cluster and exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scheduler.cluster import load_cluster  # noqa: E402
+from scheduler.errors import UserError  # noqa: E402
+from scripts.netemu import netns  # noqa: E402
+from scripts.netemu.cli import add_cluster_args, resolve, run_main  # noqa: E402
+from scripts.netemu.local import DELAY_MODES, apply_local, reset_local, show_local  # noqa: E402
+from scripts.netemu.shell import missing_root_tools  # noqa: E402
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """The local namespace cluster `--local PREFIX`."""
+    why = missing_root_tools(("ip", "tc"))
+    if why:
+        raise UserError(f"tc.py --local: {why}")
+    st = netns.load_state(args.local)
+    cluster = load_cluster(args.cluster)
+    if cluster.num_devices != sum(len(g) for g in st.groups):
+        raise UserError(f"{args.cluster}: {cluster.num_devices} devices, but local cluster "
+                        f"{st.prefix} was built for {sum(len(g) for g in st.groups)}")
+    if args.action == "apply":
+        st.cluster_file = str(Path(args.cluster).resolve())
+        for line in apply_local(st, cluster, args.delay):
+            print(line)
+        text, ok = show_local(st, cluster)
+        print(text)
+        return 0 if ok else 1
+    if args.action == "show":
+        text, ok = show_local(st, cluster)
+        print(f"delay: {st.delay_mode}")
+        print(text)
+        return 0 if ok else 1
+    for line in reset_local(st, cluster):
+        print(line)
+    print(f"reset {st.num_hosts} namespace hosts of {st.prefix}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("action", choices=("apply", "show", "reset"))
+    add_cluster_args(p)
+    p.add_argument("--local", metavar="PREFIX",
+                   help="the namespace hosts of `local_cluster.py up --prefix PREFIX`")
+    p.add_argument("--delay", choices=DELAY_MODES, default="auto",
+                   help="auto: netem if the kernel has it, else the delay line")
+    p.add_argument("--known-hosts", default="known_hosts",
+                   help="known_hosts file written by cluster_ssh.py accept-keys (known_hosts)")
+    p.add_argument("--key", help="private key file (default: ssh agent / ~/.ssh keys)")
+    p.add_argument("--sudo", action="store_true", help="prefix remote tc/iptables with sudo -n")
+    p.add_argument("--timeout", type=float, default=20.0, help="SSH connect timeout s (20)")
+    args = p.parse_args(argv)
+    if bool(args.local) == bool(args.hosts):
+        raise UserError("give exactly one of --hosts IP_LIST (SSH) or --local PREFIX")
+    if args.local:
+        return run_local(args)
+    from scripts.netemu.remote import run_remote
+    return run_remote(args, resolve(args))
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,169 @@
+"""Local namespace cluster: real namespaces, tc shaping, delay line, probe, cleanup (root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from itertools import count
+
+import numpy as np
+import pytest
+from conftest import run_entry
+
+from scheduler.cluster import Cluster, Device, load_cluster, save_cluster
+from scripts.netemu import netns
+from scripts.netemu.shell import missing_root_tools
+
+pytestmark = pytest.mark.netns
+_ids = count()
+
+
+def _skip_reason() -> str | None:
+    why = missing_root_tools(("ip", "tc", "iptables"))
+    if why:
+        return why
+    probe = f"tcprobe{os.getpid()}"
+    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"cannot create a network namespace: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+_REASON = _skip_reason()
+if _REASON:
+    pytest.skip(_REASON, allow_module_level=True)
+
+
+def _has_nfqueue() -> bool:
+    try:
+        import netfilterqueue  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cluster(path, lat_ms: float, rates_mbit: list[list[float]]) -> str:
+    n = len(rates_mbit)
+    bw = np.array(rates_mbit, dtype=float) / 1000.0
+    np.fill_diagonal(bw, np.inf)
+    lat = np.full((n, n), float(lat_ms))
+    np.fill_diagonal(lat, 0.0)
+    devs = [Device(i, f"d{i}", f"r{i % 2}", f"10.9.0.{i + 1}", "T4-16GB", 65.0, 16.0)
+            for i in range(n)]
+    save_cluster(Cluster("t", devs, lat, bw), path)
+    return str(path)
+
+
+@pytest.fixture
+def prefix():
+    """A unique prefix; everything of it is removed afterwards, also on failure."""
+    p = f"t{os.getpid() % 100000}x{next(_ids)}"
+    try:
+        yield p
+    finally:
+        netns.destroy(p)
+
+
+def _leftovers(prefix: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [w for w in (ns + links).split() if w.startswith(prefix + "-")]
+
+
+@pytest.mark.timeout(120)
+def test_up_shapes_rates_probe_and_down(tmp_path, prefix) -> None:
+    # 4 devices on 2 hosts (modulo): host links 40 vs 120 Mbit/s, no delay.
+    rates = [[0, 40, 0, 40], [120, 0, 120, 0], [0, 40, 0, 40], [120, 0, 120, 0]]
+    rates = [[v if v else 1000 for v in row] for row in rates]
+    c = _cluster(tmp_path / "c.json", 0.0, rates)
+    out = tmp_path / "out"
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--hosts", "2",
+                   "--prefix", prefix, "--out-dir", str(out), "--link-gbps", "1")
+    assert up.returncode == 0, up.stderr
+    assert f"host 0: netns {prefix}-0 198.18.0.1 devices [0, 2]" in up.stdout
+    assert "delay: none" in up.stdout
+    m = json.loads((out / "netns_map.json").read_text())
+    assert m["format"] == "netns-map/1"
+    assert m["ranks"]["3"] == {"netns": f"{prefix}-1", "address": "198.18.0.2",
+                               "iface": "eth0", "host": 1}
+    assert (out / "ip_list").read_text().splitlines()[1:] == ["root@198.18.0.1",
+                                                             "root@198.18.0.2"]
+    assert [d.host for d in load_cluster(out / "cluster.json").devices] == [
+        "198.18.0.1", "198.18.0.2", "198.18.0.1", "198.18.0.2"]
+    st = run_entry("scripts/local_cluster.py", "status", "--prefix", prefix)
+    assert st.returncode == 0 and "MISMATCH" not in st.stdout, st.stdout
+    probe = run_entry("scripts/local_cluster.py", "probe", "--prefix", prefix, "--seconds", "1")
+    assert probe.returncode == 0, probe.stderr
+    meas = load_cluster(out / "measured.json")
+    # htb gives a single TCP flow 92-96% of the rate here; both directions really limited.
+    assert 0.85 * 0.040 <= meas.bandwidth_gbps[0, 1] <= 1.02 * 0.040, meas.bandwidth_gbps
+    assert 0.85 * 0.120 <= meas.bandwidth_gbps[1, 0] <= 1.02 * 0.120, meas.bandwidth_gbps
+    assert meas.bandwidth_gbps[0, 3] == meas.bandwidth_gbps[0, 1]  # same host pair
+    assert meas.bandwidth_gbps[0, 2] == 1.0  # same host: configured value kept
+    down = run_entry("scripts/local_cluster.py", "down", "--prefix", prefix)
+    assert down.returncode == 0 and f"netns {prefix}-0" in down.stdout
+    assert _leftovers(prefix) == []
+    again = run_entry("scripts/local_cluster.py", "down", "--prefix", prefix)
+    assert again.returncode == 0 and "nothing of prefix" in again.stdout
+
+
+@pytest.mark.timeout(120)
+def test_delay_line_gives_configured_rtt(tmp_path, prefix) -> None:
+    if not _has_nfqueue():
+        pytest.skip("NetfilterQueue not installed (pip install NetfilterQueue), no delay line")
+    c = _cluster(tmp_path / "c.json", 15.0, [[0, 100], [100, 0]])
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--out-dir", str(tmp_path / "o"), "--link-gbps", "1")
+    assert up.returncode == 0, up.stderr
+    assert "delay: netem" in up.stdout or "delay: delay-line" in up.stdout, up.stdout
+    state = netns.load_state(prefix)
+    pids = list(state.delay_pids.values())
+    if state.delay_mode == "delay-line":
+        assert len(pids) == 2 and "kernel has no sch_netem" in up.stdout
+    probe = run_entry("scripts/local_cluster.py", "probe", "--prefix", prefix, "--seconds", "1")
+    assert probe.returncode == 0, probe.stderr
+    meas = load_cluster(tmp_path / "o" / "measured.json")
+    # 15 ms each way: RTT 30 ms within 10% + 2 ms, one-way estimate = RTT / 2.
+    assert abs(2 * meas.latency_ms[0, 1] - 30.0) <= 5.0, probe.stdout
+    assert meas.bandwidth_gbps[0, 1] >= 0.85 * 0.1, probe.stdout
+    netns.destroy(prefix)
+    assert not any(netns.pid_alive(p, "delay_line.py") for p in pids)
+
+
+def test_rate_above_link_is_error_and_leaves_nothing(tmp_path, prefix) -> None:
+    c = _cluster(tmp_path / "c.json", 0.0, [[0, 500], [500, 0]])
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--link-gbps", "0.2", "--out-dir", str(tmp_path / "o"))
+    assert up.returncode == 2 and "above the link capacity 200mbit" in up.stderr, up.stderr
+    assert "Traceback" not in up.stderr
+    assert _leftovers(prefix) == [] and not netns.state_path(prefix).exists()
+
+
+def test_down_after_crash_without_state_file(prefix) -> None:
+    netns.create(prefix, 2)  # as if `up` died right after creating the hosts
+    netns.state_path(prefix).unlink()
+    assert len(_leftovers(prefix)) >= 3
+    removed = netns.destroy(prefix)
+    assert f"netns {prefix}-1" in removed and f"link {prefix}-br" in removed
+    assert _leftovers(prefix) == []
+
+
+def test_tc_show_detects_a_changed_class(tmp_path, prefix) -> None:
+    c = _cluster(tmp_path / "c.json", 0.0, [[0, 50], [80, 0]])
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--out-dir", str(tmp_path / "o"), "--link-gbps", "1")
+    assert up.returncode == 0, up.stderr
+    ok = run_entry("scripts/tc.py", "show", "--cluster", c, "--local", prefix)
+    assert ok.returncode == 0 and "50mbit  50mbit" in ok.stdout, ok.stdout
+    subprocess.run(["ip", "netns", "exec", f"{prefix}-0", "tc", "class", "change", "dev",
+                    "eth0", "parent", "1:1", "classid", "1:10", "htb", "rate", "70mbit",
+                    "ceil", "70mbit"], check=True, capture_output=True)
+    bad = run_entry("scripts/tc.py", "show", "--cluster", c, "--local", prefix)
+    assert bad.returncode == 1 and "70mbit" in bad.stdout and "MISMATCH" in bad.stdout
+    reset = run_entry("scripts/tc.py", "reset", "--cluster", c, "--local", prefix)
+    assert reset.returncode == 0, reset.stderr
+    q = subprocess.run(["ip", "netns", "exec", f"{prefix}-0", "tc", "qdisc", "show", "dev",
+                        "eth0"], capture_output=True, text=True).stdout
+    assert "htb" not in q
