@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo: wait (and log) for a missing peer at an outer step instead of "
                    "failing")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    # tests only: RANK:STEP makes that rank leave silently before STEP (a lost peer)
+    p.add_argument("--debug-vanish", default="", help=argparse.SUPPRESS)
     p.add_argument("--log-every", type=int, default=1, help="print a progress line every K steps")
     return p.parse_args(argv)
 
@@ -87,6 +89,13 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise UserError(f"${name}: expected an integer, got {value!r}") from None
+
+
+def _vanish_step(spec: str, rank: int) -> int:
+    if not spec:
+        return 0
+    who, _, step = spec.partition(":")
+    return int(step) if int(who) == rank else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                     ckpt_every=args.ckpt_every or (args.steps if args.ckpt_dir else 0),
                     resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,
                     eval_sequences=args.eval_sequences, wait_for_peers=args.wait_for_peers,
-                    log_every=max(1, args.log_every))
+                    log_every=max(1, args.log_every),
+                    debug_vanish_at_step=_vanish_step(args.debug_vanish, rank))
     log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")

@@ -4,6 +4,7 @@ checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ class RunConfig:
     wait_for_peers: bool = False
     """DiLoCo: keep waiting (and logging) for a missing peer instead of failing."""
     log_every: int = 1
+    debug_vanish_at_step: int = 0
+    """Tests only: leave silently (exit 0, no goodbye) before this step, like a lost peer."""
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -176,6 +179,9 @@ class Trainer:
         records = []
         try:
             while self.step < cfg.steps:
+                if cfg.debug_vanish_at_step and self.step + 1 == cfg.debug_vanish_at_step:
+                    self.log(f"debug: vanishing before step {self.step + 1}")
+                    os._exit(0)
                 t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
                 dp0 = self.dp_bytes
                 loss = self.train_step()

@@ -1,0 +1,125 @@
+"""DiLoCo in the runtime: same numbers as DiLoCoOptimizer used by hand, communication only at
+outer steps, and a replica whose peer is gone fails loudly naming it (or waits, by flag)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modules.data import DEFAULT_CORPUS, Sharder, TextData, load_tokens
+from modules.diloco import DiLoCoOptimizer
+from modules.dist import PeerError, wait_for_peers
+from modules.metrics import read_metrics, replica_metrics_path
+from modules.model import StageModel, tie_weights_
+from modules.trainer import RunConfig, make_inner_optimizer
+from scheduler.models import get_model
+from scheduler.plan import Plan, SyncConfig, save_plan
+from tests.conftest import run_entry
+
+H, STEPS = 2, 4
+
+
+def _launch(tmp_path, plan, *extra, timeout=150):
+    save_plan(plan, tmp_path / "plan.json")
+    return run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
+                     "--threads-per-rank", "1", "--grace-s", "2", "--",
+                     "--metrics", str(tmp_path / "m.jsonl"), *extra, timeout=timeout)
+
+
+def _threaded_reference(plan: Plan, data: TextData, cfg: RunConfig) -> list[list[float]]:
+    """R full models, each a DiLoCoOptimizer over AdamW, averaging through a thread barrier."""
+    spec = get_model(plan.model)
+    R = plan.num_replicas
+    sharder = Sharder(data, R, plan.num_micro_batches, plan.micro_batch_size)
+    slots: list = [None] * R
+    barrier = threading.Barrier(R, timeout=60)
+    losses: list[list[float]] = [[] for _ in range(R)]
+
+    def worker(r: int) -> None:
+        model = tie_weights_(StageModel(spec, 0, spec.num_layers, seed=cfg.seed))
+
+        def reduce(t: torch.Tensor) -> None:
+            slots[r] = t.clone()
+            barrier.wait()
+            t.copy_(torch.stack(slots).mean(0))
+            barrier.wait()
+
+        opt = DiLoCoOptimizer(model.parameters(), make_inner_optimizer(model, cfg),
+                              inner_steps=plan.sync.inner_steps, all_reduce_fn=reduce)
+        for step in range(cfg.steps):
+            xs, ys = sharder.micro_batches(step, r)
+            opt.zero_grad()
+            loss = model(torch.cat(xs), torch.cat(ys))
+            loss.backward()
+            opt.step()
+            losses[r].append(float(loss.detach()))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(R)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return losses
+
+
+@pytest.mark.timeout(200)
+def test_diloco_2x2_matches_hand_written_diloco_and_syncs_only_at_outer_steps(tmp_path):
+    if not DEFAULT_CORPUS.exists():
+        pytest.skip("Debian fortunes not installed (apt-get install fortunes fortunes-min)")
+    plan = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]],
+                micro_batch_size=2, num_micro_batches=2,
+                sync=SyncConfig(mode="diloco", inner_steps=H))
+    proc = _launch(tmp_path, plan, "--steps", str(STEPS), "--eval-sequences", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [read_metrics(replica_metrics_path(tmp_path / "m.jsonl", r)) for r in range(2)]
+    for rs in recs:
+        assert [r["outer_step"] for r in rs] == [0, 1, 1, 2]
+        dp = [r["dp_bytes_sent"] for r in rs]
+        assert dp[0] == dp[2] == 0 and dp[1] == dp[3] > 0  # only at outer steps
+    # replicas hold the same parameters right after the last outer step
+    assert recs[0][-1]["val_loss"] == pytest.approx(recs[1][-1]["val_loss"], rel=1e-6)
+    spec = get_model("gpt-tiny")
+    torch.set_num_threads(1)
+    want = _threaded_reference(plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len,
+                                              spec.vocab_size), RunConfig(steps=STEPS))
+    got = [[r["loss"] for r in rs] for rs in recs]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(120)
+def test_missing_peer_at_outer_step_fails_loudly_naming_it(tmp_path):
+    plan = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=1,
+                num_micro_batches=1, sync=SyncConfig(mode="diloco", inner_steps=3))
+    t0 = time.monotonic()
+    proc = _launch(tmp_path, plan, "--steps", "6", "--fake-data", "--timeout-s", "4",
+                   "--debug-vanish", "1:2")
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "rank 1 exited" not in out  # it left with status 0, like a silent loss
+    assert "rank(s) [1] of my group [0, 1] did not arrive within 4 s" in out, out[-3000:]
+    assert "not stepping alone" in out
+    assert "launch: rank 0 exited with status 1" in out
+    assert elapsed < 60
+
+
+def test_wait_for_peers_names_the_missing_rank_then_waits_by_flag():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    with pytest.raises(PeerError, match=r"rank\(s\) \[2\] of my group \[0, 1, 2\]"):
+        store.set("k/1/1", "1")
+        wait_for_peers(store, "k/1", 0, (0, 1, 2), timeout_s=0.3)
+    logs: list[str] = []
+    late = threading.Timer(0.8, lambda: store.set("k/2/2", "1"))
+    late.start()
+    store.set("k/2/1", "1")
+    wait_for_peers(store, "k/2", 0, (0, 1, 2), timeout_s=0.3, wait_forever=True,
+                   log=logs.append)
+    late.join()
+    assert logs and "[2]" in logs[0] and "still waiting" in logs[0]
