@@ -1,0 +1,326 @@
+"""SSH batch control of a host list with paramiko: keys, parallel run, background runs, files.
+
+Host keys are only ever trusted from an explicit known_hosts file filled by `accept_keys`;
+normal connections use a policy that refuses an unknown key (naming the host and the key's
+SHA256 fingerprint) and paramiko's check refuses a changed one.
+Background runs (`start`) write `RUN_DIR/NAME@HOST_PORT.pid` on the host (the pid of a `setsid`
+process group) and `RUN_DIR/NAME@HOST_PORT.log`; `kill` signals exactly those process groups.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import posixpath
+import shlex
+import stat
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from scheduler.errors import UserError
+from scripts.netemu.hostlist import HostEntry
+
+DEFAULT_RUN_DIR = ".scattered/runs"
+_print_lock = threading.Lock()
+
+
+class HostKeyError(paramiko.SSHException):
+    """A host key is unknown or changed; the message names the host and the fingerprint."""
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH-style `SHA256:...` fingerprint of a public key."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+    """RejectPolicy with a message that says what to do."""
+
+    def __init__(self, known_hosts: Path) -> None:
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client, hostname, key) -> None:  # type: ignore[no-untyped-def]
+        """Refuse, naming host, key type and fingerprint."""
+        raise HostKeyError(
+            f"{hostname}: unknown host key {key.get_name()} {fingerprint(key)} (not in "
+            f"{self.known_hosts}); if you trust it, record it with `cluster_ssh.py accept-keys`")
+
+
+@dataclass
+class SSHOptions:
+    """How to reach the hosts."""
+
+    known_hosts: Path
+    key_file: str | None = None
+    timeout_s: float = 10.0
+    parallel: int = 32
+
+
+@dataclass
+class HostResult:
+    """Outcome on one host: exit status (None when not reached) plus output or error."""
+
+    host: HostEntry
+    status: int | None
+    stdout: str = ""
+    stderr: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Reached and exited 0."""
+        return self.status == 0
+
+
+def connect(h: HostEntry, opt: SSHOptions) -> paramiko.SSHClient:
+    """An authenticated client; raises HostKeyError for an unknown or changed host key."""
+    client = paramiko.SSHClient()
+    if opt.known_hosts.exists():
+        client.load_host_keys(str(opt.known_hosts))
+    client.set_missing_host_key_policy(_RefuseUnknown(opt.known_hosts))
+    try:
+        client.connect(h.host, h.port, username=h.user, key_filename=opt.key_file,
+                       look_for_keys=opt.key_file is None, allow_agent=opt.key_file is None,
+                       timeout=opt.timeout_s, banner_timeout=opt.timeout_s,
+                       auth_timeout=opt.timeout_s)
+    except paramiko.BadHostKeyException as e:
+        client.close()
+        raise HostKeyError(
+            f"{h.known_hosts_name()}: host key CHANGED: server offers {e.key.get_name()} "
+            f"{fingerprint(e.key)}, {opt.known_hosts} has {fingerprint(e.expected_key)}; "
+            "refusing (possible man-in-the-middle). If the host was really re-installed, "
+            "run `cluster_ssh.py accept-keys --replace`") from None
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def for_all(hosts: list[HostEntry], opt: SSHOptions,
+            fn: Callable[[int, HostEntry, paramiko.SSHClient], HostResult]) -> list[HostResult]:
+    """Connect to every host in parallel and apply fn; failures become HostResult errors."""
+    def one(k: int) -> HostResult:
+        h = hosts[k]
+        try:
+            client = connect(h, opt)
+        except HostKeyError as e:
+            return HostResult(h, None, error=f"REFUSED: {e}")
+        except (OSError, paramiko.SSHException) as e:
+            return HostResult(h, None, error=f"unreachable: {type(e).__name__}: {e}")
+        try:
+            return fn(k, h, client)
+        except (OSError, paramiko.SSHException) as e:
+            return HostResult(h, None, error=f"failed: {type(e).__name__}: {e}")
+        finally:
+            client.close()
+    with ThreadPoolExecutor(max_workers=max(1, min(opt.parallel, len(hosts)))) as pool:
+        return list(pool.map(one, range(len(hosts))))
+
+
+def host_env(k: int, h: HostEntry) -> str:
+    """Shell prefix exporting SCATTERED_HOST_INDEX / SCATTERED_HOST to a remote command."""
+    return f"export SCATTERED_HOST_INDEX={k} SCATTERED_HOST={shlex.quote(h.host)}; "
+
+
+def exec_command(client: paramiko.SSHClient, command: str, timeout_s: float | None = None
+                 ) -> tuple[int, str, str]:
+    """Run `command` through the remote shell; (exit status, stdout, stderr)."""
+    chan = client.get_transport().open_session()  # type: ignore[union-attr]
+    chan.settimeout(timeout_s)
+    chan.exec_command(command)
+    out, err = chan.makefile("rb", -1), chan.makefile_stderr("rb", -1)
+    # stderr in its own thread: a command that fills one stream while we read the other
+    # would otherwise stall on the channel window.
+    err_box: list[bytes] = []
+    t = threading.Thread(target=lambda: err_box.append(err.read()), daemon=True)
+    t.start()
+    stdout = out.read().decode(errors="replace")
+    t.join()
+    stderr = b"".join(err_box).decode(errors="replace")
+    return chan.recv_exit_status(), stdout, stderr
+
+
+def run(hosts: list[HostEntry], opt: SSHOptions, command: str,
+        timeout_s: float | None = None) -> list[HostResult]:
+    """Run `command` on all hosts in parallel (SCATTERED_HOST_INDEX/SCATTERED_HOST set)."""
+    def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
+        status, out, err = exec_command(c, host_env(k, h) + command, timeout_s)
+        return HostResult(h, status, out, err)
+    return for_all(hosts, opt, fn)
+
+
+def print_results(results: list[HostResult], file=sys.stdout) -> bool:  # type: ignore[no-untyped-def]
+    """Prefixed output of every host, then one status line per host; True when all ok."""
+    with _print_lock:
+        for r in results:
+            for stream, text in (("", r.stdout), ("!", r.stderr)):
+                for line in text.splitlines():
+                    print(f"[{r.host.label}]{stream} {line}", file=file)
+        for r in results:
+            what = f"exit {r.status}" if r.status is not None else r.error
+            print(f"[{r.host.label}] {'ok' if r.ok else 'FAILED'}: {what}", file=file)
+        n_ok = sum(r.ok for r in results)
+        print(f"{n_ok}/{len(results)} hosts ok", file=file)
+    return n_ok == len(results)
+
+
+def _run_path(run_dir: str, name: str, h: HostEntry, ext: str) -> str:
+    # The host is in the name: hosts that share a home folder (NFS) keep separate pid files.
+    return posixpath.join(run_dir, f"{name}@{h.host}_{h.port}.{ext}")
+
+
+def check_name(name: str) -> str:
+    """A run name usable in file names."""
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+        raise UserError(f"--name: {name!r} must be letters, digits, '-', '_', '.'")
+    return name
+
+
+def start(hosts: list[HostEntry], opt: SSHOptions, command: str, name: str,
+          run_dir: str = DEFAULT_RUN_DIR) -> list[HostResult]:
+    """Start `command` in the background on every host; pid file RUN_DIR/NAME.pid, log .log."""
+    check_name(name)
+
+    def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
+        pid, log = _run_path(run_dir, name, h, "pid"), _run_path(run_dir, name, h, "log")
+        inner = host_env(k, h) + command
+        # setsid: the run gets its own process group, so `kill` reaches its children too.
+        script = (f"mkdir -p {shlex.quote(run_dir)} && "
+                  f"if [ -e {shlex.quote(pid)} ] && kill -0 \"$(cat {shlex.quote(pid)})\" "
+                  f"2>/dev/null; then echo 'run {name} is already running' >&2; exit 3; fi; "
+                  f"setsid sh -c {shlex.quote(inner)} > {shlex.quote(log)} 2>&1 < /dev/null & "
+                  f"echo $! > {shlex.quote(pid)}; echo started pid $!")
+        status, out, err = exec_command(c, script, opt.timeout_s)
+        return HostResult(h, status, out, err)
+    return for_all(hosts, opt, fn)
+
+
+def kill(hosts: list[HostEntry], opt: SSHOptions, name: str | None = None,
+         run_dir: str = DEFAULT_RUN_DIR, signal_name: str = "TERM") -> list[HostResult]:
+    """Signal the process groups recorded in RUN_DIR/NAME.pid (all names when None)."""
+    if name is not None:
+        check_name(name)
+
+    def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
+        pattern = shlex.quote(_run_path(run_dir, name, h, "pid")) if name else (
+            shlex.quote(run_dir) + "/*" + shlex.quote(f"@{h.host}_{h.port}.pid"))
+        script = (f"for f in {pattern}; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); "
+                  f"if kill -{signal_name} -- -\"$p\" 2>/dev/null || kill -{signal_name} "
+                  "\"$p\" 2>/dev/null; then echo \"killed $p ($f)\"; else "
+                  "echo \"$p ($f) not running\"; fi; rm -f \"$f\"; done")
+        status, out, err = exec_command(c, script, opt.timeout_s)
+        return HostResult(h, status, out, err)
+    return for_all(hosts, opt, fn)
+
+
+def _put_tree(sftp: paramiko.SFTPClient, local: Path, remote: str) -> int:
+    if local.is_dir():
+        _mkdirs(sftp, remote)
+        return sum(_put_tree(sftp, p, posixpath.join(remote, p.name))
+                   for p in sorted(local.iterdir()))
+    sftp.put(str(local), remote)
+    sftp.chmod(remote, local.stat().st_mode & 0o777)
+    return 1
+
+
+def _mkdirs(sftp: paramiko.SFTPClient, remote: str) -> None:
+    parts = [p for p in remote.split("/") if p]
+    cur = "/" if remote.startswith("/") else ""
+    for p in parts:
+        cur = posixpath.join(cur, p) if cur else p
+        try:
+            sftp.stat(cur)
+        except FileNotFoundError:
+            try:
+                sftp.mkdir(cur)
+            except OSError:
+                sftp.stat(cur)  # created meanwhile by someone else: fine; else re-raise
+
+
+def sync(hosts: list[HostEntry], opt: SSHOptions, paths: list[Path], dest: str
+         ) -> list[HostResult]:
+    """Copy files/folders to DEST/<name> on every host over sftp."""
+    for p in paths:
+        if not p.exists():
+            raise UserError(f"sync: {p} does not exist")
+
+    def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
+        with c.open_sftp() as sftp:
+            _mkdirs(sftp, dest)
+            n = sum(_put_tree(sftp, p, posixpath.join(dest, p.name)) for p in paths)
+        return HostResult(h, 0, f"{n} file(s) -> {dest}\n")
+    return for_all(hosts, opt, fn)
+
+
+def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> int:
+    st = sftp.stat(remote)
+    if stat.S_ISDIR(st.st_mode or 0):
+        local.mkdir(parents=True, exist_ok=True)
+        return sum(_get_tree(sftp, posixpath.join(remote, name), local / name)
+                   for name in sorted(sftp.listdir(remote)))
+    local.parent.mkdir(parents=True, exist_ok=True)
+    sftp.get(remote, str(local))
+    return 1
+
+
+def collect(hosts: list[HostEntry], opt: SSHOptions, remote: str, dest: Path
+            ) -> list[HostResult]:
+    """Copy REMOTE (file or folder) from every host to DEST/<user@host_port>/<basename>."""
+    def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
+        target = dest / f"{h.user}@{h.host}_{h.port}" / posixpath.basename(remote.rstrip("/"))
+        with c.open_sftp() as sftp:
+            try:
+                n = _get_tree(sftp, remote, target)
+            except FileNotFoundError:
+                return HostResult(h, 1, "", f"{remote}: no such file on the host\n")
+        return HostResult(h, 0, f"{n} file(s) -> {target}\n")
+    return for_all(hosts, opt, fn)
+
+
+def accept_keys(hosts: list[HostEntry], opt: SSHOptions, replace: bool = False
+                ) -> list[HostResult]:
+    """Fetch each host's key and record it in the known_hosts file (explicit trust step).
+
+    An already recorded, different key is refused unless `replace`."""
+    known = paramiko.HostKeys()
+    if opt.known_hosts.exists():
+        known.load(str(opt.known_hosts))
+    lock = threading.Lock()
+
+    def one(k: int) -> HostResult:
+        h = hosts[k]
+        try:
+            with paramiko.Transport((h.host, h.port)) as t:
+                t.banner_timeout = opt.timeout_s
+                t.start_client(timeout=opt.timeout_s)
+                key = t.get_remote_server_key()
+        except (OSError, paramiko.SSHException) as e:
+            return HostResult(h, None, error=f"unreachable: {type(e).__name__}: {e}")
+        name = h.known_hosts_name()
+        with lock:
+            old = known.lookup(name)
+            prev = old.get(key.get_name()) if old else None
+            if prev is not None and prev != key and not replace:
+                return HostResult(h, None, error=(
+                    f"REFUSED: {name} offers {key.get_name()} {fingerprint(key)} but "
+                    f"{opt.known_hosts} has {fingerprint(prev)}; use --replace if the host was "
+                    "re-installed"))
+            known.add(name, key.get_name(), key)
+        verb = "unchanged" if prev == key else ("replaced" if prev else "recorded")
+        return HostResult(h, 0, f"{verb} {name} {key.get_name()} {fingerprint(key)}\n")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(opt.parallel, len(hosts)))) as pool:
+        results = list(pool.map(one, range(len(hosts))))
+    opt.known_hosts.parent.mkdir(parents=True, exist_ok=True)
+    tmp = opt.known_hosts.with_name(opt.known_hosts.name + f".tmp{os.getpid()}")
+    known.save(str(tmp))
+    os.replace(tmp, opt.known_hosts)
+    return results

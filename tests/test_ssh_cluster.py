@@ -1,0 +1,187 @@
+"""cluster_ssh.py against real OpenSSH servers on loopback addresses (root, openssh-server)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import paramiko
+import pytest
+from conftest import run_entry
+from sshd_helpers import free_port, keygen, sshd_missing, start_sshd
+
+pytestmark = pytest.mark.ssh
+
+_REASON = sshd_missing()
+if _REASON:
+    pytest.skip(_REASON, allow_module_level=True)
+
+ADDRS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Three sshd on 127.0.0.2-4 plus a dead entry; a client key; an ip_list."""
+    d = tmp_path_factory.mktemp("fleet")
+    client_key = keygen(d / "client_key")
+    auth = d / "authorized_keys"
+    auth.write_text((d / "client_key.pub").read_text())
+    servers = []
+    try:
+        for a in ADDRS:
+            servers.append(start_sshd(d, a, auth))
+        dead_port = free_port("127.0.0.5")  # nothing listens there
+        lines = ["# test fleet"] + [f"root@{s.addr}:{s.port}" for s in servers]
+        (d / "ip_list").write_text("\n".join(lines) + "\n")
+        (d / "ip_list_dead").write_text("\n".join(lines + [f"root@127.0.0.5:{dead_port}"]) +
+                                        "\n")
+        yield {"dir": d, "key": str(client_key), "servers": servers,
+               "known": str(d / "known_hosts")}
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def ssh(f, *args: str, hosts: str = "ip_list", known: str | None = None, timeout: float = 60):
+    """Run cluster_ssh.py with the fleet's key and known_hosts."""
+    return run_entry("scripts/cluster_ssh.py", "--hosts", str(f["dir"] / hosts),
+                     "--known-hosts", known or f["known"], "--key", f["key"], "--timeout", "5",
+                     *args, timeout=timeout)
+
+
+def _accepted(f):
+    r = ssh(f, "accept-keys")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_unknown_key_refused_then_accept_keys_records_them(fleet, tmp_path) -> None:
+    fresh = str(tmp_path / "kh")
+    (tmp_path / "kh").write_text("")
+    r = ssh(fleet, "run", "--", "true", known=fresh)
+    assert r.returncode == 1
+    s0 = fleet["servers"][0]
+    fp = paramiko.Ed25519Key.from_private_key_file(str(s0.host_key))
+    from scripts.netemu.sshctl import fingerprint
+    assert f"[{s0.addr}]:{s0.port}: unknown host key ssh-ed25519 {fingerprint(fp)}" in r.stdout
+    assert "0/3 hosts ok" in r.stdout
+    acc = ssh(fleet, "accept-keys", known=fresh)
+    assert acc.returncode == 0, acc.stdout
+    assert f"recorded [{s0.addr}]:{s0.port} ssh-ed25519 {fingerprint(fp)}" in acc.stdout
+    again = ssh(fleet, "run", "--", "true", known=fresh)
+    assert again.returncode == 0 and "3/3 hosts ok" in again.stdout, again.stdout
+
+
+@pytest.mark.timeout(60)
+def test_parallel_run_exit_status_and_dead_host(fleet) -> None:
+    _accepted(fleet)
+    t = time.monotonic()
+    r = ssh(fleet, "run", "--", 'sleep 1; echo "hi from $SCATTERED_HOST_INDEX"; '
+                               'echo warn >&2; exit $SCATTERED_HOST_INDEX')
+    wall = time.monotonic() - t
+    assert wall < 2.8, f"3 x sleep 1 took {wall:.1f}s: not parallel"
+    labels = [f"root@{s.addr}:{s.port}" for s in fleet["servers"]]
+    assert f"[{labels[1]}] hi from 1" in r.stdout and f"[{labels[2]}]! warn" in r.stdout
+    assert f"[{labels[0]}] ok: exit 0" in r.stdout
+    assert f"[{labels[2]}] FAILED: exit 2" in r.stdout and r.returncode == 1
+    d = ssh(fleet, "run", "--", "echo alive", hosts="ip_list_dead")
+    assert d.returncode == 1
+    assert "3/4 hosts ok" in d.stdout and "[root@127.0.0.5:" in d.stdout
+    assert "FAILED: unreachable" in d.stdout
+    assert d.stdout.count("] alive") == 3
+
+
+def test_sync_and_collect(fleet, tmp_path) -> None:
+    _accepted(fleet)
+    src = tmp_path / "payload"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("alpha")
+    (src / "sub" / "run.sh").write_text("#!/bin/sh\necho ran $1\n")
+    (src / "sub" / "run.sh").chmod(0o755)
+    remote = tmp_path / "remote"
+    r = ssh(fleet, "sync", str(src), "--dest", str(remote))
+    assert r.returncode == 0, r.stdout
+    assert (remote / "payload" / "a.txt").read_text() == "alpha"
+    assert os.access(remote / "payload" / "sub" / "run.sh", os.X_OK)
+    logs = tmp_path / "logs"
+    idx = "$SCATTERED_HOST_INDEX"
+    mk = ssh(fleet, "run", "--", f"mkdir -p {logs} && "
+             f"{remote}/payload/sub/run.sh {idx} > {logs}/h{idx}.log")
+    assert mk.returncode == 0, mk.stdout
+    back = tmp_path / "back"
+    c = ssh(fleet, "collect", str(logs), "--dest", str(back))
+    assert c.returncode == 0, c.stdout
+    for s in fleet["servers"]:
+        got = back / f"root@{s.addr}_{s.port}" / "logs"
+        assert sorted(p.name for p in got.iterdir()) == ["h0.log", "h1.log", "h2.log"]
+        assert (got / "h2.log").read_text() == "ran 2\n"
+    missing = ssh(fleet, "collect", str(tmp_path / "nope"), "--dest", str(back))
+    assert missing.returncode == 1 and "no such file on the host" in missing.stdout
+
+
+@pytest.mark.timeout(60)
+def test_start_and_kill_by_pid_files(fleet, tmp_path) -> None:
+    _accepted(fleet)
+    run_dir = tmp_path / "runs"
+    st = ssh(fleet, "start", "--name", "sleeper", "--run-dir", str(run_dir), "--",
+             "sleep 300; echo never")
+    pid_files = [run_dir / f"sleeper@{s.addr}_{s.port}.pid" for s in fleet["servers"]]
+    pids = [int(p.read_text()) for p in pid_files if p.exists()]
+    try:
+        assert st.returncode == 0, st.stdout
+        assert len(pids) == 3 and all(os.path.exists(f"/proc/{p}") for p in pids)
+        dup = ssh(fleet, "start", "--name", "sleeper", "--run-dir", str(run_dir), "--",
+                  "sleep 1")
+        assert dup.returncode == 1 and dup.stdout.count("already running") == 3
+        k = ssh(fleet, "kill", "--name", "sleeper", "--run-dir", str(run_dir))
+        assert k.returncode == 0, k.stdout
+        assert all(f"killed {p}" in k.stdout for p in pids), k.stdout
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the signalled process groups exit asynchronously
+        assert not any(_running(p) for p in pids)
+        assert not any(p.exists() for p in pid_files)
+        again = ssh(fleet, "kill", "--run-dir", str(run_dir))
+        assert again.returncode == 0 and "killed" not in again.stdout
+    finally:
+        for p in pids:
+            if _running(p):
+                os.killpg(p, 9)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return ") Z " not in stat
+
+
+def test_changed_host_key_refused(fleet, tmp_path) -> None:
+    _accepted(fleet)
+    s1 = fleet["servers"][1]
+    other = keygen(tmp_path / "impostor")
+    imp = paramiko.Ed25519Key.from_private_key_file(str(other))
+    known = paramiko.HostKeys(fleet["known"])
+    name = f"[{s1.addr}]:{s1.port}"
+    known.add(name, "ssh-ed25519", imp)
+    bad_known = tmp_path / "known_bad"
+    known.save(str(bad_known))
+    r = ssh(fleet, "run", "--", "echo reached", known=str(bad_known))
+    from scripts.netemu.sshctl import fingerprint
+    assert r.returncode == 1 and "2/3 hosts ok" in r.stdout
+    assert f"{name}: host key CHANGED" in r.stdout and fingerprint(imp) in r.stdout
+    assert r.stdout.count("] reached") == 2
+    acc = ssh(fleet, "accept-keys", known=str(bad_known))
+    assert acc.returncode == 1 and "REFUSED" in acc.stdout and "--replace" in acc.stdout
+    rep = ssh(fleet, "accept-keys", "--replace", known=str(bad_known))
+    assert rep.returncode == 0 and f"replaced {name}" in rep.stdout
+
+
+def test_bad_host_list_is_user_error(tmp_path) -> None:
+    f = tmp_path / "ip_list"
+    f.write_text("root@127.0.0.2\njusthost\n")
+    r = run_entry("scripts/cluster_ssh.py", "--hosts", str(f), "run", "--", "true")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {f}:2:")
+    assert "Traceback" not in r.stderr
