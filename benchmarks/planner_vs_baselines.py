@@ -69,7 +69,7 @@ def main() -> int:
                    help="scenario seeds (they shuffle device ids); default 0 1 2")
     p.add_argument("--scenarios", nargs="+", default=list(DTFM_SCENARIOS),
                    choices=list(DTFM_SCENARIOS))
-    p.add_argument("--budget", type=int, default=30_000, help="our search's evaluation budget")
+    p.add_argument("--budget", type=int, default=20_000, help="our search's evaluation budget")
     p.add_argument("--time-limit", type=float, default=10.0, help="our search's wall limit (s)")
     p.add_argument("--search-seed", type=int, default=0, help="our search's seed")
     p.add_argument("--random-samples", type=int, default=1000)

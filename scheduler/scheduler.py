@@ -191,8 +191,8 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
     pl.add_argument("--inner-steps", type=int, default=1, help="DiLoCo H (with --sync diloco)")
     pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
-    pl.add_argument("--budget", type=int, default=30_000,
-                    help="max objective evaluations of the search (default 30000)")
+    pl.add_argument("--budget", type=int, default=20_000,
+                    help="max objective evaluations of the search (default 20000)")
     pl.add_argument("--time-limit", type=float, default=10.0,
                     help="search wall limit in s (default 10); a run cut by it is not "
                          "reproducible, one ended by the budget or convergence is")

@@ -31,7 +31,7 @@ from scheduler.objective import Objective
 class SearchConfig:
     """Knobs of the evolutionary search."""
 
-    budget: int = 30_000
+    budget: int = 20_000
     """Maximum objective evaluations."""
     time_limit_s: float = 10.0
     """Wall-clock limit in seconds (the search stops at whichever limit comes first)."""
@@ -39,8 +39,12 @@ class SearchConfig:
     """Candidates kept alive."""
     local_tries: int = 40
     """Swap proposals of the local search applied to each child."""
-    patience: int = 6_000
-    """Stop evolving after this many evaluations without a better plan."""
+    patience: int = 3_000
+    """Evaluations without a better plan after which the population restarts (or, without
+    restarts, the evolution stops)."""
+    restarts: bool = True
+    """Restart from a fresh random population (plus the best plan) when stuck, until the
+    evolution's share of the budget (four fifths) is spent."""
     seed: int = 0
     """Seed of every random choice."""
 
@@ -247,11 +251,20 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         groups = cache.order(_random_partition(devices, s, r, rng))
         population.append((scorer.score(groups), groups))
     population = _select(population, config.population)
+    first_population = list(population)
 
     last_report = 0.0
+    epoch_start = scorer.evaluations
     while not scorer.exhausted():
-        if scorer.history and scorer.evaluations - scorer.history[-1][0] > config.patience:
-            break
+        last_gain = max(epoch_start, scorer.history[-1][0] if scorer.history else 0)
+        if scorer.evaluations - last_gain > config.patience:
+            if not config.restarts:
+                break
+            # Stuck: go back to the first population; the random choices from here on differ,
+            # and on irregular networks different runs end in different basins.
+            epoch_start = scorer.evaluations
+            population = list(first_population)
+            continue
         p1 = _tournament(population, rng)
         child = _crossover(p1, _tournament(population, rng), rng) if rng.random() < 0.5 else p1
         child = cache.order(_mutate(child, rng))

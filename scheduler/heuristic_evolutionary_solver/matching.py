@@ -8,6 +8,9 @@ pipeline (an open path through all groups: a small travelling-salesman problem).
 
 from __future__ import annotations
 
+from functools import lru_cache
+from itertools import combinations
+
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
@@ -21,10 +24,16 @@ def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
     bottleneck it picks one of least total cost. Binary search over the distinct values, each
     step a feasibility check by linear assignment: O(R^3 log R^2).
     """
-    values = np.unique(cost)
-    # No matching can beat the largest row or column minimum.
+    # No matching can beat the largest row or column minimum, and on clustered networks that
+    # floor is usually feasible: try it first (one assignment instead of a binary search).
     floor = max(cost.min(axis=1).max(), cost.min(axis=0).max())
-    lo, hi = int(np.searchsorted(values, floor)), len(values) - 1
+    allowed = cost <= floor
+    rows, cols = linear_sum_assignment(~allowed)
+    if allowed[rows, cols].all():
+        rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
+        return float(floor), cols
+    values = np.unique(cost)
+    lo, hi = int(np.searchsorted(values, floor)) + 1, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
         allowed = cost <= values[mid]
@@ -52,22 +61,33 @@ def best_path(edge: np.ndarray) -> list[int]:
     return _two_opt_path(edge)
 
 
+@lru_cache(maxsize=16)
+def _held_karp_layers(n: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """For each subset size k >= 2: every (subset mask, last node j in it, mask without j)."""
+    layers = []
+    for k in range(2, n + 1):
+        masks, ends = [], []
+        for combo in combinations(range(n), k):
+            mask = sum(1 << j for j in combo)
+            masks.extend([mask] * k)
+            ends.extend(combo)
+        m, j = np.array(masks), np.array(ends)
+        layers.append((m, j, m ^ (1 << j)))
+    return layers
+
+
 def _held_karp_path(edge: np.ndarray) -> list[int]:
+    """Exact open path by dynamic programming over subsets, one numpy step per subset size."""
     n = len(edge)
     full = 1 << n
     dp = np.full((full, n), np.inf)
     parent = np.full((full, n), -1, dtype=np.int64)
-    for j in range(n):
-        dp[1 << j, j] = 0.0
-    for mask in range(1, full):
-        ends = [j for j in range(n) if mask >> j & 1]
-        if len(ends) < 2:
-            continue
-        for j in ends:
-            prev = mask ^ (1 << j)
-            cand = dp[prev] + edge[:, j]
-            k = int(np.argmin(cand))
-            dp[mask, j], parent[mask, j] = cand[k], k
+    dp[1 << np.arange(n), np.arange(n)] = 0.0
+    for masks, ends, prevs in _held_karp_layers(n):
+        cand = dp[prevs] + edge[:, ends].T  # (pairs, n): come to `end` from each node
+        k = np.argmin(cand, axis=1)
+        dp[masks, ends] = cand[np.arange(len(k)), k]
+        parent[masks, ends] = k
     mask, j = full - 1, int(np.argmin(dp[full - 1]))
     path = []
     while j >= 0:
@@ -113,6 +133,7 @@ class PairCache:
 
     def __init__(self, t_act: np.ndarray, max_entries: int = 200_000) -> None:
         self.t_act = t_act
+        self._round_trip = t_act + t_act.T  # forward activations + backward gradients
         self.max_entries = max_entries
         self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, np.ndarray]] = {}
 
@@ -122,8 +143,7 @@ class PairCache:
         key = (b, a) if flip else (a, b)
         hit = self._cache.get(key)
         if hit is None:
-            x, y = np.array(key[0]), np.array(key[1])
-            cost = self.t_act[np.ix_(x, y)] + self.t_act[np.ix_(y, x)].T
+            cost = self._round_trip[np.array(key[0])[:, None], np.array(key[1])]
             hit = bottleneck_matching(cost)
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
