@@ -1,0 +1,566 @@
+"""Replay one training step of a plan: pipeline compute, transfers and the data-parallel sync.
+
+Model (every number in seconds, bytes, FLOP/s):
+
+- Compute. A device's effective speed is `tflops * 1e12 * mfu` (SimConfig.mfu, 0.4 by default:
+  what large-model training reaches on tensor cores). A micro-batch of `micro_batch_size`
+  sequences through layers [a, b) costs model.stage_flops_per_token(a, b) x tokens forward and
+  2x that backward, plus one more forward when activations are recomputed (SimConfig.recompute,
+  on by default because GPipe's stored activations do not fit otherwise, see memory.py).
+- Pipeline transfers. The hidden state crossing a stage boundary is fp16:
+  model.activation_bytes_per_sequence(2) x micro_batch_size bytes; backward sends a gradient of
+  the same size from stage s+1 to s. A message on the directed link i -> j keeps the link busy
+  for bytes * 8 / bandwidth and arrives latency later; a link sends one message at a time, later
+  ones queue (FIFO). Sending does not stop the sender's compute (separate streams). Links are
+  the cluster's directed device pairs; two pairs never share capacity.
+- Schedule: GPipe. Each device runs the forwards of micro-batches 0..m-1 in order, then the
+  backwards in reverse order m-1..0 (as modules/pipeline.py does).
+- Data-parallel sync of stage group s (its R devices): a ring all-reduce over the devices in
+  ring order (ring_order: greedy nearest neighbour, best start). It has 2(R-1) steps; in each
+  step every device sends B/R bytes to its ring successor and the next step starts when the
+  slowest link of the step is done, so it takes 2(R-1) x max over ring links (latency +
+  B/R * 8 / bandwidth) = 2(R-1)/R * B/bw + 2(R-1) * latency for equal links. B = stage parameters
+  x 4 (fp32, compression none) | 2 (fp16) | 1 + 4 / int8_block (int8 with one fp32 scale per
+  block). It starts when every replica of the stage has finished its last backward, so it
+  overlaps with the backward of earlier stages.
+- Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With
+  `diloco` the outer all-reduce runs once every H inner steps: its exposed time (the same overlap
+  rule) is paid once per outer round and amortised as exposed / H per step.
+- Not modelled: the optimizer step's compute, contention between different links of one host,
+  stragglers and jitter.
+
+Two replays of the same model: `fast_replay` (numpy max-plus recurrences, vectorised over
+replicas and micro-batches; what the planner's objective calls) and `EventEngine` (a general
+discrete-event engine over tasks on devices and links; makes the timeline and checks the fast
+path, tests assert that they agree).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler.cluster import Cluster
+from scheduler.memory import MemoryConfig, check_plan_memory, stage_memory
+from scheduler.models import ModelSpec, get_model
+from scheduler.plan import Plan, SyncConfig, validate_plan
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the performance model."""
+
+    mfu: float = 0.4
+    """Fraction of a device's peak `tflops` that training reaches (model FLOPs utilisation)."""
+    recompute: bool = True
+    """Activation checkpointing: backward re-runs the forward (1 extra forward of FLOPs)."""
+    reserved_gb: float = 1.0
+    """Per-device memory overhead (CUDA context, buffers), GB."""
+    int8_block: int = 256
+    """Values per fp32 scale in the int8 all-reduce payload."""
+
+    def memory(self) -> MemoryConfig:
+        """The memory estimate's settings."""
+        return MemoryConfig(recompute=self.recompute, reserved_gb=self.reserved_gb)
+
+    @property
+    def backward_factor(self) -> float:
+        """Backward compute time as a multiple of forward."""
+        return 3.0 if self.recompute else 2.0
+
+
+def payload_bytes_per_param(compression: str, int8_block: int = 256) -> float:
+    """Bytes per parameter of the data-parallel all-reduce payload."""
+    return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / int8_block}[compression]
+
+
+def ring_allreduce_time(lat_s: np.ndarray, bits_per_s: np.ndarray, payload_bytes: float) -> float:
+    """Seconds of a ring all-reduce of `payload_bytes` over ring links with these latencies and
+    bandwidths (link i: ring[i] -> ring[i+1]): 2(n-1) x max_i(lat_i + B/n*8/bw_i)."""
+    n = len(lat_s)
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) * float(np.max(lat_s + payload_bytes / n * 8.0 / bits_per_s))
+
+
+def ring_order(group: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
+               chunk_bytes: float) -> np.ndarray:
+    """A ring through `group` with a small bottleneck step time (lat + chunk*8/bw): greedy
+    nearest neighbour from every start at once, the ring with the smallest bottleneck kept
+    (first start on ties). O(n^2) numpy work for n devices."""
+    group = np.asarray(group, dtype=np.int64)
+    n = len(group)
+    if n <= 2:
+        return group.copy()
+    w = lat_s[np.ix_(group, group)] + chunk_bytes * 8.0 / bits_per_s[np.ix_(group, group)]
+    np.fill_diagonal(w, np.inf)
+    starts = np.arange(n)
+    order = np.empty((n, n), dtype=np.int64)
+    order[:, 0] = starts
+    used = np.eye(n, dtype=bool)  # row k: devices already on the ring started at k
+    worst = np.zeros(n)
+    for step in range(1, n):
+        row = np.where(used, np.inf, w[order[:, step - 1]])
+        nxt = row.argmin(axis=1)
+        worst = np.maximum(worst, row[starts, nxt])
+        used[starts, nxt] = True
+        order[:, step] = nxt
+    worst = np.maximum(worst, w[order[:, -1], order[:, 0]])
+    return group[order[int(np.argmin(worst))]]
+
+
+def ring_chunk_bytes(model: ModelSpec, num_stages: int, num_replicas: int, compression: str,
+                     int8_block: int = 256) -> float:
+    """Chunk size the ring order is chosen for: an even stage's payload / R (any split)."""
+    per_param = payload_bytes_per_param(compression, int8_block)
+    return model.total_params() * per_param / num_stages / max(1, num_replicas)
+
+
+@dataclass
+class StepInputs:
+    """Everything a step replay needs, already in seconds. R replicas, S stages, m micro-batches."""
+
+    pipelines: np.ndarray
+    """(R, S) device ids."""
+    t_fwd: np.ndarray
+    """(R, S) forward seconds per micro-batch on each device."""
+    t_bwd: np.ndarray
+    """(R, S) backward seconds per micro-batch."""
+    fwd_tx: np.ndarray
+    """(R, S-1) seconds link pipelines[r,s] -> pipelines[r,s+1] is busy per activation message."""
+    fwd_lat: np.ndarray
+    """(R, S-1) latency of that link."""
+    bwd_tx: np.ndarray
+    """(R, S-1) busy seconds of link pipelines[r,s+1] -> pipelines[r,s] per gradient message."""
+    bwd_lat: np.ndarray
+    """(R, S-1) latency of that link."""
+    rings: list[np.ndarray]
+    """Per stage, its group's devices in ring order."""
+    ring_tx: list[np.ndarray]
+    """Per stage, (R,) busy seconds of ring link i (ring[i] -> ring[i+1]) per all-reduce step."""
+    ring_lat: list[np.ndarray]
+    """Per stage, (R,) latency of ring link i."""
+    num_micro_batches: int
+    inner_steps: int = 1
+    """Steps per data-parallel sync: 1 for allreduce, H for diloco."""
+
+    def dp_times(self) -> np.ndarray:
+        """(S,) seconds of each stage group's all-reduce."""
+        return np.array([2.0 * (len(tx) - 1) * float(np.max(tx + lat)) if len(tx) > 1 else 0.0
+                         for tx, lat in zip(self.ring_tx, self.ring_lat)])
+
+
+def fast_replay(t_fwd: np.ndarray, t_bwd: np.ndarray, fwd_tx: np.ndarray, fwd_lat: np.ndarray,
+                bwd_tx: np.ndarray, bwd_lat: np.ndarray,
+                num_micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """GPipe step of every replica at once -> (end of last forward, end of last backward), each
+    (R, S). Max-plus recurrences solved with cumulative maxima:
+    end[m] = max(ready[m], end[m-1]) + t  <=>  end[m] = (m+1) t + cummax_k<=m(ready[k] - k t),
+    and the same for a FIFO link (start[m] = max(ready[m], start[m-1] + tx)). O(R S m)."""
+    r, s_count = t_fwd.shape
+    k = np.arange(num_micro_batches, dtype=float)
+    k1 = k + 1.0
+    cummax = np.maximum.accumulate
+    arrive = np.zeros((r, num_micro_batches))
+    f_done = np.empty((r, s_count))
+    for s in range(s_count):
+        tf = t_fwd[:, s, None]
+        end = k1 * tf + cummax(arrive - k * tf, axis=1)
+        f_done[:, s] = end[:, -1]
+        if s < s_count - 1:
+            tx = fwd_tx[:, s, None]
+            arrive = k * tx + cummax(end - k * tx, axis=1) + tx + fwd_lat[:, s, None]
+    # Backward: index j is micro-batch m-1-j; the last stage's loss is ready after its forwards.
+    arrive = np.zeros((r, num_micro_batches))
+    b_done = np.empty((r, s_count))
+    for s in range(s_count - 1, -1, -1):
+        tb = t_bwd[:, s, None]
+        ready = np.maximum(arrive, f_done[:, s, None])
+        end = k1 * tb + cummax(ready - k * tb, axis=1)
+        b_done[:, s] = end[:, -1]
+        if s > 0:
+            tx = bwd_tx[:, s - 1, None]
+            arrive = k * tx + cummax(end - k * tx, axis=1) + tx + bwd_lat[:, s - 1, None]
+    return f_done, b_done
+
+
+@dataclass
+class StepTimes:
+    """Step time of a replay and where it went."""
+
+    makespan_s: float
+    """End of the last backward anywhere (pipeline only)."""
+    dp_start_s: np.ndarray
+    """(S,) when each stage group's all-reduce can start."""
+    dp_time_s: np.ndarray
+    """(S,) duration of each group's all-reduce (per outer round with diloco)."""
+    dp_exposed_round_s: float
+    """Time the sync adds after the makespan, per sync (= per outer round with diloco)."""
+    step_s: float
+    """makespan + dp_exposed_round / inner_steps."""
+
+
+def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int) -> StepTimes:
+    """Combine the pipeline's per-device end times with the stage groups' all-reduces."""
+    makespan = float(b_done.max())
+    dp_start = b_done.max(axis=0)
+    dp_end = float((dp_start + dp_time).max()) if len(dp_time) else makespan
+    exposed = max(0.0, dp_end - makespan)
+    return StepTimes(makespan, dp_start, dp_time, exposed, makespan + exposed / inner_steps)
+
+
+def replay_fast(inputs: StepInputs) -> StepTimes:
+    """The step time of `inputs` by the vectorised recurrences."""
+    _, b_done = fast_replay(inputs.t_fwd, inputs.t_bwd, inputs.fwd_tx, inputs.fwd_lat,
+                            inputs.bwd_tx, inputs.bwd_lat, inputs.num_micro_batches)
+    return step_times(b_done, inputs.dp_times(), inputs.inner_steps)
+
+
+# --------------------------------------------------------------------------- event engine
+
+
+class EventEngine:
+    """Discrete-event replay of tasks on resources. A device runs its tasks in the order they
+    were added (a program); a link serves ready messages first come, first served. A task starts
+    when its dependencies have ended and its resource is free; it holds the resource for
+    `duration` and ends `latency` later (a message in flight no longer occupies its link)."""
+
+    def __init__(self) -> None:
+        self._res_ordered: list[bool] = []
+        self._res_names: dict[Any, int] = {}
+        self.resource_of: list[int] = []
+        self.duration: list[float] = []
+        self.latency: list[float] = []
+        self.deps: list[list[int]] = []
+        self.info: list[tuple[int, str, str]] = []
+        """(timeline row, kind, label) per task."""
+
+    def resource(self, name: Any, ordered: bool) -> int:
+        """Id of the resource called `name`, created on first use."""
+        if name not in self._res_names:
+            self._res_names[name] = len(self._res_ordered)
+            self._res_ordered.append(ordered)
+        return self._res_names[name]
+
+    def task(self, resource: int, duration: float, deps: list[int], latency: float = 0.0,
+             row: int = -1, kind: str = "", label: str = "") -> int:
+        """Add a task; returns its id."""
+        self.resource_of.append(resource)
+        self.duration.append(float(duration))
+        self.latency.append(float(latency))
+        self.deps.append(deps)
+        self.info.append((row, kind, label))
+        return len(self.duration) - 1
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """Replay every task -> (start, end) arrays indexed by task id."""
+        n, n_res = len(self.duration), len(self._res_ordered)
+        dependents: list[list[int]] = [[] for _ in range(n)]
+        remaining = [len(d) for d in self.deps]
+        for t, ds in enumerate(self.deps):
+            for d in ds:
+                dependents[d].append(t)
+        program: list[list[int]] = [[] for _ in range(n_res)]
+        for t, res in enumerate(self.resource_of):
+            program[res].append(t)
+        pointer = [0] * n_res
+        queue: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
+        busy = [False] * n_res
+        ready = [False] * n
+        start = np.full(n, np.nan)
+        end = np.full(n, np.nan)
+        events: list[tuple[float, int, int]] = []  # (time, 0 = task ended | 1 = resource free, id)
+
+        def try_start(res: int, now: float) -> None:
+            if busy[res]:
+                return
+            if self._res_ordered[res]:
+                if pointer[res] >= len(program[res]) or not ready[program[res][pointer[res]]]:
+                    return
+                t = program[res][pointer[res]]
+                pointer[res] += 1
+            else:
+                if not queue[res]:
+                    return
+                t = heapq.heappop(queue[res])[1]
+            busy[res] = True
+            start[t] = now
+            free = now + self.duration[t]
+            end[t] = free + self.latency[t]
+            heapq.heappush(events, (free, 1, res))
+            heapq.heappush(events, (end[t], 0, t))
+
+        def make_ready(t: int, now: float) -> None:
+            ready[t] = True
+            res = self.resource_of[t]
+            if not self._res_ordered[res]:
+                heapq.heappush(queue[res], (now, t))
+            try_start(res, now)
+
+        for t in range(n):
+            if remaining[t] == 0:
+                make_ready(t, 0.0)
+        while events:
+            now, what, ident = heapq.heappop(events)
+            if what == 1:
+                busy[ident] = False
+                try_start(ident, now)
+            else:
+                for d in dependents[ident]:
+                    remaining[d] -= 1
+                    if remaining[d] == 0:
+                        make_ready(d, now)
+        assert not np.isnan(end).any(), "a task never ran: dependency cycle or program order"
+        return start, end
+
+
+@dataclass
+class TimelineBox:
+    """One box of the Gantt chart."""
+
+    device: int
+    kind: str
+    """`fwd`, `bwd`, `send` (pipeline transfer, on the sender's row) or `allreduce`."""
+    start_s: float
+    end_s: float
+    label: str
+
+
+def replay_events(inputs: StepInputs) -> tuple[StepTimes, list[TimelineBox]]:
+    """The same step as `replay_fast`, by the discrete-event engine, with its timeline."""
+    eng = EventEngine()
+    pipe = inputs.pipelines
+    r_count, s_count = pipe.shape
+    m_count = inputs.num_micro_batches
+    dev = lambda d: eng.resource(("dev", int(d)), ordered=True)
+    link = lambda a, b: eng.resource(("link", int(a), int(b)), ordered=False)
+    pipeline_tasks: list[int] = []
+    last_bwd: dict[tuple[int, int], int] = {}
+    for r in range(r_count):
+        sent: list[int] = []
+        for s in range(s_count):
+            d = int(pipe[r, s])
+            now_sent = []
+            for m in range(m_count):
+                f = eng.task(dev(d), inputs.t_fwd[r, s], [sent[m]] if s else [], row=d,
+                             kind="fwd", label=f"F{m}")
+                pipeline_tasks.append(f)
+                if s < s_count - 1:
+                    x = eng.task(link(d, pipe[r, s + 1]), inputs.fwd_tx[r, s], [f],
+                                 inputs.fwd_lat[r, s], row=d, kind="send", label=f"a{m}")
+                    pipeline_tasks.append(x)
+                    now_sent.append(x)
+            sent = now_sent
+        grads: dict[int, int] = {}
+        for s in range(s_count - 1, -1, -1):
+            d = int(pipe[r, s])
+            now_grads = {}
+            for m in range(m_count - 1, -1, -1):
+                b = eng.task(dev(d), inputs.t_bwd[r, s], [grads[m]] if s < s_count - 1 else [],
+                             row=d, kind="bwd", label=f"B{m}")
+                pipeline_tasks.append(b)
+                last_bwd[(r, s)] = b
+                if s > 0:
+                    x = eng.task(link(d, pipe[r, s - 1]), inputs.bwd_tx[r, s - 1], [b],
+                                 inputs.bwd_lat[r, s - 1], row=d, kind="send", label=f"g{m}")
+                    pipeline_tasks.append(x)
+                    now_grads[m] = x
+            grads = now_grads
+    ring_last: list[list[int]] = []
+    for s in range(s_count):
+        ring, tx, lat = inputs.rings[s], inputs.ring_tx[s], inputs.ring_lat[s]
+        n = len(ring)
+        prev = [last_bwd[(r, s)] for r in range(r_count)]
+        for step in range(2 * (n - 1)):
+            prev = [eng.task(link(ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],
+                             row=int(ring[i]), kind="allreduce", label=f"ring {step}")
+                    for i in range(n)]
+        ring_last.append(prev if n > 1 else [])
+    start, end = eng.run()
+    b_done = np.zeros((r_count, s_count))
+    for (r, s), t in last_bwd.items():
+        b_done[r, s] = end[t]
+    makespan = float(end[pipeline_tasks].max())
+    assert abs(makespan - b_done.max()) <= 1e-9 * max(1.0, makespan)
+    dp_time = np.array([float(end[last].max()) - b_done[:, s].max() if last else 0.0
+                        for s, last in enumerate(ring_last)])
+    times = step_times(b_done, dp_time, inputs.inner_steps)
+    boxes = [TimelineBox(row, kind, float(start[t]), float(end[t] - eng.latency[t]), label)
+             for t, (row, kind, label) in enumerate(eng.info)]
+    return times, boxes
+
+
+# --------------------------------------------------------------------------- plans
+
+
+class LinkTables:
+    """Per-cluster arrays the simulator gathers from: latency (s), bandwidth (bit/s), speeds."""
+
+    def __init__(self, cluster: Cluster, config: SimConfig) -> None:
+        self.lat_s = np.array(cluster.latency_ms, dtype=float) / 1e3
+        self.bits_per_s = np.array(cluster.bandwidth_gbps, dtype=float) * 1e9
+        np.fill_diagonal(self.bits_per_s, np.inf)
+        np.fill_diagonal(self.lat_s, 0.0)
+        self.flops_per_s = np.array([d.tflops for d in cluster.devices]) * 1e12 * config.mfu
+        self.memory_bytes = np.array([d.memory_gb for d in cluster.devices]) * 1e9
+
+
+def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
+                 pipelines: np.ndarray, sync: SyncConfig, micro_batch_size: int,
+                 num_micro_batches: int, config: SimConfig,
+                 rings: list[np.ndarray] | None = None) -> StepInputs:
+    """Turn a plan into per-device and per-link seconds (rings chosen here unless given)."""
+    pipe = np.asarray(pipelines, dtype=np.int64)
+    tokens = micro_batch_size * model.seq_len
+    flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
+    t_fwd = flops[None, :] / tables.flops_per_s[pipe]
+    msg_bits = model.activation_bytes_per_sequence(2) * micro_batch_size * 8.0
+    src, dst = pipe[:, :-1], pipe[:, 1:]
+    per_param = payload_bytes_per_param(sync.compression, config.int8_block)
+    n = pipe.shape[0]
+    chunk = ring_chunk_bytes(model, len(stages), n, sync.compression, config.int8_block)
+    ring_list, ring_tx, ring_lat = [], [], []
+    for s, (a, b) in enumerate(stages):
+        payload = model.stage_params(a, b) * per_param
+        # The ring is chosen for an even stage's chunk, as SimulatedObjective does, so both agree.
+        ring = rings[s] if rings is not None else ring_order(
+            np.sort(pipe[:, s]), tables.lat_s, tables.bits_per_s, chunk)
+        nxt = np.roll(ring, -1)
+        ring_list.append(np.asarray(ring))
+        ring_tx.append(payload / n * 8.0 / tables.bits_per_s[ring, nxt])
+        ring_lat.append(tables.lat_s[ring, nxt])
+    return StepInputs(
+        pipe, t_fwd, t_fwd * config.backward_factor,
+        msg_bits / tables.bits_per_s[src, dst], tables.lat_s[src, dst],
+        msg_bits / tables.bits_per_s[dst, src], tables.lat_s[dst, src],
+        ring_list, ring_tx, ring_lat, num_micro_batches,
+        sync.inner_steps if sync.mode == "diloco" else 1)
+
+
+def no_transfers(inputs: StepInputs) -> StepInputs:
+    """The same step with free pipeline transfers (to measure what they expose)."""
+    zero = np.zeros_like(inputs.fwd_tx)
+    return StepInputs(inputs.pipelines, inputs.t_fwd, inputs.t_bwd, zero, zero, zero, zero,
+                      inputs.rings, inputs.ring_tx, inputs.ring_lat, inputs.num_micro_batches,
+                      inputs.inner_steps)
+
+
+@dataclass
+class SimResult:
+    """What `simulate` prints: step time, its parts, throughput and the timeline."""
+
+    step_s: float
+    makespan_s: float
+    compute_s: float
+    """Forward + backward compute of the busiest device."""
+    bubble_s: float
+    """Pipeline idle time on the critical path with free transfers: makespan(no comm) - compute."""
+    pp_comm_s: float
+    """What pipeline transfers add: makespan - makespan(no comm)."""
+    dp_comm_s: float
+    """Exposed data-parallel sync per step (amortised over H with diloco)."""
+    dp_comm_round_s: float
+    """Exposed data-parallel sync per sync (per outer round with diloco)."""
+    dp_allreduce_s: list[float]
+    """Duration of each stage group's all-reduce."""
+    tokens_per_step: int
+    tokens_per_s: float
+    sync: SyncConfig
+    stages: list[tuple[int, int]]
+    pipelines: list[list[int]]
+    memory_gb: list[tuple[int, float, float]] = field(default_factory=list)
+    """(device, needed GB, available GB) per device in the plan."""
+    timeline: list[TimelineBox] = field(default_factory=list)
+
+    def parts(self) -> dict[str, float]:
+        """The breakdown in seconds; compute + bubble + pp_comm + dp_comm = step."""
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "pp_comm_s": self.pp_comm_s, "dp_comm_s": self.dp_comm_s}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (no timeline)."""
+        out: dict[str, Any] = {k: round(v, 6) for k, v in self.parts().items()}
+        out.update({
+            "makespan_s": round(self.makespan_s, 6),
+            "dp_comm_per_round_s": round(self.dp_comm_round_s, 6),
+            "dp_allreduce_s": [round(x, 6) for x in self.dp_allreduce_s],
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "sync": {"mode": self.sync.mode, "inner_steps": self.sync.inner_steps,
+                     "compression": self.sync.compression},
+            "stages": [list(st) for st in self.stages],
+            "memory_gb": [{"device": d, "need": round(need, 3), "have": have}
+                          for d, need, have in self.memory_gb],
+        })
+        return out
+
+
+def format_sim_table(result: SimResult) -> str:
+    """Human-readable breakdown of a simulated step."""
+    sync = result.sync
+    mode = sync.mode + (f", H={sync.inner_steps}" if sync.mode == "diloco" else "")
+    rows = [
+        ("step time", result.step_s),
+        ("  compute (busiest device)", result.compute_s),
+        ("  pipeline bubble", result.bubble_s),
+        ("  exposed pipeline transfers", result.pp_comm_s),
+        ("  exposed data-parallel sync", result.dp_comm_s),
+    ]
+    lines = [f"{name:<32}{value:>12.3f} s" for name, value in rows]
+    if sync.mode == "diloco":
+        lines.append(f"{'  outer sync per round (exposed)':<32}{result.dp_comm_round_s:>12.3f} s")
+    lines.append(f"{'slowest stage all-reduce':<32}{max(result.dp_allreduce_s, default=0):>12.3f}"
+                 f" s  ({mode}, {sync.compression})")
+    lines.append(f"{'tokens per step':<32}{result.tokens_per_step:>12d}")
+    lines.append(f"{'tokens/s':<32}{result.tokens_per_s:>12.1f}")
+    split = " ".join(str(b - a) for a, b in result.stages)
+    lines.append(f"{'layers per stage':<32}{split:>12}")
+    worst = max(result.memory_gb, key=lambda x: x[1] / x[2], default=None)
+    if worst:
+        lines.append(f"{'fullest device memory':<32}{worst[1]:>9.2f} GB of {worst[2]:g} GB"
+                     f" (device {worst[0]})")
+    return "\n".join(lines)
+
+
+def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
+             pipelines: np.ndarray | list[list[int]], sync: SyncConfig, micro_batch_size: int,
+             num_micro_batches: int, config: SimConfig | None = None,
+             timeline: bool = True) -> SimResult:
+    """Event-replay one step (memory checked first: UserError naming a device that overflows)."""
+    config = config or SimConfig()
+    pipe = np.asarray(pipelines, dtype=np.int64)
+    diloco = sync.mode == "diloco"
+    check_plan_memory(cluster, model, stages, pipe, micro_batch_size, num_micro_batches, diloco,
+                      config.memory())
+    tables = LinkTables(cluster, config)
+    inputs = build_inputs(tables, model, stages, pipe, sync, micro_batch_size,
+                          num_micro_batches, config)
+    times, boxes = replay_events(inputs)
+    free = replay_fast(no_transfers(inputs))
+    compute = float(((inputs.t_fwd + inputs.t_bwd) * num_micro_batches).max())
+    tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
+    mem = []
+    for s, (a, b) in enumerate(stages):
+        need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco,
+                            config.memory()).total_bytes / 1e9
+        mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in pipe[:, s]]
+    return SimResult(
+        step_s=times.step_s, makespan_s=times.makespan_s, compute_s=compute,
+        bubble_s=free.makespan_s - compute, pp_comm_s=times.makespan_s - free.makespan_s,
+        dp_comm_s=times.step_s - times.makespan_s, dp_comm_round_s=times.dp_exposed_round_s,
+        dp_allreduce_s=[float(x) for x in times.dp_time_s], tokens_per_step=tokens,
+        tokens_per_s=tokens / times.step_s, sync=sync, stages=list(stages),
+        pipelines=pipe.tolist(), memory_gb=sorted(mem),
+        timeline=boxes if timeline else [])
+
+
+def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
+                  config: SimConfig | None = None, timeline: bool = True) -> SimResult:
+    """Validate `plan` against the cluster and model, then simulate one step of it."""
+    model = model or get_model(plan.model)
+    validate_plan(plan, cluster, model)
+    return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
+                    plan.micro_batch_size, plan.num_micro_batches, config, timeline)
