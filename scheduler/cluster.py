@@ -141,7 +141,7 @@ def _check_links(lat: np.ndarray, bw: np.ndarray) -> None:
             i, j = (int(x) for x in bad[0])
             need = "a positive finite number" if name == "bandwidth_gbps" else ">= 0 and finite"
             raise UserError(
-                f"{name}[{i}][{j}]: {m[i, j]!r} between devices {i} and {j} must be {need}"
+                f"{name}[{i}][{j}]: {float(m[i, j])!r} between devices {i} and {j} must be {need}"
                 f" ({len(bad)} bad entr{'y' if len(bad) == 1 else 'ies'} in all)"
             )
 

@@ -65,6 +65,7 @@ def test_bad_cluster_exits_2_and_writes_nothing(tmp_path, raw, message):
                   "2", "--replicas", "2", "--out", str(out))
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and "np.float64" not in r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == [cluster]
 
 
