@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--resume needs --ckpt-dir")
     rank, world, url, agent_store = resolve_launch(args, len(plan.devices()))
 
-    # torch imports after the cheap checks, so bad input fails fast
+    # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
+    # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     import torch
 
     from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens

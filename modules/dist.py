@@ -102,8 +102,11 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     host, port = parse_dist_url(url)
     timeout = timedelta(seconds=timeout_s)
     try:
+        # the client retries a failed connect once after a pause as long as its timeout: half
+        # the budget each keeps the whole attempt within timeout_s
         store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
-                              timeout=timeout, wait_for_workers=False)
+                              timeout=timedelta(seconds=timeout_s / 2), wait_for_workers=False)
+        store.set_timeout(timeout)
     except (RuntimeError, OSError) as e:
         what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
