@@ -1,0 +1,204 @@
+"""The simulator against closed forms, and its fast path against its event engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler.cluster import Cluster, Device
+from scheduler.cost_simulated import SimulatedObjective
+from scheduler.layer_split import even_split
+from scheduler.models import get_model
+from scheduler.plan import SyncConfig
+from scheduler.scenarios import make_scenario
+from scheduler.simulator import (
+    EventEngine,
+    SimConfig,
+    StepInputs,
+    payload_bytes_per_param,
+    replay_events,
+    replay_fast,
+    ring_allreduce_time,
+    simulate,
+)
+
+
+def uniform_cluster(n: int, lat_ms: float = 10.0, gbps: float = 1.0, tflops: float = 100.0,
+                    memory_gb: float = 80.0) -> Cluster:
+    """n identical devices, all links equal."""
+    devs = [Device(i, f"d{i}", "r", f"10.0.0.{i + 1}", "X", tflops, memory_gb) for i in range(n)]
+    lat = np.full((n, n), lat_ms)
+    bw = np.full((n, n), gbps)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    return Cluster("uniform", devs, lat, bw)
+
+
+def inputs(r: int, s: int, m: int, tf: float, tb: float, tx: float, lat: float,
+           ring_tx: float = 0.0, ring_lat: float = 0.0, h: int = 1) -> StepInputs:
+    """Homogeneous hand-made step inputs."""
+    pipe = np.arange(r * s).reshape(r, s)
+    full = lambda v, shape: np.full(shape, float(v))
+    return StepInputs(pipe, full(tf, (r, s)), full(tb, (r, s)), full(tx, (r, s - 1)),
+                      full(lat, (r, s - 1)), full(tx, (r, s - 1)), full(lat, (r, s - 1)),
+                      [pipe[:, k] for k in range(s)], [full(ring_tx, r) for _ in range(s)],
+                      [full(ring_lat, r) for _ in range(s)], m, h)
+
+
+def test_single_transfer_is_latency_plus_bytes_over_bandwidth():
+    eng = EventEngine()
+    link = eng.resource("link", ordered=False)
+    t = eng.task(link, 8e9 / 2e9, [], latency=0.03)  # 1 GB at 2 Gbit/s + 30 ms
+    start, end = eng.run()
+    assert start[t] == 0.0
+    assert end[t] == pytest.approx(4.0 + 0.03)
+
+
+def test_link_is_fifo_later_messages_queue_but_latency_overlaps():
+    eng = EventEngine()
+    link = eng.resource("link", ordered=False)
+    a = eng.task(link, 1.0, [], latency=5.0)
+    b = eng.task(link, 1.0, [], latency=5.0)
+    start, end = eng.run()
+    assert sorted([start[a], start[b]]) == [0.0, 1.0]  # second waits for the wire, not the flight
+    assert sorted([end[a], end[b]]) == [6.0, 7.0]
+
+
+@pytest.mark.parametrize("r,s,m", [(1, 4, 8), (3, 5, 7), (2, 1, 6), (1, 2, 1)])
+def test_homogeneous_gpipe_closed_form(r, s, m):
+    tf, tb, tx, lat = 0.3, 0.7, 0.05, 0.02
+    inp = inputs(r, s, m, tf, tb, tx, lat)
+    expect = (m + s - 1) * (tf + tb) + 2 * (s - 1) * (tx + lat)
+    assert replay_fast(inp).step_s == pytest.approx(expect)
+    assert replay_events(inp)[0].step_s == pytest.approx(expect)
+
+
+def test_slow_link_bounds_the_pipeline():
+    # Transfers slower than compute: stage 1 receives one activation per tx, so the link is the
+    # bottleneck: forward of stage 1 ends at tf + m*tx + lat + tf.
+    m, tf, tb, tx, lat = 6, 0.1, 0.2, 0.5, 0.01
+    inp = inputs(1, 2, m, tf, tb, tx, lat)
+    fast, _ = replay_events(inp)
+    f_end_stage1 = tf + (m - 1) * tx + tx + lat + tf  # last activation arrives, one forward
+    # stage 1 then runs m backwards; stage 0 gets the last gradient after more link queueing
+    b1_end = f_end_stage1 + m * tb
+    # gradient j leaves stage 1 at f_end1 + (j+1) tb; link busy tx each -> the last leaves at
+    # f_end1 + tb + (m-1) tx (tx > tb), arrives + tx + lat, then stage 0 does its last backward.
+    expect = f_end_stage1 + tb + (m - 1) * tx + tx + lat + tb
+    assert expect > b1_end
+    assert fast.makespan_s == pytest.approx(expect)
+    assert replay_fast(inp).makespan_s == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_ring_allreduce_closed_form(n):
+    payload, gbps, lat_ms = 3e8, 2.0, 15.0
+    c = uniform_cluster(n, lat_ms=lat_ms, gbps=gbps)
+    bw_bits = c.bandwidth_gbps * 1e9
+    expect = 2 * (n - 1) / n * payload * 8 / (gbps * 1e9) + 2 * (n - 1) * lat_ms / 1e3
+    ring = np.arange(n)
+    nxt = np.roll(ring, -1)
+    assert ring_allreduce_time(c.latency_ms[ring, nxt] / 1e3, bw_bits[ring, nxt], payload) \
+        == pytest.approx(expect)
+    # and the event engine, with the group's ring as link tasks after a zero pipeline
+    tx = payload / n * 8 / (gbps * 1e9)
+    inp = inputs(n, 1, 1, 1e-9, 1e-9, 0.0, 0.0, ring_tx=tx, ring_lat=lat_ms / 1e3)
+    times, boxes = replay_events(inp)
+    assert times.dp_time_s[0] == pytest.approx(expect)
+    assert sum(b.kind == "allreduce" for b in boxes) == 2 * (n - 1) * n
+
+
+def test_ring_bottleneck_link_decides():
+    n, payload = 4, 1e8
+    lat = np.full(n, 0.01)
+    bits = np.full(n, 1e9)
+    bits[2] = 1e8  # one slow link
+    expect = 2 * (n - 1) * (0.01 + payload / n * 8 / 1e8)
+    assert ring_allreduce_time(lat, bits, payload) == pytest.approx(expect)
+
+
+def test_dp_overlaps_with_earlier_stages_backward():
+    # Stage 1 finishes its backward tb*... before stage 0: a short all-reduce of stage 1 hides.
+    r, s, m, tf, tb = 2, 2, 4, 0.1, 0.2
+    hidden = inputs(r, s, m, tf, tb, 0.0, 0.0, ring_tx=0.05, ring_lat=0.0)
+    base = (m + s - 1) * (tf + tb)
+    t = replay_fast(hidden)
+    # group 0's all-reduce starts at the makespan and is exposed: 2(n-1) * 0.05
+    assert t.step_s == pytest.approx(base + 2 * 0.05)
+    assert t.dp_start_s[1] < t.dp_start_s[0] == pytest.approx(base)
+
+
+def test_diloco_amortises_outer_sync_over_h():
+    r, s, m = 4, 3, 5
+    every = inputs(r, s, m, 0.1, 0.2, 0.01, 0.0, ring_tx=1.0, ring_lat=0.1)
+    diloco = inputs(r, s, m, 0.1, 0.2, 0.01, 0.0, ring_tx=1.0, ring_lat=0.1, h=50)
+    a, d = replay_fast(every), replay_fast(diloco)
+    assert a.makespan_s == pytest.approx(d.makespan_s)
+    assert d.dp_exposed_round_s == pytest.approx(a.dp_exposed_round_s)
+    assert d.step_s == pytest.approx(d.makespan_s + a.dp_exposed_round_s / 50)
+    assert replay_events(diloco)[0].step_s == pytest.approx(d.step_s)
+
+
+def test_payload_sizes_by_compression():
+    assert payload_bytes_per_param("none") == 4.0
+    assert payload_bytes_per_param("fp16") == 2.0
+    assert payload_bytes_per_param("int8", 256) == pytest.approx(1.015625)
+
+
+def test_compression_shortens_the_allreduce_in_simulate():
+    c = uniform_cluster(8, lat_ms=5.0, gbps=1.0)
+    model = get_model("gpt-small")
+    pipe = np.arange(8).reshape(4, 2)
+    stages = even_split(model.num_layers, 2)
+    times = {comp: simulate(c, model, stages, pipe, SyncConfig(compression=comp), 1, 4)
+             for comp in ("none", "fp16", "int8")}
+    ar = {k: v.dp_allreduce_s[0] - 6 * 0.005 for k, v in times.items()}  # minus latency part
+    assert ar["none"] / ar["fp16"] == pytest.approx(2.0)
+    assert ar["none"] / ar["int8"] == pytest.approx(4.0 / 1.015625)
+
+
+@pytest.mark.parametrize("sync", [SyncConfig(), SyncConfig("diloco", 100, "int8"),
+                                  SyncConfig(compression="fp16")])
+@pytest.mark.parametrize("scenario,seed", [("mixed", 0), ("worldwide", 3), ("random", 5)])
+def test_fast_path_equals_event_engine_on_heterogeneous_plans(scenario, seed, sync):
+    cluster = make_scenario(scenario, seed)
+    model = get_model("gpt3-xl")
+    rng = np.random.default_rng(seed)
+    obj = SimulatedObjective(cluster, model, sync, 1, 13)
+    for _ in range(2):
+        pipe = rng.permutation(cluster.num_devices)[:32].reshape(4, 8)
+        bd = obj.breakdown(pipe)
+        if not np.isfinite(bd.cost_s):
+            continue
+        res = simulate(cluster, model, bd.stages, pipe, sync, 1, 13)
+        assert res.step_s == pytest.approx(bd.cost_s, rel=1e-9)
+        assert obj.cost(pipe) == pytest.approx(bd.cost_s, rel=1e-12)
+        for key in ("compute_s", "bubble_s", "pp_comm_s", "dp_comm_s"):
+            assert bd.parts[key] == pytest.approx(res.parts()[key], rel=1e-9, abs=1e-9)
+
+
+def test_breakdown_parts_add_up_and_tokens_per_second():
+    cluster = make_scenario("mixed", 1)
+    model = get_model("gpt3-xl")
+    pipe = np.random.default_rng(1).permutation(64).reshape(8, 8)
+    res = simulate(cluster, model, even_split(24, 8), pipe, SyncConfig(), 1, 61)
+    p = res.parts()
+    assert p["compute_s"] + p["bubble_s"] + p["pp_comm_s"] + p["dp_comm_s"] \
+        == pytest.approx(p["step_s"])
+    assert min(p.values()) >= -1e-9
+    assert res.tokens_per_step == 8 * 61 * 2048
+    assert res.tokens_per_s == pytest.approx(res.tokens_per_step / res.step_s)
+    d = res.to_dict()
+    assert d["sync"]["mode"] == "allreduce" and len(d["memory_gb"]) == 64
+
+
+def test_faster_gpus_give_shorter_steps_mfu_scales_compute():
+    model = get_model("gpt-small")
+    pipe = np.arange(4).reshape(1, 4)
+    stages = even_split(model.num_layers, 4)
+    slow = simulate(uniform_cluster(4, tflops=50), model, stages, pipe, SyncConfig(), 2, 8)
+    fast = simulate(uniform_cluster(4, tflops=100), model, stages, pipe, SyncConfig(), 2, 8)
+    assert fast.compute_s == pytest.approx(slow.compute_s / 2)
+    half = simulate(uniform_cluster(4, tflops=100), model, stages, pipe, SyncConfig(), 2, 8,
+                    SimConfig(mfu=0.2))
+    assert half.compute_s == pytest.approx(slow.compute_s)
