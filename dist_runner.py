@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo: wait (and log) for a missing peer at an outer step instead of "
                    "failing")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    # tests only: RANK:STEP makes that rank leave silently before STEP (a lost peer)
+    # tests only: RANK:STEP[:STATUS] makes that rank exit before STEP (a lost peer)
     p.add_argument("--debug-vanish", default="", help=argparse.SUPPRESS)
     p.add_argument("--log-every", type=int, default=1, help="print a progress line every K steps")
     return p.parse_args(argv)
@@ -91,11 +91,12 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"${name}: expected an integer, got {value!r}") from None
 
 
-def _vanish_step(spec: str, rank: int) -> int:
+def _vanish(spec: str, rank: int) -> tuple[int, int]:
+    """RANK:STEP[:STATUS] -> (step, status) for that rank, (0, 0) for the others."""
     if not spec:
-        return 0
-    who, _, step = spec.partition(":")
-    return int(step) if int(who) == rank else 0
+        return 0, 0
+    who, step, *status = (int(v) for v in spec.split(":"))
+    return (step, status[0] if status else 0) if who == rank else (0, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,
                     eval_sequences=args.eval_sequences, wait_for_peers=args.wait_for_peers,
                     log_every=max(1, args.log_every),
-                    debug_vanish_at_step=_vanish_step(args.debug_vanish, rank))
+                    debug_vanish=_vanish(args.debug_vanish, rank))
     log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")

@@ -46,8 +46,8 @@ class RunConfig:
     wait_for_peers: bool = False
     """DiLoCo: keep waiting (and logging) for a missing peer instead of failing."""
     log_every: int = 1
-    debug_vanish_at_step: int = 0
-    """Tests only: leave silently (exit 0, no goodbye) before this step, like a lost peer."""
+    debug_vanish: tuple[int, int] = (0, 0)
+    """Tests only: (step, status): exit at once before that step, like a lost peer."""
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -179,9 +179,9 @@ class Trainer:
         records = []
         try:
             while self.step < cfg.steps:
-                if cfg.debug_vanish_at_step and self.step + 1 == cfg.debug_vanish_at_step:
+                if cfg.debug_vanish[0] and self.step + 1 == cfg.debug_vanish[0]:
                     self.log(f"debug: vanishing before step {self.step + 1}")
-                    os._exit(0)
+                    os._exit(cfg.debug_vanish[1])
                 t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
                 dp0 = self.dp_bytes
                 loss = self.train_step()

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             if r in netns:
                 cmd = ["ip", "netns", "exec", netns[r], *cmd]
             procs[r] = start_rank(r, cmd, env)
+            print(f"launch: rank {r} pid {procs[r].pid}" + (f" in netns {netns[r]}"
+                                                            if r in netns else ""), flush=True)
             out = threading.Thread(target=stream, args=(r, procs[r], progress, lock),
                                    daemon=True)
             out.start()
