@@ -31,7 +31,11 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.errors import UserError  # noqa: E402
+try:
+    from scheduler.errors import UserError
+except ImportError:  # copied alone to a remote host by tc.py: stdlib + NetfilterQueue only
+    class UserError(ValueError):  # type: ignore[no-redef]
+        """Bad input (same role as scheduler.errors.UserError)."""
 
 DEFAULT_TAG = "scattered-delay-line"
 DEFAULT_QUEUE = 4213

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Apply, show or reset a cluster's tc rules on every host: over SSH, or on local namespace hosts.
 
-    python scripts/tc.py apply|show|reset --cluster cluster.json --hosts ip_list
+    python scripts/tc.py apply|show|reset|probe --cluster cluster.json --hosts ip_list
         [--known-hosts FILE] [--key KEY] [--sudo] [--group-by ...] [--iface eth0]
-    python scripts/tc.py apply|show|reset --cluster cluster.json --local PREFIX
+    python scripts/tc.py apply|show|reset|probe --cluster cluster.json --local PREFIX
 
 Over SSH, line k of ip_list is host k; its address is what the other hosts' u32 filters match.
 Where a kernel has no sch_netem the rules go in without netem leaves and the delay is handled
 by the delay line (local namespaces: started automatically; SSH hosts: started when python3 and
 NetfilterQueue are present there, else reported as "delay not applied"). `show` compares the live
-qdiscs/classes/filters with the cluster and exits 1 on a mismatch.
+qdiscs/classes/filters with the cluster and exits 1 on a mismatch. `probe` measures bandwidth
+and RTT of every ordered host pair (stdlib agent copied to ~/.scattered/netemu) and writes them
+as a cluster file (--out measured.json), with configured vs measured printed side by side.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def run_local(args: argparse.Namespace) -> int:
         text, ok = show_local(st, cluster)
         print(text)
         return 0 if ok else 1
+    if args.action == "probe":
+        from scripts.netemu.probe import probe_local
+        print(probe_local(st, cluster, Path(args.out), args.seconds))
+        print(f"wrote {args.out}")
+        return 0
     if args.action == "show":
         text, ok = show_local(st, cluster)
         print(f"delay: {st.delay_mode}")
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("action", choices=("apply", "show", "reset"))
+    p.add_argument("action", choices=("apply", "show", "reset", "probe"))
     add_cluster_args(p)
     p.add_argument("--local", metavar="PREFIX",
                    help="the namespace hosts of `local_cluster.py up --prefix PREFIX`")
@@ -73,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", help="private key file (default: ssh agent / ~/.ssh keys)")
     p.add_argument("--sudo", action="store_true", help="prefix remote tc/iptables with sudo -n")
     p.add_argument("--timeout", type=float, default=20.0, help="SSH connect timeout s (20)")
+    p.add_argument("--remote-python", default="python3",
+                   help="python on the hosts for the delay line and probe agent (python3)")
+    p.add_argument("--out", default="measured.json", help="probe: measured cluster file")
+    p.add_argument("--seconds", type=float, default=1.5, help="probe: TCP stream per pair (1.5)")
     args = p.parse_args(argv)
     if bool(args.local) == bool(args.hosts):
         raise UserError("give exactly one of --hosts IP_LIST (SSH) or --local PREFIX")

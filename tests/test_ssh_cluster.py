@@ -9,7 +9,7 @@ from pathlib import Path
 import paramiko
 import pytest
 from conftest import run_entry
-from sshd_helpers import free_port, keygen, sshd_missing, start_sshd
+from test_ssh_helpers import free_port, keygen, sshd_missing, start_sshd
 
 pytestmark = pytest.mark.ssh
 

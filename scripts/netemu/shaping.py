@@ -144,8 +144,8 @@ def compare(rules: HostRules, live: LiveHost, delay_by_dest: dict[str, float] | 
         filt_ok = all(live.filters.get(a) == c.minor for a in c.dest_addresses)
         if c.minor in live.netem_ms:
             got_delay, how = live.netem_ms[c.minor], "netem"
-        elif delay_by_dest is not None and c.dest_addresses:
-            got_delay, how = delay_by_dest.get(c.dest_addresses[0], 0.0), "delay-line"
+        elif delay_by_dest and all(a in delay_by_dest for a in c.dest_addresses):
+            got_delay, how = delay_by_dest[c.dest_addresses[0]], "delay-line"
         else:
             got_delay, how = 0.0, "none"
         delay_ok = abs(got_delay - c.delay_ms) <= 0.01

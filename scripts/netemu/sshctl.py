@@ -184,39 +184,63 @@ def check_name(name: str) -> str:
     return name
 
 
+def start_script(k: int, h: HostEntry, command: str, name: str,
+                 run_dir: str = DEFAULT_RUN_DIR, sudo: bool = False) -> str:
+    """Shell text that starts `command` in the background with a pid file (refuses a 2nd)."""
+    check_name(name)
+    pid, log = _run_path(run_dir, name, h, "pid"), _run_path(run_dir, name, h, "log")
+    inner = host_env(k, h) + command
+    # setsid: the run gets its own process group, so `kill` reaches its children too.
+    # (With sudo the pid is sudo's, which relays signals to the command.)
+    launcher = "sudo -n setsid" if sudo else "setsid"
+    return (f"mkdir -p {shlex.quote(run_dir)} && "
+            f"if [ -e {shlex.quote(pid)} ] && {'sudo -n ' if sudo else ''}kill -0 "
+            f"\"$(cat {shlex.quote(pid)})\" 2>/dev/null; then "
+            f"echo 'run {name} is already running' >&2; exit 3; fi; "
+            f"{launcher} sh -c {shlex.quote(inner)} > {shlex.quote(log)} 2>&1 < /dev/null & "
+            f"echo $! > {shlex.quote(pid)}; echo started pid $!")
+
+
+def kill_script(h: HostEntry, name: str | None = None, run_dir: str = DEFAULT_RUN_DIR,
+                signal_name: str = "TERM", sudo: bool = False, wait_s: int = 10) -> str:
+    """Shell text that signals the runs recorded in this host's pid files, waits up to wait_s
+    for them to exit (a delay line removes its iptables rules on TERM) and removes the files."""
+    if name is not None:
+        check_name(name)
+    pattern = shlex.quote(_run_path(run_dir, name, h, "pid")) if name else (
+        shlex.quote(run_dir) + "/*" + shlex.quote(f"@{h.host}_{h.port}.pid"))
+    k = "sudo -n kill" if sudo else "kill"
+    # The process group (setsid) if there is one, else the pid alone (sudo relays signals).
+    return (f"for f in {pattern}; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); "
+            f"if {k} -{signal_name} -- -\"$p\" 2>/dev/null; then t=\"-$p\"; "
+            f"elif {k} -{signal_name} \"$p\" 2>/dev/null; then t=\"$p\"; else t=; fi; "
+            "if [ -n \"$t\" ]; then echo \"killed $p ($f)\"; n=0; "
+            f"while {k} -0 -- \"$t\" 2>/dev/null && [ $n -lt {wait_s * 10} ]; do "
+            "sleep 0.1; n=$((n+1)); done; "
+            "else echo \"$p ($f) not running\"; fi; rm -f \"$f\"; done")
+
+
 def start(hosts: list[HostEntry], opt: SSHOptions, command: str, name: str,
           run_dir: str = DEFAULT_RUN_DIR) -> list[HostResult]:
-    """Start `command` in the background on every host; pid file RUN_DIR/NAME.pid, log .log."""
+    """Start `command` in the background on every host (pid file and log in RUN_DIR)."""
     check_name(name)
 
     def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
-        pid, log = _run_path(run_dir, name, h, "pid"), _run_path(run_dir, name, h, "log")
-        inner = host_env(k, h) + command
-        # setsid: the run gets its own process group, so `kill` reaches its children too.
-        script = (f"mkdir -p {shlex.quote(run_dir)} && "
-                  f"if [ -e {shlex.quote(pid)} ] && kill -0 \"$(cat {shlex.quote(pid)})\" "
-                  f"2>/dev/null; then echo 'run {name} is already running' >&2; exit 3; fi; "
-                  f"setsid sh -c {shlex.quote(inner)} > {shlex.quote(log)} 2>&1 < /dev/null & "
-                  f"echo $! > {shlex.quote(pid)}; echo started pid $!")
-        status, out, err = exec_command(c, script, opt.timeout_s)
+        status, out, err = exec_command(c, start_script(k, h, command, name, run_dir),
+                                        opt.timeout_s)
         return HostResult(h, status, out, err)
     return for_all(hosts, opt, fn)
 
 
 def kill(hosts: list[HostEntry], opt: SSHOptions, name: str | None = None,
          run_dir: str = DEFAULT_RUN_DIR, signal_name: str = "TERM") -> list[HostResult]:
-    """Signal the process groups recorded in RUN_DIR/NAME.pid (all names when None)."""
+    """Signal the process groups recorded in this tool's pid files (all names when None)."""
     if name is not None:
         check_name(name)
 
     def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
-        pattern = shlex.quote(_run_path(run_dir, name, h, "pid")) if name else (
-            shlex.quote(run_dir) + "/*" + shlex.quote(f"@{h.host}_{h.port}.pid"))
-        script = (f"for f in {pattern}; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); "
-                  f"if kill -{signal_name} -- -\"$p\" 2>/dev/null || kill -{signal_name} "
-                  "\"$p\" 2>/dev/null; then echo \"killed $p ($f)\"; else "
-                  "echo \"$p ($f) not running\"; fi; rm -f \"$f\"; done")
-        status, out, err = exec_command(c, script, opt.timeout_s)
+        status, out, err = exec_command(c, kill_script(h, name, run_dir, signal_name),
+                                        opt.timeout_s)
         return HostResult(h, status, out, err)
     return for_all(hosts, opt, fn)
 

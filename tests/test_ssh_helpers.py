@@ -1,4 +1,4 @@
-"""Real OpenSSH servers for tests: generated keys, loopback addresses, cleanup by pid."""
+"""Helpers (no tests): real OpenSSH servers for tests, generated keys, cleanup by pid."""
 
 from __future__ import annotations
 
