@@ -249,8 +249,8 @@ class EventEngine:
              row: int = -1, kind: str = "", label: str = "") -> int:
         """Add a task; returns its id."""
         self.resource_of.append(resource)
-        self.duration.append(float(duration))
-        self.latency.append(float(latency))
+        self.duration.append(duration)
+        self.latency.append(latency)
         self.deps.append(deps)
         self.info.append((row, kind, label))
         return len(self.duration) - 1
@@ -258,63 +258,84 @@ class EventEngine:
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         """Replay every task -> (start, end) arrays indexed by task id."""
         n, n_res = len(self.duration), len(self._res_ordered)
+        duration, latency, resource_of = self.duration, self.latency, self.resource_of
+        ordered = self._res_ordered
         dependents: list[list[int]] = [[] for _ in range(n)]
         remaining = [len(d) for d in self.deps]
         for t, ds in enumerate(self.deps):
             for d in ds:
                 dependents[d].append(t)
         program: list[list[int]] = [[] for _ in range(n_res)]
-        for t, res in enumerate(self.resource_of):
+        for t, res in enumerate(resource_of):
             program[res].append(t)
+        for prog in program:
+            prog.append(-1)  # sentinel: program finished
         pointer = [0] * n_res
         queue: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
         busy = [False] * n_res
-        ready = [False] * n
-        start = np.full(n, np.nan)
-        end = np.full(n, np.nan)
-        events: list[tuple[float, int, int]] = []  # (time, 0 = task ended | 1 = resource free, id)
+        ready = [False] * (n + 1)
+        start = [float("nan")] * n
+        end = [float("nan")] * n
+        # (time, kind, id): kind 0 = task `id` ended, 1 = resource `id` free, 2 = both at once
+        # (a task without latency; id is the task). Ends sort before frees at equal times.
+        events: list[tuple[float, int, int]] = []
+        push, pop = heapq.heappush, heapq.heappop
 
         def try_start(res: int, now: float) -> None:
             if busy[res]:
                 return
-            if self._res_ordered[res]:
-                if pointer[res] >= len(program[res]) or not ready[program[res][pointer[res]]]:
-                    return
+            if ordered[res]:
                 t = program[res][pointer[res]]
+                if not ready[t]:  # also stops at the sentinel (ready[-1] stays False)
+                    return
                 pointer[res] += 1
             else:
                 if not queue[res]:
                     return
-                t = heapq.heappop(queue[res])[1]
+                t = pop(queue[res])[1]
             busy[res] = True
             start[t] = now
-            free = now + self.duration[t]
-            end[t] = free + self.latency[t]
-            heapq.heappush(events, (free, 1, res))
-            heapq.heappush(events, (end[t], 0, t))
+            free = now + duration[t]
+            if latency[t] == 0.0:
+                end[t] = free
+                push(events, (free, 2, t))
+            else:
+                end[t] = free + latency[t]
+                push(events, (free, 1, res))
+                push(events, (end[t], 0, t))
 
-        def make_ready(t: int, now: float) -> None:
-            ready[t] = True
-            res = self.resource_of[t]
-            if not self._res_ordered[res]:
-                heapq.heappush(queue[res], (now, t))
-            try_start(res, now)
+        def finished(t: int, now: float) -> None:
+            for d in dependents[t]:
+                remaining[d] -= 1
+                if remaining[d] == 0:
+                    ready[d] = True
+                    res = resource_of[d]
+                    if not ordered[res]:
+                        push(queue[res], (now, d))
+                    try_start(res, now)
 
         for t in range(n):
             if remaining[t] == 0:
-                make_ready(t, 0.0)
+                ready[t] = True
+                if not ordered[resource_of[t]]:
+                    push(queue[resource_of[t]], (0.0, t))
+        for res in range(n_res):
+            try_start(res, 0.0)
         while events:
-            now, what, ident = heapq.heappop(events)
-            if what == 1:
+            now, kind, ident = pop(events)
+            if kind == 1:
                 busy[ident] = False
                 try_start(ident, now)
+            elif kind == 0:
+                finished(ident, now)
             else:
-                for d in dependents[ident]:
-                    remaining[d] -= 1
-                    if remaining[d] == 0:
-                        make_ready(d, now)
-        assert not np.isnan(end).any(), "a task never ran: dependency cycle or program order"
-        return start, end
+                finished(ident, now)
+                res = resource_of[ident]
+                busy[res] = False
+                try_start(res, now)
+        start_a, end_a = np.array(start), np.array(end)
+        assert not np.isnan(end_a).any(), "a task never ran: dependency cycle or program order"
+        return start_a, end_a
 
 
 @dataclass
@@ -329,11 +350,15 @@ class TimelineBox:
     label: str
 
 
-def replay_events(inputs: StepInputs) -> tuple[StepTimes, list[TimelineBox]]:
+def replay_events(inputs: StepInputs, timeline: bool = True
+                  ) -> tuple[StepTimes, list[TimelineBox]]:
     """The same step as `replay_fast`, by the discrete-event engine, with its timeline."""
     eng = EventEngine()
-    pipe = inputs.pipelines
-    r_count, s_count = pipe.shape
+    pipe = inputs.pipelines.tolist()
+    t_fwd, t_bwd = inputs.t_fwd.tolist(), inputs.t_bwd.tolist()
+    fwd_tx, fwd_lat = inputs.fwd_tx.tolist(), inputs.fwd_lat.tolist()
+    bwd_tx, bwd_lat = inputs.bwd_tx.tolist(), inputs.bwd_lat.tolist()
+    r_count, s_count = inputs.pipelines.shape
     m_count = inputs.num_micro_batches
     dev = lambda d: eng.resource(("dev", int(d)), ordered=True)
     link = lambda a, b: eng.resource(("link", int(a), int(b)), ordered=False)
@@ -342,41 +367,46 @@ def replay_events(inputs: StepInputs) -> tuple[StepTimes, list[TimelineBox]]:
     for r in range(r_count):
         sent: list[int] = []
         for s in range(s_count):
-            d = int(pipe[r, s])
+            d = pipe[r][s]
             now_sent = []
+            res_d = dev(d)
+            res_l = link(d, pipe[r][s + 1]) if s < s_count - 1 else -1
             for m in range(m_count):
-                f = eng.task(dev(d), inputs.t_fwd[r, s], [sent[m]] if s else [], row=d,
+                f = eng.task(res_d, t_fwd[r][s], [sent[m]] if s else [], row=d,
                              kind="fwd", label=f"F{m}")
                 pipeline_tasks.append(f)
                 if s < s_count - 1:
-                    x = eng.task(link(d, pipe[r, s + 1]), inputs.fwd_tx[r, s], [f],
-                                 inputs.fwd_lat[r, s], row=d, kind="send", label=f"a{m}")
+                    x = eng.task(res_l, fwd_tx[r][s], [f], fwd_lat[r][s], row=d, kind="send",
+                                 label=f"a{m}")
                     pipeline_tasks.append(x)
                     now_sent.append(x)
             sent = now_sent
         grads: dict[int, int] = {}
         for s in range(s_count - 1, -1, -1):
-            d = int(pipe[r, s])
+            d = pipe[r][s]
             now_grads = {}
+            res_d = dev(d)
+            res_l = link(d, pipe[r][s - 1]) if s > 0 else -1
             for m in range(m_count - 1, -1, -1):
-                b = eng.task(dev(d), inputs.t_bwd[r, s], [grads[m]] if s < s_count - 1 else [],
+                b = eng.task(res_d, t_bwd[r][s], [grads[m]] if s < s_count - 1 else [],
                              row=d, kind="bwd", label=f"B{m}")
                 pipeline_tasks.append(b)
                 last_bwd[(r, s)] = b
                 if s > 0:
-                    x = eng.task(link(d, pipe[r, s - 1]), inputs.bwd_tx[r, s - 1], [b],
-                                 inputs.bwd_lat[r, s - 1], row=d, kind="send", label=f"g{m}")
+                    x = eng.task(res_l, bwd_tx[r][s - 1], [b], bwd_lat[r][s - 1], row=d,
+                                 kind="send", label=f"g{m}")
                     pipeline_tasks.append(x)
                     now_grads[m] = x
             grads = now_grads
     ring_last: list[list[int]] = []
     for s in range(s_count):
-        ring, tx, lat = inputs.rings[s], inputs.ring_tx[s], inputs.ring_lat[s]
+        ring = inputs.rings[s].tolist()
+        tx, lat = inputs.ring_tx[s].tolist(), inputs.ring_lat[s].tolist()
         n = len(ring)
         prev = [last_bwd[(r, s)] for r in range(r_count)]
         for step in range(2 * (n - 1)):
             prev = [eng.task(link(ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],
-                             row=int(ring[i]), kind="allreduce", label=f"ring {step}")
+                             row=ring[i], kind="allreduce", label=f"ring {step}")
                     for i in range(n)]
         ring_last.append(prev if n > 1 else [])
     start, end = eng.run()
@@ -388,7 +418,10 @@ def replay_events(inputs: StepInputs) -> tuple[StepTimes, list[TimelineBox]]:
     dp_time = np.array([float(end[last].max()) - b_done[:, s].max() if last else 0.0
                         for s, last in enumerate(ring_last)])
     times = step_times(b_done, dp_time, inputs.inner_steps)
-    boxes = [TimelineBox(row, kind, float(start[t]), float(end[t] - eng.latency[t]), label)
+    if not timeline:
+        return times, []
+    starts, ends = start.tolist(), (end - np.array(eng.latency)).tolist()
+    boxes = [TimelineBox(row, kind, starts[t], ends[t], label)
              for t, (row, kind, label) in enumerate(eng.info)]
     return times, boxes
 
@@ -538,7 +571,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
     tables = LinkTables(cluster, config)
     inputs = build_inputs(tables, model, stages, pipe, sync, micro_batch_size,
                           num_micro_batches, config)
-    times, boxes = replay_events(inputs)
+    times, boxes = replay_events(inputs, timeline)
     free = replay_fast(no_transfers(inputs))
     compute = float(((inputs.t_fwd + inputs.t_bwd) * num_micro_batches).max())
     tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
