@@ -11,7 +11,8 @@ region k on host k % N), applies the cluster's tc rules in each namespace (netem
 kernel has it, else the NFQUEUE delay line on each receiver's INPUT; a missing delay is
 reported, never silent) and writes into --out-dir (default out/local_cluster/PREFIX):
   ip_list         one `root@ADDRESS` per host (for cluster_ssh.py when sshd runs in them)
-  netns_map.json  rank -> namespace/address/iface, for the launcher (format netns-map/1)
+  netns_map.json  hosts and rank -> namespace/address/iface (format netns-map/1)
+  rank_netns.json {"RANK": "NAMESPACE"} for `launch_local.py --netns-map`
   cluster.json    the cluster with every device.host set to its namespace host's address
 `down` removes everything of the prefix (idempotent; also after a crash). Needs root.
 """
@@ -73,7 +74,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         entries = [HostEntry("root", netns.address(i)) for i in range(st.num_hosts)]
         atomic_write_bytes(out_dir / "ip_list", format_host_list(
             entries, f"namespace hosts of local cluster {st.prefix}").encode())
-        atomic_write_json(out_dir / "netns_map.json", netns_map(st))
+        nm = netns_map(st)
+        atomic_write_json(out_dir / "netns_map.json", nm)
+        atomic_write_json(out_dir / "rank_netns.json",
+                          {r: v["netns"] for r, v in nm["ranks"].items()})
         save_cluster(local_cluster_file(cluster, st), out_dir / "cluster.json")
     except BaseException:
         netns.destroy(args.prefix)
@@ -82,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"host {i}: netns {st.namespace(i)} {netns.address(i)} devices {g}")
     for line in report:
         print(line)
-    print(f"wrote {out_dir}/ip_list, netns_map.json, cluster.json")
+    print(f"wrote {out_dir}/ip_list, netns_map.json, rank_netns.json, cluster.json")
     print(f"state {netns.state_path(st.prefix)}; remove with: python scripts/local_cluster.py "
           f"down --prefix {st.prefix}")
     return 0
@@ -110,7 +114,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from scripts.netemu.probe import probe_local
     st = netns.load_state(args.prefix)
     out = Path(args.out or Path(st.out_dir) / "measured.json")
-    text = probe_local(st, load_cluster(st.cluster_file), out, args.seconds, args.pings)
+    text, _ = probe_local(st, load_cluster(st.cluster_file), out, args.seconds,
+                          args.pings)
     print(text)
     print(f"wrote {out}")
     return 0

@@ -50,7 +50,7 @@ def run_local(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     if args.action == "probe":
         from scripts.netemu.probe import probe_local
-        print(probe_local(st, cluster, Path(args.out), args.seconds))
+        print(probe_local(st, cluster, Path(args.out), args.seconds)[0])
         print(f"wrote {args.out}")
         return 0
     if args.action == "show":

@@ -88,6 +88,8 @@ def test_up_shapes_rates_probe_and_down(tmp_path, prefix) -> None:
     assert m["format"] == "netns-map/1"
     assert m["ranks"]["3"] == {"netns": f"{prefix}-1", "address": "198.18.0.2",
                                "iface": "eth0", "host": 1}
+    assert json.loads((out / "rank_netns.json").read_text()) == {
+        "0": f"{prefix}-0", "1": f"{prefix}-1", "2": f"{prefix}-0", "3": f"{prefix}-1"}
     assert (out / "ip_list").read_text().splitlines()[1:] == ["root@198.18.0.1",
                                                              "root@198.18.0.2"]
     assert [d.host for d in load_cluster(out / "cluster.json").devices] == [

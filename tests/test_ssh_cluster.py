@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import paramiko
 import pytest
-from conftest import run_entry
+from conftest import ROOT, run_entry
 from test_ssh_helpers import free_port, keygen, sshd_missing, start_sshd
 
 pytestmark = pytest.mark.ssh
@@ -185,3 +188,42 @@ def test_bad_host_list_is_user_error(tmp_path) -> None:
     r = run_entry("scripts/cluster_ssh.py", "--hosts", str(f), "run", "--", "true")
     assert r.returncode == 2 and r.stderr.startswith(f"error: {f}:2:")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(90)
+def test_aws_wrappers_run_batch_kill_copy_logs(fleet, tmp_path) -> None:
+    """aws_run_batch.sh starts each host's ranks (modulo mapping); kill; copy logs."""
+    _accepted(fleet)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    # a stand-in dist_runner.py: records its arguments, then waits to be killed
+    (repo / "dist_runner.py").write_text(
+        "import sys, time\nprint(' '.join(sys.argv[1:]), flush=True)\ntime.sleep(300)\n")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "plan/1", "pipelines": [[0, 1], [2, 3], [4, 5]]}))
+    env = dict(os.environ, IP_LIST=str(fleet["dir"] / "ip_list"), KNOWN_HOSTS=fleet["known"],
+               SSH_KEY=fleet["key"], REMOTE_REPO=str(repo), REMOTE_PY=sys.executable)
+    sh = ROOT / "scripts"
+    r = subprocess.run(["bash", str(sh / "aws_run_batch.sh"), str(plan), "tcp://127.0.0.2:29500",
+                        "--steps", "3"], env=env, capture_output=True, text=True, timeout=60)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (repo / "plan.json").exists()
+        logs = [repo / "logs" / f"rank{k}.log" for k in range(6)]
+        deadline = time.monotonic() + 20
+        while not all(p.exists() and p.read_text() for p in logs) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)  # ranks start asynchronously on the hosts
+        assert (repo / "logs" / "rank4.log").read_text().split() == [
+            "--plan", "plan.json", "--rank", "4", "--world-size", "6", "--dist-url",
+            "tcp://127.0.0.2:29500", "--steps", "3"]
+    finally:
+        k = subprocess.run(["bash", str(sh / "aws_kill.sh")], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert k.returncode == 0 and k.stdout.count("killed") == 3, k.stdout
+    dest = tmp_path / "collected"
+    c = subprocess.run(["bash", str(sh / "aws_copy_logs.sh"), str(dest)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert c.returncode == 0, c.stdout + c.stderr
+    s1 = fleet["servers"][1]
+    assert (dest / f"root@{s1.addr}_{s1.port}" / "logs" / "rank1.log").exists()

@@ -97,8 +97,8 @@ def comparison(cluster: Cluster, groups: list[tuple[int, ...]], results: list[Pa
 
 
 def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: ignore[no-untyped-def]
-                pings: int = 10, quiet: bool = False) -> str:
-    """Probe the namespace hosts of `st`; write the measured cluster; returns the table text."""
+                pings: int = 10, quiet: bool = False) -> tuple[str, list[PairResult]]:
+    """Probe the namespace hosts of `st`; write the measured cluster; (table text, results)."""
     from scripts.netemu.netns import address, start_in_namespace
     from scripts.netemu.shell import sh
     servers = []
@@ -124,4 +124,4 @@ def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: 
     save_cluster(measured_cluster(cluster, groups, results), out)
     applied = st.delay_mode in ("netem", "delay-line")
     text, _ = comparison(cluster, groups, results, applied)
-    return text
+    return text, results

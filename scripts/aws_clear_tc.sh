@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Remove the tc rules and stop the delay lines on every host of IP_LIST.
+# usage: scripts/aws_clear_tc.sh CLUSTER.json [tc.py options, e.g. --iface ens5]
+source "$(dirname "$0")/aws_env.sh"
+[ $# -ge 1 ] || { echo "usage: $0 CLUSTER.json [tc.py options]" >&2; exit 2; }
+CLUSTER="$1"; shift
+exec "$PY" "$HERE/tc.py" reset --cluster "$CLUSTER" "${SSH_ARGS[@]}" "${TC_SUDO[@]}" "$@"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Start the ranks of a plan on the hosts of IP_LIST, in the background (run name `train`).
+# Host k (line k of IP_LIST, from 0) runs ranks k, k+N, k+2N, ... (N hosts) -- the same
+# device -> host mapping as tc.py's default with a host list (--group-by modulo).
+# Each rank logs to REMOTE_REPO/logs/rank<R>.log; stop with aws_kill.sh, fetch with aws_copy_logs.sh.
+# usage: scripts/aws_run_batch.sh PLAN.json tcp://MASTER:PORT [dist_runner.py options]
+source "$(dirname "$0")/aws_env.sh"
+[ $# -ge 2 ] || { echo "usage: $0 PLAN.json tcp://HOST:PORT [dist_runner options]" >&2; exit 2; }
+PLAN="$1"; URL="$2"; shift 2
+WORLD=$("$PY" -c 'import json,sys; p=json.load(open(sys.argv[1])); print(sum(len(x) for x in p["pipelines"]))' "$PLAN")
+HOSTS=$(grep -cvE '^[[:space:]]*(#|$)' "$IP_LIST")
+PLAN_NAME=$(basename "$PLAN")
+"$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" sync "$PLAN" --dest "$REMOTE_REPO"
+EXTRA=$(printf ' %q' "$@")
+CMD="cd $REMOTE_REPO && mkdir -p logs && for r in \$(seq \$SCATTERED_HOST_INDEX $HOSTS $((WORLD - 1))); do \
+$REMOTE_PY dist_runner.py --plan $PLAN_NAME --rank \$r --world-size $WORLD --dist-url $URL$EXTRA \
+> logs/rank\$r.log 2>&1 & done; wait"
+exec "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" start --name train -- "$CMD"
