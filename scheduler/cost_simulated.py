@@ -18,6 +18,7 @@ Ring orders of stage groups are cached by group; one `cost` call on a 64-device,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from scheduler.simulator import (
     ring_order,
     step_times,
 )
+
+if TYPE_CHECKING:  # planning imports the objectives, not the other way round
+    from scheduler.planning import PlanRequest
 
 _RING_CACHE_LIMIT = 200_000
 
@@ -165,6 +169,9 @@ class SimulatedObjective:
     def _best(self, cand: _Candidate) -> tuple[float, list[tuple[int, int]], object]:
         s_count = cand.pipe.shape[1]
         if self.fixed_stages is not None:
+            if len(self.fixed_stages) != s_count:
+                raise UserError(f"stages: the fixed split has {len(self.fixed_stages)} stages "
+                                f"but the plan has {s_count}")
             options = [self.fixed_stages]
         else:
             options = [even_split(self.model.num_layers, s_count)]
@@ -216,8 +223,7 @@ class SimulatedObjective:
         return CostBreakdown(self.name, float(cost), parts, list(stages))
 
 
-def make_simulated(cluster: Cluster, model: ModelSpec, req: object) -> SimulatedObjective:
-    """Factory for planning.OBJECTIVES: reads req.sync, req.micro_batch_size and
-    req.num_micro_batches (a planning.PlanRequest)."""
-    return SimulatedObjective(cluster, model, req.sync, req.micro_batch_size,  # type: ignore
-                              req.num_micro_batches)  # type: ignore[attr-defined]
+def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> SimulatedObjective:
+    """Factory for planning.OBJECTIVES: the simulated objective for a request's sync and batch."""
+    return SimulatedObjective(cluster, model, req.sync, req.micro_batch_size,
+                              req.num_micro_batches)

@@ -45,8 +45,8 @@ def bounds_to_stages(bounds: list[int] | np.ndarray) -> list[tuple[int, int]]:
 def split_layers(stage_cost: np.ndarray) -> tuple[list[tuple[int, int]], float]:
     """Best contiguous split for `stage_cost` (S, L+1, L+1): min-max, then min-sum among those.
 
-    Returns (stages, max stage cost); the max is inf (and stages an even split's shape is not
-    implied) when no split keeps every stage finite, in which case stages is [].
+    Returns (stages, max stage cost), or ([], inf) when no split keeps every stage finite
+    (e.g. nothing fits in memory).
     """
     s_count, n1, _ = stage_cost.shape
     n = n1 - 1
