@@ -112,3 +112,23 @@ def test_objective_never_worse_than_even_split():
     for _ in range(10):
         pipe = rng.permutation(64).reshape(8, 8)
         assert chosen.cost(pipe) <= even.cost(pipe) + 1e-12
+
+
+def test_polish_is_never_worse_and_matches_the_event_simulator():
+    from scheduler.simulator import simulate
+
+    model = get_model("gpt3-xl")
+    cluster = make_scenario("mixed", 0)
+    sync = SyncConfig("diloco", 500, "int8")
+    obj = SimulatedObjective(cluster, model, sync, 1, 61)
+    rng = np.random.default_rng(4)
+    better = 0
+    for _ in range(4):
+        pipe = rng.permutation(64).reshape(8, 8)
+        plain, polished = obj.breakdown(pipe), obj.polish(pipe)
+        assert polished.cost_s <= plain.cost_s + 1e-12
+        better += polished.cost_s < plain.cost_s - 1e-9
+        assert polished.stages[0][0] == 0 and polished.stages[-1][1] == 24
+        event = simulate(cluster, model, polished.stages, pipe, sync, 1, 61, timeline=False)
+        assert event.step_s == pytest.approx(polished.cost_s, rel=1e-9)
+    assert better >= 1  # the DP split is a heuristic; a local search finds small gains
