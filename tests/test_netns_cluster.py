@@ -169,3 +169,15 @@ def test_tc_show_detects_a_changed_class(tmp_path, prefix) -> None:
     q = subprocess.run(["ip", "netns", "exec", f"{prefix}-0", "tc", "qdisc", "show", "dev",
                         "eth0"], capture_output=True, text=True).stdout
     assert "htb" not in q
+
+
+def test_delay_none_is_reported_not_silent(tmp_path, prefix) -> None:
+    c = _cluster(tmp_path / "c.json", 25.0, [[0, 50], [50, 0]])
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--out-dir", str(tmp_path / "o"), "--link-gbps", "1", "--delay", "none")
+    assert up.returncode == 0, up.stderr
+    assert "WARNING: delay not applied (--delay none); only rates are shaped" in up.stdout
+    assert json.loads((tmp_path / "o" / "netns_map.json").read_text())["delay_mode"] == (
+        "not-applied: --delay none")
+    st = run_entry("scripts/local_cluster.py", "status", "--prefix", prefix)
+    assert st.returncode == 1 and "NOT APPLIED" in st.stdout, st.stdout
