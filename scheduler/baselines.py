@@ -1,7 +1,8 @@
-"""Plans to compare against: random, index order, exhaustive (tiny clusters), and our
-re-implementation of the published DT-FM search (GCMA: a genetic algorithm with local search).
+"""Plans to compare against: random, index order, exhaustive (tiny clusters), plans built by
+hand from the cluster's regions, and our step-by-step re-implementation of the published DT-FM
+search (GCMA: a genetic algorithm with cyclic-move local search, Yuan et al. 2022).
 
-Every function is pure and seeded; each returns (pipelines (R, S), cost, evaluations).
+Every function is pure and seeded; the searches return (pipelines (R, S), cost, evaluations).
 """
 
 from __future__ import annotations

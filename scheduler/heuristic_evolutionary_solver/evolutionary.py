@@ -2,12 +2,16 @@
 
 A candidate is a partition of the devices into S stage groups of R devices, kept in pipeline
 order. It is decoded into pipelines by bottleneck matching between consecutive groups
-(PairCache) and scored by any Objective. The population starts from topology-aware structured
-plans (islands.py) plus random ones; children come from group-preserving crossover, swap and
-block mutations, a reorder of the groups and a short first-improvement local search; the best
-plan is polished by steepest descent over all pairwise swaps at the end.
+(PairCache) and scored by any Objective. The population starts from given plans (e.g. built
+from the cluster's regions) and topology-aware structured plans (islands.py) plus random ones;
+children come from group-preserving crossover, swap and block mutations, a reorder of the
+groups and a short first-improvement local search; when no better plan turns up for `patience`
+evaluations the evolution restarts from its first population. Four fifths of the budget and
+time go to evolution; the rest polishes the best plan: steepest descent over all pairwise swaps
+between groups, then first-improvement swaps of any two slots scored without re-matching.
 
-Every run is reproducible from `seed`; `budget` caps objective evaluations, `time_limit_s` wall.
+Every run is reproducible from `seed` when `budget` (a hard cap on objective evaluations) ends
+it rather than `time_limit_s` (wall).
 """
 
 from __future__ import annotations
