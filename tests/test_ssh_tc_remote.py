@@ -86,7 +86,7 @@ def test_apply_show_probe_reset_over_ssh(ns_fleet) -> None:
     m = load_cluster(out)
     assert 0.85 * 0.06 <= m.bandwidth_gbps[0, 1] <= 1.02 * 0.06, p.stdout
     assert 0.85 * 0.03 <= m.bandwidth_gbps[1, 0] <= 1.02 * 0.03, p.stdout
-    assert abs(2 * m.latency_ms[0, 1] - 20.0) <= 4.0, p.stdout
+    assert 18.0 <= 2 * m.latency_ms[0, 1] <= 30.0, p.stdout  # 10 ms each way (+ busy CPU)
     r = tc(f, "reset")
     assert r.returncode == 0, r.stdout
     q = subprocess.run([*f["st"].exec_prefix(0), "tc", "qdisc", "show", "dev", "eth0"],
