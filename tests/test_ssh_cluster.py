@@ -49,7 +49,7 @@ def fleet(tmp_path_factory):
 def ssh(f, *args: str, hosts: str = "ip_list", known: str | None = None, timeout: float = 60):
     """Run cluster_ssh.py with the fleet's key and known_hosts."""
     return run_entry("scripts/cluster_ssh.py", "--hosts", str(f["dir"] / hosts),
-                     "--known-hosts", known or f["known"], "--key", f["key"], "--timeout", "5",
+                     "--known-hosts", known or f["known"], "--key", f["key"], "--timeout", "15",
                      *args, timeout=timeout)
 
 
@@ -107,7 +107,9 @@ def test_sync_and_collect(fleet, tmp_path) -> None:
     (src / "sub" / "run.sh").write_text("#!/bin/sh\necho ran $1\n")
     (src / "sub" / "run.sh").chmod(0o755)
     remote = tmp_path / "remote"
-    r = ssh(fleet, "sync", str(src), "--dest", str(remote))
+    # --parallel 1: the three test "hosts" share one filesystem, and concurrent sftp uploads
+    # of the same file make paramiko's size check after `put` fail (real hosts do not share).
+    r = ssh(fleet, "--parallel", "1", "sync", str(src), "--dest", str(remote))
     assert r.returncode == 0, r.stdout
     assert (remote / "payload" / "a.txt").read_text() == "alpha"
     assert os.access(remote / "payload" / "sub" / "run.sh", os.X_OK)
