@@ -35,7 +35,7 @@ from scripts.netemu.cli import run_main  # noqa: E402
 from scripts.netemu.hostlist import HostEntry, format_host_list  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, show_local  # noqa: E402
 from scripts.netemu.shell import missing_root_tools  # noqa: E402
-from scripts.netemu.tcrules import group_devices  # noqa: E402
+from scripts.netemu.tcrules import build_host_rules, group_devices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NETNS_MAP_FORMAT = "netns-map/1"
@@ -64,6 +64,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     n = args.hosts if args.hosts is not None else cluster.num_devices
     groups = group_devices(cluster, args.group_by, n)
     out_dir = Path(args.out_dir or ROOT / "out" / "local_cluster" / args.prefix)
+    # Check the rules before creating anything (a rate above --link-gbps, too many classes).
+    build_host_rules(cluster, groups, [netns.address(i) for i in range(len(groups))],
+                     netns.IFACE, args.link_gbps)
     st = netns.create(args.prefix, len(groups))
     try:
         st.groups = [list(g) for g in groups]
