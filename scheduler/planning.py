@@ -80,11 +80,19 @@ def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjec
     return DtfmObjective(cluster, model, req.num_stages, req.num_replicas, sequences)
 
 
+def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> Objective:
+    """The simulator's predicted step time (compute, memory, bubbles, sync) for this request."""
+    from scheduler.cost_simulated import make_simulated as factory  # it imports PlanRequest
+
+    return factory(cluster, model, req)
+
+
 OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
     "dtfm": make_dtfm,
+    "simulated": make_simulated,
 }
 """Objective factories by name; a new objective registers here and the CLI offers it."""
-DEFAULT_OBJECTIVE = "dtfm"
+DEFAULT_OBJECTIVE = "simulated"
 """What `plan` and `evaluate` use without --objective."""
 
 
@@ -117,6 +125,55 @@ def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num
                                [dtfm.t_grad], progress, seeds)
 
 
+def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
+                     ) -> list[tuple[int, int]]:
+    """(S, R) shapes to try: the given one, or every factorisation of the device count that
+    the model's layers allow when --stages/--replicas are left out (0)."""
+    from scheduler.layer_split import stage_replica_shapes
+
+    n = cluster.num_devices
+    s, r = req.num_stages, req.num_replicas
+    if s and r:
+        return [(s, r)]
+    if s or r:
+        given = s or r
+        if n % given:
+            raise UserError(f"{'--stages' if s else '--replicas'} {given} does not divide the "
+                            f"{n} devices of cluster '{cluster.name}'")
+        return [(s, n // s)] if s else [(n // r, r)]
+    shapes = stage_replica_shapes(n, model.num_layers)
+    if not shapes:
+        raise UserError(f"no S x R = {n} with S <= {model.num_layers} layers of {model.name}")
+    return shapes
+
+
+def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                    progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
+    """plan_cluster for each candidate shape (the time limit shared among them); the cheapest."""
+    shapes = candidate_shapes(cluster, model, req)
+    best: PlanOutcome | None = None
+    failures: list[str] = []
+    for s, r in shapes:
+        sub = PlanRequest(s, r, req.micro_batch_size, req.num_micro_batches, req.objective,
+                          req.sync, SearchConfig(**{**req.search.__dict__,
+                                                    "time_limit_s": req.search.time_limit_s
+                                                    / len(shapes)}),
+                          req.random_samples, req.tokens_per_replica)
+        try:
+            out = plan_cluster(cluster, model, sub, progress)
+        except UserError as e:
+            if len(shapes) == 1:
+                raise
+            failures.append(f"{s} x {r}: {e}")
+            continue
+        if best is None or out.ours.cost_s < best.ours.cost_s:
+            best = out
+    if best is None:
+        raise UserError("no shape works:\n  " + "\n  ".join(failures))
+    best.plan.search["shapes_tried"] = [list(x) for x in shapes]
+    return best
+
+
 def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
     """Search a plan and score the random and index-order baselines with the same objective."""
@@ -131,16 +188,22 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas, req.search,
                          progress)
     wall = time.perf_counter() - start
-    ours = objective.breakdown(result.pipelines)
+    polish = getattr(objective, "polish", None)  # the simulated objective refines its split
+    ours = polish(result.pipelines) if polish else objective.breakdown(result.pipelines)
     how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
                                         req.num_stages, req.num_replicas)
     random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
                                        req.random_samples, seed=req.search.seed)
     index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
+    def score(p: np.ndarray) -> CostBreakdown:
+        if p.ndim != 2:  # no baseline plan of this kind could be scored (none fits)
+            return CostBreakdown(ours.objective, float("inf"))
+        return objective.breakdown(p)
+
     baselines = {
-        "hand-structured (regions)": objective.breakdown(hand_plan),
-        f"best of {req.random_samples} random": objective.breakdown(random_plan),
-        "index order": objective.breakdown(index_plan),
+        "hand-structured (regions)": score(hand_plan),
+        f"best of {req.random_samples} random": score(random_plan),
+        "index order": score(index_plan),
     }
     random_cost = baselines[f"best of {req.random_samples} random"].cost_s
     index_cost = baselines["index order"].cost_s
@@ -154,5 +217,10 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3)},
     )
+    if not np.isfinite(ours.cost_s):
+        from scheduler.simulator import simulate_plan  # names the device and the numbers
+        simulate_plan(cluster, model, plan, timeline=False)
+        raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
+                        f"the devices of '{cluster.name}'")
     return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
                        result.best_structured, baselines, how)

@@ -34,7 +34,7 @@ from scheduler.planning import (  # noqa: E402
     OBJECTIVES,
     PlanOutcome,
     PlanRequest,
-    plan_cluster,
+    plan_best_shape,
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
 
@@ -120,7 +120,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
                                    seed=args.search_seed),
                       args.random_samples, args.tokens_per_replica)
-    out = plan_cluster(cluster, model, req, None if args.quiet else _progress)
+    out = plan_best_shape(cluster, model, req, None if args.quiet else _progress)
     if not args.quiet:
         print(file=sys.stderr)
     save_plan(out.plan, args.out)
@@ -175,9 +175,11 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     src.add_argument("--cluster", help="cluster/1 JSON file")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    pl.add_argument("--stages", type=int, required=True, help="pipeline stages S")
-    pl.add_argument("--replicas", type=int, required=True,
-                    help="data-parallel replicas R (S x R = devices)")
+    pl.add_argument("--stages", type=int, default=0,
+                    help="pipeline stages S (default: try every S x R = devices and keep the "
+                         "cheapest)")
+    pl.add_argument("--replicas", type=int, default=0,
+                    help="data-parallel replicas R (S x R = devices; default: derived)")
     pl.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model to minimise (default {DEFAULT_OBJECTIVE})")
     pl.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
@@ -217,8 +219,40 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=cmd_evaluate)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Replay one training step of any plan and print its breakdown."""
+    from scheduler.simulator import format_sim_table, simulate_plan
+
+    cluster = load_cluster(args.cluster)
+    plan = load_plan(args.plan, cluster)
+    if plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
+        print(f"warning: {args.plan} was made for cluster '{plan.cluster}' with other "
+              f"contents than {args.cluster}", file=sys.stderr)
+    result = simulate_plan(cluster, None, plan, timeline=bool(args.timeline))
+    if args.timeline:
+        from scheduler.timeline import save_timeline_png  # matplotlib only when asked
+        save_timeline_png(result, args.timeline, f"{plan.model} on {cluster.name}")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_sim_table(result))
+        if args.timeline:
+            print(f"wrote {args.timeline}")
+    return 0
+
+
+def add_simulate_command(sub: argparse._SubParsersAction) -> None:
+    """`simulate --cluster FILE --plan FILE [--timeline out.png] [--json]`."""
+    si = sub.add_parser("simulate", help="replay one step of a plan: step time and breakdown")
+    si.add_argument("--cluster", required=True, help="cluster/1 JSON file")
+    si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
+    si.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    si.set_defaults(func=cmd_simulate)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_scenario_command, add_plan_command, add_evaluate_command]
+    add_scenario_command, add_plan_command, add_evaluate_command, add_simulate_command]
 """Each adds one subcommand; a new one (e.g. `simulate`) appends its adder here."""
 
 

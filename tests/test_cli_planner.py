@@ -17,7 +17,7 @@ def test_scenario_plan_evaluate_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
                   "--replicas", "8", "--budget", "2500", "--out", str(plan), "--json", "--quiet",
-                  "--plot", str(tmp_path / "p.png"))
+                  "--plot", str(tmp_path / "p.png"), "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     saved = json.loads(plan.read_text())
@@ -26,7 +26,8 @@ def test_scenario_plan_evaluate_round_trip(tmp_path):
     assert summary["ratio_vs_random"] < 1 and summary["ratio_vs_index"] < 1
     assert sorted(d for chain in saved["pipelines"] for d in chain) == list(range(64))
     assert (tmp_path / "p.png").stat().st_size > 10_000
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+                  "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cost"] == pytest.approx(saved["predicted"]["cost"], rel=1e-5)
 
@@ -108,7 +109,8 @@ def test_evaluate_scores_a_hand_written_plan(tmp_path):
     plan.write_text(json.dumps({"format": "plan/1", "model": "gpt-tiny",
                                 "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}],
                                 "pipelines": [[3, 1], [0, 2]]}))
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+                  "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     # By hand: 5 ms and 1 Gbps everywhere; one DP peer, one boundary each way.
@@ -157,3 +159,48 @@ def test_runs_as_a_module_and_the_budget_caps_evaluations(tmp_path):
     assert saved["num_micro_batches"] == 61 and saved["micro_batch_size"] == 1
     assert set(saved["predicted"]) >= {"objective", "cost", "dp_comm_s", "pp_comm_s"}
     assert summary["baselines"]["index order"]["cost"] >= summary["cost"]
+
+
+def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
+    cluster, plan, png = tmp_path / "c.json", tmp_path / "p.json", tmp_path / "t.png"
+    assert run_entry(SCHED, "scenario", "mixed", "--seed", "1", "--out",
+                     str(cluster)).returncode == 0
+    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
+                  "--replicas", "8", "--budget", "600", "--random-samples", "50",
+                  "--sync", "diloco", "--inner-steps", "50", "--compression", "int8",
+                  "--out", str(plan), "--quiet")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads(plan.read_text())
+    assert saved["predicted"]["objective"] == "simulated"
+    assert saved["sync"] == {"mode": "diloco", "inner_steps": 50, "compression": "int8",
+                             "outer_lr": 0.7, "outer_momentum": 0.9}
+    r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+                  "--timeline", str(png))
+    assert r.returncode == 0, r.stderr
+    sim = json.loads(r.stdout)
+    assert sim["step_s"] == pytest.approx(saved["predicted"]["step_s"], rel=1e-6)
+    assert png.stat().st_size > 10_000
+
+
+def test_shapes_are_searched_when_stages_and_replicas_are_left_out(tmp_path):
+    plan = tmp_path / "p.json"
+    r = run_entry(SCHED, "plan", "--scenario", "random", "--seed", "3", "--model", "gpt-small",
+                  "--budget", "300", "--random-samples", "20", "--micro-batches", "4",
+                  "--out", str(plan), "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads(plan.read_text())
+    assert saved["search"]["shapes_tried"] == [[1, 64], [2, 32], [4, 16], [8, 8]] or \
+        len(saved["search"]["shapes_tried"]) >= 3
+    assert saved["num_stages"] * saved["num_replicas"] == 64
+
+
+def test_simulate_rejects_a_plan_that_does_not_fit_in_memory(tmp_path):
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    assert run_entry(SCHED, "scenario", "worldwide", "--out", str(cluster)).returncode == 0
+    chains = [[r * 2, r * 2 + 1] for r in range(32)]  # gpt3-xl in 2 stages: 12 layers a V100
+    plan.write_text(json.dumps({"format": "plan/1", "model": "gpt3-xl",
+                                "stages": [{"layers": [0, 12]}, {"layers": [12, 24]}],
+                                "pipelines": chains, "num_micro_batches": 61}))
+    r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "device" in r.stderr and "GB" in r.stderr
