@@ -42,13 +42,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--fake-data", action="store_true", help="seeded random tokens (speed tests)")
     p.add_argument("--steps", type=int, required=True, help="train until this step (total)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW (inner) learning rate")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after warm-up: constant, or cosine decay to 0.1 x lr at --steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     p.add_argument("--ckpt-dir", help="folder for per-rank checkpoints (rank{R}.pt)")
     p.add_argument("--ckpt-every", type=int, default=0,
-                   help="save every K steps and at the end (needs --ckpt-dir)")
+                   help="save every K steps and at the end (default with --ckpt-dir: at the end)")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
-    p.add_argument("--metrics", help="metrics.jsonl path (replica r>0 writes PATH.r{r}.jsonl)")
+    p.add_argument("--metrics", help="metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl)")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps")
     p.add_argument("--eval-sequences", type=int, default=0,
                    help="validation sequences per evaluation (0: none; always at the end if >0)")
@@ -125,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
     from modules.dist import build_groups, parse_dist_url, rendezvous, topology
+    from modules.sync import check_compression
     from modules.trainer import RunConfig, Trainer
     from scheduler.models import get_model
 
     topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
+    check_compression(plan.sync.compression, plan.num_replicas)
     parse_dist_url(url)
     spec = get_model(plan.model)
     if args.fake_data:
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = RunConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                    warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
                     timeout_s=args.timeout_s, ckpt_dir=args.ckpt_dir,
                     ckpt_every=args.ckpt_every or (args.steps if args.ckpt_dir else 0),
                     resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,

@@ -6,7 +6,8 @@ Three runs of the same model for the same number of optimizer steps, each with d
 through the local launcher (one process per replica, gloo on 127.0.0.1, one thread each):
   1. one replica, batch b;
   2. R replicas with gradient all-reduce every step (DDP: R x b per step);
-  3. R replicas with DiLoCo (each batch b, H inner AdamW steps, outer Nesterov SGD).
+  3. R replicas with DiLoCo (each batch b, H inner AdamW steps, outer Nesterov SGD), once per
+   --outer LR:MOMENTUM (default: the papers' 0.7/0.9, and 1.0/0 = plain parameter averaging).
 Runs 2 and 3 see the same tokens (R x run 1's); run 1 is the paper's single-worker baseline.
 Prints validation loss and perplexity (nats per byte: byte-level tokens), data-parallel bytes
 sent by all ranks, and wall time.
@@ -39,7 +40,8 @@ def run(name: str, plan: Plan, args: argparse.Namespace, tmp: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/launch_local.py"), "--plan",
          str(tmp / f"{name}.json"), "--threads-per-rank", "1", "--", "--steps", str(args.steps),
-         "--lr", str(args.lr), "--eval-sequences", str(args.eval_sequences), "--metrics",
+         "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--lr-schedule",
+         args.lr_schedule, "--eval-sequences", str(args.eval_sequences), "--metrics",
          str(metrics), "--log-every", str(args.steps), "--seed", str(args.seed)]
         + (["--data", args.data] if args.data else []),
         cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -62,6 +64,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="optimizer (inner) steps of every run")
     p.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
+    p.add_argument("--outer", action="append", metavar="LR:MOMENTUM",
+                   help="DiLoCo outer SGD settings, one row each (default: the papers' 0.7:0.9, "
+                   "and 1.0:0 = plain parameter averaging)")
     p.add_argument("--eval-sequences", type=int, default=512)
     p.add_argument("--data", help="text file/folder (default: Debian fortunes)")
     p.add_argument("--seed", type=int, default=0)
@@ -76,27 +83,32 @@ def main() -> None:
     configs = [
         ("one replica", one(1, SyncConfig())),
         (f"{R} replicas all-reduce ({R}x batch)", one(R, SyncConfig())),
-        (f"{R} replicas DiLoCo H={args.inner_steps}",
-         one(R, SyncConfig(mode="diloco", inner_steps=args.inner_steps))),
     ]
+    for outer in args.outer or ["0.7:0.9", "1.0:0"]:
+        lr, momentum = (float(v) for v in outer.split(":"))
+        configs.append((f"{R} replicas DiLoCo H={args.inner_steps} outer {lr:g}/{momentum:g}",
+                        one(R, SyncConfig(mode="diloco", inner_steps=args.inner_steps,
+                                          outer_lr=lr, outer_momentum=momentum))))
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for i, (label, plan) in enumerate(configs):
             print(f"running {label} ...", file=sys.stderr, flush=True)
             rows.append((label, run(f"run{i}", plan, args, Path(d))))
     print(f"{args.model} on {'fortunes' if not args.data else args.data}, {args.steps} steps, "
-          f"batch {b} x {spec.seq_len} bytes per replica, lr {args.lr}, seed {args.seed}; "
-          f"validation on {args.eval_sequences} held-out sequences")
-    print(f"{'':34s} {'tokens':>9s} {'val loss':>9s} {'ppl':>7s} {'DP bytes':>10s} "
+          f"batch {b} x {spec.seq_len} bytes per replica, AdamW lr {args.lr} ({args.warmup_steps} "
+          f"warm-up, {args.lr_schedule}), seed {args.seed}; validation on "
+          f"{args.eval_sequences} held-out sequences")
+    print(f"{'':40s} {'tokens':>9s} {'val loss':>9s} {'ppl':>7s} {'DP bytes':>10s} "
           f"{'wall s':>7s}")
     for label, r in rows:
-        print(f"{label:34s} {r['tokens']:9d} {r['val_loss']:9.4f} {math.exp(r['val_loss']):7.3f} "
+        print(f"{label:40s} {r['tokens']:9d} {r['val_loss']:9.4f} {math.exp(r['val_loss']):7.3f} "
               f"{_mb(r['dp_bytes']):>10s} {r['wall_s']:7.1f}")
-    base, ddp, dl = (r for _, r in rows)
-    print(f"DiLoCo / all-reduce: perplexity x{math.exp(dl['val_loss'] - ddp['val_loss']):.3f}, "
-          f"bytes x{dl['dp_bytes'] / max(ddp['dp_bytes'], 1):.4f} "
-          f"({ddp['dp_bytes'] / max(dl['dp_bytes'], 1):.1f}x fewer); "
-          f"DiLoCo / one replica: perplexity x{math.exp(dl['val_loss'] - base['val_loss']):.3f}")
+    base, ddp = rows[0][1], rows[1][1]
+    for label, dl in rows[2:]:
+        print(f"{label}: perplexity x{math.exp(dl['val_loss'] - ddp['val_loss']):.3f} of "
+              f"all-reduce's and x{math.exp(dl['val_loss'] - base['val_loss']):.3f} of one "
+              f"replica's; {ddp['dp_bytes'] / max(dl['dp_bytes'], 1):.1f}x fewer bytes than "
+              "all-reduce")
 
 
 def _mb(n: int) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from modules.data import FakeData, Sharder, TextData
 from modules.model import StageModel, tie_weights_
-from modules.trainer import RunConfig, make_inner_optimizer
+from modules.trainer import RunConfig, make_inner_optimizer, set_lr
 from scheduler.models import get_model
 from scheduler.plan import Plan
 
@@ -27,6 +27,7 @@ def reference_losses(plan: Plan, data: TextData | FakeData, cfg: RunConfig) -> l
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
+        set_lr(opt, step, cfg)
         opt.step()
         losses.append(float(loss.detach()))
     return losses

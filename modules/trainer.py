@@ -4,6 +4,7 @@ checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ class RunConfig:
     steps: int
     lr: float = 1e-3
     weight_decay: float = 0.1
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up from lr/warmup_steps to lr."""
+    lr_schedule: str = "constant"
+    """After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at the last step."""
+    min_lr_ratio: float = 0.1
     seed: int = 0
     timeout_s: float = 60.0
     ckpt_dir: str | None = None
@@ -56,6 +62,23 @@ def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.
                              weight_decay=cfg.weight_decay)
 
 
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """Multiplier of cfg.lr for optimizer step `step` (0-based): warm-up, then the schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "cosine":
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def set_lr(opt: torch.optim.Optimizer, step: int, cfg: RunConfig) -> None:
+    """Set the (inner) optimizer's learning rate for step `step`; a pure function of the step."""
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr * lr_factor(step, cfg)
+
+
 class Trainer:
     """One rank's share of the run described by a plan."""
 
@@ -78,6 +101,7 @@ class Trainer:
                                           f"all-reduce of stage {topo.stage} over ranks "
                                           f"{list(topo.stage_ranks)}")
         inner = make_inner_optimizer(self.model, cfg)
+        self.inner = inner
         if plan.sync.mode == "diloco":
             self.opt: Any = DiLoCoOptimizer(
                 self.params, inner, outer_lr=plan.sync.outer_lr,
@@ -151,6 +175,7 @@ class Trainer:
         sum_tied_grads(self.model.tied_pair(), self.comm, self.groups.tied)
         if plan.sync.mode == "allreduce":
             self.dp_bytes += average_grads(self.params, self.average)
+        set_lr(self.inner, self.step, self.cfg)
         self.opt.step()  # DiLoCo: inner step, and every H steps the outer (communicating) one
         return loss
 

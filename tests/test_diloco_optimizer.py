@@ -4,11 +4,18 @@ and two workers averaging through a user-supplied all_reduce_fn."""
 from __future__ import annotations
 
 import copy
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 
+import pytest
 import torch
 
 from modules.diloco import DiLoCoOptimizer
+from tests.conftest import ROOT
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -109,3 +116,61 @@ def test_two_workers_with_threads_end_each_outer_step_identical():
     assert opts[0].outer_count == opts[1].outer_count == 2
     for pa, pb in zip(*(m.parameters() for m in models)):
         assert torch.equal(pa, pb)
+
+
+# The README's example, verbatim: it must run alone and under torchrun.
+README_EXAMPLE = """\
+import os
+
+import torch
+import torch.distributed as dist
+
+from modules.diloco import DiLoCoOptimizer
+
+if "WORLD_SIZE" in os.environ:  # under torchrun: average over the workers (gloo on CPU)
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if dist.is_initialized() else 0
+
+torch.manual_seed(0)  # every worker starts from the same weights
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+opt = DiLoCoOptimizer(model.parameters(), inner, outer_lr=0.7, outer_momentum=0.9,
+                      inner_steps=10)  # all_reduce_fn defaults to torch.distributed's average
+
+gen = torch.Generator().manual_seed(1 + rank)  # each worker sees its own data
+for step in range(100):
+    x = torch.randn(32, 16, generator=gen)
+    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()  # an inner AdamW step; every 10th call also the outer (communicating) step
+print(f"worker {rank}: loss {loss.item():.4f}, outer steps {opt.outer_count}, "
+      f"bytes sent {opt.bytes_sent}, first weight {model[0].weight[0, 0].item():.6f}")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_readme_example_runs_alone_and_under_torchrun(tmp_path):
+    script = tmp_path / "diloco_example.py"
+    script.write_text(README_EXAMPLE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert alone.returncode == 0, alone.stderr
+    assert "outer steps 10, bytes sent 0" in alone.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+                         capture_output=True, text=True, env=env, timeout=100)
+    assert two.returncode == 0, two.stderr[-2000:]
+    # the two workers' lines may interleave on the shared stdout: match, do not split lines
+    found = re.findall(r"worker (\d): loss [\d.]+, outer steps 10, bytes sent (\d+), "
+                       r"first weight (-?\d\.\d{6})", two.stdout)
+    assert sorted(w for w, _, _ in found) == ["0", "1"], two.stdout
+    n = sum(p.numel() for p in torch.nn.Sequential(torch.nn.Linear(16, 64),
+                                                    torch.nn.Linear(64, 1)).parameters())
+    assert all(int(b) == 10 * 4 * n for _, b, _ in found)
+    # both workers end on the same weights (the last call was an outer step)
+    assert found[0][2] == found[1][2]
