@@ -195,12 +195,14 @@ class Comm:
 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
-                   timeout_s: float, wait_forever: bool = False, log=print) -> None:
+                   timeout_s: float, wait_forever: bool = False, log=print,
+                   what: str | None = None) -> None:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
     Raises PeerError naming the peers that did not arrive within `timeout_s`; with
     `wait_forever` it logs them every `timeout_s` and keeps waiting.
     """
+    what = what or key
     store.set(f"{key}/{rank}", "1")
     keys = [f"{key}/{p}" for p in peers]
     while True:
@@ -211,11 +213,11 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
             try:
                 missing = [p for p, k in zip(peers, keys) if not store.check([k])]
             except RuntimeError:
-                raise PeerError(f"{key}: the rendezvous store (hosted by rank 0) is gone "
+                raise PeerError(f"{what}: the rendezvous store (hosted by rank 0) is gone "
                                 f"({_first_line(e)})") from None
             if not missing:
                 return
-            msg = (f"{key}: rank(s) {missing} of my group {list(peers)} did not arrive within "
+            msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "
                    f"{timeout_s:g} s")
             if not wait_forever:
                 raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)") \

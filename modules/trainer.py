@@ -120,7 +120,8 @@ class Trainer:
             outer = self.opt.outer_count if isinstance(self.opt, DiLoCoOptimizer) else 0
             wait_for_peers(self.store, f"diloco/stage{self.topo.stage}/outer{outer}",
                            self.topo.rank, self.topo.stage_ranks, self.cfg.timeout_s,
-                           self.cfg.wait_for_peers, self.log)
+                           self.cfg.wait_for_peers, self.log,
+                           what=f"DiLoCo outer step {outer + 1} of stage {self.topo.stage}")
             self.comm.wait_s += time.perf_counter() - t0
         sent = self.average(flat)
         self.dp_bytes += sent

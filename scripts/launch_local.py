@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def start_rank(rank: int, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Start one rank in its own process group, stdout+stderr merged into a pipe."""
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=env, start_new_session=True, cwd=ROOT)
+                            bufsize=1, env=env, start_new_session=True)
 
 
 def stream(rank: int, proc: subprocess.Popen, progress: dict[int, str],
