@@ -46,11 +46,11 @@ def test_failing_rank_stops_the_others_and_sets_the_status(tmp_path):
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_child(tmp_path):
     save_plan(DILOCO_1X2, tmp_path / "plan.json")
-    launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts/launch_local.py"), "--plan",
-         str(tmp_path / "plan.json"), "--threads-per-rank", "1", "--grace-s", "3", "--",
-         "--steps", "100000", "--fake-data"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(  # relative paths: ranks work in the caller's directory
+        [sys.executable, str(ROOT / "scripts/launch_local.py"), "--plan", "plan.json",
+         "--threads-per-rank", "1", "--grace-s", "3", "--", "--steps", "100000", "--fake-data",
+         "--metrics", "m.jsonl"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids, lines = [], []
     try:
         for line in launcher.stdout:  # read until training is under way
@@ -68,6 +68,7 @@ def test_sigterm_stops_every_child(tmp_path):
         assert "SIGTERM; stopping every rank" in rest
         assert time.monotonic() - t0 < 15
         assert not any(_alive(p) for p in pids)
+        assert (tmp_path / "m.jsonl").exists()
     finally:
         if launcher.poll() is None:
             launcher.kill()
