@@ -9,8 +9,9 @@ through the local launcher (one process per replica, gloo on 127.0.0.1, one thre
   3. R replicas with DiLoCo (each batch b, H inner AdamW steps, outer Nesterov SGD), once per
    --outer LR:MOMENTUM (default: the papers' 0.7/0.9, and 1.0/0 = plain parameter averaging).
 Runs 2 and 3 see the same tokens (R x run 1's); run 1 is the paper's single-worker baseline.
-Prints validation loss and perplexity (nats per byte: byte-level tokens), data-parallel bytes
-sent by all ranks, and wall time.
+Prints validation loss and perplexity (per byte: byte-level tokens), data-parallel bytes sent
+by all ranks (a ring all-reduce's 2 (W-1)/W x payload; modules.quant's wire bytes for int8),
+and wall time.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
-    p.add_argument("--outer", action="append", metavar="LR:MOMENTUM",
+    p.add_argument("--outer", action="append", metavar="LR:MOMENTUM[:COMPRESSION]",
                    help="DiLoCo outer SGD settings, one row each (default: the papers' 0.7:0.9, "
-                   "and 1.0:0 = plain parameter averaging)")
+                   "and 1.0:0 = plain parameter averaging); COMPRESSION none|fp16|int8")
     p.add_argument("--eval-sequences", type=int, default=512)
     p.add_argument("--data", help="text file/folder (default: Debian fortunes)")
     p.add_argument("--seed", type=int, default=0)
@@ -85,10 +86,13 @@ def main() -> None:
         (f"{R} replicas all-reduce ({R}x batch)", one(R, SyncConfig())),
     ]
     for outer in args.outer or ["0.7:0.9", "1.0:0"]:
-        lr, momentum = (float(v) for v in outer.split(":"))
-        configs.append((f"{R} replicas DiLoCo H={args.inner_steps} outer {lr:g}/{momentum:g}",
+        lr, momentum, *comp = outer.split(":")
+        compression = comp[0] if comp else "none"
+        label = f"{R} replicas DiLoCo H={args.inner_steps} outer {float(lr):g}/{float(momentum):g}"
+        configs.append((label + (f" {compression}" if compression != "none" else ""),
                         one(R, SyncConfig(mode="diloco", inner_steps=args.inner_steps,
-                                          outer_lr=lr, outer_momentum=momentum))))
+                                          outer_lr=float(lr), outer_momentum=float(momentum),
+                                          compression=compression))))
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for i, (label, plan) in enumerate(configs):
@@ -98,10 +102,10 @@ def main() -> None:
           f"batch {b} x {spec.seq_len} bytes per replica, AdamW lr {args.lr} ({args.warmup_steps} "
           f"warm-up, {args.lr_schedule}), seed {args.seed}; validation on "
           f"{args.eval_sequences} held-out sequences")
-    print(f"{'':40s} {'tokens':>9s} {'val loss':>9s} {'ppl':>7s} {'DP bytes':>10s} "
+    print(f"{'':45s} {'tokens':>9s} {'val loss':>9s} {'ppl':>7s} {'DP bytes':>10s} "
           f"{'wall s':>7s}")
     for label, r in rows:
-        print(f"{label:40s} {r['tokens']:9d} {r['val_loss']:9.4f} {math.exp(r['val_loss']):7.3f} "
+        print(f"{label:45s} {r['tokens']:9d} {r['val_loss']:9.4f} {math.exp(r['val_loss']):7.3f} "
               f"{_mb(r['dp_bytes']):>10s} {r['wall_s']:7.1f}")
     base, ddp = rows[0][1], rows[1][1]
     for label, dl in rows[2:]:

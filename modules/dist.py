@@ -161,7 +161,7 @@ class Comm:
         self.wait_s = 0.0
         """Seconds spent waiting on communication (includes waiting for a slow peer)."""
         self.bytes_sent = 0
-        """Payload bytes this rank handed to sends and all-reduces."""
+        """Bytes this rank sent: p2p payloads, and 2 (W-1)/W x payload per ring all-reduce."""
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; PeerError(`what`) otherwise."""
@@ -188,8 +188,9 @@ class Comm:
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup,
                        what: str) -> None:
-        """In-place sum over `group` within the timeout."""
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+        """In-place sum over `group` within the timeout (bytes counted as a ring sends them)."""
+        w = dist.get_world_size(group)
+        self.bytes_sent += int(2 * (w - 1) / w * tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self.wait(work, what)
 

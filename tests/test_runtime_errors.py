@@ -10,7 +10,7 @@ import time
 import pytest
 
 from scheduler.cluster import save_cluster
-from scheduler.plan import Plan, SyncConfig, save_plan
+from scheduler.plan import Plan, save_plan
 from scheduler.scenarios import random_cluster
 from tests.conftest import ROOT, run_entry
 
@@ -104,10 +104,3 @@ def test_runs_under_torchrun(tmp_path):
     assert "rank 0: step 2/2 loss" in proc.stdout
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
 
-
-def test_compression_not_wired_in_is_refused_before_rendezvous(tmp_path):
-    plan = Plan("local", "", "gpt-tiny", PLAN.stages, PLAN.pipelines,
-                sync=SyncConfig(mode="diloco", inner_steps=4, compression="int8"))
-    proc = _runner(tmp_path, "--rank", "0", "--dist-url", "tcp://127.0.0.1:1", "--fake-data",
-                   plan=plan)
-    _assert_clear(proc, 2, "sync.compression: 'int8' is not available")
