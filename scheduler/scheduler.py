@@ -145,12 +145,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model = get_model(plan.model)
     req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
                       plan.num_micro_batches, args.objective, plan.sync)
-    objective = OBJECTIVES[args.objective](cluster, model, req)
+    if args.objective == "simulated":
+        # Score the plan as written: its own layer split, not one the objective would choose.
+        from scheduler.cost_simulated import SimulatedObjective
+        objective = SimulatedObjective(cluster, model, plan.sync, plan.micro_batch_size,
+                                       plan.num_micro_batches, stages=list(plan.stages))
+    else:
+        objective = OBJECTIVES[args.objective](cluster, model, req)
     result = objective.breakdown(np.asarray(plan.pipelines))
     if args.json:
         print(json.dumps({"objective": result.objective, "cost": result.cost_s, **result.parts}))
     else:
-        parts = ", ".join(f"{k} {v:.3f} s" for k, v in result.parts.items())
+        parts = ", ".join(f"{k} {v:.3f}" + ("" if k == "tokens_per_s" else " s")
+                          for k, v in result.parts.items())
         print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
               f"({parts})")
     return 0

@@ -179,6 +179,9 @@ def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     sim = json.loads(r.stdout)
     assert sim["step_s"] == pytest.approx(saved["predicted"]["step_s"], rel=1e-6)
+    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    assert r.returncode == 0, r.stderr  # scores the plan's own layer split
+    assert json.loads(r.stdout)["cost"] == pytest.approx(saved["predicted"]["cost"], rel=1e-6)
     assert png.stat().st_size > 10_000
 
 
