@@ -1,15 +1,19 @@
 """Mean all-reduce whose wire carries int8 codes + block scales (or fp16) instead of fp32.
 
-Two phases over a process group of W ranks, the flat tensor cut into W chunks of whole blocks:
-1. reduce-scatter: every rank quantises its tensor once and sends chunk j to rank j (point to
-   point); rank j dequantises what it receives and accumulates in fp32, then divides by W;
+Two phases over a group of W ranks, the flat tensor cut into W chunks of whole blocks:
+1. reduce-scatter: every rank quantises its tensor once and sends chunk j straight to its owner
+   j (all pairs at once); the owner dequantises the W inputs of its chunk, its own included,
+   and accumulates them in fp32, then divides by W;
 2. all-gather: each owner re-quantises its reduced chunk once; the codes are gathered and every
-   rank, the owner included, dequantises the same bytes, so all ranks end bit-identical.
+   rank, the owner included, dequantises the same bytes, so all ranks end bit-identical. Nothing
+   is re-quantised while being forwarded.
 
-Error against the exact mean, per element of block b: at most the mean of the W phase-1
-half-scales plus half the phase-2 scale (each scale = block absmax / 127).
-Bytes sent per rank ~ 2 (W-1)/W x (n + 4 n / block) for int8, vs 2 (W-1)/W x 4 n for an fp32
-ring: about a quarter.
+Error against the exact fp32 mean, per element of block b (each scale = block absmax / 127):
+  |mean' - mean| <= (1/W) sum_r scale_r,b / 2  +  scale'_b / 2  +  fp32 rounding (few ulp)
+where scale_r,b is rank r's input scale and scale'_b that of the reduced block.
+Bytes sent per rank ~ 2 (W-1)/W (n + 4 n / block) for int8 vs 2 (W-1)/W 4 n for an fp32 ring:
+about a quarter (fp16: a half). Works over any modules.comm.Communicator: gloo on CPU tensors,
+cupy NCCL on CUDA tensors (there the codec is the int8.cu kernel).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from modules.comm.base import Communicator
+from modules.comm.gloo import GlooCommunicator
 from modules.quant.codec import (
     DEFAULT_BLOCK,
     QuantizedTensor,
@@ -50,79 +56,83 @@ def _decode(parts: list[torch.Tensor], numel: int, compression: str, block: int)
     return dequantize_int8(QuantizedTensor(codes[:numel], scales[:nblocks], numel, block))
 
 
-def _nbytes(parts: list[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in parts)
+def as_communicator(comm_or_group: Communicator | dist.ProcessGroup | None,
+                    timeout_s: float = 1800.0) -> Communicator:
+    """A Communicator as is; a torch process group (None = world) wrapped in GlooCommunicator."""
+    if isinstance(comm_or_group, Communicator):
+        return comm_or_group
+    return GlooCommunicator(comm_or_group, timeout_s)
 
 
-def compressed_all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+def compressed_all_reduce_mean(tensor: torch.Tensor,
+                               comm_or_group: Communicator | dist.ProcessGroup | None = None,
                                compression: str = "int8", block: int = DEFAULT_BLOCK) -> int:
-    """Average a contiguous fp32 tensor in place over `group`; return the bytes this rank sent.
+    """Average a contiguous fp32 tensor in place over the group; return the bytes this rank sent.
 
-    `none` uses torch's all_reduce (bytes counted as an fp32 ring would send them). NaN/inf in
-    the input raises NonFiniteError on the rank that holds them (before anything is sent).
+    `comm_or_group`: a modules.comm Communicator, or a torch.distributed process group (None =
+    the world group) used through gloo. `compression`: none (fp32 all_reduce; bytes counted as
+    a ring sends them), fp16, or int8. Every member must call it with the same numel and
+    arguments. NaN/inf in the input raises NonFiniteError on the rank that holds them, before
+    anything is sent (its peers then fail with a timeout / CommError). Backend failures and
+    timeouts raise CommError (a RuntimeError).
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: {compression!r} is not one of {', '.join(COMPRESSIONS)}")
-    world = dist.get_world_size(group)
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        raise ValueError(f"compressed_all_reduce_mean takes a contiguous float32 tensor, got "
+                         f"{tensor.dtype} (contiguous={tensor.is_contiguous()})")
+    comm = as_communicator(comm_or_group)
+    world = comm.size
     if world == 1:
         return 0
     flat = tensor.view(-1)
-    n = flat.numel()
+    before = comm.bytes_sent
     if compression == "none":
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce(flat, "sum")
         flat.div_(world)
-        return int(2 * (world - 1) / world * 4 * n)
+        return comm.bytes_sent - before
     check_finite(flat, "all-reduce input")
-    me = dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    bounds = _chunk_bounds(n, world, block)
-    sent = _reduce_scatter(flat, bounds, me, ranks, group, compression, block)
-    lo, hi = bounds[me]
-    sent += _all_gather(flat, bounds, lo, hi, world, group, compression, block)
-    return sent
+    bounds = _chunk_bounds(flat.numel(), world, block)
+    _reduce_scatter(flat, bounds, comm, compression, block)
+    _all_gather(flat, bounds, comm, compression, block)
+    return comm.bytes_sent - before
 
 
-def _reduce_scatter(flat: torch.Tensor, bounds: list[tuple[int, int]], me: int,
-                    ranks: list[int], group: dist.ProcessGroup | None, compression: str,
-                    block: int) -> int:
+def _reduce_scatter(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Communicator,
+                    compression: str, block: int) -> None:
     """Phase 1: leaves this rank's chunk of `flat` holding the fp32 mean of dequantised chunks."""
+    me = comm.ranks.index(comm.rank)
     mine = [_encode(flat[lo:hi], compression, block) if hi > lo else [] for lo, hi in bounds]
     lo, hi = bounds[me]
-    ops, inbox, sent = [], [], 0
-    for j, (jlo, jhi) in enumerate(bounds):
+    sends, recvs, inbox = [], [], []
+    for j, peer in enumerate(comm.ranks):
         if j == me:
             continue
-        if jhi > jlo:
-            for part in mine[j]:
-                ops.append(dist.P2POp(dist.isend, part, ranks[j], group))
-            sent += _nbytes(mine[j])
+        sends.extend((part, peer) for part in mine[j])
         if hi > lo:
             parts = [torch.empty_like(p) for p in mine[me]]
             inbox.append(parts)
-            ops.extend(dist.P2POp(dist.irecv, p, ranks[j], group) for p in parts)
-    for req in dist.batch_isend_irecv(ops) if ops else []:
-        req.wait()
+            recvs.extend((p, peer) for p in parts)
+    comm.exchange(sends, recvs)
     if hi > lo:
         acc = _decode(mine[me], hi - lo, compression, block)
         for parts in inbox:
             acc += _decode(parts, hi - lo, compression, block)
         flat[lo:hi] = acc / len(bounds)
-    return sent
 
 
-def _all_gather(flat: torch.Tensor, bounds: list[tuple[int, int]], lo: int, hi: int, world: int,
-                group: dist.ProcessGroup | None, compression: str, block: int) -> int:
+def _all_gather(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Communicator,
+                compression: str, block: int) -> None:
     """Phase 2: every rank receives every owner's re-encoded chunk and decodes the same bytes."""
+    lo, hi = bounds[comm.ranks.index(comm.rank)]
     width = max(b - a for a, b in bounds)
-    padded = torch.zeros(width, dtype=torch.float32)
+    padded = torch.zeros(width, dtype=torch.float32, device=flat.device)
     padded[: hi - lo] = flat[lo:hi]
-    sent, gathered = 0, []
+    gathered = []
     for part in _encode(padded, compression, block):
-        bufs = [torch.empty_like(part) for _ in range(world)]
-        dist.all_gather(bufs, part, group=group)
+        bufs = [torch.empty_like(part) for _ in range(comm.size)]
+        comm.all_gather(bufs, part)
         gathered.append(bufs)
-        sent += (world - 1) * part.numel() * part.element_size()
     for j, (jlo, jhi) in enumerate(bounds):
         if jhi > jlo:
             flat[jlo:jhi] = _decode([g[j] for g in gathered], jhi - jlo, compression, block)
-    return sent

@@ -1,10 +1,26 @@
-"""Block-wise int8 quantisation of flat fp32 tensors (the CPU path; the CUDA path in cuda.py
-runs int8.cu with the same rounding rules and gives the same codes bit for bit).
+"""Block-wise int8 quantisation of flat fp32 tensors: the CPU path (torch, vectorised).
 
-Per block of `block` values: scale = absmax / 127; code = round-half-even(x * (127 / absmax)),
-clamped to [-127, 127]; x' = code * scale. Error bound: |x - x'| <= scale / 2 per element,
-up to fp32 rounding of the products (a few ulp of |x|). Absmax (not a +-k sigma window) was
-chosen by measured error: `python benchmarks/quant_allreduce.py --only error` prints both.
+The CUDA path (cuda.py running int8.cu) follows the same rules and gives the same bytes.
+
+Rounding rules, every operation an IEEE-754 fp32 operation rounded to nearest even (no fused
+multiply-add, no reciprocal approximation, denormals kept):
+
+    absmax = max |x| over the block                        (exact: no rounding)
+    scale  = min(max(absmax / 127, 2**-126), SCALE_CEIL)   (fp32 division; floor = FLT_MIN,
+                                                            so scale is never 0 or denormal;
+                                                            ceiling so 127 * scale <= FLT_MAX)
+    code   = clamp(round_half_even(x / scale), -127, 127)  (fp32 division)
+    x'     = float(code) * scale                           (fp32 multiply)
+
+Division rather than multiplying by 127/absmax: that reciprocal overflows to inf for blocks with
+absmax < 127/FLT_MAX (~3.7e-37) and turned every code into +-127 (or NaN for zeros).
+Error bound per element: |x - x'| <= scale/2 + 2**-23 |x| (half a step plus the two fp32
+roundings). The floor matters only for blocks with absmax < 127 * 2**-126 (~1.5e-36): their
+step is 2**-126 instead of absmax/127 (a denormal scale would lose precision and break the
+bound); the ceiling only for absmax within 2 ulp of FLT_MAX. Tested in
+tests/test_quant_codec.py, also against a numpy float32 reference of the rules above.
+Absmax (not a +-k sigma clipping window) was chosen by measured error:
+`python benchmarks/quant_allreduce.py --only error` prints both.
 """
 
 from __future__ import annotations
@@ -14,6 +30,10 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BLOCK = 256
+SCALE_FLOOR = 2.0**-126
+"""FLT_MIN, the smallest normal fp32: the lower bound of every scale."""
+SCALE_CEIL = float(torch.tensor(0x7C010203, dtype=torch.int32).view(torch.float32))
+"""Largest fp32 s with 127 * s finite (2.6793884e36, bits 0x7c010203): x' never overflows."""
 
 
 class NonFiniteError(ValueError):
@@ -25,9 +45,9 @@ class QuantizedTensor:
     """int8 codes and one fp32 scale per block of a flat tensor of `numel` values."""
 
     codes: torch.Tensor
-    """(numel,) int8."""
+    """(numel,) int8, on the input's device."""
     scales: torch.Tensor
-    """(ceil(numel / block),) float32."""
+    """(ceil(numel / block),) float32, on the input's device."""
     numel: int
     block: int
 
@@ -38,37 +58,68 @@ class QuantizedTensor:
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise NonFiniteError naming how many values are NaN/inf and the first index."""
-    bad = ~torch.isfinite(x)
+    bad = ~torch.isfinite(x.reshape(-1))
     if bool(bad.any()):
         idx = int(bad.nonzero()[0, 0])
-        raise NonFiniteError(f"{what}: {int(bad.sum())} NaN/inf values (first at index {idx}, "
-                             f"value {float(x.view(-1)[idx])}); not quantising them")
+        raise NonFiniteError(f"{what}: {int(bad.sum())} NaN/inf values of {x.numel()} (first at "
+                             f"index {idx}, value {float(x.reshape(-1)[idx])}); refusing to "
+                             "quantise them (a diverged replica would poison every other one)")
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(nblocks, block) view of x padded with zeros."""
-    n = x.numel()
-    pad = (-n) % block
+    """(nblocks, block) view of flat x, zero-padded to whole blocks."""
+    pad = (-x.numel()) % block
     flat = x.reshape(-1)
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     return flat.view(-1, block)
 
 
+def _check_args(x: torch.Tensor, block: int) -> None:
+    if x.dtype != torch.float32:
+        raise TypeError(f"quantize_int8 takes float32, got {x.dtype}")
+    if not 1 <= block <= 1 << 20:
+        raise ValueError(f"block: {block} is not in 1..{1 << 20}")
+
+
 def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
-    """Quantise a flat fp32 CPU tensor; NonFiniteError on NaN/inf. O(numel)."""
-    assert x.dtype == torch.float32, "quantize_int8 takes fp32"
+    """Quantise fp32 `x` (any shape, taken flat) per block; NonFiniteError on NaN/inf.
+
+    CUDA tensors go to the int8.cu kernel when cupy is importable, CPU tensors to torch.
+    """
+    _check_args(x, block)
+    if x.is_cuda and _cupy_available():
+        from modules.quant.cuda import quantize_int8_cuda
+
+        return quantize_int8_cuda(x.contiguous(), block)
+    return quantize_int8_torch(x, block)
+
+
+def quantize_int8_torch(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
+    """The torch implementation of the rules (any device); NonFiniteError on NaN/inf."""
+    _check_args(x, block)
     check_finite(x)
-    blocks = _blocks(x, block)  # (nblocks, block)
-    absmax = blocks.abs().amax(dim=1)  # (nblocks,)
-    inv = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.zeros_like(absmax))
-    codes = torch.round(blocks * inv[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedTensor(codes.view(-1)[: x.numel()].clone(), absmax / 127.0, x.numel(), block)
+    blocks = _blocks(x, block)
+    scales = (blocks.abs().amax(dim=1) / 127.0).clamp_(SCALE_FLOOR, SCALE_CEIL)
+    codes = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor(codes.view(-1)[: x.numel()].clone(), scales, x.numel(), block)
 
 
 def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
-    """fp32 values back from codes and scales."""
+    """fp32 flat tensor back from codes and scales (on their device): code * scale."""
+    if q.codes.is_cuda and _cupy_available():
+        from modules.quant.cuda import dequantize_int8_cuda
+
+        return dequantize_int8_cuda(q)
     pad = (-q.numel) % q.block
     codes = q.codes if not pad else torch.cat([q.codes, q.codes.new_zeros(pad)])
     out = codes.view(-1, q.block).to(torch.float32) * q.scales[:, None]
     return out.view(-1)[: q.numel]
+
+
+def _cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True

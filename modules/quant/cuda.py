@@ -1,7 +1,7 @@
-"""The CUDA path: int8.cu compiled at run time by cupy.RawModule, on torch CUDA tensors without
-copies (DLPack). Same codes as the CPU path bit for bit (see int8.cu for the rules).
-cupy is the optional `gpu` extra; importing this module does not need it. Scalar kernel
-arguments are passed as explicit numpy int64/int32 to match the kernels' long long/int."""
+"""The CUDA path: int8.cu compiled at run time by cupy.RawModule, run on torch CUDA tensors
+without copies (DLPack views) on torch's current stream. Same bytes as the CPU path (the rules
+are in codec.py and int8.cu). cupy is the optional `gpu` extra: importing this module does not
+need it; calling it does."""
 
 from __future__ import annotations
 
@@ -14,48 +14,61 @@ import torch
 from modules.quant.codec import DEFAULT_BLOCK, QuantizedTensor, check_finite
 
 KERNEL_SOURCE = Path(__file__).with_name("int8.cu")
-_THREADS = 256
+KERNELS = ("quantize_blocks", "dequantize_blocks")
+_THREADS = 256  # 8 warps per CUDA block, one warp per quantisation block
+_MAX_GRID = 1 << 16  # grid-stride beyond this: enough warps to fill any current GPU
 
 
-@functools.lru_cache(maxsize=1)
-def _module():  # noqa: ANN202 - a cupy.RawModule, and cupy may be absent
+@functools.lru_cache(maxsize=8)
+def _module(device_index: int):  # noqa: ANN202 - a cupy.RawModule; cupy may be absent
     import cupy
 
-    return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++14",))
+    with cupy.cuda.Device(device_index):
+        # no --use_fast_math: IEEE division and denormals are part of the rules
+        return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++14",))
 
 
 def _cp(t: torch.Tensor):  # noqa: ANN202
     import cupy
 
-    return cupy.from_dlpack(t)
+    return cupy.from_dlpack(t.detach())
+
+
+def _launch(name: str, device: torch.device, nblocks: int, args: tuple) -> None:
+    """Run kernel `name` on torch's current stream of `device`, one warp per block."""
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grid = (max(1, min(_MAX_GRID, -(-nblocks * 32 // _THREADS))),)
+    stream = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream):
+        _module(index).get_function(name)(grid, (_THREADS,), args)
 
 
 def quantize_int8_cuda(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
-    """Quantise a flat contiguous fp32 CUDA tensor; NonFiniteError on NaN/inf."""
+    """Quantise a contiguous fp32 CUDA tensor (taken flat); NonFiniteError on NaN/inf."""
     assert x.is_cuda and x.dtype == torch.float32 and x.is_contiguous()
-    check_finite(x)
     n = x.numel()
     nblocks = -(-n // block)
-    absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    scales = torch.empty_like(absmax)
     codes = torch.empty(n, dtype=torch.int8, device=x.device)
-    mod = _module()
-    threads = min(_THREADS, 1 << (block - 1).bit_length())
-    mod.get_function("block_absmax")((nblocks,), (threads,),
-                                     (_cp(x), _cp(absmax), np.int64(n), np.int32(block)),
-                                     shared_mem=4 * threads)
-    grid = (-(-n // _THREADS),)
-    mod.get_function("quantize")(grid, (_THREADS,),
-                                 (_cp(x), _cp(absmax), _cp(codes), _cp(scales), np.int64(n),
-                                  np.int32(block)))
+    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return QuantizedTensor(codes, scales, 0, block)
+    nonfinite = torch.zeros(1, dtype=torch.int64, device=x.device)
+    _launch("quantize_blocks", x.device, nblocks,
+            (_cp(x.view(-1)), _cp(codes), _cp(scales), _cp(nonfinite), np.int64(n),
+             np.int32(block), np.int64(nblocks)))
+    if int(nonfinite.item()):  # the one sync: 8 bytes; locate the first bad value only then
+        check_finite(x)
     return QuantizedTensor(codes, scales, n, block)
 
 
 def dequantize_int8_cuda(q: QuantizedTensor) -> torch.Tensor:
     """fp32 CUDA tensor back from codes and scales on the GPU."""
     out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
-    grid = (-(-q.numel // _THREADS),)
-    _module().get_function("dequantize")(grid, (_THREADS,),
-                                         (_cp(q.codes), _cp(q.scales), _cp(out), np.int64(q.numel),
-                                          np.int32(q.block)))
+    nblocks = -(-q.numel // q.block)
+    if q.numel:
+        _launch("dequantize_blocks", q.codes.device, nblocks,
+                (_cp(q.codes), _cp(q.scales), _cp(out), np.int64(q.numel), np.int32(q.block),
+                 np.int64(nblocks)))
     return out

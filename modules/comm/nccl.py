@@ -1,0 +1,173 @@
+"""`Communicator` over cupy.cuda.nccl for CUDA tensors (one process per GPU).
+
+The NCCL unique id is made by the group's first rank and handed to the others through the
+torch.distributed TCPStore the job already rendezvoused on (key `comm/<name>/nccl-unique-id`).
+Calls take torch CUDA tensors (contiguous, on `device`) and run on torch's current CUDA stream
+of that device unless a stream handle is given. cupy (the `gpu` extra) is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from modules.comm.base import CommError, GroupMembership, check_op
+
+UNIQUE_ID_BYTES = 128
+
+
+def encode_unique_id(uid: Sequence[int]) -> bytes:
+    """cupy's unique id (128 signed chars) -> 128 bytes for the store."""
+    if len(uid) != UNIQUE_ID_BYTES:
+        raise ValueError(f"NCCL unique id has {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
+    return bytes(int(v) & 0xFF for v in uid)
+
+
+def decode_unique_id(data: bytes) -> tuple[int, ...]:
+    """128 bytes from the store -> the signed-char tuple cupy's NcclCommunicator takes."""
+    if len(data) != UNIQUE_ID_BYTES:
+        raise CommError(f"NCCL unique id in the store has {len(data)} bytes, expected "
+                        f"{UNIQUE_ID_BYTES}")
+    return tuple(b - 256 if b >= 128 else b for b in data)
+
+
+def share_unique_id(store: dist.Store, key: str, is_first: bool,
+                    make_id: Callable[[], Sequence[int]], timeout_s: float) -> tuple[int, ...]:
+    """The first rank makes the id and publishes it under `key`; the others wait and read it."""
+    if is_first:
+        uid = tuple(make_id())
+        store.set(key, encode_unique_id(uid))
+        return decode_unique_id(encode_unique_id(uid))
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise CommError(f"NCCL unique id {key!r}: the group's first rank did not publish it "
+                        f"within {timeout_s:g} s ({str(e).strip()[:200]})") from None
+    return decode_unique_id(store.get(key))
+
+
+def _nccl():  # noqa: ANN202
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise CommError("CupyNcclCommunicator needs cupy with NCCL: pip install "
+                        f"'scattered-train[gpu]' (cupy-cuda12x) ({e})") from None
+    if not getattr(nccl, "available", True):
+        raise CommError("cupy was built without NCCL: cupy.cuda.nccl is not available")
+    return nccl
+
+
+def _dtype(nccl, dtype: torch.dtype) -> int:  # noqa: ANN001
+    table = {torch.float32: "NCCL_FLOAT32", torch.float16: "NCCL_FLOAT16",
+             torch.bfloat16: "NCCL_BFLOAT16", torch.float64: "NCCL_FLOAT64",
+             torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8", torch.int32: "NCCL_INT32",
+             torch.int64: "NCCL_INT64"}
+    if dtype not in table or not hasattr(nccl, table[dtype]):
+        raise ValueError(f"NCCL communicator: dtype {dtype} is not supported")
+    return getattr(nccl, table[dtype])
+
+
+class CupyNcclCommunicator(GroupMembership):
+    """One NCCL communicator over global `ranks` (this process: `rank`, on CUDA `device`).
+
+    Every member constructs it (a blocking NCCL init among the members); build several in the
+    same order on every rank (build_communicators does) so that no two ranks wait on each other.
+    """
+
+    def __init__(self, ranks: Sequence[int], rank: int, store: dist.Store, name: str,
+                 device: torch.device | int | str, timeout_s: float = 300.0) -> None:
+        self._init_membership(ranks, rank)
+        self.device = torch.device(device) if not isinstance(device, int) \
+            else torch.device("cuda", device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CupyNcclCommunicator: device {self.device} is not a CUDA device")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.timeout_s = timeout_s
+        nccl = self._nccl = _nccl()
+        import cupy
+
+        key = f"comm/{name}/{'-'.join(map(str, self.ranks))}/nccl-unique-id"
+        uid = share_unique_id(store, key, rank == self.ranks[0], nccl.get_unique_id, timeout_s)
+        with cupy.cuda.Device(self.device.index):
+            self._comm = nccl.NcclCommunicator(self.size, uid, self.group_rank)
+
+    def _stream(self, stream: int | None) -> int:
+        return stream if stream is not None else torch.cuda.current_stream(self.device).cuda_stream
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device != self.device or not t.is_contiguous():
+            raise ValueError(f"NCCL communicator on {self.device}: got a tensor on {t.device} "
+                             f"(contiguous={t.is_contiguous()})")
+
+    def send(self, tensor: torch.Tensor, dst: int, stream: int | None = None) -> None:
+        """Enqueue a send of a contiguous CUDA tensor to global rank `dst`."""
+        self.exchange([(tensor, dst)], [], stream)
+
+    def recv(self, tensor: torch.Tensor, src: int, stream: int | None = None) -> torch.Tensor:
+        """Enqueue a receive into `tensor` from global rank `src`; returns it."""
+        self.exchange([], [(tensor, src)], stream)
+        return tensor
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]], stream: int | None = None) -> None:
+        """Many sends and receives in one NCCL group call (runs them concurrently)."""
+        nccl, s = self._nccl, self._stream(stream)
+        nccl.groupStart()
+        try:
+            for t, dst in sends:
+                self._check(t)
+                self._comm.send(t.data_ptr(), t.numel(), _dtype(nccl, t.dtype),
+                                self.group_index(dst), s)
+                self.bytes_sent += t.numel() * t.element_size()
+            for t, src in recvs:
+                self._check(t)
+                self._comm.recv(t.data_ptr(), t.numel(), _dtype(nccl, t.dtype),
+                                self.group_index(src), s)
+        finally:
+            nccl.groupEnd()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum",
+                   stream: int | None = None) -> None:
+        """In-place reduction (`sum`, `max` or `min`) over the group."""
+        check_op(op)
+        self._check(tensor)
+        nccl = self._nccl
+        code = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
+        self.bytes_sent += self._ring_bytes(tensor)
+        self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                             _dtype(nccl, tensor.dtype), code, self._stream(stream))
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
+                   stream: int | None = None) -> None:
+        """outputs[i] <- the `tensor` of group rank i (through one flat receive buffer)."""
+        self._check(tensor)
+        flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=self.device)
+        self.bytes_sent += (self.size - 1) * tensor.numel() * tensor.element_size()
+        s = self._stream(stream)
+        self._comm.allGather(tensor.data_ptr(), flat.data_ptr(), tensor.numel(),
+                             _dtype(self._nccl, tensor.dtype), s)
+        with torch.cuda.stream(torch.cuda.ExternalStream(s, device=self.device)):
+            for out, part in zip(outputs, flat.view(self.size, -1)):
+                out.view(-1).copy_(part)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: int | None = None) -> None:
+        """In place: every member ends with global rank `src`'s tensor."""
+        self._check(tensor)
+        if self.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        self._comm.bcast(tensor.data_ptr(), tensor.numel(), _dtype(self._nccl, tensor.dtype),
+                         self.group_index(src), self._stream(stream))
+
+    def barrier(self) -> None:
+        """A one-element all-reduce, then wait for this device's stream."""
+        one = torch.ones(1, device=self.device)
+        self.all_reduce(one)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Free the NCCL communicator (also done when the object is collected)."""
+        self._comm.destroy()
