@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from modules.quant import compressed_all_reduce_mean
+from modules.quant.allreduce import reference_compressed_mean
 
 BLOCK = 64
 
@@ -75,6 +76,18 @@ def test_int8_mean_is_within_bound_and_identical_everywhere(world, n, results):
     for other in outs[1:]:
         assert other.tobytes() == outs[0].tobytes()
     assert all(s > 0 for s in sent)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", [(w, n, c) for w, cases in CASES.items() for n, c in cases])
+def test_every_rank_holds_the_single_process_reference_bytes(case, results):
+    world, n, compression = case
+    outs, _ = results[case]
+    ref = reference_compressed_mean(_inputs(world, n), compression, BLOCK).numpy()
+    if compression == "none":  # gloo's own summation order: equal up to rounding only
+        assert np.allclose(outs[0], ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert all(o.tobytes() == ref.tobytes() for o in outs)
 
 
 @pytest.mark.timeout(180)

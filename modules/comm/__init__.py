@@ -2,7 +2,7 @@
 
     from modules.comm import build_communicators
     comms = build_communicators([[0, 1], [2, 3]], rank=r, backend="gloo")  # on every rank
-    comm = comms.get((0, 1))          # None where this rank is not a member
+    comm = comms.get((0, 1))          # keys sorted; None where this rank is not a member
     comm.all_reduce(t); comm.send(t, dst=1); comm.recv(t, src=0); ...
 
 Peers are always global ranks (rank = device id in a plan). See base.Communicator.

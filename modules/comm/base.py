@@ -26,7 +26,7 @@ class Communicator(Protocol):
     """
 
     ranks: tuple[int, ...]
-    """Global ranks of the group, in group order (group rank i = ranks[i])."""
+    """Global ranks of the group, ascending (group rank i = ranks[i]), as torch orders them."""
     rank: int
     """This process's global rank."""
     device: torch.device
@@ -75,7 +75,7 @@ class GroupMembership:
     rank: int
 
     def _init_membership(self, ranks: Sequence[int], rank: int) -> None:
-        ranks = tuple(int(r) for r in ranks)
+        ranks = tuple(sorted(int(r) for r in ranks))  # torch's new_group order
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"communicator ranks {list(ranks)}: need distinct global ranks")
         if rank not in ranks:

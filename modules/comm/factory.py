@@ -18,6 +18,7 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int, backend: str
                         ) -> dict[tuple[int, ...], Communicator]:
     """Call on EVERY rank with the same `groups` list; returns {ranks: comm} for my groups.
 
+    Keys are the group's global ranks sorted ascending (the communicator's `ranks`).
     backend `gloo`: dist.new_group for each group (torch requires all ranks, same order).
     backend `nccl`: a CupyNcclCommunicator per group this rank is in, created in list order
     (a total order, so the blocking NCCL inits cannot wait on each other in a cycle); needs
@@ -27,7 +28,7 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int, backend: str
         raise ValueError(f"backend: {backend!r} is not one of gloo, nccl")
     out: dict[tuple[int, ...], Communicator] = {}
     for i, ranks in enumerate(groups):
-        key = tuple(int(r) for r in ranks)
+        key = tuple(sorted(int(r) for r in ranks))
         if backend == "gloo":
             g = dist.new_group(ranks=list(key), backend="gloo")
             if rank in key:

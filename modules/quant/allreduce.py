@@ -56,6 +56,40 @@ def _decode(parts: list[torch.Tensor], numel: int, compression: str, block: int)
     return dequantize_int8(QuantizedTensor(codes[:numel], scales[:nblocks], numel, block))
 
 
+def _div(x: torch.Tensor, w: int) -> torch.Tensor:
+    """x / w as an IEEE division on every device (torch CUDA multiplies by 1/w for a Python
+    scalar divisor, which would make CUDA and CPU results differ in the last bit)."""
+    return x / torch.tensor(float(w), dtype=x.dtype, device=x.device)
+
+
+def reference_compressed_mean(inputs: list[torch.Tensor], compression: str = "int8",
+                              block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """What every rank ends with, computed in one process from all W inputs (same bytes)."""
+    world = len(inputs)
+    flats = [x.reshape(-1).to(torch.float32) for x in inputs]
+    if world == 1:
+        return flats[0].clone()
+    if compression == "none":
+        return _div(torch.stack(flats).sum(0), world)
+    for i, x in enumerate(flats):
+        check_finite(x, f"input {i}")
+    bounds = _chunk_bounds(flats[0].numel(), world, block)
+    out = torch.empty_like(flats[0])
+    width = max(b - a for a, b in bounds)
+    for j, (lo, hi) in enumerate(bounds):
+        if hi == lo:
+            continue
+        encoded = [_encode(x[lo:hi], compression, block) for x in flats]
+        order = [j] + [r for r in range(world) if r != j]  # the owner's own chunk first
+        acc = _decode(encoded[order[0]], hi - lo, compression, block)
+        for r in order[1:]:
+            acc += _decode(encoded[r], hi - lo, compression, block)
+        padded = torch.zeros(width, dtype=torch.float32, device=out.device)
+        padded[: hi - lo] = _div(acc, world)
+        out[lo:hi] = _decode(_encode(padded, compression, block), hi - lo, compression, block)
+    return out
+
+
 def as_communicator(comm_or_group: Communicator | dist.ProcessGroup | None,
                     timeout_s: float = 1800.0) -> Communicator:
     """A Communicator as is; a torch process group (None = world) wrapped in GlooCommunicator."""
@@ -89,7 +123,7 @@ def compressed_all_reduce_mean(tensor: torch.Tensor,
     before = comm.bytes_sent
     if compression == "none":
         comm.all_reduce(flat, "sum")
-        flat.div_(world)
+        flat.copy_(_div(flat, world))
         return comm.bytes_sent - before
     check_finite(flat, "all-reduce input")
     bounds = _chunk_bounds(flat.numel(), world, block)
@@ -118,7 +152,7 @@ def _reduce_scatter(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Com
         acc = _decode(mine[me], hi - lo, compression, block)
         for parts in inbox:
             acc += _decode(parts, hi - lo, compression, block)
-        flat[lo:hi] = acc / len(bounds)
+        flat[lo:hi] = _div(acc, len(bounds))
 
 
 def _all_gather(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Communicator,
