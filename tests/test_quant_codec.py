@@ -193,3 +193,11 @@ def test_cuda_kernel_throughput_is_measured():
         rates[name] = 5 * x.numel() * 5 / (start.elapsed_time(end) / 1e3) / 1e9  # read 4 + write 1
     print(f"quantise DRAM traffic GB/s: {rates}")
     assert rates["kernel"] > rates["torch"]
+
+
+def test_non_finite_deep_in_a_large_tensor_is_located():
+    x = torch.randn(300_001)  # several CPU chunks and a partial last block
+    x[200_017] = float("-inf")
+    x[300_000] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"2 NaN/inf values of 300001 \(first at index 200017"):
+        quantize_int8(x, 256)

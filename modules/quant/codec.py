@@ -66,13 +66,20 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
                              "quantise them (a diverged replica would poison every other one)")
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(nblocks, block) view of flat x, zero-padded to whole blocks."""
-    pad = (-x.numel()) % block
+_CHUNK = 1 << 16
+"""Values per step of the CPU loops: the fp32 scratch (256 KiB) stays in cache, and no
+full-size temporaries are allocated (their page faults cost more than the arithmetic)."""
+
+
+def _split(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole blocks as (nfull, block), zero-padded last partial block as (0 or 1, block))."""
     flat = x.reshape(-1)
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)
+    nfull = flat.numel() // block
+    tail = flat[nfull * block:]
+    padded = torch.zeros(1 if tail.numel() else 0, block, dtype=flat.dtype, device=flat.device)
+    if tail.numel():
+        padded[0, : tail.numel()] = tail
+    return flat[: nfull * block].view(nfull, block), padded
 
 
 def _check_args(x: torch.Tensor, block: int) -> None:
@@ -98,11 +105,33 @@ def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTenso
 def quantize_int8_torch(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
     """The torch implementation of the rules (any device); NonFiniteError on NaN/inf."""
     _check_args(x, block)
-    check_finite(x)
-    blocks = _blocks(x, block)
-    scales = (blocks.abs().amax(dim=1) / 127.0).clamp_(SCALE_FLOOR, SCALE_CEIL)
-    codes = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedTensor(codes.view(-1)[: x.numel()].clone(), scales, x.numel(), block)
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.int8, device=x.device)
+    scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
+    full, tail = _split(x, block)
+    step = max(1, _CHUNK // block)
+    scratch = torch.empty(step * block, dtype=torch.float32, device=x.device)
+    parts = [(full, codes[: full.numel()].view(-1, block))]
+    if tail.numel():
+        parts.append((tail, None))
+    b0 = 0
+    for blocks, out in parts:
+        for lo in range(0, blocks.shape[0], step):
+            bv = blocks[lo: lo + step]
+            mn, mx = torch.aminmax(bv, dim=1)
+            sv = scales[b0 + lo: b0 + lo + bv.shape[0]]
+            torch.maximum(mn.neg_(), mx, out=sv)  # absmax; NaN propagates into it
+            if not bool(torch.isfinite(sv).all()):
+                check_finite(x)  # raises, naming the count and the first index
+            sv.div_(127.0).clamp_(SCALE_FLOOR, SCALE_CEIL)
+            q = torch.div(bv, sv[:, None], out=scratch[: bv.numel()].view_as(bv))
+            q.round_().clamp_(-127, 127)
+            if out is not None:
+                out[lo: lo + bv.shape[0]].copy_(q)
+            else:  # the partial last block
+                codes[full.numel():] = q.view(-1)[: n - full.numel()].to(torch.int8)
+        b0 += blocks.shape[0]
+    return QuantizedTensor(codes, scales, n, block)
 
 
 def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
@@ -111,10 +140,15 @@ def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
         from modules.quant.cuda import dequantize_int8_cuda
 
         return dequantize_int8_cuda(q)
-    pad = (-q.numel) % q.block
-    codes = q.codes if not pad else torch.cat([q.codes, q.codes.new_zeros(pad)])
-    out = codes.view(-1, q.block).to(torch.float32) * q.scales[:, None]
-    return out.view(-1)[: q.numel]
+    out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
+    nfull = q.numel // q.block
+    full = nfull * q.block
+    # int8 * fp32 promotes the code to fp32 exactly, then one fp32 multiply: code * scale
+    torch.mul(q.codes[:full].view(nfull, q.block), q.scales[:nfull, None],
+              out=out[:full].view(nfull, q.block))
+    if full < q.numel:
+        torch.mul(q.codes[full:], q.scales[nfull], out=out[full:])
+    return out
 
 
 def _cupy_available() -> bool:
