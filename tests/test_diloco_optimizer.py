@@ -149,6 +149,7 @@ print(f"worker {rank}: loss {loss.item():.4f}, outer steps {opt.outer_count}, "
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_readme_example_runs_alone_and_under_torchrun(tmp_path):
     script = tmp_path / "diloco_example.py"

@@ -109,6 +109,7 @@ def test_missing_peer_at_outer_step_fails_loudly_naming_it(tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_int8_outer_all_reduce_trains_and_sends_fewer_bytes(tmp_path):
     def run(compression: str):
