@@ -19,6 +19,8 @@ cupy NCCL on CUDA tensors (there the codec is the int8.cu kernel).
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,9 @@ from modules.quant.codec import (
 )
 
 COMPRESSIONS = ("none", "fp16", "int8")
+SEGMENT = 1 << 21
+"""Values per pipelined segment of compressed_all_reduce_mean (8 MiB of fp32); results depend
+on it (it fixes which rank sums which values), so every rank must use the same."""
 
 
 def _chunk_bounds(n: int, world: int, block: int) -> list[tuple[int, int]]:
@@ -63,7 +68,7 @@ def _div(x: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def reference_compressed_mean(inputs: list[torch.Tensor], compression: str = "int8",
-                              block: int = DEFAULT_BLOCK) -> torch.Tensor:
+                              block: int = DEFAULT_BLOCK, segment: int = SEGMENT) -> torch.Tensor:
     """What every rank ends with, computed in one process from all W inputs (same bytes)."""
     world = len(inputs)
     flats = [x.reshape(-1).to(torch.float32) for x in inputs]
@@ -73,20 +78,22 @@ def reference_compressed_mean(inputs: list[torch.Tensor], compression: str = "in
         return _div(torch.stack(flats).sum(0), world)
     for i, x in enumerate(flats):
         check_finite(x, f"input {i}")
-    bounds = _chunk_bounds(flats[0].numel(), world, block)
     out = torch.empty_like(flats[0])
-    width = max(b - a for a, b in bounds)
-    for j, (lo, hi) in enumerate(bounds):
-        if hi == lo:
-            continue
-        encoded = [_encode(x[lo:hi], compression, block) for x in flats]
-        order = [j] + [r for r in range(world) if r != j]  # the owner's own chunk first
-        acc = _decode(encoded[order[0]], hi - lo, compression, block)
-        for r in order[1:]:
-            acc += _decode(encoded[r], hi - lo, compression, block)
-        padded = torch.zeros(width, dtype=torch.float32, device=out.device)
-        padded[: hi - lo] = _div(acc, world)
-        out[lo:hi] = _decode(_encode(padded, compression, block), hi - lo, compression, block)
+    for slo, shi in _segments(out.numel(), segment, block):
+        bounds = _chunk_bounds(shi - slo, world, block)
+        width = max(b - a for a, b in bounds)
+        for j, (lo, hi) in enumerate(bounds):
+            if hi == lo:
+                continue
+            encoded = [_encode(x[slo + lo: slo + hi], compression, block) for x in flats]
+            order = [j] + [r for r in range(world) if r != j]  # the owner's own chunk first
+            acc = _decode(encoded[order[0]], hi - lo, compression, block)
+            for r in order[1:]:
+                acc += _decode(encoded[r], hi - lo, compression, block)
+            padded = torch.zeros(width, dtype=torch.float32, device=out.device)
+            padded[: hi - lo] = _div(acc, world)
+            out[slo + lo: slo + hi] = _decode(_encode(padded, compression, block), hi - lo,
+                                              compression, block)
     return out
 
 
@@ -100,15 +107,18 @@ def as_communicator(comm_or_group: Communicator | dist.ProcessGroup | None,
 
 def compressed_all_reduce_mean(tensor: torch.Tensor,
                                comm_or_group: Communicator | dist.ProcessGroup | None = None,
-                               compression: str = "int8", block: int = DEFAULT_BLOCK) -> int:
+                               compression: str = "int8", block: int = DEFAULT_BLOCK,
+                               segment: int = SEGMENT) -> int:
     """Average a contiguous fp32 tensor in place over the group; return the bytes this rank sent.
 
     `comm_or_group`: a modules.comm Communicator, or a torch.distributed process group (None =
     the world group) used through gloo. `compression`: none (fp32 all_reduce; bytes counted as
-    a ring sends them), fp16, or int8. Every member must call it with the same numel and
-    arguments. NaN/inf in the input raises NonFiniteError on the rank that holds them, before
-    anything is sent (its peers then fail with a timeout / CommError). Backend failures and
-    timeouts raise CommError (a RuntimeError).
+    a ring sends them), fp16, or int8. The tensor is processed in segments of `segment` values
+    (rounded up to whole blocks); on CPU a helper thread moves segment k while this thread
+    encodes k+1 and decodes k-1 (on CUDA, NCCL already runs on the stream asynchronously).
+    Every member must call it with the same numel and arguments. NaN/inf in the input raises
+    NonFiniteError on the rank that holds them, before anything is sent (its peers then fail
+    with CommError at their timeout). Backend failures and timeouts raise CommError.
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: {compression!r} is not one of {', '.join(COMPRESSIONS)}")
@@ -126,17 +136,68 @@ def compressed_all_reduce_mean(tensor: torch.Tensor,
         flat.copy_(_div(flat, world))
         return comm.bytes_sent - before
     check_finite(flat, "all-reduce input")
-    bounds = _chunk_bounds(flat.numel(), world, block)
-    _reduce_scatter(flat, bounds, comm, compression, block)
-    _all_gather(flat, bounds, comm, compression, block)
+    with _Mover(comm) as mover:
+        rs: list[_Step] = []
+        ag: list[_Step] = []
+        for lo, hi in _segments(flat.numel(), segment, block):
+            rs.append(_start_reduce_scatter(flat[lo:hi], comm, compression, block, mover))
+            if len(rs) > 1:  # segment k-1 reduces and re-sends while segment k is on the wire
+                ag.append(_finish_reduce_scatter(rs.pop(0), comm, compression, block, mover))
+            while len(ag) > 1 and ag[0].future.done():
+                _finish_all_gather(ag.pop(0), compression, block)
+        for step in rs:
+            ag.append(_finish_reduce_scatter(step, comm, compression, block, mover))
+        for step in ag:
+            _finish_all_gather(step, compression, block)
     return comm.bytes_sent - before
 
 
-def _reduce_scatter(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Communicator,
-                    compression: str, block: int) -> None:
-    """Phase 1: leaves this rank's chunk of `flat` holding the fp32 mean of dequantised chunks."""
+def _segments(n: int, segment: int, block: int) -> list[tuple[int, int]]:
+    per = max(block, -(-segment // block) * block)
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)] or [(0, 0)]
+
+
+class _Mover:
+    """Runs communication calls in submission order: on a helper thread for CPU tensors (gloo
+    waits and torch kernels release the GIL, so they overlap), inline for CUDA (NCCL enqueues
+    on the stream; another thread would see another current stream)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.pool = ThreadPoolExecutor(1, "quant-allreduce") if comm.device.type == "cpu" \
+            else None
+
+    def __enter__(self) -> _Mover:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, fn, *args) -> Future:  # noqa: ANN001
+        """fn(*args) after every call submitted before it."""
+        if self.pool is not None:
+            return self.pool.submit(fn, *args)
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+@dataclass
+class _Step:
+    """One segment between two calls: what was sent/received and the call's future."""
+
+    seg: torch.Tensor
+    bounds: list[tuple[int, int]]
+    parts: list
+    future: Future
+
+
+def _start_reduce_scatter(seg: torch.Tensor, comm: Communicator, compression: str, block: int,
+                          mover: _Mover) -> _Step:
+    """Encode the segment and start sending chunk j to its owner j (receiving mine)."""
+    bounds = _chunk_bounds(seg.numel(), comm.size, block)
     me = comm.ranks.index(comm.rank)
-    mine = [_encode(flat[lo:hi], compression, block) if hi > lo else [] for lo, hi in bounds]
+    mine = [_encode(seg[lo:hi], compression, block) if hi > lo else [] for lo, hi in bounds]
     lo, hi = bounds[me]
     sends, recvs, inbox = [], [], []
     for j, peer in enumerate(comm.ranks):
@@ -147,26 +208,37 @@ def _reduce_scatter(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Com
             parts = [torch.empty_like(p) for p in mine[me]]
             inbox.append(parts)
             recvs.extend((p, peer) for p in parts)
-    comm.exchange(sends, recvs)
-    if hi > lo:
-        acc = _decode(mine[me], hi - lo, compression, block)
-        for parts in inbox:
-            acc += _decode(parts, hi - lo, compression, block)
-        flat[lo:hi] = _div(acc, len(bounds))
+    return _Step(seg, bounds, [mine[me]] + inbox, mover.submit(comm.exchange, sends, recvs))
 
 
-def _all_gather(flat: torch.Tensor, bounds: list[tuple[int, int]], comm: Communicator,
-                compression: str, block: int) -> None:
-    """Phase 2: every rank receives every owner's re-encoded chunk and decodes the same bytes."""
+def _finish_reduce_scatter(step: _Step, comm: Communicator, compression: str, block: int,
+                           mover: _Mover) -> _Step:
+    """Average my chunk (own encoding first, then peers in rank order), start the all-gather."""
+    step.future.result()
+    seg, bounds = step.seg, step.bounds
     lo, hi = bounds[comm.ranks.index(comm.rank)]
     width = max(b - a for a, b in bounds)
-    padded = torch.zeros(width, dtype=torch.float32, device=flat.device)
-    padded[: hi - lo] = flat[lo:hi]
+    padded = torch.zeros(width, dtype=torch.float32, device=seg.device)
+    if hi > lo:
+        acc = _decode(step.parts[0], hi - lo, compression, block)
+        for parts in step.parts[1:]:
+            acc += _decode(parts, hi - lo, compression, block)
+        padded[: hi - lo] = _div(acc, comm.size)
     gathered = []
     for part in _encode(padded, compression, block):
-        bufs = [torch.empty_like(part) for _ in range(comm.size)]
-        comm.all_gather(bufs, part)
-        gathered.append(bufs)
-    for j, (jlo, jhi) in enumerate(bounds):
-        if jhi > jlo:
-            flat[jlo:jhi] = _decode([g[j] for g in gathered], jhi - jlo, compression, block)
+        gathered.append(([torch.empty_like(part) for _ in range(comm.size)], part))
+
+    def gather_all() -> None:
+        for bufs, part in gathered:
+            comm.all_gather(bufs, part)
+
+    return _Step(seg, bounds, [bufs for bufs, _ in gathered], mover.submit(gather_all))
+
+
+def _finish_all_gather(step: _Step, compression: str, block: int) -> None:
+    """Every rank decodes the same gathered bytes into the segment (the owner too)."""
+    step.future.result()
+    for j, (lo, hi) in enumerate(step.bounds):
+        if hi > lo:
+            step.seg[lo:hi] = _decode([bufs[j] for bufs in step.parts], hi - lo, compression,
+                                      block)

@@ -58,12 +58,15 @@ class QuantizedTensor:
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise NonFiniteError naming how many values are NaN/inf and the first index."""
-    bad = ~torch.isfinite(x.reshape(-1))
-    if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
-        raise NonFiniteError(f"{what}: {int(bad.sum())} NaN/inf values of {x.numel()} (first at "
-                             f"index {idx}, value {float(x.reshape(-1)[idx])}); refusing to "
-                             "quantise them (a diverged replica would poison every other one)")
+    flat = x.reshape(-1)
+    step = 1 << 20  # cache-sized passes: no full-size bool temporary on the common path
+    if all(bool(torch.isfinite(flat[lo: lo + step]).all()) for lo in range(0, flat.numel(), step)):
+        return
+    bad = ~torch.isfinite(flat)
+    idx = int(bad.nonzero()[0, 0])
+    raise NonFiniteError(f"{what}: {int(bad.sum())} NaN/inf values of {x.numel()} (first at "
+                         f"index {idx}, value {float(flat[idx])}); refusing to quantise them "
+                         "(a diverged replica would poison every other one)")
 
 
 _CHUNK = 1 << 16
