@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from modules.quant import compressed_all_reduce_mean, dequantize_int8  # noqa: E402
+from modules.quant.allreduce import SEGMENT  # noqa: E402
 from modules.quant.codec import quantize_int8_torch  # noqa: E402
 
 COMPRESSIONS = ("none", "fp16", "int8")
@@ -160,7 +161,7 @@ def _free_port() -> int:
 
 
 def worker(rank: int, world: int, addr: str, port: int, numel: int, repeats: int,
-           out: str) -> None:
+           out: str, segment: int) -> None:
     """One rank: time each payload's mean all-reduce (barrier before and after)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
@@ -176,7 +177,7 @@ def worker(rank: int, world: int, addr: str, port: int, numel: int, repeats: int
             x = x0.clone()
             dist.barrier()
             t = time.perf_counter()
-            sent = compressed_all_reduce_mean(x, None, comp)
+            sent = compressed_all_reduce_mean(x, None, comp, segment=segment)
             dist.barrier()
             best = min(best, (time.perf_counter() - t, sent))
         rows[comp] = best
@@ -187,7 +188,9 @@ def worker(rank: int, world: int, addr: str, port: int, numel: int, repeats: int
 
 def _worker_cmd(rank: int, world: int, addr: str, port: int, numel: int, repeats: int,
                 out: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", str(rank), "--world",
+    """The command line of one worker (the segment size travels in QUANT_BENCH_SEGMENT)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--segment",
+            os.environ.get("QUANT_BENCH_SEGMENT", str(SEGMENT)), "--worker", str(rank), "--world",
             str(world), "--addr", addr, "--port", str(port), "--numel", str(numel),
             "--repeats", str(repeats), "--out", out]
 
@@ -303,6 +306,8 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2, help="loopback repetitions (best kept)")
+    p.add_argument("--segment", type=int, default=SEGMENT,
+                   help=f"values per pipelined segment of the compressed all-reduce ({SEGMENT})")
     p.add_argument("--only", choices=("codec", "error", "allreduce", "netns"))
     for hidden in ("--worker", "--world", "--port", "--numel"):
         p.add_argument(hidden, type=int, help=argparse.SUPPRESS)
@@ -310,12 +315,14 @@ def main() -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.world, args.addr, args.port, args.numel, args.repeats, args.out)
+        worker(args.worker, args.world, args.addr, args.port, args.numel, args.repeats, args.out,
+               args.segment)
         return 0
     if args.mb <= 0 or args.limited_mb <= 0 or args.ranks < 2 or args.rate_mbit <= 0:
         print("error: --mb, --limited-mb and --rate-mbit must be > 0 and --ranks >= 2",
               file=sys.stderr)
         return 2
+    os.environ["QUANT_BENCH_SEGMENT"] = str(args.segment)  # to the workers
     if args.only in (None, "codec"):
         codec_table(args.mb, args.block)
     if args.only in (None, "error"):

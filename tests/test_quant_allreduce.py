@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from modules.quant import compressed_all_reduce_mean
+from modules.comm.base import GroupMembership
+from modules.quant import NonFiniteError, compressed_all_reduce_mean
 from modules.quant.allreduce import SEGMENT as DEFAULT_SEGMENT
 from modules.quant.allreduce import reference_compressed_mean
 
@@ -119,3 +120,53 @@ def test_fp16_and_none_are_close_to_the_mean(results):
     outs, _ = results[(world, n, "fp16")]
     assert np.allclose(outs[0], exact, rtol=2e-3, atol=2e-3)
     assert outs[1].tobytes() == outs[0].tobytes()
+
+
+class _RecordingComm(GroupMembership):
+    """A two-rank Communicator that records calls instead of talking to anyone."""
+
+    def __init__(self) -> None:
+        self._init_membership([0, 1], 0)
+        self.device = torch.device("cpu")
+        self.calls: list[str] = []
+
+    def send(self, tensor, dst):  # noqa: ANN001, ANN201
+        self.calls.append("send")
+
+    def recv(self, tensor, src):  # noqa: ANN001, ANN201
+        self.calls.append("recv")
+        return tensor
+
+    def exchange(self, sends, recvs):  # noqa: ANN001, ANN201
+        self.calls.append("exchange")
+
+    def all_reduce(self, tensor, op="sum"):  # noqa: ANN001, ANN201
+        self.calls.append("all_reduce")
+
+    def all_gather(self, outputs, tensor):  # noqa: ANN001, ANN201
+        self.calls.append("all_gather")
+
+    def broadcast(self, tensor, src):  # noqa: ANN001, ANN201
+        self.calls.append("broadcast")
+
+    def barrier(self):  # noqa: ANN201
+        self.calls.append("barrier")
+
+
+@pytest.mark.parametrize("compression", ["int8", "fp16"])
+def test_non_finite_input_is_refused_before_anything_is_sent(compression):
+    comm = _RecordingComm()
+    x = torch.randn(5000)
+    x[4321] = float("nan")
+    with pytest.raises(NonFiniteError, match="all-reduce input: 1 NaN/inf values of 5000 "
+                                             r"\(first at index 4321"):
+        compressed_all_reduce_mean(x, comm, compression, BLOCK, segment=1024)
+    assert comm.calls == [] and comm.bytes_sent == 0
+
+
+def test_bad_arguments_are_named():
+    comm = _RecordingComm()
+    with pytest.raises(ValueError, match="compression: 'int4'"):
+        compressed_all_reduce_mean(torch.zeros(4), comm, "int4")
+    with pytest.raises(ValueError, match="float32"):
+        compressed_all_reduce_mean(torch.zeros(4, dtype=torch.float64), comm, "int8")
