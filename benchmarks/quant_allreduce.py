@@ -133,6 +133,7 @@ def gpu_codec_table(x: torch.Tensor, block: int) -> None:
 def error_table(block: int) -> None:
     """Quantisation error of absmax vs +-k sigma windows: relative RMS and max abs error."""
     gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # StudentT.sample draws from the global generator
     data = {"gaussian": torch.randn(1 << 20, generator=gen) * 1e-3,
             "student-t(3)": torch.distributions.StudentT(3.0).sample((1 << 20,)) * 1e-3}
     print(f"\n## error: absmax vs +-k sigma window, block {block}, 1M values\n")
