@@ -1,17 +1,19 @@
 """Mean all-reduce whose wire carries int8 codes + block scales (or fp16) instead of fp32.
 
-Two phases over a group of W ranks, the flat tensor cut into W chunks of whole blocks:
-1. reduce-scatter: every rank quantises its tensor once and sends chunk j straight to its owner
-   j (all pairs at once); the owner dequantises the W inputs of its chunk, its own included,
-   and accumulates them in fp32, then divides by W;
-2. all-gather: each owner re-quantises its reduced chunk once; the codes are gathered and every
-   rank, the owner included, dequantises the same bytes, so all ranks end bit-identical. Nothing
-   is re-quantised while being forwarded.
+The flat tensor is processed in segments of SEGMENT values; each segment is cut into W chunks
+of whole blocks (W = group size) and goes through two phases:
+1. reduce-scatter: every rank quantises the segment once and sends chunk j straight to its
+   owner j (all pairs at once); the owner dequantises the W inputs of its chunk, its own first
+   and then the peers' in rank order, accumulates them in fp32 and divides by W;
+2. all-gather: each owner re-quantises its mean once; the codes are gathered and every rank,
+   the owner included, dequantises the same bytes, so all ranks end bit-identical (and equal
+   to reference_compressed_mean). Nothing is re-quantised while being forwarded.
+On CPU a helper thread moves segment k while the caller encodes k+1 and decodes k-1.
 
-Error against the exact fp32 mean, per element of block b (each scale = block absmax / 127):
+Error against the exact fp32 mean, per element of block b (scales as in codec.py):
   |mean' - mean| <= (1/W) sum_r scale_r,b / 2  +  scale'_b / 2  +  fp32 rounding (few ulp)
-where scale_r,b is rank r's input scale and scale'_b that of the reduced block.
-Bytes sent per rank ~ 2 (W-1)/W (n + 4 n / block) for int8 vs 2 (W-1)/W 4 n for an fp32 ring:
+where scale_r,b is rank r's input scale and scale'_b that of the averaged block.
+Bytes sent per rank: 2 (W-1)/W (n + 4 n / block) for int8 vs 2 (W-1)/W 4 n for an fp32 ring,
 about a quarter (fp16: a half). Works over any modules.comm.Communicator: gloo on CPU tensors,
 cupy NCCL on CUDA tensors (there the codec is the int8.cu kernel).
 """
