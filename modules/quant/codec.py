@@ -59,7 +59,8 @@ class QuantizedTensor:
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise NonFiniteError naming how many values are NaN/inf and the first index."""
     flat = x.reshape(-1)
-    step = 1 << 20  # cache-sized passes: no full-size bool temporary on the common path
+    # CPU: cache-sized passes, no full-size bool temporary; GPU: one pass, one sync
+    step = 1 << 20 if not flat.is_cuda else max(1, flat.numel())
     if all(bool(torch.isfinite(flat[lo: lo + step]).all()) for lo in range(0, flat.numel(), step)):
         return
     bad = ~torch.isfinite(flat)
