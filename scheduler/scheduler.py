@@ -28,7 +28,14 @@ from scheduler.errors import UserError  # noqa: E402
 from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.models import PRESETS, get_model  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
-from scheduler.plan import COMPRESSIONS, SYNC_MODES, SyncConfig, load_plan, save_plan  # noqa: E402
+from scheduler.plan import (  # noqa: E402
+    COMPRESSIONS,
+    SYNC_MODES,
+    Plan,
+    SyncConfig,
+    load_plan,
+    save_plan,
+)
 from scheduler.planning import (  # noqa: E402
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
@@ -135,13 +142,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Print the cost of any plan file under an objective."""
+def _load_cluster_and_plan(args: argparse.Namespace) -> tuple[Cluster, Plan]:
+    """Load both files; warn when the plan was made for a cluster with other contents."""
     cluster = load_cluster(args.cluster)
     plan = load_plan(args.plan, cluster)
     if plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
         print(f"warning: {args.plan} was made for cluster '{plan.cluster}' with other "
               f"contents than {args.cluster}", file=sys.stderr)
+    return cluster, plan
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Print the cost of any plan file under an objective."""
+    cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
     req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
                       plan.num_micro_batches, args.objective, plan.sync)
@@ -230,11 +243,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Replay one training step of any plan and print its breakdown."""
     from scheduler.simulator import format_sim_table, simulate_plan
 
-    cluster = load_cluster(args.cluster)
-    plan = load_plan(args.plan, cluster)
-    if plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
-        print(f"warning: {args.plan} was made for cluster '{plan.cluster}' with other "
-              f"contents than {args.cluster}", file=sys.stderr)
+    cluster, plan = _load_cluster_and_plan(args)
     result = simulate_plan(cluster, None, plan, timeline=bool(args.timeline))
     if args.timeline:
         from scheduler.timeline import save_timeline_png  # matplotlib only when asked
