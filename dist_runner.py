@@ -2,7 +2,8 @@
 
     python dist_runner.py --plan plan.json --rank R --dist-url tcp://HOST:PORT \
         [--world-size N] (--data PATH | --fake-data) --steps N \
-        [--ckpt-dir D --ckpt-every K --resume] [--metrics metrics.jsonl] [--timeout-s T]
+        [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
+        [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--join]
 
 Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT are read from the environment.
@@ -47,10 +48,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after warm-up: constant, or cosine decay to 0.1 x lr at --steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
-    p.add_argument("--ckpt-dir", help="folder for per-rank checkpoints (rank{R}.pt)")
+    p.add_argument("--ckpt-dir", help="folder for per-rank checkpoints (rank{R}/step{S}.pt), "
+                   "written in the background from a memory snapshot (temp file + rename)")
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="save every K steps and at the end (default with --ckpt-dir: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
+    p.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="complete checkpoints kept per rank, newest first (default 2)")
+    p.add_argument("--sync-checkpoints", action="store_true",
+                   help="write checkpoints on the training thread (slower; for comparison)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest step of --ckpt-dir that every rank has "
+                   "completely written")
     p.add_argument("--metrics", help="metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl)")
     p.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps")
     p.add_argument("--eval-sequences", type=int, default=0,
@@ -63,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     # tests only: RANK:STEP[:STATUS] makes that rank exit before STEP (a lost peer)
     p.add_argument("--debug-vanish", default="", help=argparse.SUPPRESS)
+    # tests only: RANK:STEP SIGKILLs that rank when its checkpoint of STEP is half written
+    p.add_argument("--debug-ckpt-die", default="", help=argparse.SUPPRESS)
     p.add_argument("--log-every", type=int, default=1, help="print a progress line every K steps")
     return p.parse_args(argv)
 
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--steps: must be >= 1, got {args.steps}")
     if args.timeout_s <= 0:
         raise UserError(f"--timeout-s: must be > 0, got {args.timeout_s}")
+    if args.keep_checkpoints < 1:
+        raise UserError(f"--keep-checkpoints: must be >= 1, got {args.keep_checkpoints}")
     if args.resume and not args.ckpt_dir:
         raise UserError("--resume needs --ckpt-dir")
     rank, world, url, agent_store = resolve_launch(args, len(plan.devices()))
@@ -147,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                     warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
                     timeout_s=args.timeout_s, ckpt_dir=args.ckpt_dir,
                     ckpt_every=args.ckpt_every or (args.steps if args.ckpt_dir else 0),
+                    keep_checkpoints=args.keep_checkpoints,
+                    sync_checkpoints=args.sync_checkpoints,
+                    debug_ckpt_die=_vanish(args.debug_ckpt_die, rank)[0],
                     resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,
                     eval_sequences=args.eval_sequences, wait_for_peers=args.wait_for_peers,
                     log_every=max(1, args.log_every),

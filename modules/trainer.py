@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modules.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from modules.checkpoint import (
+    AsyncCheckpointer,
+    complete_steps,
+    load_checkpoint,
+    prune,
+    save_checkpoint,
+    snapshot,
+    step_path,
+)
 from modules.data import FakeData, Sharder, TextData
 from modules.diloco import DiLoCoOptimizer
 from modules.dist import Comm, Groups, Topology, wait_for_peers
@@ -43,6 +52,10 @@ class RunConfig:
     ckpt_dir: str | None = None
     ckpt_every: int = 0
     """Save every K steps (and at the end) when > 0 and ckpt_dir is set."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept per rank (older ones are deleted after a new one is written)."""
+    sync_checkpoints: bool = False
+    """Write checkpoints on the training thread (for comparison) instead of in the background."""
     resume: bool = False
     metrics: str | None = None
     eval_every: int = 0
@@ -54,6 +67,8 @@ class RunConfig:
     log_every: int = 1
     debug_vanish: tuple[int, int] = (0, 0)
     """Tests only: (step, status): exit at once before that step, like a lost peer."""
+    debug_ckpt_die: int = 0
+    """Tests only: SIGKILL this process when the checkpoint of this step is half written."""
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -112,6 +127,15 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.dp_bytes = 0
+        self.ckpt: AsyncCheckpointer | None = None
+        if cfg.ckpt_dir:
+            self.ckpt = AsyncCheckpointer(cfg.ckpt_dir, topo.rank, cfg.keep_checkpoints,
+                                          debug_hook=self._debug_ckpt_hook)
+
+    def _debug_ckpt_hook(self, step: int, where: str) -> None:
+        if self.cfg.debug_ckpt_die and step == self.cfg.debug_ckpt_die:
+            self.log(f"debug: killing myself while checkpoint step {step} is {where} written")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _outer_all_reduce(self, flat: torch.Tensor) -> int:
         """DiLoCo's outer communication: check every group member is there, then average."""
@@ -136,16 +160,51 @@ class Trainer:
                 "micro_batch_size": p.micro_batch_size,
                 "num_micro_batches": p.num_micro_batches, "seed": self.cfg.seed}
 
-    def save(self) -> None:
-        """Write this rank's checkpoint (model, optimizers, data position = step, RNG)."""
-        state = {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
-                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                 "rng": torch.get_rng_state()}
-        save_checkpoint(checkpoint_path(self.cfg.ckpt_dir, self.topo.rank), self._meta(), state)
+    def state(self) -> dict[str, Any]:
+        """This rank's full training state (live tensors: snapshot before keeping it)."""
+        return {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
+                "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "rng": torch.get_rng_state()}
+
+    def save(self) -> float:
+        """Checkpoint this step (model, optimizers, data position = step, RNG); returns the
+        seconds the training thread was blocked (snapshot; the whole write with
+        cfg.sync_checkpoints)."""
+        assert self.ckpt is not None and self.cfg.ckpt_dir
+        if self.cfg.sync_checkpoints:
+            t0 = time.perf_counter()
+            self.ckpt.flush()
+            save_checkpoint(step_path(self.cfg.ckpt_dir, self.topo.rank, self.step),
+                            self._meta(), snapshot(self.state()))
+            prune(self.cfg.ckpt_dir, self.topo.rank, self.cfg.keep_checkpoints)
+            return time.perf_counter() - t0
+        return self.ckpt.save(self.step, self._meta(), self.state())
+
+    def _all_min(self, value: int, what: str) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
+        self.comm.wait(work, what)
+        return int(t[0])
+
+    def agree_resume_step(self) -> int:
+        """The newest step with a complete checkpoint on every rank (all ranks agree)."""
+        mine = complete_steps(self.cfg.ckpt_dir, self.topo.rank)
+        cand = mine[-1] if mine else -1
+        while True:
+            cand = self._all_min(cand, "agreeing on the checkpoint step with every rank")
+            if cand < 0:
+                raise UserError(f"--resume: no step has a complete checkpoint on every rank in "
+                                f"{self.cfg.ckpt_dir} (rank {self.topo.rank} has steps {mine}); "
+                                "run without --resume to start fresh")
+            if self._all_min(int(cand in mine), "agreeing on the checkpoint step") == 1:
+                return cand
+            older = [s for s in mine if s < cand]
+            cand = older[-1] if older else -1
 
     def load(self) -> None:
-        """Restore this rank's checkpoint and check every rank resumes at the same step."""
-        path = checkpoint_path(self.cfg.ckpt_dir, self.topo.rank)
+        """Restore the newest checkpoint that every rank has completely written."""
+        step = self.agree_resume_step()
+        path = step_path(self.cfg.ckpt_dir, self.topo.rank, step)
         state = load_checkpoint(path, self._meta())
         try:
             self.model.load_state_dict(state["model"])
@@ -156,13 +215,8 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise UserError(f"checkpoint {path}: does not fit this stage "
                             f"({str(e).splitlines()[0]})") from None
-        steps = torch.tensor([self.step, -self.step], dtype=torch.int64)
-        work = dist.all_reduce(steps, op=dist.ReduceOp.MAX, async_op=True)
-        self.comm.wait(work, "comparing checkpoint steps with every rank")
-        if int(steps[0]) != -int(steps[1]):
-            raise UserError(f"checkpoints in {self.cfg.ckpt_dir} disagree: steps range from "
-                            f"{-int(steps[1])} to {int(steps[0])}; some rank saved later than "
-                            "others, resume from a consistent --ckpt-dir")
+        if self.step != step:
+            raise UserError(f"checkpoint {path}: holds step {self.step}, not {step}")
 
     # -- the loop ----------------------------------------------------------------------------
     def train_step(self) -> float | None:
@@ -228,8 +282,6 @@ class Trainer:
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
-                if writer:
-                    writer.write(rec)
                 if topo.is_last:
                     records.append(rec)
                     if topo.replica == 0 and (self.step % cfg.log_every == 0 or last):
@@ -238,7 +290,11 @@ class Trainer:
                                  f"tok/s {rec['tokens_per_s']:.0f} step_s {step_s:.3f} "
                                  f"comm_s {comm_s:.3f}{extra}")
                 if cfg.ckpt_dir and cfg.ckpt_every and (self.step % cfg.ckpt_every == 0 or last):
-                    self.save()
+                    rec["ckpt_block_s"] = round(self.save(), 6)
+                if writer:
+                    writer.write(rec)
+            if self.ckpt:
+                self.ckpt.flush()
         finally:
             if writer:
                 writer.close()

@@ -8,7 +8,13 @@ import shutil
 
 import pytest
 
-from modules.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from modules.checkpoint import (
+    checkpoint_path,
+    complete_steps,
+    load_checkpoint,
+    save_checkpoint,
+    step_path,
+)
 from modules.metrics import read_metrics, replica_metrics_path
 from scheduler.errors import UserError
 from scheduler.plan import Plan, SyncConfig, save_plan
@@ -38,7 +44,8 @@ def test_resume_gives_identical_losses_and_bad_checkpoints_are_clear_errors(tmp_
     first = _launch(plan_path, tmp_path / "cut.jsonl", "--steps", "3", "--ckpt-dir", str(ck),
                     "--ckpt-every", "3")
     assert first.returncode == 0, first.stdout[-3000:]
-    assert sorted(p.name for p in ck.iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    assert sorted(p.name for p in ck.iterdir()) == [f"rank{r}" for r in range(4)]
+    assert all(complete_steps(ck, r) == [3] for r in range(4))
     shutil.copytree(ck, tmp_path / "ck_copy")
     second = _launch(plan_path, tmp_path / "cut.jsonl", "--steps", "6", "--ckpt-dir", str(ck),
                      "--resume")
@@ -47,7 +54,7 @@ def test_resume_gives_identical_losses_and_bad_checkpoints_are_clear_errors(tmp_
     assert _losses(tmp_path / "cut.jsonl") == _losses(tmp_path / "full.jsonl")  # bit-identical
 
     # a corrupt checkpoint (truncated file) on one rank
-    bad = tmp_path / "ck_copy" / "rank3.pt"
+    bad = step_path(tmp_path / "ck_copy", 3, 3)
     bad.write_bytes(bad.read_bytes()[:1000])
     proc = _launch(plan_path, tmp_path / "x.jsonl", "--steps", "6", "--ckpt-dir",
                    str(tmp_path / "ck_copy"), "--resume")
