@@ -94,7 +94,8 @@ class SimulatedObjective:
         self._payload_values, self._payload_index = values, index.reshape(self.payload.shape)
         self.mem_need = memory_table(model, micro_batch_size, num_micro_batches, self.diloco,
                                      self.config.memory())
-        self.msg_bits = model.activation_bytes_per_sequence(2) * micro_batch_size * 8.0
+        self.msg_bits = (model.activation_bytes_per_sequence(self.config.activation_bytes)
+                         * micro_batch_size * 8.0)
         self._rings: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # ---------------------------------------------------------------- per-candidate pieces
@@ -258,4 +259,4 @@ class SimulatedObjective:
 def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> SimulatedObjective:
     """Factory for planning.OBJECTIVES: the simulated objective for a request's sync and batch."""
     return SimulatedObjective(cluster, model, req.sync, req.micro_batch_size,
-                              req.num_micro_batches)
+                              req.num_micro_batches, req.sim)

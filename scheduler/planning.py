@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from scheduler.heuristic_evolutionary_solver import (
 from scheduler.models import ModelSpec
 from scheduler.objective import CostBreakdown, Objective
 from scheduler.plan import Plan, SyncConfig
+from scheduler.simulator import SimConfig
 
 ObjectiveFactory = Callable[["PlanRequest"], Objective]
 
@@ -47,6 +48,8 @@ class PlanRequest:
     random_samples: int = 1000
     tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA
     """Tokens each replica processes per step, used when num_micro_batches is 0."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """Performance model of the simulated objective (MFU, activation bytes, recompute)."""
 
 
 @dataclass
@@ -154,11 +157,9 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     best: PlanOutcome | None = None
     failures: list[str] = []
     for s, r in shapes:
-        sub = PlanRequest(s, r, req.micro_batch_size, req.num_micro_batches, req.objective,
-                          req.sync, SearchConfig(**{**req.search.__dict__,
-                                                    "time_limit_s": req.search.time_limit_s
-                                                    / len(shapes)}),
-                          req.random_samples, req.tokens_per_replica)
+        sub = replace(req, num_stages=s, num_replicas=r,
+                      search=replace(req.search,
+                                     time_limit_s=req.search.time_limit_s / len(shapes)))
         try:
             out = plan_cluster(cluster, model, sub, progress)
         except UserError as e:
@@ -215,11 +216,12 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         predicted={"objective": ours.objective, "cost": round(ours.cost_s, 6),
                    **{k: round(v, 6) for k, v in ours.parts.items()}},
         search={"method": "evolutionary", "seed": req.search.seed,
-                "evaluations": result.evaluations, "wall_s": round(wall, 3)},
+                "evaluations": result.evaluations, "wall_s": round(wall, 3),
+                **({"sim_config": asdict(req.sim)} if req.objective == "simulated" else {})},
     )
     if not np.isfinite(ours.cost_s):
         from scheduler.simulator import simulate_plan  # names the device and the numbers
-        simulate_plan(cluster, model, plan, timeline=False)
+        simulate_plan(cluster, model, plan, req.sim, timeline=False)
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
     return PlanOutcome(plan, ours, random_cost, index_cost, result.history,

@@ -19,6 +19,9 @@ GPUS: dict[str, tuple[float, float]] = {
     "A100-40GB": (312.0, 40.0),
     "V100-16GB": (112.0, 16.0),  # PCIe V100, the figure DESIGN.md uses
     "T4-16GB": (65.0, 16.0),
+    # One CPU core running the fp32 runtime (dist_runner on CPU). A nominal figure: the
+    # end-to-end benchmark replaces it with the FLOP/s it measures on the machine at hand.
+    "CPU": (0.01, 4.0),
 }
 
 # DT-FM (Yuan et al., 2022), world-wide setting: measured AWS inter-region (latency ms, Gbit/s).
@@ -47,6 +50,9 @@ REGIONAL_LINKS: dict[tuple[str, str], tuple[float, float]] = {
     ("Virginia", "Ohio"): (11, 1.12), ("Oregon", "California"): (12, 1.25),
     ("Oregon", "Ohio"): (49, 1.10), ("California", "Ohio"): (52, 1.02),
 }
+
+LAB_BANDWIDTH_SCALE = 0.04
+"""`lab`: bandwidth of an emulated link per Gbit/s of the regional setting."""
 
 LinkFn = Callable[[int, int], tuple[float, float]]
 _STREAM = 0x5CE7A  # keeps scenario draws apart from other users of the same seed
@@ -151,6 +157,19 @@ def mixed(seed: int = 0) -> Cluster:
     return _assemble("mixed", regions, gpus, link, seed)
 
 
+def lab(seed: int = 0) -> Cluster:
+    """The regional setting scaled to one machine: 8 CPU ranks, 2 in each of the 4 regions.
+
+    Latencies are the regional ones (2 ms inside a region); bandwidths are the regional Gbit/s
+    x 0.04 (40-50 Mbit/s across regions) and 200 Mbit/s inside one, so that gpt-tiny's
+    all-reduce and activations weigh on a CPU step about as GPT3-XL's do on 1 Gbps links.
+    """
+    regions = _sites(["Virginia", "Oregon", "California", "Ohio"], 2)
+    scaled = {k: (ms, gbps * LAB_BANDWIDTH_SCALE) for k, (ms, gbps) in REGIONAL_LINKS.items()}
+    link = _table_link(regions, scaled, (2.0, 0.2))
+    return _assemble("lab", regions, ["CPU"] * 8, link, seed)
+
+
 def random_cluster(seed: int = 0, num_devices: int = 64, num_regions: int = 4,
                    gpu_mix: tuple[str, ...] = ("A100-40GB", "V100-16GB", "T4-16GB")) -> Cluster:
     """`num_devices` GPUs spread over `num_regions` random regions.
@@ -187,6 +206,7 @@ SCENARIOS: dict[str, Callable[..., Cluster]] = {
     "worldwide": worldwide,
     "mixed": mixed,
     "random": random_cluster,
+    "lab": lab,
 }
 DTFM_SCENARIOS = ("datacenter", "spot", "universities", "regional", "worldwide")
 

@@ -44,6 +44,7 @@ from scheduler.planning import (  # noqa: E402
     plan_best_shape,
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
+from scheduler.simulator import SimConfig  # noqa: E402
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -54,6 +55,35 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.scenario:
         return make_scenario(args.scenario, args.seed)
     raise UserError("which cluster? give --cluster FILE or --scenario NAME")
+
+
+def add_perf_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the simulated objective's performance model (defaults: the plan's, else GPU)."""
+    g = p.add_argument_group("performance model of the simulated objective (default: what the "
+                             "plan was made with, else a GPU: mfu 0.4, fp16 activations, "
+                             "recompute)")
+    g.add_argument("--mfu", type=float, help="fraction of each device's tflops that training "
+                   "reaches (1.0 when tflops were measured for this model)")
+    g.add_argument("--activation-bytes", type=int, choices=(1, 2, 4),
+                   help="bytes per activation value sent between stages (4: the fp32 CPU "
+                   "runtime)")
+    g.add_argument("--recompute", choices=("on", "off"),
+                   help="activation recomputation in backward (off: the dist_runner runtime)")
+
+
+def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> SimConfig:
+    """The plan's recorded performance model (or the default), overridden by given flags."""
+    base = dict(plan.search.get("sim_config", {})) if plan is not None else {}
+    known = {k: v for k, v in base.items() if k in SimConfig.__dataclass_fields__}
+    if args.mfu is not None:
+        known["mfu"] = args.mfu
+    if args.activation_bytes is not None:
+        known["activation_bytes"] = args.activation_bytes
+    if args.recompute is not None:
+        known["recompute"] = args.recompute == "on"
+    config = SimConfig(**known)
+    config.validate()
+    return config
 
 
 def cmd_scenario(args: argparse.Namespace) -> int:
@@ -126,7 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       args.objective, sync,
                       SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
                                    seed=args.search_seed),
-                      args.random_samples, args.tokens_per_replica)
+                      args.random_samples, args.tokens_per_replica, sim_config_from_args(args))
     out = plan_best_shape(cluster, model, req, None if args.quiet else _progress)
     if not args.quiet:
         print(file=sys.stderr)
@@ -162,7 +192,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         # Score the plan as written: its own layer split, not one the objective would choose.
         from scheduler.cost_simulated import SimulatedObjective
         objective = SimulatedObjective(cluster, model, plan.sync, plan.micro_batch_size,
-                                       plan.num_micro_batches, stages=list(plan.stages))
+                                       plan.num_micro_batches, sim_config_from_args(args, plan),
+                                       stages=list(plan.stages))
     else:
         objective = OBJECTIVES[args.objective](cluster, model, req)
     result = objective.breakdown(np.asarray(plan.pipelines))
@@ -225,6 +256,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_perf_model_args(pl)
     pl.set_defaults(func=cmd_plan)
 
 
@@ -236,6 +268,7 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model (default {DEFAULT_OBJECTIVE})")
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_perf_model_args(ev)
     ev.set_defaults(func=cmd_evaluate)
 
 
@@ -244,7 +277,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from scheduler.simulator import format_sim_table, simulate_plan
 
     cluster, plan = _load_cluster_and_plan(args)
-    result = simulate_plan(cluster, None, plan, timeline=bool(args.timeline))
+    result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
+                           timeline=bool(args.timeline))
     if args.timeline:
         from scheduler.timeline import save_timeline_png  # matplotlib only when asked
         save_timeline_png(result, args.timeline, f"{plan.model} on {cluster.name}")
@@ -264,6 +298,7 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
     si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
     si.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_perf_model_args(si)
     si.set_defaults(func=cmd_simulate)
 
 

@@ -8,7 +8,8 @@ Model (every number in seconds, bytes, FLOP/s):
   2x that backward, plus one more forward when activations are recomputed (SimConfig.recompute,
   on by default because GPipe's stored activations do not fit otherwise, see memory.py).
 - Pipeline transfers. The hidden state crossing a stage boundary is fp16:
-  model.activation_bytes_per_sequence(2) x micro_batch_size bytes; backward sends a gradient of
+  model.activation_bytes_per_sequence(SimConfig.activation_bytes) x micro_batch_size bytes (fp32
+  on the CPU runtime: --activation-bytes 4); backward sends a gradient of
   the same size from stage s+1 to s. A message on the directed link i -> j keeps the link busy
   for bytes * 8 / bandwidth and arrives latency later; a link sends one message at a time, later
   ones queue (FIFO). Sending does not stop the sender's compute (separate streams). Links are
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.cluster import Cluster
+from scheduler.errors import UserError
 from scheduler.memory import MemoryConfig, check_plan_memory, stage_memory
 from scheduler.models import ModelSpec, get_model
 from scheduler.plan import Plan, SyncConfig, validate_plan
@@ -61,6 +63,16 @@ class SimConfig:
     """Per-device memory overhead (CUDA context, buffers), GB."""
     int8_block: int = 256
     """Values per fp32 scale in the int8 all-reduce payload."""
+    activation_bytes: int = 2
+    """Bytes per value of the hidden state sent between stages: 2 for fp16/bf16 activations on
+    GPUs, 4 for the fp32 CPU runtime."""
+
+    def validate(self) -> None:
+        """UserError naming the setting that is out of range."""
+        if not 0.0 < self.mfu <= 1.0:
+            raise UserError(f"--mfu: must be in (0, 1], got {self.mfu}")
+        if self.activation_bytes not in (1, 2, 4):
+            raise UserError(f"--activation-bytes: must be 1, 2 or 4, got {self.activation_bytes}")
 
     def memory(self) -> MemoryConfig:
         """The memory estimate's settings."""
@@ -450,7 +462,7 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
     tokens = micro_batch_size * model.seq_len
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
     t_fwd = flops[None, :] / tables.flops_per_s[pipe]
-    msg_bits = model.activation_bytes_per_sequence(2) * micro_batch_size * 8.0
+    msg_bits = model.activation_bytes_per_sequence(config.activation_bytes) * micro_batch_size * 8.0
     src, dst = pipe[:, :-1], pipe[:, 1:]
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
     n = pipe.shape[0]

@@ -75,6 +75,8 @@ def test_bad_cluster_exits_2_and_writes_nothing(tmp_path, raw, message):
     (["--model", "gpt-tiny", "--stages", "3", "--replicas", "2"], "3 x --replicas 2 = 6"),
     (["--model", "gpt-tiny", "--stages", "4", "--replicas", "1", "--sync", "diloco",
       "--inner-steps", "0"], "sync.inner_steps"),
+    (["--model", "gpt-tiny", "--stages", "2", "--replicas", "2", "--mfu", "1.5"],
+     "--mfu: must be in (0, 1]"),
 ])
 def test_bad_arguments_exit_2(tmp_path, args, message):
     cluster, out = tmp_path / "c.json", tmp_path / "p.json"
@@ -207,3 +209,23 @@ def test_simulate_rejects_a_plan_that_does_not_fit_in_memory(tmp_path):
     r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "device" in r.stderr and "GB" in r.stderr
+
+
+def test_performance_model_flags_are_recorded_in_the_plan_and_reused(tmp_path):
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    assert run_entry(SCHED, "scenario", "lab", "--out", str(cluster)).returncode == 0
+    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
+                  "4", "--replicas", "2", "--micro-batch-size", "4", "--micro-batches", "4",
+                  "--mfu", "1", "--activation-bytes", "4", "--recompute", "off", "--budget", "300",
+                  "--random-samples", "20", "--out", str(plan), "--quiet")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads(plan.read_text())
+    cfg = saved["search"]["sim_config"]
+    assert (cfg["mfu"], cfg["activation_bytes"], cfg["recompute"]) == (1.0, 4, False)
+    sim = lambda *extra: json.loads(run_entry(SCHED, "simulate", "--cluster", str(cluster),
+                                              "--plan", str(plan), "--json", *extra).stdout)
+    same = sim()  # the plan's own performance model by default
+    assert same["step_s"] == pytest.approx(saved["predicted"]["step_s"], abs=2e-6)
+    gpu = sim("--mfu", "0.4", "--activation-bytes", "2", "--recompute", "on")
+    assert gpu["pp_comm_s"] < same["pp_comm_s"]  # half the activation bytes on the wire
+    assert gpu["compute_s"] == pytest.approx(same["compute_s"] * 4 / 3 / 0.4)  # recompute, mfu

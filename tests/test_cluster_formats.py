@@ -114,3 +114,20 @@ def test_bad_sync_is_named():
     raw["sync"]["bogus"] = 1
     with pytest.raises(UserError, match="unknown keys"):
         plan_from_dict(json.loads(json.dumps(raw)))
+
+
+def test_lab_scenario_is_the_regional_setting_scaled_to_eight_cpu_ranks():
+    c = make_scenario("lab", seed=0)
+    assert c.num_devices == 8 and {d.gpu for d in c.devices} == {"CPU"}
+    assert sorted(c.regions()) == sorted(["California", "Ohio", "Oregon", "Virginia"] * 2)
+    region = {d.id: d.region for d in c.devices}
+    for i in range(8):
+        for j in range(8):
+            if i == j:
+                continue
+            if region[i] == region[j]:
+                assert (c.latency_ms[i, j], c.bandwidth_gbps[i, j]) == (2.0, 0.2)
+    va, oh = [d.id for d in c.devices if d.region == "Virginia"], \
+        [d.id for d in c.devices if d.region == "Ohio"]
+    assert c.latency_ms[va[0], oh[0]] == 11.0
+    assert c.bandwidth_gbps[va[0], oh[0]] == pytest.approx(1.12 * 0.04)

@@ -202,3 +202,17 @@ def test_faster_gpus_give_shorter_steps_mfu_scales_compute():
     half = simulate(uniform_cluster(4, tflops=100), model, stages, pipe, SyncConfig(), 2, 8,
                     SimConfig(mfu=0.2))
     assert half.compute_s == pytest.approx(slow.compute_s)
+
+
+def test_activation_bytes_set_the_pipeline_message_size():
+    model = get_model("gpt-small")  # 128 x 384 values per sequence cross a boundary
+    pipe = np.arange(2).reshape(1, 2)
+    stages = even_split(model.num_layers, 2)
+    lat_ms, gbps = 10.0, 0.1
+    fp32 = simulate(uniform_cluster(2, lat_ms, gbps, tflops=1e6), model, stages, pipe,
+                    SyncConfig(), 2, 1, SimConfig(activation_bytes=4))
+    fp16 = simulate(uniform_cluster(2, lat_ms, gbps, tflops=1e6), model, stages, pipe,
+                    SyncConfig(), 2, 1, SimConfig(activation_bytes=2))
+    one_message = 2 * 128 * 384 * 2 * 8 / (gbps * 1e9)  # fp16 payload of 2 sequences, seconds
+    # one forward and one backward message each way: the difference is 2 x the extra bytes
+    assert fp32.pp_comm_s - fp16.pp_comm_s == pytest.approx(2 * one_message, rel=1e-6)
