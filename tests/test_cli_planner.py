@@ -228,4 +228,4 @@ def test_performance_model_flags_are_recorded_in_the_plan_and_reused(tmp_path):
     assert same["step_s"] == pytest.approx(saved["predicted"]["step_s"], abs=2e-6)
     gpu = sim("--mfu", "0.4", "--activation-bytes", "2", "--recompute", "on")
     assert gpu["pp_comm_s"] < same["pp_comm_s"]  # half the activation bytes on the wire
-    assert gpu["compute_s"] == pytest.approx(same["compute_s"] * 4 / 3 / 0.4)  # recompute, mfu
+    assert gpu["compute_s"] == pytest.approx(same["compute_s"] * 4 / 3 / 0.4, rel=1e-5)
