@@ -189,7 +189,10 @@ def test_tunnel_through_punched_hole_carries_gloo_send_recv(tmp_path):
         ra = wait_for_file(tmp_path / "a.json", pa, 60)
         rb = wait_for_file(tmp_path / "b.json", pb, 60)
         for r, me, other in ((ra, "a", "b"), (rb, "b", "a")):
-            assert r["ok"] and r["tunnel"]["ok"] and r["path"] == "direct", r
+            if not (r["ok"] and r["tunnel"]["ok"] and r["path"] == "direct"):
+                pa.terminate()
+                pb.terminate()
+                raise AssertionError(f"peer {me}: {r}\na: {finish(pa, 20)}\nb: {finish(pb, 20)}")
             assert r["my_mapping"] == "endpoint-independent"
             assert r["my_public"][0] == NAT_WAN_IPS[me]  # seen through the NAT
             assert r["endpoint"][0] == NAT_WAN_IPS[other]  # the direct path, not a relay

@@ -51,6 +51,9 @@ log = logging.getLogger("peer")
 Endpoint = tuple[str, int]
 EXIT_PUNCH_FAILED = 3
 EXIT_TUNNEL_FAILED = 4
+HANDSHAKE_TIMEOUT_S = 30.0
+"""How long the WireGuard handshake through the hole may take: WireGuard retries every 5 s, and
+on a loaded machine the first tries can go out before the other side's interface listens."""
 
 
 @dataclass
@@ -454,8 +457,10 @@ def bring_up_tunnel(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     puncher.close()  # WireGuard takes over the port and the NAT mapping behind it
     try:
+        t_up = time.monotonic()
         tunnel.up(keypair, other.wg)
-        ok = tunnel.wait_handshake(timeout_s=15.0)
+        t_listen = time.monotonic()
+        ok = tunnel.wait_handshake(timeout_s=HANDSHAKE_TIMEOUT_S)
         puncher.result.tunnel = {
             "ok": ok,
             "interface": tunnel.name,
@@ -466,10 +471,16 @@ def bring_up_tunnel(
             "listen_port": tunnel.listen_port,
             "endpoint": list(tunnel.endpoint),
             "keepalive_s": wg.KEEPALIVE_S,
+            "up_s": round(t_listen - t_up, 3),
+            "handshake_s": round(time.monotonic() - t_listen, 3),
+            "wall_time": round(time.time(), 3),
         }
+        if not ok:  # what WireGuard saw, for the diagnosis
+            puncher.result.tunnel["wg_status"] = tunnel.status()
         _report(puncher.result, result_json)
         if not ok:
-            print("error: WireGuard handshake did not complete within 15 s", file=sys.stderr)
+            print("error: WireGuard handshake did not complete within "
+                  f"{HANDSHAKE_TIMEOUT_S:g} s", file=sys.stderr)
             return EXIT_TUNNEL_FAILED
         print(
             f"tunnel up: {tunnel.name} ({tunnel.implementation}) {mine} <-> {theirs} "
