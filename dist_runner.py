@@ -68,6 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-for-peers", action="store_true",
                    help="DiLoCo: wait (and log) for a missing peer at an outer step instead of "
                    "failing")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
+                   help="a peer whose heartbeat (every ~1 s through the rendezvous store) is "
+                   "older than this is gone: allreduce stops (checkpoint, exit 1), DiLoCo drops "
+                   "its replica and goes on; also how long the store may stay silent")
+    p.add_argument("--min-replicas", type=int, default=None,
+                   help="DiLoCo: stop (checkpoint, exit 1) when fewer replicas are alive "
+                   "(default: 2, or 1 for a one-replica plan)")
+    p.add_argument("--replicas", default=None,
+                   help="DiLoCo: comma-separated replicas of the plan that start now (default "
+                   "all); the others can be added later with --join")
+    p.add_argument("--join", action="store_true",
+                   help="DiLoCo: join a running job: fetch the outer model and momentum of my "
+                   "stage from a live peer and take part from the next outer step")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     # tests only: RANK:STEP[:STATUS] makes that rank exit before STEP (a lost peer)
     p.add_argument("--debug-vanish", default="", help=argparse.SUPPRESS)
@@ -112,6 +125,19 @@ def _vanish(spec: str, rank: int) -> tuple[int, int]:
     return (step, status[0] if status else 0) if who == rank else (0, 0)
 
 
+def _replicas(spec: str | None, num_replicas: int) -> tuple[int, ...] | None:
+    """--replicas "0,1" -> (0, 1); None when not given."""
+    if spec is None:
+        return None
+    try:
+        out = tuple(sorted({int(v) for v in spec.split(",") if v.strip()}))
+    except ValueError:
+        raise UserError(f"--replicas: expected comma-separated numbers, got {spec!r}") from None
+    if not out or not all(0 <= r < num_replicas for r in out):
+        raise UserError(f"--replicas: must name replicas 0..{num_replicas - 1}, got {spec!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Validate everything that can be checked alone, then rendezvous and train."""
     args = parse_args(argv)
@@ -132,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and not args.ckpt_dir:
         raise UserError("--resume needs --ckpt-dir")
     rank, world, url, agent_store = resolve_launch(args, len(plan.devices()))
+    if args.heartbeat_timeout_s <= 0:
+        raise UserError(f"--heartbeat-timeout-s: must be > 0, got {args.heartbeat_timeout_s}")
+    start = _replicas(args.replicas, plan.num_replicas)
+    if (args.join or start is not None) and plan.sync.mode != "diloco":
+        raise UserError("--join and --replicas need sync mode diloco (allreduce has no slack "
+                        "for a replica to come and go)")
+    if args.join and args.resume:
+        raise UserError("--join fetches its state from a live peer; it cannot --resume")
+    live = len(start) if start is not None else plan.num_replicas
+    min_replicas = args.min_replicas if args.min_replicas is not None else min(2, live)
+    if not 1 <= min_replicas <= plan.num_replicas:
+        raise UserError(f"--min-replicas: must be between 1 and the plan's "
+                        f"{plan.num_replicas} replicas, got {min_replicas}")
 
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
@@ -140,13 +179,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
     from modules.dist import build_groups, parse_dist_url, rendezvous, topology
+    from modules.fault import members_of, register
     from modules.sync import check_compression
     from modules.trainer import RunConfig, Trainer
     from scheduler.models import get_model
 
     topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
     check_compression(plan.sync.compression, plan.num_replicas)
-    parse_dist_url(url)
+    store_addr = parse_dist_url(url)
+    if start is not None and not args.join and topo.replica not in start:
+        raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
+                        f"{args.replicas}; start it later with --join")
     spec = get_model(plan.model)
     if args.fake_data:
         data = FakeData(spec.seq_len, spec.vocab_size, seed=args.seed)
@@ -162,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                     keep_checkpoints=args.keep_checkpoints,
                     sync_checkpoints=args.sync_checkpoints,
                     debug_ckpt_die=_vanish(args.debug_ckpt_die, rank)[0],
+                    store_addr=store_addr, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                    min_replicas=min_replicas, start_replicas=start, join=args.join,
                     resume=args.resume, metrics=args.metrics, eval_every=args.eval_every,
                     eval_sequences=args.eval_sequences, wait_for_peers=args.wait_for_peers,
                     log_every=max(1, args.log_every),
@@ -169,8 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
-    store = rendezvous(url, rank, world, args.timeout_s, agent_store)
-    groups = build_groups(plan, topo, spec.tie_embeddings)
+    members = (() if args.join else members_of(plan, start)) if start is not None or args.join \
+        else None
+    store = rendezvous(url, rank, world, args.timeout_s, agent_store, members=members,
+                       on_store=lambda s: register(s, rank, topo.replica, topo.stage))
+    groups = None
+    if not args.join:
+        rank_of = {d: i for i, d in enumerate(members)} if members else None
+        groups = build_groups(plan, topo, spec.tie_embeddings, start, rank_of)
     Trainer(plan, topo, groups, store, data, cfg, log=log).run()
     log("done")
     import torch.distributed as dist

@@ -8,6 +8,7 @@ the same order on every rank (a torch.distributed.new_group requirement).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -93,11 +94,16 @@ def parse_dist_url(url: str) -> tuple[str, int]:
 
 
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
-               agent_store: bool = False) -> dist.Store:
+               agent_store: bool = False, members: tuple[int, ...] | None = None,
+               on_store: Callable[[dist.Store], None] | None = None) -> dist.Store:
     """Connect to the TCPStore at `url` (rank 0 hosts it) and init the gloo world group.
 
     Fails with PeerError within about `timeout_s` when the address is unreachable or not every
     rank joins. `agent_store`: torchrun's agent already hosts the store, so nobody binds it.
+    `members`: the ranks that start now (default all); when fewer, the group is formed among
+    them under the store prefix `gen0` with ranks renumbered in ascending order, and a rank
+    not among them (a later --join) only connects to the store. `on_store` runs as soon as the
+    store is reachable (before the group is formed).
     """
     host, port = parse_dist_url(url)
     timeout = timedelta(seconds=timeout_s)
@@ -111,9 +117,19 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
         what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
                         f"({_first_line(e)})") from None
+    if on_store is not None:
+        on_store(store)
+    if members is not None and rank not in members:
+        return store
     try:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        if members is None or list(members) == list(range(world_size)):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        else:
+            world_size = len(members)
+            dist.init_process_group("gloo", store=dist.PrefixStore("gen0", store),
+                                    rank=members.index(rank), world_size=world_size,
+                                    timeout=timeout)
     except (RuntimeError, OSError) as e:
         raise PeerError(f"rendezvous: not all {world_size} ranks joined at {url} within "
                         f"{timeout_s:g} s ({_first_line(e)})") from None
@@ -135,18 +151,28 @@ class Groups:
     """First and last stage of my replica, which hold the two tied embedding copies."""
 
 
-def build_groups(plan: Plan, topo: Topology, tie_embeddings: bool) -> Groups:
-    """Create every group on every rank in one fixed order; return the ones this rank uses."""
+def build_groups(plan: Plan, topo: Topology, tie_embeddings: bool,
+                 replicas: list[int] | tuple[int, ...] | None = None,
+                 rank_of: dict[int, int] | None = None) -> Groups:
+    """Create every group on every rank in one fixed order; return the ones this rank uses.
+
+    `replicas`: the live replicas (default all); `rank_of`: device id -> rank in the current
+    default group (default: the same number).
+    """
+    replicas = list(range(plan.num_replicas)) if replicas is None else sorted(replicas)
+    rank_of = rank_of or {}
     stage_group = tied_group = None
     for s in range(plan.num_stages):  # 1) data-parallel groups, stage by stage
-        ranks = [p[s] for p in plan.pipelines]
+        ranks = [rank_of.get(plan.pipelines[r][s], plan.pipelines[r][s]) for r in replicas]
         if len(ranks) > 1:
             g = dist.new_group(ranks=ranks, backend="gloo")
             if s == topo.stage:
                 stage_group = g
     if tie_embeddings and plan.num_stages > 1:  # 2) tied-embedding pairs, replica by replica
-        for r, chain in enumerate(plan.pipelines):
-            g = dist.new_group(ranks=[chain[0], chain[-1]], backend="gloo")
+        for r in replicas:
+            chain = plan.pipelines[r]
+            g = dist.new_group(ranks=[rank_of.get(chain[0], chain[0]),
+                                      rank_of.get(chain[-1], chain[-1])], backend="gloo")
             if r == topo.replica and (topo.is_first or topo.is_last):
                 tied_group = g
     return Groups(stage=stage_group, tied=tied_group)
@@ -162,6 +188,8 @@ class Comm:
         """Seconds spent waiting on communication (includes waiting for a slow peer)."""
         self.bytes_sent = 0
         """Bytes this rank sent: p2p payloads, and 2 (W-1)/W x payload per ring all-reduce."""
+        self.rank_of: dict[int, int] = {}
+        """Device id -> rank in the current default group (empty: the same number)."""
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; PeerError(`what`) otherwise."""
@@ -179,11 +207,12 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Start sending `tensor` to global rank `dst`; wait on the result with `wait`."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, dst=dst, tag=tag)
+        return dist.isend(tensor, dst=self.rank_of.get(dst, dst), tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> torch.Tensor:
         """Receive into `tensor` from global rank `src` within the timeout."""
-        self.wait(dist.irecv(tensor, src=src, tag=tag), f"{what} from rank {src}")
+        self.wait(dist.irecv(tensor, src=self.rank_of.get(src, src), tag=tag),
+                  f"{what} from rank {src}")
         return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup,

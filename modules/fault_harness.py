@@ -104,3 +104,76 @@ def poll_exits(ranks: Ranks, timeout: float, poll_s: float = 0.05) -> dict[int, 
                 done[r] = (p.returncode, time.monotonic())
         time.sleep(poll_s)
     return done
+
+
+def _plan(path: Path, replicas: int, stages: int, mode: str, inner_steps: int = 2,
+          micro_batch_size: int = 1) -> Path:
+    from scheduler.plan import Plan, SyncConfig, save_plan
+
+    layers = 4
+    cuts = [round(i * layers / stages) for i in range(stages + 1)]
+    sync = (SyncConfig(mode="diloco", inner_steps=inner_steps) if mode == "diloco"
+            else SyncConfig(mode="allreduce"))
+    plan = Plan("local", "", "gpt-tiny", [(cuts[i], cuts[i + 1]) for i in range(stages)],
+                [[r * stages + s for s in range(stages)] for r in range(replicas)],
+                micro_batch_size=micro_batch_size, sync=sync)
+    save_plan(plan, path)
+    return path
+
+
+@dataclass
+class TrialResult:
+    """What one kill trial saw."""
+
+    mode: str
+    killed: int
+    kill_step: int
+    codes: dict[int, int | None]
+    outputs: dict[int, str]
+    detect_s: float | None
+    """Kill -> first survivor's log line naming the lost rank (or the store)."""
+    exit_s: dict[int, float]
+    """Kill -> each other rank's exit."""
+    orphans: list[int]
+    """Ranks still running at the deadline (killed by the harness)."""
+
+
+def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: int,
+               kill_step: int, steps: int = 400, heartbeat_s: float = 2.0,
+               deadline_s: float = 90, extra: tuple[str, ...] = ()) -> TrialResult:
+    """Start a run, SIGKILL `kill_rank` once replica 0 logged step `kill_step`, wait for the
+    rest (at most `deadline_s`), and report exits, detection time and leftovers."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = _plan(out_dir / "plan.json", replicas, stages, mode)
+    ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", out_dir)
+    n = replicas * stages
+    last0 = stages - 1  # replica 0's last stage logs progress
+    try:
+        for r in range(n):
+            ranks.start(r, "--fake-data", "--steps", str(steps), "--timeout-s", "30",
+                        "--heartbeat-timeout-s", str(heartbeat_s), "--min-replicas", "1",
+                        *extra)
+        ranks.wait_for_text(last0, f"step {kill_step}/", deadline_s / 2)
+        t_kill = ranks.kill(kill_rank)
+        detect = None
+        others = [r for r in range(n) if r != kill_rank]
+        exits: dict[int, float] = {}
+        deadline = t_kill + deadline_s
+        while time.monotonic() < deadline and len(exits) < len(others):
+            now = time.monotonic()
+            if detect is None and any(_detected(ranks.output(r), kill_rank) for r in others):
+                detect = now - t_kill
+            for r in others:
+                if r not in exits and ranks.procs[r].poll() is not None:
+                    exits[r] = now - t_kill
+            time.sleep(0.05)
+        ranks.procs[kill_rank].wait(timeout=10)
+    finally:
+        orphans = ranks.stop()
+    codes = {r: p.returncode for r, p in ranks.procs.items()}
+    return TrialResult(mode, kill_rank, kill_step, codes,
+                       {r: ranks.output(r) for r in ranks.procs}, detect, exits, orphans)
+
+
+def _detected(text: str, rank: int) -> bool:
+    return (f"rank {rank} (host" in text and "gone" in text) or "rendezvous store" in text

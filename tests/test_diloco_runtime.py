@@ -97,8 +97,10 @@ def test_missing_peer_at_outer_step_fails_loudly_naming_it(tmp_path):
     plan = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=1,
                 num_micro_batches=1, sync=SyncConfig(mode="diloco", inner_steps=3))
     t0 = time.monotonic()
+    # a heartbeat timeout longer than --timeout-s: the outer step's wait notices first (the
+    # heartbeat path, which drops the replica, is tested in tests/test_fault_*.py)
     proc = _launch(tmp_path, plan, "--steps", "6", "--fake-data", "--timeout-s", "4",
-                   "--debug-vanish", "1:2")
+                   "--heartbeat-timeout-s", "30", "--debug-vanish", "1:2")
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
