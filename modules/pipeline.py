@@ -4,13 +4,20 @@ Stage s receives activations (micro_batch_size, seq_len, d_model) from stage s-1
 output to s+1; in backward it receives the output gradient from s+1 and sends the input gradient
 to s-1. Every stage issues its operations in the same micro-batch order, so the schedule cannot
 deadlock, and shapes come from the plan, so nothing but tensors crosses the wire.
+
+Every receive of a step is posted when the step starts: gloo's point-to-point is a rendezvous
+(data flows once the receiver has posted its buffer), so a receive posted only when needed
+costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB messages took
+0.87 s against 0.24 s pre-posted (measured between two namespace hosts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from modules.dist import Comm, Topology
 from modules.model import StageModel
@@ -31,6 +38,16 @@ class PipelineStage:
         buf = torch.empty(self.act_shape)
         return self.comm.recv(buf, self.topo.prev_rank, FWD_TAG + m, what)
 
+    def _post_recvs(self, src: int | None, tag: int, count: int) -> list[tuple[torch.Tensor, Any]]:
+        """Post `count` receives from `src` (tags tag..tag+count-1) now; [] on a pipeline end."""
+        if src is None:
+            return []
+        out = []
+        for m in range(count):
+            buf = torch.empty(self.act_shape)
+            out.append((buf, dist.irecv(buf, src=src, tag=tag + m)))
+        return out
+
     def train_step(self, inputs: Sequence[torch.Tensor] | None,
                    targets: Sequence[torch.Tensor] | None, num_micro_batches: int) -> float | None:
         """Forward and backward all micro-batches; gradients accumulate in the model.
@@ -40,6 +57,8 @@ class PipelineStage:
         the mean loss over the step's batch. Returns that mean loss on the last stage, else None.
         """
         topo, model, M = self.topo, self.model, num_micro_batches
+        acts = self._post_recvs(topo.prev_rank, FWD_TAG, M)
+        grads = self._post_recvs(topo.next_rank, BWD_TAG, M)
         saved_in: list[torch.Tensor] = []
         saved_out: list[torch.Tensor] = []
         sends = []
@@ -48,7 +67,9 @@ class PipelineStage:
             if topo.is_first:
                 x = inputs[m]
             else:
-                x = self._recv_act(m, f"activations of micro-batch {m}").requires_grad_()
+                buf, work = acts[m]
+                self.comm.wait(work, f"activations of micro-batch {m} from rank {topo.prev_rank}")
+                x = buf.requires_grad_()
             if topo.is_last:
                 loss = model(x, targets[m])
                 losses.append(loss.detach())
@@ -66,8 +87,8 @@ class PipelineStage:
             if topo.is_last:
                 out.backward()
             else:
-                grad = self.comm.recv(torch.empty(self.act_shape), topo.next_rank, BWD_TAG + m,
-                                      f"gradients of micro-batch {m}")
+                grad, work = grads[m]
+                self.comm.wait(work, f"gradients of micro-batch {m} from rank {topo.next_rank}")
                 out.backward(grad)
             if not topo.is_first:
                 sends.append(self.comm.isend(saved_in[m].grad, topo.prev_rank, BWD_TAG + m))

@@ -37,6 +37,7 @@ from scheduler.simulator import (
     ring_chunk_bytes,
     ring_order,
     step_times,
+    tied_sum_times,
 )
 
 if TYPE_CHECKING:  # planning imports the objectives, not the other way round
@@ -61,6 +62,8 @@ class _Candidate:
     """(S, R) seconds per bit of each ring link."""
     memcap: np.ndarray
     """(S,) smallest memory of each group, bytes."""
+    tied_s: np.ndarray | None = None
+    """(R,) seconds of each replica's tied-embedding gradient sum (None: not tied)."""
     splits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
@@ -126,7 +129,8 @@ class SimulatedObjective:
             self.msg_bits / t.bits_per_s[src, dst], t.lat_s[src, dst],
             self.msg_bits / t.bits_per_s[dst, src], t.lat_s[dst, src],
             np.array([r[1] for r in rings]), np.array([r[2] for r in rings]),
-            t.memory_bytes[pipe].min(axis=0))
+            t.memory_bytes[pipe].min(axis=0),
+            tied_sum_times(pipe, t.lat_s, t.bits_per_s, self.model))
 
     def _dp_times(self, cand: _Candidate, payload: np.ndarray) -> np.ndarray:
         """(S,) all-reduce seconds of each group for per-stage payload bytes (S,)."""
@@ -164,7 +168,8 @@ class SimulatedObjective:
         t_bwd = t_fwd * self.config.backward_factor
         _, done = fast_replay(t_fwd, t_bwd, cand.fwd_tx, cand.fwd_lat, cand.bwd_tx,
                               cand.bwd_lat, self.num_micro_batches)
-        times = step_times(done, self._dp_times(cand, self.payload[a, b]), self.inner_steps)
+        times = step_times(done, self._dp_times(cand, self.payload[a, b]), self.inner_steps,
+                           cand.tied_s)
         return times.step_s, (times, t_fwd, t_bwd)
 
     def _best(self, cand: _Candidate) -> tuple[float, list[tuple[int, int]], object]:
@@ -247,7 +252,8 @@ class SimulatedObjective:
             "step_s": times.step_s,
             "compute_s": compute,
             "bubble_s": free_makespan - compute,
-            "pp_comm_s": times.makespan_s - free_makespan,
+            "pp_comm_s": times.pipeline_s - free_makespan,
+            "tied_comm_s": times.makespan_s - times.pipeline_s,
             "dp_comm_s": times.step_s - times.makespan_s,
             "dp_comm_per_round_s": times.dp_exposed_round_s,
             "dp_allreduce_max_s": float(dp_each.max()) if len(dp_each) else 0.0,

@@ -24,6 +24,11 @@ Model (every number in seconds, bytes, FLOP/s):
   x 4 (fp32, compression none) | 2 (fp16) | 1 + 4 / int8_block (int8 with one fp32 scale per
   block). It starts when every replica of the stage has finished its last backward, so it
   overlaps with the backward of earlier stages.
+- Tied embeddings (model.tie_embeddings, S > 1): the first and the last stage of a replica each
+  hold a copy of the embedding matrix and sum their fp32 gradients every step (inner steps too)
+  with a 2-rank all-reduce: 2 x max over the two directions (latency + B/2 * 8 / bandwidth),
+  B = vocab x d_model x 4. It starts when both ends finished backward; the stage groups of the
+  two end stages start their all-reduce after it (as modules/trainer.py orders them).
 - Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With
   `diloco` the outer all-reduce runs once every H inner steps: its exposed time (the same overlap
   rule) is paid once per outer round and amortised as exposed / H per step.
@@ -158,6 +163,8 @@ class StepInputs:
     num_micro_batches: int
     inner_steps: int = 1
     """Steps per data-parallel sync: 1 for allreduce, H for diloco."""
+    tied_s: np.ndarray | None = None
+    """(R,) seconds of each replica's tied-embedding gradient sum (None: embeddings not tied)."""
 
     def dp_times(self) -> np.ndarray:
         """(S,) seconds of each stage group's all-reduce."""
@@ -204,7 +211,9 @@ class StepTimes:
     """Step time of a replay and where it went."""
 
     makespan_s: float
-    """End of the last backward anywhere (pipeline only)."""
+    """End of the last backward anywhere, tied-embedding sums included."""
+    pipeline_s: float
+    """End of the last backward anywhere, pipeline only."""
     dp_start_s: np.ndarray
     """(S,) when each stage group's all-reduce can start."""
     dp_time_s: np.ndarray
@@ -215,20 +224,39 @@ class StepTimes:
     """makespan + dp_exposed_round / inner_steps."""
 
 
-def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int) -> StepTimes:
-    """Combine the pipeline's per-device end times with the stage groups' all-reduces."""
+def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int,
+               tied_s: np.ndarray | None = None) -> StepTimes:
+    """Combine the pipeline's per-device end times with the tied-embedding sums and the stage
+    groups' all-reduces."""
+    pipeline = float(b_done.max())
+    if tied_s is not None and b_done.shape[1] > 1:
+        b_done = b_done.copy()
+        b_done[:, 0] = b_done[:, -1] = np.maximum(b_done[:, 0], b_done[:, -1]) + tied_s
     makespan = float(b_done.max())
     dp_start = b_done.max(axis=0)
     dp_end = float((dp_start + dp_time).max()) if len(dp_time) else makespan
     exposed = max(0.0, dp_end - makespan)
-    return StepTimes(makespan, dp_start, dp_time, exposed, makespan + exposed / inner_steps)
+    return StepTimes(makespan, pipeline, dp_start, dp_time, exposed,
+                     makespan + exposed / inner_steps)
+
+
+def tied_sum_times(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
+                   model: ModelSpec) -> np.ndarray | None:
+    """(R,) seconds of each replica's 2-rank all-reduce of the tied embedding gradient."""
+    if not model.tie_embeddings or pipelines.shape[1] < 2:
+        return None
+    a, b = pipelines[:, 0], pipelines[:, -1]
+    half_bits = model.vocab_size * model.d_model * 4 / 2 * 8.0
+    one_way = np.maximum(lat_s[a, b] + half_bits / bits_per_s[a, b],
+                         lat_s[b, a] + half_bits / bits_per_s[b, a])
+    return 2.0 * one_way
 
 
 def replay_fast(inputs: StepInputs) -> StepTimes:
     """The step time of `inputs` by the vectorised recurrences."""
     _, b_done = fast_replay(inputs.t_fwd, inputs.t_bwd, inputs.fwd_tx, inputs.fwd_lat,
                             inputs.bwd_tx, inputs.bwd_lat, inputs.num_micro_batches)
-    return step_times(b_done, inputs.dp_times(), inputs.inner_steps)
+    return step_times(b_done, inputs.dp_times(), inputs.inner_steps, inputs.tied_s)
 
 
 # --------------------------------------------------------------------------- event engine
@@ -429,7 +457,7 @@ def replay_events(inputs: StepInputs, timeline: bool = True
     assert abs(makespan - b_done.max()) <= 1e-9 * max(1.0, makespan)
     dp_time = np.array([float(end[last].max()) - b_done[:, s].max() if last else 0.0
                         for s, last in enumerate(ring_last)])
-    times = step_times(b_done, dp_time, inputs.inner_steps)
+    times = step_times(b_done, dp_time, inputs.inner_steps, inputs.tied_s)
     if not timeline:
         return times, []
     starts, ends = start.tolist(), (end - np.array(eng.latency)).tolist()
@@ -482,15 +510,16 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
         msg_bits / tables.bits_per_s[src, dst], tables.lat_s[src, dst],
         msg_bits / tables.bits_per_s[dst, src], tables.lat_s[dst, src],
         ring_list, ring_tx, ring_lat, num_micro_batches,
-        sync.inner_steps if sync.mode == "diloco" else 1)
+        sync.inner_steps if sync.mode == "diloco" else 1,
+        tied_sum_times(pipe, tables.lat_s, tables.bits_per_s, model))
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:
-    """The same step with free pipeline transfers (to measure what they expose)."""
+    """The same step with free pipeline transfers and tied sums (to measure what they expose)."""
     zero = np.zeros_like(inputs.fwd_tx)
     return StepInputs(inputs.pipelines, inputs.t_fwd, inputs.t_bwd, zero, zero, zero, zero,
                       inputs.rings, inputs.ring_tx, inputs.ring_lat, inputs.num_micro_batches,
-                      inputs.inner_steps)
+                      inputs.inner_steps, None)
 
 
 @dataclass
@@ -504,7 +533,9 @@ class SimResult:
     bubble_s: float
     """Pipeline idle time on the critical path with free transfers: makespan(no comm) - compute."""
     pp_comm_s: float
-    """What pipeline transfers add: makespan - makespan(no comm)."""
+    """What pipeline transfers add: pipeline makespan - makespan(no comm)."""
+    tied_comm_s: float
+    """What the tied-embedding gradient sums add after the pipeline."""
     dp_comm_s: float
     """Exposed data-parallel sync per step (amortised over H with diloco)."""
     dp_comm_round_s: float
@@ -521,9 +552,10 @@ class SimResult:
     timeline: list[TimelineBox] = field(default_factory=list)
 
     def parts(self) -> dict[str, float]:
-        """The breakdown in seconds; compute + bubble + pp_comm + dp_comm = step."""
+        """The breakdown in seconds; compute + bubble + pp_comm + tied_comm + dp_comm = step."""
         return {"step_s": self.step_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
-                "pp_comm_s": self.pp_comm_s, "dp_comm_s": self.dp_comm_s}
+                "pp_comm_s": self.pp_comm_s, "tied_comm_s": self.tied_comm_s,
+                "dp_comm_s": self.dp_comm_s}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no timeline)."""
@@ -552,6 +584,7 @@ def format_sim_table(result: SimResult) -> str:
         ("  compute (busiest device)", result.compute_s),
         ("  pipeline bubble", result.bubble_s),
         ("  exposed pipeline transfers", result.pp_comm_s),
+        ("  tied-embedding gradient sum", result.tied_comm_s),
         ("  exposed data-parallel sync", result.dp_comm_s),
     ]
     lines = [f"{name:<32}{value:>12.3f} s" for name, value in rows]
@@ -594,7 +627,8 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
         mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in pipe[:, s]]
     return SimResult(
         step_s=times.step_s, makespan_s=times.makespan_s, compute_s=compute,
-        bubble_s=free.makespan_s - compute, pp_comm_s=times.makespan_s - free.makespan_s,
+        bubble_s=free.makespan_s - compute, pp_comm_s=times.pipeline_s - free.makespan_s,
+        tied_comm_s=times.makespan_s - times.pipeline_s,
         dp_comm_s=times.step_s - times.makespan_s, dp_comm_round_s=times.dp_exposed_round_s,
         dp_allreduce_s=[float(x) for x in times.dp_time_s], tokens_per_step=tokens,
         tokens_per_s=tokens / times.step_s, sync=sync, stages=list(stages),

@@ -173,7 +173,7 @@ def test_fast_path_equals_event_engine_on_heterogeneous_plans(scenario, seed, sy
         res = simulate(cluster, model, bd.stages, pipe, sync, 1, 13)
         assert res.step_s == pytest.approx(bd.cost_s, rel=1e-9)
         assert obj.cost(pipe) == pytest.approx(bd.cost_s, rel=1e-12)
-        for key in ("compute_s", "bubble_s", "pp_comm_s", "dp_comm_s"):
+        for key in ("compute_s", "bubble_s", "pp_comm_s", "tied_comm_s", "dp_comm_s"):
             assert bd.parts[key] == pytest.approx(res.parts()[key], rel=1e-9, abs=1e-9)
 
 
@@ -183,8 +183,9 @@ def test_breakdown_parts_add_up_and_tokens_per_second():
     pipe = np.random.default_rng(1).permutation(64).reshape(8, 8)
     res = simulate(cluster, model, even_split(24, 8), pipe, SyncConfig(), 1, 61)
     p = res.parts()
-    assert p["compute_s"] + p["bubble_s"] + p["pp_comm_s"] + p["dp_comm_s"] \
-        == pytest.approx(p["step_s"])
+    assert p["compute_s"] + p["bubble_s"] + p["pp_comm_s"] + p["tied_comm_s"] \
+        + p["dp_comm_s"] == pytest.approx(p["step_s"])
+    assert p["tied_comm_s"] > 0  # gpt3-xl ties its embeddings: 412 MB summed every step
     assert min(p.values()) >= -1e-9
     assert res.tokens_per_step == 8 * 61 * 2048
     assert res.tokens_per_s == pytest.approx(res.tokens_per_step / res.step_s)
@@ -216,3 +217,17 @@ def test_activation_bytes_set_the_pipeline_message_size():
     one_message = 2 * 128 * 384 * 2 * 8 / (gbps * 1e9)  # fp16 payload of 2 sequences, seconds
     # one forward and one backward message each way: the difference is 2 x the extra bytes
     assert fp32.pp_comm_s - fp16.pp_comm_s == pytest.approx(2 * one_message, rel=1e-6)
+
+
+def test_tied_embedding_sum_is_a_two_rank_allreduce_after_both_ends():
+    model = get_model("gpt-small")  # tied: 256 x 384 fp32 = 393 216 bytes
+    lat_ms, gbps = 20.0, 0.05
+    cluster = uniform_cluster(3, lat_ms, gbps, tflops=1e6)
+    pipe = np.arange(3).reshape(1, 3)
+    res = simulate(cluster, model, even_split(model.num_layers, 3), pipe, SyncConfig(), 1, 1)
+    half_bits = 256 * 384 * 4 / 2 * 8
+    assert res.tied_comm_s == pytest.approx(2 * (lat_ms / 1e3 + half_bits / (gbps * 1e9)),
+                                            rel=1e-6)
+    untied = simulate(cluster, get_model("llama-150m"), even_split(12, 3), pipe, SyncConfig(),
+                      1, 1, SimConfig(reserved_gb=0.0))
+    assert untied.tied_comm_s == 0.0  # llama presets keep separate embedding and head
