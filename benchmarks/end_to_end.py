@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""End to end: plan -> emulated network -> training ranks -> measured vs predicted step time.
+
+    sudo .venv/bin/python benchmarks/end_to_end.py [--steps 20] [--out-dir out/e2e]
+
+1. builds the `lab` scenario (the DT-FM regional setting scaled to 8 CPU ranks in 4 regions)
+   and measures this machine's FLOP/s per rank with every rank training at once;
+2. plans it with our planner (simulated objective, CPU performance model) and takes a random
+   plan of the same shape for contrast, plus our plan with DiLoCo + int8;
+3. brings up one network-namespace host per device with the cluster's rates and delays (root;
+   otherwise it runs on loopback without shaping and says so);
+4. runs each plan with dist_runner.py (scripts/launch_local.py) on real text;
+5. prints predicted vs measured step time, the prediction error, tokens/s, bytes on the wire
+   (tc counters of every host) and the speed-ups, and writes a plot and results.json;
+6. tears the namespaces down, also after an error or Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from scheduler.errors import UserError  # noqa: E402
+from scheduler.plan import SyncConfig, load_plan, save_plan  # noqa: E402
+from scheduler.scenarios import make_scenario  # noqa: E402
+
+PY = sys.executable
+PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off"]
+"""The CPU runtime: measured FLOP/s, fp32 activations, no recomputation."""
+
+
+@dataclass
+class Run:
+    """One plan's run: what was predicted and what was measured."""
+
+    name: str
+    plan_path: Path
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    tokens_per_s: float = 0.0
+    wire_bytes_per_step: float = 0.0
+    runtime_dp_bytes_per_step: float = 0.0
+    losses: list[tuple[float, float]] = field(default_factory=list)
+    """(seconds since the first step, loss) of replica 0."""
+
+    @property
+    def error(self) -> float:
+        """Relative prediction error."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def log(msg: str) -> None:
+    """Progress on stdout, flushed (the demo runs for minutes)."""
+    print(f"e2e: {msg}", flush=True)
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """Run a command; UserError with its stderr when it fails."""
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise UserError(f"{' '.join(cmd[:4])} ... failed ({p.returncode}):\n"
+                        f"{(p.stderr or p.stdout)[-3000:]}")
+    return p
+
+
+def calibrated_cluster(args: argparse.Namespace, out: Path) -> Path:
+    """The lab scenario with each device's tflops measured with all ranks training at once."""
+    from modules.calibrate import measure_train_flops_shared
+    from scheduler.models import get_model
+
+    cluster = make_scenario(args.scenario, args.seed)
+    log(f"measuring FLOP/s per rank: {cluster.num_devices} processes training {args.model} "
+        f"(micro-batch {args.micro_batch_size}) at once on {os.cpu_count()} cores")
+    flops = measure_train_flops_shared(get_model(args.model), args.micro_batch_size,
+                                       cluster.num_devices)
+    log(f"  {flops / 1e9:.1f} GFLOP/s per rank")
+    devices = [replace(d, tflops=flops / 1e12) for d in cluster.devices]
+    path = out / "cluster.json"
+    save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps), path)
+    return path
+
+
+def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
+    """Our plan (planner CLI), a random plan of the same shape, ours with DiLoCo + int8."""
+    ours = out / "ours.json"
+    log("planning with scheduler.py plan (simulated objective)")
+    sh([PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
+        "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
+        "--micro-batches", str(args.micro_batches), *PERF_MODEL, "--time-limit",
+        str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(ours),
+        "--plot", str(out / "ours-plan.png"), "--quiet"])
+    plan = load_plan(ours)
+    log(f"  ours: {plan.num_stages} stages x {plan.num_replicas} replicas, "
+        f"pipelines {plan.pipelines}, layers {[list(s) for s in plan.stages]}")
+    rng = np.random.default_rng([0xE2E, args.seed])
+    perm = rng.permutation(len(plan.devices())).reshape(plan.num_replicas, plan.num_stages)
+    from scheduler.layer_split import even_split
+    from scheduler.models import get_model
+    random_plan = replace(plan, pipelines=perm.tolist(),
+                          stages=even_split(get_model(plan.model).num_layers, plan.num_stages),
+                          predicted={}, search={"method": "random", "seed": args.seed,
+                                                "sim_config": plan.search.get("sim_config")})
+    save_plan(random_plan, out / "random.json")
+    log(f"  random: pipelines {random_plan.pipelines}")
+    diloco = replace(plan, sync=SyncConfig("diloco", args.inner_steps, "int8"), predicted={})
+    save_plan(diloco, out / "ours-diloco-int8.json")
+    return [Run("ours (allreduce)", ours), Run("random (allreduce)", out / "random.json"),
+            Run(f"ours (DiLoCo H={args.inner_steps}, int8)", out / "ours-diloco-int8.json")]
+
+
+def predict(run: Run, cluster_path: Path) -> None:
+    """Predicted step time by `scheduler.py simulate` (the plan's own performance model)."""
+    p = sh([PY, str(ROOT / "scheduler/scheduler.py"), "simulate", "--cluster", str(cluster_path),
+            "--plan", str(run.plan_path), "--json"])
+    run.predicted_s = json.loads(p.stdout)["step_s"]
+
+
+class Network:
+    """The namespace hosts of the cluster (or loopback when they cannot be made)."""
+
+    def __init__(self, cluster_path: Path, out: Path, use_netns: bool) -> None:
+        self.prefix = f"e2e{os.getpid() % 10000}"
+        self.dir = out / "net"
+        self.active = False
+        self.cluster_path = cluster_path
+        self.reason = "" if use_netns else "--no-netns given"
+        if use_netns and not self.reason:
+            self.reason = _netns_unavailable()
+
+    def up(self) -> None:
+        """Create the hosts and apply the cluster's links (or log why not)."""
+        if self.reason:
+            log(f"NOT shaping the network ({self.reason}): all ranks on loopback, so the "
+                "measured times show compute only, not the emulated links")
+            return
+        log(f"bringing up {load_cluster(self.cluster_path).num_devices} namespace hosts "
+            f"({self.prefix}-*) with the cluster's rates and delays")
+        sh([PY, str(ROOT / "scripts/local_cluster.py"), "up", "--cluster", str(self.cluster_path),
+            "--prefix", self.prefix, "--out-dir", str(self.dir), "--link-gbps", "10"])
+        self.active = True
+        mode = json.loads((self.dir / "netns_map.json").read_text())["delay_mode"]
+        log(f"  delay applied by: {mode}")
+
+    def down(self) -> None:
+        """Remove every namespace, veth, bridge and delay line of this run."""
+        if self.active:
+            subprocess.run([PY, str(ROOT / "scripts/local_cluster.py"), "down", "--prefix",
+                            self.prefix], capture_output=True, text=True)
+            self.active = False
+            log(f"removed the namespace hosts {self.prefix}-*")
+
+    def launch_args(self) -> list[str]:
+        """launch_local.py flags that put each rank in its host."""
+        if not self.active:
+            return ["--host", "127.0.0.1"]
+        return ["--netns-map", str(self.dir / "rank_netns.json"), "--host", "198.18.0.1",
+                "--gloo-ifname", "eth0"]
+
+    def wire_bytes(self) -> int:
+        """Bytes every host has sent on its eth0 so far (tc root qdisc counters)."""
+        if not self.active:
+            return 0
+        hosts = json.loads((self.dir / "netns_map.json").read_text())["hosts"]
+        total = 0
+        for h in hosts:
+            p = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "-j", "qdisc", "show",
+                    "dev", h["iface"], "root"])
+            total += sum(int(q.get("bytes", 0)) for q in json.loads(p.stdout))
+        return total
+
+
+def _netns_unavailable() -> str:
+    """Why namespace hosts cannot be made here ('' when they can)."""
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [t for t in ("ip", "tc", "iptables") if shutil.which(t) is None]
+    return f"missing {', '.join(missing)}" if missing else ""
+
+
+def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
+    """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
+    run_dir = out / run.plan_path.stem
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
+    log(f"training {run.name}: {args.steps} steps (predicted {run.predicted_s:.3f} s/step)")
+    before = net.wire_bytes()
+    cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
+           *net.launch_args(), "--", "--steps", str(args.steps), "--threads", "1",
+           "--metrics", str(metrics), "--log-every", str(max(1, args.steps // 5)),
+           "--timeout-s", "120"]
+    with open(run_dir / "launch.log", "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            logf.write(line)
+            if " step " in line or line.startswith("launch:"):
+                print(f"    {line.rstrip()}", flush=True)
+        if proc.wait() != 0:
+            raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
+                            f"see {run_dir / 'launch.log'}")
+    run.wire_bytes_per_step = (net.wire_bytes() - before) / args.steps
+    _read_metrics(run, metrics, args)
+
+
+def _read_metrics(run: Run, path: Path, args: argparse.Namespace) -> None:
+    """Measured step time over whole outer rounds after the warm-up, from replica 0's log."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    first = args.warmup_steps
+    last = len(recs) - (len(recs) - first) % args.inner_steps  # whole DiLoCo rounds
+    if last - first < 1:
+        raise UserError(f"--steps {args.steps} leaves no measured steps after "
+                        f"--warmup-steps {first}")
+    wall = [r["wall_time"] for r in recs]
+    run.measured_s = (wall[last - 1] - wall[first - 1]) / (last - first)
+    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
+    run.tokens_per_s = tokens / (wall[last - 1] - wall[first - 1])
+    run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
+    run.losses = [(r["wall_time"] - wall[0] + r["step_s"], r["loss"]) for r in recs]
+
+
+def table(runs: list[Run], shaped: bool) -> str:
+    """Side-by-side markdown table of the runs."""
+    base = runs[1].measured_s
+    wire = "wire MB/step" if shaped else "wire MB/step (no shaping)"
+    lines = [f"| plan | predicted s/step | measured s/step | error | tokens/s | {wire} | "
+             "DP MB/step (runtime) | speed-up vs random |", "|" + "---|" * 8]
+    for r in runs:
+        lines.append(f"| {r.name} | {r.predicted_s:.3f} | {r.measured_s:.3f} | "
+                     f"{r.error * 100:+.1f}% | {r.tokens_per_s:.0f} | "
+                     f"{r.wire_bytes_per_step / 1e6:.2f} | "
+                     f"{r.runtime_dp_bytes_per_step / 1e6:.3f} | {base / r.measured_s:.2f}x |")
+    return "\n".join(lines)
+
+
+def targets(runs: list[Run], shaped: bool) -> list[str]:
+    """The issue's targets, each with its measured value and verdict."""
+    ours, rnd, dil = runs
+    out = []
+    for r in runs:
+        ok = abs(r.error) <= 0.20
+        out.append(f"{'PASS' if ok else 'MISS'} prediction within 20% for {r.name}: "
+                   f"{r.error * 100:+.1f}%")
+    pred, meas = rnd.predicted_s / ours.predicted_s, rnd.measured_s / ours.measured_s
+    ok = meas > 1.0 and (pred > 1.0) == (meas > 1.0)
+    out.append(f"{'PASS' if ok else 'MISS'} ours faster than random: measured {meas:.2f}x, "
+               f"predicted {pred:.2f}x")
+    if shaped and ours.wire_bytes_per_step:
+        out.append(f"info DiLoCo+int8 vs allreduce on our plan: wire bytes "
+                   f"{ours.wire_bytes_per_step / max(dil.wire_bytes_per_step, 1):.1f}x fewer, "
+                   f"step time {ours.measured_s / dil.measured_s:.2f}x faster")
+    return out
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    """Loss against wall-clock time per run, and predicted vs measured step time bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        t, loss = zip(*r.losses)
+        ax1.plot(t, loss, label=r.name)
+    ax1.set(xlabel="wall-clock seconds", ylabel="training loss (replica 0)",
+            title="loss against time")
+    ax1.legend()
+    x = np.arange(len(runs))
+    ax2.bar(x - 0.2, [r.predicted_s for r in runs], 0.4, label="predicted (simulator)")
+    ax2.bar(x + 0.2, [r.measured_s for r in runs], 0.4, label="measured")
+    ax2.set_xticks(x, [r.name.replace(" (", "\n(") for r in runs])
+    ax2.set(ylabel="seconds per step", title="step time")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out-dir", default=str(ROOT / "out/e2e"), help="where everything goes")
+    p.add_argument("--scenario", default="lab", help="cluster scenario (default lab)")
+    p.add_argument("--seed", type=int, default=0, help="scenario, search and random-plan seed")
+    p.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=5, help="DiLoCo H of the third run")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run")
+    p.add_argument("--warmup-steps", type=int, default=5,
+                   help="steps left out of the measured time (rounded up to a multiple of H)")
+    p.add_argument("--plan-time-limit", type=float, default=5.0, help="planner search limit, s")
+    p.add_argument("--no-netns", action="store_true",
+                   help="run on loopback without shaping even when root")
+    args = p.parse_args(argv)
+    h = args.inner_steps
+    if h < 1 or args.steps < 1 or args.warmup_steps < 0:
+        raise UserError("--inner-steps and --steps must be >= 1, --warmup-steps >= 0")
+    args.warmup_steps = -(-args.warmup_steps // h) * h
+    if args.steps - args.warmup_steps < h:
+        raise UserError(f"--steps {args.steps}: need at least --warmup-steps "
+                        f"{args.warmup_steps} + H {h} steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the whole demo; teardown in `finally`."""
+    args = parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    cluster_path = calibrated_cluster(args, out)
+    runs = make_plans(args, cluster_path, out)
+    for r in runs:
+        predict(r, cluster_path)
+    net = Network(cluster_path, out, not args.no_netns)
+    try:
+        net.up()
+        for r in runs:
+            train(r, net, args, out)
+    finally:
+        net.down()
+    print()
+    print(table(runs, net.active or not net.reason))
+    print()
+    for line in targets(runs, not net.reason):
+        print(line)
+    plot(runs, out / "end_to_end.png")
+    results = {"shaped": not net.reason, "why_not_shaped": net.reason,
+               "runs": [{k: v for k, v in vars(r).items() if k != "plan_path"}
+                        | {"plan": str(r.plan_path), "error": r.error} for r in runs]}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out / 'end_to_end.png'} and {out / 'results.json'} "
+          f"({time.monotonic() - t0:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
