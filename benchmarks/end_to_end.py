@@ -38,8 +38,9 @@ from scheduler.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
 
 PY = sys.executable
-PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off"]
-"""The CPU runtime: measured FLOP/s, fp32 activations, no recomputation."""
+PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off",
+              "--collective-latency-factor", "2"]
+"""The CPU runtime: measured FLOP/s, fp32 activations, no recomputation, gloo collectives."""
 
 
 @dataclass

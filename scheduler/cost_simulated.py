@@ -115,7 +115,8 @@ class SimulatedObjective:
                                      self.config.int8_block)
             order = ring_order(np.array(key), self.tables.lat_s, self.tables.bits_per_s, chunk)
             nxt = np.roll(order, -1)
-            hit = (order, self.tables.lat_s[order, nxt], 1.0 / self.tables.bits_per_s[order, nxt])
+            hit = (order, self.tables.lat_s[order, nxt] * self.config.collective_latency_factor,
+                   1.0 / self.tables.bits_per_s[order, nxt])
             self._rings[key] = hit
         return hit
 
@@ -130,7 +131,8 @@ class SimulatedObjective:
             self.msg_bits / t.bits_per_s[dst, src], t.lat_s[dst, src],
             np.array([r[1] for r in rings]), np.array([r[2] for r in rings]),
             t.memory_bytes[pipe].min(axis=0),
-            tied_sum_times(pipe, t.lat_s, t.bits_per_s, self.model))
+            tied_sum_times(pipe, t.lat_s * self.config.collective_latency_factor, t.bits_per_s,
+                           self.model))
 
     def _dp_times(self, cand: _Candidate, payload: np.ndarray) -> np.ndarray:
         """(S,) all-reduce seconds of each group for per-stage payload bytes (S,)."""

@@ -67,6 +67,9 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-bytes", type=int, choices=(1, 2, 4),
                    help="bytes per activation value sent between stages (4: the fp32 CPU "
                    "runtime)")
+    g.add_argument("--collective-latency-factor", type=float,
+                   help="one-way latencies per all-reduce step (2: gloo's rendezvous "
+                   "point-to-point, the CPU runtime; default 1)")
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the dist_runner runtime)")
 
@@ -79,6 +82,8 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
         known["mfu"] = args.mfu
     if args.activation_bytes is not None:
         known["activation_bytes"] = args.activation_bytes
+    if args.collective_latency_factor is not None:
+        known["collective_latency_factor"] = args.collective_latency_factor
     if args.recompute is not None:
         known["recompute"] = args.recompute == "on"
     config = SimConfig(**known)

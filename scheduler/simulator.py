@@ -20,7 +20,8 @@ Model (every number in seconds, bytes, FLOP/s):
   ring order (ring_order: greedy nearest neighbour, best start). It has 2(R-1) steps; in each
   step every device sends B/R bytes to its ring successor and the next step starts when the
   slowest link of the step is done, so it takes 2(R-1) x max over ring links (latency +
-  B/R * 8 / bandwidth) = 2(R-1)/R * B/bw + 2(R-1) * latency for equal links. B = stage parameters
+  B/R * 8 / bandwidth) = 2(R-1)/R * B/bw + 2(R-1) * latency for equal links (latency x
+  SimConfig.collective_latency_factor: 2 for gloo's rendezvous point-to-point). B = stage parameters
   x 4 (fp32, compression none) | 2 (fp16) | 1 + 4 / int8_block (int8 with one fp32 scale per
   block). It starts when every replica of the stage has finished its last backward, so it
   overlaps with the backward of earlier stages.
@@ -71,11 +72,19 @@ class SimConfig:
     activation_bytes: int = 2
     """Bytes per value of the hidden state sent between stages: 2 for fp16/bf16 activations on
     GPUs, 4 for the fp32 CPU runtime."""
+    collective_latency_factor: float = 1.0
+    """One-way latencies each all-reduce step costs. 1: data leaves as soon as it is ready;
+    2: gloo, whose point-to-point is a rendezvous (a step's receiver announces its buffer
+    before the data flows; measured: a 2-rank all-reduce of 0.9-4 MB over a 59 ms link takes
+    2 x (2 x 59 ms + transfer))."""
 
     def validate(self) -> None:
         """UserError naming the setting that is out of range."""
         if not 0.0 < self.mfu <= 1.0:
             raise UserError(f"--mfu: must be in (0, 1], got {self.mfu}")
+        if not 1.0 <= self.collective_latency_factor <= 10.0:
+            raise UserError("--collective-latency-factor: must be in [1, 10], got "
+                            f"{self.collective_latency_factor}")
         if self.activation_bytes not in (1, 2, 4):
             raise UserError(f"--activation-bytes: must be 1, 2 or 4, got {self.activation_bytes}")
 
@@ -504,14 +513,15 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
         nxt = np.roll(ring, -1)
         ring_list.append(np.asarray(ring))
         ring_tx.append(payload / n * 8.0 / tables.bits_per_s[ring, nxt])
-        ring_lat.append(tables.lat_s[ring, nxt])
+        ring_lat.append(tables.lat_s[ring, nxt] * config.collective_latency_factor)
     return StepInputs(
         pipe, t_fwd, t_fwd * config.backward_factor,
         msg_bits / tables.bits_per_s[src, dst], tables.lat_s[src, dst],
         msg_bits / tables.bits_per_s[dst, src], tables.lat_s[dst, src],
         ring_list, ring_tx, ring_lat, num_micro_batches,
         sync.inner_steps if sync.mode == "diloco" else 1,
-        tied_sum_times(pipe, tables.lat_s, tables.bits_per_s, model))
+        tied_sum_times(pipe, tables.lat_s * config.collective_latency_factor,
+                       tables.bits_per_s, model))
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:

@@ -231,3 +231,17 @@ def test_tied_embedding_sum_is_a_two_rank_allreduce_after_both_ends():
     untied = simulate(cluster, get_model("llama-150m"), even_split(12, 3), pipe, SyncConfig(),
                       1, 1, SimConfig(reserved_gb=0.0))
     assert untied.tied_comm_s == 0.0  # llama presets keep separate embedding and head
+
+
+def test_collective_latency_factor_scales_only_the_latency_of_allreduce_steps():
+    model = get_model("gpt-small")
+    pipe = np.arange(4).reshape(2, 2)  # 2 replicas x 2 stages: rings of 2, tied pairs
+    stages = even_split(model.num_layers, 2)
+    cluster = uniform_cluster(4, 30.0, 0.1, tflops=1e6)
+    one = simulate(cluster, model, stages, pipe, SyncConfig(), 1, 1, SimConfig())
+    two = simulate(cluster, model, stages, pipe, SyncConfig(), 1, 1,
+                   SimConfig(collective_latency_factor=2.0))
+    # a ring of 2 has 2 steps: each pays one more 30 ms latency
+    assert max(two.dp_allreduce_s) - max(one.dp_allreduce_s) == pytest.approx(2 * 0.030)
+    assert two.tied_comm_s - one.tied_comm_s == pytest.approx(2 * 0.030)
+    assert two.pp_comm_s == pytest.approx(one.pp_comm_s)  # point-to-point is unchanged
