@@ -188,8 +188,6 @@ class Comm:
         """Seconds spent waiting on communication (includes waiting for a slow peer)."""
         self.bytes_sent = 0
         """Bytes this rank sent: p2p payloads, and 2 (W-1)/W x payload per ring all-reduce."""
-        self.rank_of: dict[int, int] = {}
-        """Device id -> rank in the current default group (empty: the same number)."""
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; PeerError(`what`) otherwise."""
@@ -207,12 +205,11 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Start sending `tensor` to global rank `dst`; wait on the result with `wait`."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, dst=self.rank_of.get(dst, dst), tag=tag)
+        return dist.isend(tensor, dst=dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> torch.Tensor:
         """Receive into `tensor` from global rank `src` within the timeout."""
-        self.wait(dist.irecv(tensor, src=self.rank_of.get(src, src), tag=tag),
-                  f"{what} from rank {src}")
+        self.wait(dist.irecv(tensor, src=src, tag=tag), f"{what} from rank {src}")
         return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup,

@@ -119,6 +119,8 @@ class Monitor(threading.Thread):
         self.generation: Generation | None = None
         self.members: tuple[int, ...] = cfg.members
         self.was_member = cfg.rank in cfg.members
+        self.dropped = False
+        """Rank 0 only: its replica was dropped; it keeps hosting the store until the end."""
         self.lost: dict[int, str] = {}
         """rank -> description, for peers found gone."""
         self.changed = threading.Event()
@@ -232,6 +234,12 @@ class Monitor(threading.Thread):
             self.was_member = True
         elif self.was_member:
             replica, _ = cfg.plan.stage_of(cfg.rank)
+            self.was_member = False
+            if cfg.rank == 0:  # the others still need the store: stay up, train no more
+                self.dropped = True
+                cfg.log(f"my replica {replica} was dropped from the run at generation {g.gen} "
+                        f"({g.reason}); staying up only to host the rendezvous store")
+                return
             self.fatal(f"my replica {replica} was dropped from the run at generation {g.gen} "
                        f"({g.reason}); leaving, the other replicas continue")
 

@@ -5,6 +5,7 @@ checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -141,6 +142,9 @@ class Trainer:
         self.state_lock = threading.Lock()
         """Held by the training thread while it changes parameters / optimizer state."""
         self.rejoin_s: float | None = None
+        self.rank_of: dict[int, int] = {}
+        if cfg.start_replicas is not None and not cfg.join:  # generation 0 of a subset
+            self._apply_rank_map({d: i for i, d in enumerate(members_of(plan, self.replicas))})
         if groups is not None:
             self.average = self._make_average()
         inner = make_inner_optimizer(self.model, cfg)
@@ -249,7 +253,7 @@ class Trainer:
             return
         deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 3
         gen = self.gen
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not mon.dropped:
             if mon.gen > gen and self.plan.sync.mode == "diloco":
                 time.sleep(0.5)  # the monitor exits if my replica was dropped
             mon.changed.wait(0.2)
@@ -315,7 +319,8 @@ class Trainer:
             return False
         g = mon.generation
         if self.topo.rank not in g.members or g.stop:
-            mon.changed.wait(self.cfg.heartbeat_timeout_s)  # the monitor is exiting
+            if not mon.dropped:
+                mon.changed.wait(self.cfg.heartbeat_timeout_s)  # the monitor is exiting
             raise PeerError(f"generation {g.gen} does not continue with me ({g.reason})")
         t0 = time.monotonic()
         if dist.is_initialized():
@@ -331,10 +336,10 @@ class Trainer:
                             f"{list(g.members)} came within {self.cfg.timeout_s:g} s "
                             f"({str(e).strip().splitlines()[0][:200] if str(e) else e})") \
                 from None
-        self.comm.rank_of = {d: i for i, d in enumerate(g.members)}
         self.replicas = sorted(g.replicas)
+        self._apply_rank_map({d: i for i, d in enumerate(g.members)})
         self.groups = build_groups(self.plan, self.topo, self.spec.tie_embeddings,
-                                   self.replicas, self.comm.rank_of)
+                                   self.replicas, self.rank_of)
         self.average = self._make_average()
         self.gen = g.gen
         self.log(f"generation {g.gen}: groups re-formed over replicas {self.replicas} in "
@@ -344,6 +349,15 @@ class Trainer:
                      f"average over it alone (--min-replicas {self.cfg.min_replicas})")
         self._exchange_outer_state()
         return True
+
+    def _apply_rank_map(self, rank_of: dict[int, int]) -> None:
+        """Device id -> rank in the current default group: the pipeline talks to its
+        neighbours by their group ranks (a topology with translated prev/next)."""
+        self.rank_of = rank_of
+        t = self.topo
+        self.pipe.topo = dataclasses.replace(
+            t, prev_rank=None if t.prev_rank is None else rank_of[t.prev_rank],
+            next_rank=None if t.next_rank is None else rank_of[t.next_rank])
 
     def _exchange_outer_state(self) -> None:
         """After re-forming: a live peer of my stage sends the outer state to each joiner."""
@@ -355,14 +369,15 @@ class Trainer:
         if self.topo.replica in joiners:
             self.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
             src = int(self.store.get(key))
-            self._recv_outer_state(src)
+            self._recv_outer_state(src, self.rank_of[src])
             return
         source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
         if self.topo.rank != source:
             return
         self.store.set(key, str(source))
         for r in joiners:
-            self._send_outer_state(self.plan.pipelines[r][stage])
+            dst = self.plan.pipelines[r][stage]
+            self._send_outer_state(dst, self.rank_of[dst])
 
     def _outer_header(self) -> torch.Tensor:
         opt = self.opt
@@ -371,7 +386,7 @@ class Trainer:
         active = sorted(self.active) + [-1] * (R - len(self.active))
         return torch.tensor([self.step + 1, opt.outer_count, has_mom, *active], dtype=torch.int64)
 
-    def _send_outer_state(self, dst: int) -> None:
+    def _send_outer_state(self, dst: int, group_rank: int) -> None:
         """Anchor (outer model), Nesterov momentum and counters to the joiner `dst`."""
         opt = self.opt
         header = self._outer_header()
@@ -380,21 +395,24 @@ class Trainer:
                          if p in opt.outer.state and opt.outer.state[p].get("momentum_buffer")
                          is not None else torch.zeros(p.numel()) for p in opt.params])
         t0 = time.monotonic()
-        works = [self.comm.isend(t, dst, JOIN_TAG + i) for i, t in enumerate((header, anchor, mom))]
+        works = [self.comm.isend(t, group_rank, JOIN_TAG + i)
+                 for i, t in enumerate((header, anchor, mom))]
         for w in works:
             self.comm.wait(w, f"sending the outer state to joining rank {dst}")
         self.log(f"sent the outer state of stage {self.topo.stage} to joining rank {dst} in "
                  f"{time.monotonic() - t0:.2f} s")
 
     @torch.no_grad()
-    def _recv_outer_state(self, src: int) -> None:
+    def _recv_outer_state(self, src: int, group_rank: int) -> None:
         """Receive what _send_outer_state sent; parameters and anchor become the outer model."""
         opt = self.opt
         header = self.comm.recv(torch.empty(3 + self.plan.num_replicas, dtype=torch.int64),
-                                src, JOIN_TAG, "outer state header")
+                                group_rank, JOIN_TAG, f"outer state header (rank {src})")
         n = sum(p.numel() for p in opt.params)
-        anchor = self.comm.recv(torch.empty(n), src, JOIN_TAG + 1, "outer model")
-        mom = self.comm.recv(torch.empty(n), src, JOIN_TAG + 2, "outer momentum")
+        anchor = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 1,
+                                f"outer model (rank {src})")
+        mom = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 2,
+                             f"outer momentum (rank {src})")
         self._join_step, opt.outer_count = int(header[0]), int(header[1])
         self.active = {int(r) for r in header[3:] if int(r) >= 0}
         off = 0
@@ -637,10 +655,18 @@ class Trainer:
                 dp0 = self.dp_bytes
                 try:
                     loss = self.train_step()
-                except PeerError as e:
+                except RuntimeError as e:  # PeerError, or gloo's own error from a posted op
+                    if not isinstance(e, PeerError):
+                        e = PeerError(f"step {self.step + 1}: "
+                                      f"{str(e).strip().splitlines()[0][:300]}")
                     if not getattr(e, "diagnosed", False):
                         self.await_verdict()  # the heartbeat names the lost peer and exits
-                    raise
+                    if self.monitor is not None and self.monitor.dropped:
+                        self.finish()  # rank 0: host the store until the others are done
+                        raise PeerError(f"my replica {topo.replica} was dropped at step "
+                                        f"{self.step}; the store was kept up until the other "
+                                        "replicas finished") from None
+                    raise e from None
                 step_s = time.perf_counter() - t0
                 comm_s = self.comm.wait_s - wait0
                 rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
