@@ -33,6 +33,7 @@ from scheduler.simulator import (
     LinkTables,
     SimConfig,
     fast_replay,
+    outer_agreement_time,
     payload_bytes_per_param,
     ring_chunk_bytes,
     ring_order,
@@ -171,7 +172,8 @@ class SimulatedObjective:
         _, done = fast_replay(t_fwd, t_bwd, cand.fwd_tx, cand.fwd_lat, cand.bwd_tx,
                               cand.bwd_lat, self.num_micro_batches)
         times = step_times(done, self._dp_times(cand, self.payload[a, b]), self.inner_steps,
-                           cand.tied_s)
+                           cand.tied_s, outer_agreement_time(cand.pipe, self.tables.lat_s,
+                                                             self.sync, self.config))
         return times.step_s, (times, t_fwd, t_bwd)
 
     def _best(self, cand: _Candidate) -> tuple[float, list[tuple[int, int]], object]:

@@ -70,6 +70,9 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-latency-factor", type=float,
                    help="one-way latencies per all-reduce step (2: gloo's rendezvous "
                    "point-to-point, the CPU runtime; default 1)")
+    g.add_argument("--outer-store-round-trips", type=int,
+                   help="DiLoCo: round trips to the store on device 0 per outer step (5: the "
+                   "elastic CPU runtime; default 0)")
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the dist_runner runtime)")
 
@@ -84,6 +87,8 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
         known["activation_bytes"] = args.activation_bytes
     if args.collective_latency_factor is not None:
         known["collective_latency_factor"] = args.collective_latency_factor
+    if args.outer_store_round_trips is not None:
+        known["outer_store_round_trips"] = args.outer_store_round_trips
     if args.recompute is not None:
         known["recompute"] = args.recompute == "on"
     config = SimConfig(**known)

@@ -30,6 +30,8 @@ Model (every number in seconds, bytes, FLOP/s):
   with a 2-rank all-reduce: 2 x max over the two directions (latency + B/2 * 8 / bandwidth),
   B = vocab x d_model x 4. It starts when both ends finished backward; the stage groups of the
   two end stages start their all-reduce after it (as modules/trainer.py orders them).
+- DiLoCo outer steps also pay SimConfig.outer_store_round_trips round trips between the
+  farthest device and the rendezvous store on device 0 (membership agreement), per round.
 - Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With
   `diloco` the outer all-reduce runs once every H inner steps: its exposed time (the same overlap
   rule) is paid once per outer round and amortised as exposed / H per step.
@@ -78,10 +80,18 @@ class SimConfig:
     before the data flows; measured: a 2-rank all-reduce of 0.9-4 MB over a 59 ms link takes
     2 x (2 x 59 ms + transfer))."""
 
+    outer_store_round_trips: int = 0
+    """DiLoCo: sequential round trips to the rendezvous store (hosted by device 0) that each
+    outer step spends agreeing on the live replicas before and after averaging. The elastic
+    CPU runtime does 5 (generation check, announce, wait, commit, wait for commits)."""
+
     def validate(self) -> None:
         """UserError naming the setting that is out of range."""
         if not 0.0 < self.mfu <= 1.0:
             raise UserError(f"--mfu: must be in (0, 1], got {self.mfu}")
+        if not 0 <= self.outer_store_round_trips <= 100:
+            raise UserError("--outer-store-round-trips: must be in [0, 100], got "
+                            f"{self.outer_store_round_trips}")
         if not 1.0 <= self.collective_latency_factor <= 10.0:
             raise UserError("--collective-latency-factor: must be in [1, 10], got "
                             f"{self.collective_latency_factor}")
@@ -174,6 +184,8 @@ class StepInputs:
     """Steps per data-parallel sync: 1 for allreduce, H for diloco."""
     tied_s: np.ndarray | None = None
     """(R,) seconds of each replica's tied-embedding gradient sum (None: embeddings not tied)."""
+    agree_s: float = 0.0
+    """DiLoCo: seconds each outer step spends agreeing on membership through the store."""
 
     def dp_times(self) -> np.ndarray:
         """(S,) seconds of each stage group's all-reduce."""
@@ -234,9 +246,9 @@ class StepTimes:
 
 
 def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int,
-               tied_s: np.ndarray | None = None) -> StepTimes:
-    """Combine the pipeline's per-device end times with the tied-embedding sums and the stage
-    groups' all-reduces."""
+               tied_s: np.ndarray | None = None, agree_s: float = 0.0) -> StepTimes:
+    """Combine the pipeline's per-device end times with the tied-embedding sums, the stage
+    groups' all-reduces and (DiLoCo) the outer step's membership agreement `agree_s`."""
     pipeline = float(b_done.max())
     if tied_s is not None and b_done.shape[1] > 1:
         b_done = b_done.copy()
@@ -244,9 +256,18 @@ def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int,
     makespan = float(b_done.max())
     dp_start = b_done.max(axis=0)
     dp_end = float((dp_start + dp_time).max()) if len(dp_time) else makespan
-    exposed = max(0.0, dp_end - makespan)
+    exposed = max(0.0, dp_end - makespan) + agree_s
     return StepTimes(makespan, pipeline, dp_start, dp_time, exposed,
                      makespan + exposed / inner_steps)
+
+
+def outer_agreement_time(pipelines: np.ndarray, lat_s: np.ndarray, sync: SyncConfig,
+                         config: SimConfig) -> float:
+    """Seconds of a DiLoCo outer step's store round trips (0 with allreduce or one replica)."""
+    if sync.mode != "diloco" or pipelines.shape[0] < 2 or not config.outer_store_round_trips:
+        return 0.0
+    rtt = lat_s[pipelines.ravel(), 0] + lat_s[0, pipelines.ravel()]
+    return config.outer_store_round_trips * float(rtt.max())
 
 
 def tied_sum_times(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
@@ -265,7 +286,8 @@ def replay_fast(inputs: StepInputs) -> StepTimes:
     """The step time of `inputs` by the vectorised recurrences."""
     _, b_done = fast_replay(inputs.t_fwd, inputs.t_bwd, inputs.fwd_tx, inputs.fwd_lat,
                             inputs.bwd_tx, inputs.bwd_lat, inputs.num_micro_batches)
-    return step_times(b_done, inputs.dp_times(), inputs.inner_steps, inputs.tied_s)
+    return step_times(b_done, inputs.dp_times(), inputs.inner_steps, inputs.tied_s,
+                      inputs.agree_s)
 
 
 # --------------------------------------------------------------------------- event engine
@@ -466,7 +488,7 @@ def replay_events(inputs: StepInputs, timeline: bool = True
     assert abs(makespan - b_done.max()) <= 1e-9 * max(1.0, makespan)
     dp_time = np.array([float(end[last].max()) - b_done[:, s].max() if last else 0.0
                         for s, last in enumerate(ring_last)])
-    times = step_times(b_done, dp_time, inputs.inner_steps, inputs.tied_s)
+    times = step_times(b_done, dp_time, inputs.inner_steps, inputs.tied_s, inputs.agree_s)
     if not timeline:
         return times, []
     starts, ends = start.tolist(), (end - np.array(eng.latency)).tolist()
@@ -521,7 +543,8 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
         ring_list, ring_tx, ring_lat, num_micro_batches,
         sync.inner_steps if sync.mode == "diloco" else 1,
         tied_sum_times(pipe, tables.lat_s * config.collective_latency_factor,
-                       tables.bits_per_s, model))
+                       tables.bits_per_s, model),
+        outer_agreement_time(pipe, tables.lat_s, sync, config))
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:
@@ -529,7 +552,7 @@ def no_transfers(inputs: StepInputs) -> StepInputs:
     zero = np.zeros_like(inputs.fwd_tx)
     return StepInputs(inputs.pipelines, inputs.t_fwd, inputs.t_bwd, zero, zero, zero, zero,
                       inputs.rings, inputs.ring_tx, inputs.ring_lat, inputs.num_micro_batches,
-                      inputs.inner_steps, None)
+                      inputs.inner_steps, None, inputs.agree_s)
 
 
 @dataclass

@@ -245,3 +245,21 @@ def test_collective_latency_factor_scales_only_the_latency_of_allreduce_steps():
     assert max(two.dp_allreduce_s) - max(one.dp_allreduce_s) == pytest.approx(2 * 0.030)
     assert two.tied_comm_s - one.tied_comm_s == pytest.approx(2 * 0.030)
     assert two.pp_comm_s == pytest.approx(one.pp_comm_s)  # point-to-point is unchanged
+
+
+def test_diloco_outer_step_pays_store_round_trips_to_device_0_once_per_round():
+    model = get_model("gpt-small")
+    pipe = np.arange(4).reshape(2, 2)
+    stages = even_split(model.num_layers, 2)
+    cluster = uniform_cluster(4, 25.0, 1.0, tflops=1e6)
+    sync = SyncConfig("diloco", 10, "int8")
+    base = simulate(cluster, model, stages, pipe, sync, 1, 1, SimConfig())
+    agree = simulate(cluster, model, stages, pipe, sync, 1, 1,
+                     SimConfig(outer_store_round_trips=5))
+    # 5 round trips of 2 x 25 ms, paid once per outer round of H = 10 steps
+    assert agree.dp_comm_round_s - base.dp_comm_round_s == pytest.approx(5 * 0.050)
+    assert agree.step_s - base.step_s == pytest.approx(5 * 0.050 / 10)
+    every_step = simulate(cluster, model, stages, pipe, SyncConfig(), 1, 1,
+                          SimConfig(outer_store_round_trips=5))
+    assert every_step.step_s == pytest.approx(
+        simulate(cluster, model, stages, pipe, SyncConfig(), 1, 1, SimConfig()).step_s)
