@@ -45,8 +45,10 @@ def test_kill_during_background_write_then_resume_from_previous_complete_step(tm
         list(rank_dir(ck, 1).iterdir())
     assert 4 in complete_steps(ck, 0)
 
-    full, codes = _run(tmp_path, "full", "--steps", "8")
+    full, codes = _run(tmp_path, "full", "--steps", "8", "--ckpt-dir", str(tmp_path / "ck_sync"),
+                       "--ckpt-every", "4", "--sync-checkpoints", "--keep-checkpoints", "1")
     assert codes == {0: 0, 1: 0}, full.output(0)[-2000:]
+    assert complete_steps(tmp_path / "ck_sync", 0) == [8]  # written on the training thread
     resumed, codes = _run(tmp_path, "resume", *common, "--resume")
     assert codes == {0: 0, 1: 0}, resumed.output(0)[-2000:] + resumed.output(1)[-2000:]
     assert "resumed from step 2" in resumed.output(0)

@@ -103,6 +103,19 @@ def test_store_host_lost_every_diloco_rank_exits_with_that_diagnosis(tmp_path):
         assert res.exit_s[r] < HB + 5, (res.exit_s, logs)
 
 
+@pytest.mark.timeout(240)
+def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path):
+    ck = tmp_path / "m" / "ck"
+    res = kill_trial(tmp_path / "m", "diloco", 2, 1, 1, kill_step=6, steps=400, heartbeat_s=HB,
+                     extra=("--min-replicas", "2", "--ckpt-dir", str(ck), "--ckpt-every", "4"))
+    logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
+    assert res.orphans == [], logs
+    assert res.codes[0] == 1, logs
+    assert "fewer than --min-replicas 2; stopping" in res.outputs[0], logs
+    assert "checkpoint: newest complete one is step" in res.outputs[0], logs
+    assert res.exit_s[0] < HB + 5, (res.exit_s, logs)
+
+
 @pytest.mark.timeout(300)
 def test_join_a_third_replica_mid_run_bit_identical_after_the_next_outer_step(tmp_path):
     if not DEFAULT_CORPUS.exists():
