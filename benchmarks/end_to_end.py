@@ -208,7 +208,7 @@ def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             logf.write(line)
-            if " step " in line or line.startswith("launch:"):
+            if " step " in line or (line.startswith("launch:") and " pid " not in line):
                 print(f"    {line.rstrip()}", flush=True)
         if proc.wait() != 0:
             raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
@@ -230,7 +230,8 @@ def _read_metrics(run: Run, path: Path, args: argparse.Namespace) -> None:
     tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
     run.tokens_per_s = tokens / (wall[last - 1] - wall[first - 1])
     run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
-    run.losses = [(r["wall_time"] - wall[0] + r["step_s"], r["loss"]) for r in recs]
+    start = wall[0] - recs[0]["step_s"]  # when the first step began
+    run.losses = [(r["wall_time"] - start, r["loss"]) for r in recs]
 
 
 def table(runs: list[Run], shaped: bool) -> str:
