@@ -633,7 +633,7 @@ class Trainer:
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the current step (0, or the checkpoint's) up to cfg.steps."""
-        cfg, topo = self.cfg, self.topo
+        cfg, topo, plan = self.cfg, self.topo, self.plan
         self.start_monitor()
         if cfg.join:
             self.join()
@@ -677,6 +677,8 @@ class Trainer:
                        "outer_step": getattr(self.opt, "outer_count", None),
                        "tokens_per_s": round(tokens_per_step * len(self.replicas) / step_s, 1),
                        "replica": topo.replica, "wall_time": round(time.time(), 3)}
+                if self.monitor is not None and plan.sync.mode == "diloco":
+                    rec["live_replicas"] = len(self.replicas)
                 last = self.step == cfg.steps
                 if self.val and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     val = self.evaluate()
@@ -684,7 +686,8 @@ class Trainer:
                         rec["val_loss"] = val
                 if topo.is_last:
                     records.append(rec)
-                    if topo.replica == 0 and (self.step % cfg.log_every == 0 or last):
+                    if topo.replica == min(self.replicas) and (self.step % cfg.log_every == 0
+                                                               or last):
                         extra = f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
                         self.log(f"step {self.step}/{cfg.steps} loss {loss:.4f} "
                                  f"tok/s {rec['tokens_per_s']:.0f} step_s {step_s:.3f} "
