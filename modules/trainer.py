@@ -429,7 +429,9 @@ class Trainer:
 
     def _elastic_outer_all_reduce(self, flat: torch.Tensor) -> int:
         """Outer average over the live replicas of my stage: re-form groups when the membership
-        changed, wait for every member, average, and commit only if every member got it."""
+        changed, wait for every member, average, and commit only if every rank of every stage
+        got its average (otherwise all retry in the next generation, so that every stage
+        re-forms at the same outer step and no pipeline waits on a partner in another group)."""
         keep = flat.clone()
         stage = self.topo.stage
         while True:
@@ -456,9 +458,11 @@ class Trainer:
                         raise
                     flat.copy_(keep)
                     continue
-                if not self._commit(key, ranks, what):
-                    flat.copy_(keep)
-                    continue
+            members = members_of(self.plan, self.replicas)
+            if len(members) > 1 and not self._commit(f"diloco/g{self.gen}/outer{outer}",
+                                                     members, what):
+                flat.copy_(keep)
+                continue
             n_active = len(set(self.replicas) & self.active)
             if n_active < len(self.replicas):  # joiners sent zeros: average over the others
                 flat.mul_(len(self.replicas) / n_active)
@@ -510,8 +514,9 @@ class Trainer:
                 t0 = time.monotonic()
 
     def _commit(self, key: str, ranks: tuple[int, ...], what: str) -> bool:
-        """Every member finished the all-reduce -> commit; the membership changed first ->
-        abort (everybody retries with the new groups). One decision per key, first writer wins."""
+        """Every member (all stages) finished its all-reduce -> commit; the membership changed
+        first -> abort (everybody retries with the new groups). One decision per key, first
+        writer wins."""
         mon = self.monitor
         assert mon is not None
         self.store.set(f"{key}/done/{self.topo.rank}", "1")
