@@ -3,12 +3,13 @@
     python dist_runner.py --plan plan.json --rank R --dist-url tcp://HOST:PORT \
         [--world-size N] (--data PATH | --fake-data) --steps N \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
-        [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--join]
+        [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
 Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT are read from the environment.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
-answer within --timeout-s.
+answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
+rank's replica was dropped (DiLoCo), or fewer than --min-replicas replicas are left.
 """
 
 from __future__ import annotations
