@@ -207,6 +207,10 @@ class Comm:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.isend(tensor, dst=dst, tag=tag)
 
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        """Post a receive into `tensor` from `src` now; wait on the result with `wait`."""
+        return dist.irecv(tensor, src=src, tag=tag)
+
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> torch.Tensor:
         """Receive into `tensor` from global rank `src` within the timeout."""
         self.wait(dist.irecv(tensor, src=src, tag=tag), f"{what} from rank {src}")

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from modules.dist import Comm, Topology
 from modules.model import StageModel
@@ -45,7 +44,7 @@ class PipelineStage:
         out = []
         for m in range(count):
             buf = torch.empty(self.act_shape)
-            out.append((buf, dist.irecv(buf, src=src, tag=tag + m)))
+            out.append((buf, self.comm.irecv(buf, src, tag + m)))
         return out
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None,
