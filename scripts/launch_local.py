@@ -5,8 +5,10 @@
 Picks a free port on --host for the rendezvous, starts `python dist_runner.py --rank R ...` for
 every device of the plan (each in its own process group), prefixes each output line with the
 rank, and prints a progress summary. If a rank fails the others are stopped and the launcher
-exits with that rank's status; Ctrl+C or SIGTERM stops every child (SIGTERM to its process
-group, SIGKILL after --grace-s). With --netns-map, rank R runs under `ip netns exec NS`.
+exits with that rank's status; with --keep-going (DiLoCo runs that drop a lost replica) the
+others go on and the launcher exits 0 when every rank of at least one replica finished.
+Ctrl+C or SIGTERM stops every child (SIGTERM to its process group, SIGKILL after --grace-s).
+With --netns-map, rank R runs under `ip netns exec NS`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--gloo-ifname", help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a rank that fails does not stop the others (DiLoCo drops its replica "
+                   "and trains on); exit 0 if every rank of some replica finished")
     p.add_argument("--runner", default=str(ROOT / "dist_runner.py"), help=argparse.SUPPRESS)
     return p.parse_args(argv), rest
 
@@ -127,6 +132,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child's own group (start_new_session), by its pid
 
 
+def keep_going_status(pipelines: list[list[int]], failed: dict[int, int]) -> int:
+    """0 if every rank of some replica finished, else the first failed rank's status."""
+    finished = [r for r, chain in enumerate(pipelines) if not set(chain) & set(failed)]
+    print(f"launch: ranks {sorted(failed)} failed; replicas {finished} finished", flush=True)
+    if finished:
+        return 0
+    rc = failed[min(failed)]
+    return rc if rc > 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Launch, supervise and stop the ranks; returns the exit status."""
     args, rest = parse_args(argv)
@@ -154,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = threading.Lock()
     t0 = time.monotonic()
     status = 0
+    failed: dict[int, int] = {}
     try:
         for r in ranks:
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
@@ -172,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         for _ in ranks:
             r = done.get()
             rc = procs[r].returncode
-            if rc != 0:
+            if rc != 0 and args.keep_going:
+                print(f"launch: rank {r} exited with status {rc}; the others go on "
+                      "(--keep-going)", flush=True)
+                failed[r] = rc
+            elif rc != 0:
                 print(f"launch: rank {r} exited with status {rc}; stopping the other ranks",
                       flush=True)
                 status = rc if rc > 0 else 1
                 break
+        if failed:
+            status = keep_going_status(plan.pipelines, failed)
     except (KeyboardInterrupt, Stop) as e:
         print(f"launch: {type(e).__name__ if isinstance(e, KeyboardInterrupt) else e}; "
               "stopping every rank", flush=True)
@@ -187,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(progress):
         print(f"launch: rank {r} last: {progress[r]}")
     if status == 0:
-        print(f"launch: all {len(ranks)} ranks finished in {wall:.1f} s")
+        print(f"launch: {'all ' if not failed else ''}{len(ranks) - len(failed)} ranks finished "
+              f"in {wall:.1f} s")
     return status
 
 

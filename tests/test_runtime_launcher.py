@@ -85,3 +85,19 @@ def test_bad_netns_map_is_a_clear_error(tmp_path):
                      "--netns-map", str(tmp_path / "map.json"), "--", "--steps", "1")
     assert proc.returncode == 2
     assert "error: --netns-map: ranks [1] have no namespace" in proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_keep_going_lets_diloco_drop_a_lost_replica_and_finish(tmp_path):
+    plan = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1], [2]], micro_batch_size=1,
+                sync=SyncConfig(mode="diloco", inner_steps=2))
+    save_plan(plan, tmp_path / "plan.json")
+    # rank 2 (replica 2) dies with status 1 before step 3; replicas 0 and 1 drop it and finish
+    proc = run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
+                     "--threads-per-rank", "1", "--keep-going", "--", "--steps", "8",
+                     "--fake-data", "--timeout-s", "30", "--heartbeat-timeout-s", "2",
+                     "--min-replicas", "2", "--debug-vanish", "2:3:1", timeout=140)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "launch: rank 2 exited with status 1; the others go on (--keep-going)" in proc.stdout
+    assert "launch: ranks [2] failed; replicas [0, 1] finished" in proc.stdout
+    assert re.search(r"^\[rank 0\] step 8/8 loss", proc.stdout, re.M), proc.stdout[-3000:]
