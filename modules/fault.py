@@ -12,7 +12,7 @@ dropped, joined, reason), the counter `ft/gen` holding the newest g. Only rank 0
 the store and so is alive whenever anybody can read it, writes generations: when a peer is gone
 its whole replica is dropped; when every rank of a replica asked to join (`ft/join/{rank}`), it
 is added. The training thread re-forms its process groups at its next outer step
-(modules/trainer.py); a rank that is no longer a member leaves at once with a message.
+(modules/elastic.py); a rank that is no longer a member leaves at once with a message.
 """
 
 from __future__ import annotations
