@@ -34,6 +34,8 @@ import numpy as np  # noqa: E402
 
 from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from scheduler.errors import UserError  # noqa: E402
+from scheduler.layer_split import even_split  # noqa: E402
+from scheduler.models import get_model  # noqa: E402
 from scheduler.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
 
@@ -80,8 +82,7 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def calibrated_cluster(args: argparse.Namespace, out: Path) -> Path:
     """The lab scenario with each device's tflops measured with all ranks training at once."""
-    from modules.calibrate import measure_train_flops_shared
-    from scheduler.models import get_model
+    from modules.calibrate import measure_train_flops_shared  # torch: only when measuring
 
     cluster = make_scenario(args.scenario, args.seed)
     log(f"measuring FLOP/s per rank: {cluster.num_devices} processes training {args.model} "
@@ -109,8 +110,6 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
         f"pipelines {plan.pipelines}, layers {[list(s) for s in plan.stages]}")
     rng = np.random.default_rng([0xE2E, args.seed])
     perm = rng.permutation(len(plan.devices())).reshape(plan.num_replicas, plan.num_stages)
-    from scheduler.layer_split import even_split
-    from scheduler.models import get_model
     random_plan = replace(plan, pipelines=perm.tolist(),
                           stages=even_split(get_model(plan.model).num_layers, plan.num_stages),
                           predicted={}, search={"method": "random", "seed": args.seed,
@@ -138,9 +137,8 @@ class Network:
         self.dir = out / "net"
         self.active = False
         self.cluster_path = cluster_path
-        self.reason = "" if use_netns else "--no-netns given"
-        if use_netns and not self.reason:
-            self.reason = _netns_unavailable()
+        self.reason = _netns_unavailable() if use_netns else "--no-netns given"
+        """Why the network is not emulated ('' when it is)."""
 
     def up(self) -> None:
         """Create the hosts and apply the cluster's links (or log why not)."""
