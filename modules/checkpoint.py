@@ -9,11 +9,9 @@ that blocks training) and writes it in a background thread; `complete_steps` lis
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import queue
 import re
-import tempfile
 import threading
 import time
 import zipfile
@@ -158,22 +156,9 @@ class AsyncCheckpointer:
         path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
         torch.save({"format": CKPT_FORMAT, "meta": meta, "state": snap}, buf)
-        data = buf.getbuffer()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                half = len(data) // 2
-                f.write(data[:half])
-                f.flush()
-                if self.debug_hook:
-                    self.debug_hook(step, "half")
-                f.write(data[half:])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        hook = self.debug_hook
+        atomic_write_bytes(path, buf.getbuffer(),
+                           (lambda: hook(step, "half")) if hook is not None else None)
 
 
 def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
