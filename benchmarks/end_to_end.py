@@ -41,7 +41,7 @@ from scheduler.scenarios import make_scenario  # noqa: E402
 
 PY = sys.executable
 PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off",
-              "--collective-latency-factor", "2", "--outer-store-round-trips", "5"]
+              "--collective-latency-factor", "2", "--outer-store-round-trips", "3"]
 """The CPU runtime: measured FLOP/s, fp32 activations, no recomputation, gloo collectives,
 the elastic DiLoCo outer step's store round trips."""
 

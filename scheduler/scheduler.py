@@ -71,7 +71,7 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                    help="one-way latencies per all-reduce step (2: gloo's rendezvous "
                    "point-to-point, the CPU runtime; default 1)")
     g.add_argument("--outer-store-round-trips", type=int,
-                   help="DiLoCo: round trips to the store on device 0 per outer step (5: the "
+                   help="DiLoCo: round trips to the store on device 0 per outer step (3: the "
                    "elastic CPU runtime; default 0)")
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the dist_runner runtime)")
