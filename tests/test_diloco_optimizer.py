@@ -146,6 +146,9 @@ for step in range(100):
     opt.step()  # an inner AdamW step; every 10th call also the outer (communicating) step
 print(f"worker {rank}: loss {loss.item():.4f}, outer steps {opt.outer_count}, "
       f"bytes sent {opt.bytes_sent}, first weight {model[0].weight[0, 0].item():.6f}")
+if dist.is_initialized():  # leave together, then close gloo's connections before exiting
+    dist.barrier()
+    dist.destroy_process_group()
 """
 
 
