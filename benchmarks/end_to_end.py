@@ -38,6 +38,7 @@ from scheduler.layer_split import even_split  # noqa: E402
 from scheduler.models import get_model  # noqa: E402
 from scheduler.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
+from scripts.netemu.cli import run_main  # noqa: E402
 
 PY = sys.executable
 PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off",
@@ -353,10 +354,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_main(main)

@@ -28,7 +28,7 @@ from scheduler.heuristic_evolutionary_solver import (
 from scheduler.models import ModelSpec
 from scheduler.objective import CostBreakdown, Objective
 from scheduler.plan import Plan, SyncConfig
-from scheduler.simulator import SimConfig
+from scheduler.simulator import SimConfig, simulate_plan
 
 ObjectiveFactory = Callable[["PlanRequest"], Objective]
 
@@ -220,8 +220,7 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 **({"sim_config": asdict(req.sim)} if req.objective == "simulated" else {})},
     )
     if not np.isfinite(ours.cost_s):
-        from scheduler.simulator import simulate_plan  # names the device and the numbers
-        simulate_plan(cluster, model, plan, req.sim, timeline=False)
+        simulate_plan(cluster, model, plan, req.sim, timeline=False)  # names the device
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
     return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
