@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
-from scheduler.errors import UserError  # noqa: E402
+from scheduler.errors import UserError, run_main  # noqa: E402
 from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.models import PRESETS, get_model  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
@@ -337,4 +337,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

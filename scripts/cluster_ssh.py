@@ -27,9 +27,8 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.errors import UserError  # noqa: E402
+from scheduler.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import sshctl  # noqa: E402
-from scripts.netemu.cli import run_main  # noqa: E402
 from scripts.netemu.hostlist import load_host_list  # noqa: E402
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.errors import UserError  # noqa: E402
+from scheduler.errors import UserError, run_main  # noqa: E402
 from scheduler.plan import load_plan  # noqa: E402
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
@@ -215,8 +215,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

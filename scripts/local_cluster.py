@@ -29,9 +29,8 @@ if not __package__:
 
 from scheduler.atomic_io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
-from scheduler.errors import UserError  # noqa: E402
+from scheduler.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
-from scripts.netemu.cli import run_main  # noqa: E402
 from scripts.netemu.hostlist import HostEntry, format_host_list  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, show_local  # noqa: E402
 from scripts.netemu.shell import missing_root_tools  # noqa: E402

@@ -24,9 +24,9 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.cluster import load_cluster  # noqa: E402
-from scheduler.errors import UserError  # noqa: E402
+from scheduler.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
-from scripts.netemu.cli import add_cluster_args, resolve, run_main  # noqa: E402
+from scripts.netemu.cli import add_cluster_args, resolve  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, reset_local, show_local  # noqa: E402
 from scripts.netemu.shell import missing_root_tools  # noqa: E402
 

@@ -1,34 +1,14 @@
-"""Shared pieces of the scripts/ entry points: error handling and cluster -> host resolution."""
+"""Shared pieces of the scripts/ entry points: cluster arguments and cluster -> host resolution."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.cluster import Cluster, load_cluster
 from scheduler.errors import UserError
 from scripts.netemu.hostlist import HostEntry, ipv4_of, load_host_list
 from scripts.netemu.tcrules import GROUP_MODES, group_devices
-
-
-def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
-    """Run an entry point: UserError -> `error: ...` on stderr and exit 2, no traceback."""
-    try:
-        code = main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except BrokenPipeError:
-        # `... | head` closed stdout: not an error of ours; keep Python from complaining at exit.
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        sys.exit(0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code)
 
 
 def add_cluster_args(p: argparse.ArgumentParser, host_list: bool = True) -> None:
