@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,11 @@ class SyncConfig:
         if self.mode == "allreduce" and self.inner_steps != 1:
             raise UserError(
                 f"sync.inner_steps: {self.inner_steps} only makes sense with mode 'diloco'")
+        lr, mom = self.outer_lr, self.outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise UserError(f"sync.outer_lr: must be a number > 0, got {lr!r}")
+        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
+            raise UserError(f"sync.outer_momentum: must be a number in [0, 1), got {mom!r}")
 
 
 @dataclass
@@ -146,6 +152,17 @@ def validate_plan(plan: Plan, cluster: Cluster | None = None,
                 f"(ids 0..{cluster.num_devices - 1}); was the plan made for another cluster?")
 
 
+def id_ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (short error messages for long id lists)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def _check_layers(stages: list[tuple[int, int]], model: ModelSpec) -> None:
     expect = 0
     for s, (a, b) in enumerate(stages):
@@ -153,6 +170,9 @@ def _check_layers(stages: list[tuple[int, int]], model: ModelSpec) -> None:
             raise UserError(
                 f"stages[{s}].layers: [{a}, {b}] must start at {expect} and hold at least one "
                 f"layer; stages must cover layers 0..{model.num_layers} of {model.name} in order")
+        if b > model.num_layers:
+            raise UserError(f"stages[{s}].layers: [{a}, {b}] ends past the {model.num_layers} "
+                            f"layers of {model.name}")
         expect = b
     if expect != model.num_layers:
         raise UserError(f"stages: cover layers [0, {expect}) but {model.name} has "
@@ -175,6 +195,9 @@ def plan_from_dict(obj: Any) -> Plan:
     if not isinstance(obj["pipelines"], list) or not all(
             isinstance(c, list) for c in obj["pipelines"]):
         raise UserError("plan.pipelines: expected a list of device-id lists (one per replica)")
+    for key in ("predicted", "search"):
+        if not isinstance(obj.get(key, {}), dict):
+            raise UserError(f"plan.{key}: expected an object, got {obj[key]!r}")
     sync_raw = obj.get("sync", {})
     if not isinstance(sync_raw, dict):
         raise UserError("plan.sync: expected an object")

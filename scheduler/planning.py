@@ -156,6 +156,7 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     shapes = candidate_shapes(cluster, model, req)
     best: PlanOutcome | None = None
     failures: list[str] = []
+    stops: set[str] = set()
     for s, r in shapes:
         sub = replace(req, num_stages=s, num_replicas=r,
                       search=replace(req.search,
@@ -167,17 +168,24 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 raise
             failures.append(f"{s} x {r}: {e}")
             continue
+        stops.add(out.plan.search["stopped_by"])
         if best is None or out.ours.cost_s < best.ours.cost_s:
             best = out
     if best is None:
         raise UserError("no shape works:\n  " + "\n  ".join(failures))
     best.plan.search["shapes_tried"] = [list(x) for x in shapes]
+    # Reproducible only if no shape's search was cut by the wall limit.
+    best.plan.search["stopped_by"] = next(
+        (s for s in ("time", "budget") if s in stops), "converged")
     return best
+
 
 
 def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
     """Search a plan and score the random and index-order baselines with the same objective."""
+    if req.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size: must be >= 1, got {req.micro_batch_size}")
     if req.num_micro_batches == 0:
         req.num_micro_batches = default_micro_batches(model, req.micro_batch_size,
                                                       req.tokens_per_replica)
@@ -217,6 +225,7 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                    **{k: round(v, 6) for k, v in ours.parts.items()}},
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3),
+                "stopped_by": result.stopped_by,
                 **({"sim_config": asdict(req.sim)} if req.objective == "simulated" else {})},
     )
     if not np.isfinite(ours.cost_s):

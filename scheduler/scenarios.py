@@ -217,4 +217,6 @@ def make_scenario(name: str, seed: int = 0, **kwargs: int) -> Cluster:
         factory = SCENARIOS[name]
     except KeyError:
         raise UserError(f"scenario: unknown name {name!r}; known: {', '.join(SCENARIOS)}") from None
+    if seed < 0:
+        raise UserError(f"--seed: must be >= 0, got {seed}")
     return factory(seed=seed, **kwargs)

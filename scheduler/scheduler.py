@@ -4,6 +4,7 @@
     python scheduler/scheduler.py plan --scenario worldwide --seed 0 --model gpt3-xl \\
         --stages 8 --replicas 8 --out plan.json
     python scheduler/scheduler.py evaluate --cluster cluster.json --plan plan.json
+    python scheduler/scheduler.py simulate --cluster cluster.json --plan plan.json
 
 User mistakes print `error: ...` and exit with status 2; nothing is written then.
 """
@@ -22,6 +23,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from scheduler.atomic_io import check_output_path  # noqa: E402
 from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
 from scheduler.errors import UserError, run_main  # noqa: E402
@@ -33,6 +35,7 @@ from scheduler.plan import (  # noqa: E402
     SYNC_MODES,
     Plan,
     SyncConfig,
+    id_ranges,
     load_plan,
     save_plan,
 )
@@ -51,9 +54,12 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.cluster and args.scenario:
         raise UserError("give either --cluster FILE or --scenario NAME, not both")
     if args.cluster:
+        if args.seed is not None:
+            raise UserError("--seed shuffles a --scenario's device ids; a --cluster file has "
+                            "its own ids (leave --seed out)")
         return load_cluster(args.cluster)
     if args.scenario:
-        return make_scenario(args.scenario, args.seed)
+        return make_scenario(args.scenario, args.seed or 0)
     raise UserError("which cluster? give --cluster FILE or --scenario NAME")
 
 
@@ -98,8 +104,13 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
 
 def cmd_scenario(args: argparse.Namespace) -> int:
     """Export a built-in scenario as a cluster file."""
-    kwargs = {"num_devices": args.devices, "num_regions": args.regions} \
-        if args.name == "random" else {}
+    check_output_path(args.out, "--out")
+    given = {k: v for k, v in (("num_devices", args.devices), ("num_regions", args.regions))
+             if v is not None}
+    if given and args.name != "random":
+        raise UserError(f"--devices/--regions apply to the random scenario only; "
+                        f"'{args.name}' has a fixed layout")
+    kwargs = {"num_devices": 64, "num_regions": 4, **given} if args.name == "random" else {}
     cluster = make_scenario(args.name, args.seed, **kwargs)
     save_cluster(cluster, args.out)
     print(f"wrote {args.out}: {cluster.name}, {cluster.num_devices} devices in "
@@ -129,7 +140,8 @@ def _plan_table(out: PlanOutcome) -> str:
         row("ours (evolutionary)", ours),
         *(row(label, b) for label, b in out.baselines.items()),
         f"  search: {p.search['evaluations']} evaluations in {p.search['wall_s']:.2f} s "
-        f"(seed {p.search['seed']}); best starting plan {out.best_structured[1]:.3f} s",
+        f"(seed {p.search['seed']}, stopped by {p.search['stopped_by']}); best starting plan "
+        f"{out.best_structured[1]:.3f} s",
     ]
     return "\n".join(rows)
 
@@ -153,11 +165,19 @@ def _plan_json(out: PlanOutcome, path: str) -> dict:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan, print it beside the baselines, write it atomically."""
+    check_output_path(args.out, "--out")
+    if args.plot:
+        check_output_path(args.plot, "--plot", ".png")
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
-    if args.budget < 1 or args.time_limit <= 0 or args.random_samples < 1:
+    if args.budget < 1 or not 0 < args.time_limit < float("inf") or args.random_samples < 1:
         raise UserError(f"--budget ({args.budget}) and --random-samples ({args.random_samples}) "
                         f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
+    if args.search_seed < 0:
+        raise UserError(f"--search-seed: must be >= 0, got {args.search_seed}")
+    if args.micro_batch_size < 1 or args.micro_batches < 0:
+        raise UserError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1 and "
+                        f"--micro-batches ({args.micro_batches}) >= 1 (0: derived)")
     sync = SyncConfig(args.sync, args.inner_steps, args.compression)
     sync.validate()
     if args.tokens_per_replica <= 0:
@@ -170,10 +190,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = plan_best_shape(cluster, model, req, None if args.quiet else _progress)
     if not args.quiet:
         print(file=sys.stderr)
-    save_plan(out.plan, args.out)
-    if args.plot:
+        if out.plan.search["stopped_by"] == "time":
+            print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
+                  f"may differ from run to run (raise --time-limit, or lower --budget, to "
+                  f"reproduce it from --search-seed)", file=sys.stderr)
+    if args.plot:  # first: a plot that fails leaves no plan file behind
         from scheduler.plots import plot_plan  # matplotlib only when asked
         plot_plan(cluster, out.plan, out.history, args.plot)
+    save_plan(out.plan, args.out)
     if args.json:
         print(json.dumps(_plan_json(out, args.out)))
     else:
@@ -189,6 +213,10 @@ def _load_cluster_and_plan(args: argparse.Namespace) -> tuple[Cluster, Plan]:
     if plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
         print(f"warning: {args.plan} was made for cluster '{plan.cluster}' with other "
               f"contents than {args.cluster}", file=sys.stderr)
+    unused = sorted(set(range(cluster.num_devices)) - set(plan.devices()))
+    if unused:
+        print(f"note: {args.plan} leaves devices {id_ranges(unused)} of {args.cluster} idle",
+              file=sys.stderr)
     return cluster, plan
 
 
@@ -222,8 +250,8 @@ def add_scenario_command(sub: argparse._SubParsersAction) -> None:
     sc = sub.add_parser("scenario", help="export a built-in cluster scenario")
     sc.add_argument("name", choices=sorted(SCENARIOS))
     sc.add_argument("--seed", type=int, default=0, help="shuffles device ids (default 0)")
-    sc.add_argument("--devices", type=int, default=64, help="random only: device count")
-    sc.add_argument("--regions", type=int, default=4, help="random only: region count")
+    sc.add_argument("--devices", type=int, help="random only: device count (default 64)")
+    sc.add_argument("--regions", type=int, help="random only: region count (default 4)")
     sc.add_argument("--out", required=True, help="cluster file to write")
     sc.set_defaults(func=cmd_scenario)
 
@@ -233,7 +261,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("plan", help="search a plan for a cluster and model")
     src = pl.add_argument_group("cluster (one of)")
     src.add_argument("--scenario", choices=sorted(SCENARIOS))
-    src.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
+    src.add_argument("--seed", type=int, help="scenario seed: shuffles device ids (default 0)")
     src.add_argument("--cluster", help="cluster/1 JSON file")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
     pl.add_argument("--stages", type=int, default=0,
@@ -286,6 +314,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Replay one training step of any plan and print its breakdown."""
     from scheduler.simulator import format_sim_table, simulate_plan
 
+    if args.timeline:
+        check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
     result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
                            timeline=bool(args.timeline))
@@ -334,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # e.g. the disk filled up while writing: say which file, no traceback
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def test_plan_round_trip_and_validation(tmp_path):
     ([[0, 1], [2, 3]], ((0, 2), (2, 3)), "has 4 layers"),
     ([[0, 1], [2, 3]], ((0, 2), (3, 4)), "must start at 2"),
     ([[0, 1], [2, 9]], ((0, 2), (2, 4)), r"device ids \[9\] are not in cluster"),
+    ([[0, 1], [2, 3]], ((0, 9), (9, 10)), r"stages\[0\].layers: \[0, 9\] ends past the 4"),
 ])
 def test_bad_plans_are_named(pipelines, stages, message):
     cluster = cluster_from_dict(tiny_cluster_dict(4))
@@ -110,7 +111,14 @@ def test_bad_sync_is_named():
         SyncConfig("diloco", 0).validate()
     with pytest.raises(UserError, match="sync.compression"):
         SyncConfig("diloco", 5, "int4").validate()
+    for bad in ({"outer_lr": "fast"}, {"outer_lr": -0.7}, {"outer_lr": float("nan")},
+                {"outer_momentum": 1.0}, {"outer_momentum": True}):
+        with pytest.raises(UserError, match=f"sync.{next(iter(bad))}"):
+            SyncConfig("diloco", 5, **bad).validate()
     raw = make_plan([[0, 1]]).to_dict()
+    for key in ("predicted", "search"):
+        with pytest.raises(UserError, match=f"plan.{key}: expected an object"):
+            plan_from_dict({**raw, key: [1]})
     raw["sync"]["bogus"] = 1
     with pytest.raises(UserError, match="unknown keys"):
         plan_from_dict(json.loads(json.dumps(raw)))

@@ -66,6 +66,9 @@ class SearchResult:
     """(evaluations so far, best cost so far) at every improvement."""
     best_structured: tuple[str, float] = ("", float("inf"))
     """Name and cost of the best hand-structured starting plan (before any search)."""
+    stopped_by: str = "converged"
+    """What ended the search: `budget`, `time` (the wall limit: not reproducible from the
+    seed) or `converged` (no gain for `patience` evaluations, or the polish found nothing)."""
 
 
 Key = tuple[float, float]
@@ -83,9 +86,22 @@ class _Scorer:
         self.evaluations = 0
         self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
         self.history: list[tuple[int, float]] = []
+        self.timed_out = self.out_of_budget = False
 
     def exhausted(self) -> bool:
-        return self.evaluations >= self.budget or time.perf_counter() > self.deadline
+        if self.evaluations >= self.budget:
+            self.out_of_budget = True
+            return True
+        if time.perf_counter() > self.deadline:
+            self.timed_out = True
+            return True
+        return False
+
+    def stopped_by(self) -> str:
+        """`time` if the wall limit ever cut a phase short, else `budget` or `converged`."""
+        if self.timed_out:
+            return "time"
+        return "budget" if self.out_of_budget else "converged"
 
     def score(self, groups: Groups) -> Key:
         self.evaluations += 1
@@ -299,7 +315,7 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         progress(scorer.evaluations, best_cost)
     return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
                         _merge_history(given_history, scorer.history, chain_history),
-                        best_structured)
+                        best_structured, scorer.stopped_by())
 
 
 def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,
