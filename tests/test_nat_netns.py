@@ -305,17 +305,19 @@ sys.path.insert(0, sys.argv[1])
 from udp_hole_punching_test import protocol as P
 target, port, seconds = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 wrong = P.derive_keys("wrong-token", "nat1")
+wg = "LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw="
 rng = random.Random(3)
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 end = time.monotonic() + seconds
 sent = 0
 while time.monotonic() < end:
     hello = P.encode(wrong.peer_key, "hello", "nat1", "e" * 16, to="f" * 16, echo="",
-                     done=True, wg="LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw=")
-    reg = P.encode(wrong.server_key, "reg", "nat1", "e" * 16, priv=["10.0.0.1", 9],
-                   wg="LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw=", probe=False,
+                     done=True, wgh=P.wg_hash(wg))
+    reg = P.encode(wrong.server_key, "reg", "nat1", "e" * 16, priv=["10.0.0.1", 9], wg=wg,
+                   wgmac=P.wg_mac(wrong.peer_key, "nat1", "e" * 16, wg), probe=False,
                    skey=wrong.server_key.hex())
-    for data in (rng.randbytes(rng.randint(0, 1500)), hello, reg, b"\x00" * 2000):
+    huge = json.dumps({**json.loads(reg), "ts": 10**400}).encode()  # once crashed the server
+    for data in (rng.randbytes(rng.randint(0, 1500)), hello, reg, huge, b"\x00" * 2000):
         try:
             s.sendto(data, (target, port))
             sent += 1
@@ -357,4 +359,5 @@ def test_garbage_and_wrong_token_to_server_and_peer(tmp_path):
         assert srv.returncode == 0
         stats = ast.literal_eval(out.strip().splitlines()[-1].split("datagrams ", 1)[1])
         assert stats.get("rejected", 0) >= 20, stats  # the flood: garbage and wrong token
+        assert stats.get("internal_error", 0) == 0, stats
         assert stats.get("accepted", 0) >= 4, stats  # two registrations + two probes at least

@@ -3,9 +3,12 @@ loopback (with garbage and spoofed datagrams), and the send/recv benchmark over 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from udp_hole_punching_test import protocol as P
-from udp_hole_punching_test.peer import mapping_behaviour
+from udp_hole_punching_test.peer import PeerConfig, Puncher, mapping_behaviour
 from udp_hole_punching_test.rendezvous_server import RendezvousServer
 from udp_hole_punching_test.wireguard import interface_name, tunnel_addresses
 
@@ -24,11 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 WG = "LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw="
 KEYS = P.derive_keys("tok", "s1")
+HUGE = 10**400  # a JSON integer no float can hold
+
+
+def wgmac(pid: str, keys=KEYS, session="s1", wg=WG) -> str:
+    """The wgmac a peer with id `pid` would send."""
+    return P.wg_mac(keys.peer_key, session, pid, wg)
 
 
 def reg(keys=KEYS, session="s1", pid="a" * 16, probe=False, now=None, skey=True, **over):
     """A registration datagram, parsed."""
-    fields = {"priv": ["192.168.1.2", 5000], "wg": WG, "probe": probe}
+    fields = {"priv": ["192.168.1.2", 5000], "wg": WG, "wgmac": wgmac(pid, keys, session),
+              "probe": probe}  # fmt: skip
     if skey:
         fields["skey"] = keys.server_key.hex()
     fields.update(over)
@@ -40,7 +50,7 @@ def reg(keys=KEYS, session="s1", pid="a" * 16, probe=False, now=None, skey=True,
 
 def test_roundtrip_and_mac():
     data = P.encode(KEYS.peer_key, "hello", "s1", "b" * 16, to="a" * 16, echo="", done=False,
-                    wg=WG)  # fmt: skip
+                    wgh=P.wg_hash(WG))  # fmt: skip
     msg = P.parse(data)
     P.verify(KEYS.peer_key, msg)
     with pytest.raises(P.ProtocolError, match="bad MAC"):
@@ -58,6 +68,8 @@ def test_keys_depend_on_token_and_session():
     assert P.derive_keys("tok", "s2").peer_key != KEYS.peer_key
     assert P.derive_keys("tok2", "s1").server_key != KEYS.server_key
     assert P.derive_keys("tok", "s1") == KEYS  # deterministic
+    # what a server pinning the token computes is what the peers compute
+    assert P.server_key(P.server_master("tok"), "s1") == KEYS.server_key
     for bad_session in ("", "a b", "x" * 65, "é"):
         with pytest.raises(P.ProtocolError, match="session"):
             P.derive_keys("tok", bad_session)
@@ -93,6 +105,11 @@ def _mutate(msg: dict, **changes) -> bytes:
         ({"id": "A" * 16}, "peer id"),
         ({"s": "bad session!"}, "session"),
         ({"ts": "now"}, "ts"),
+        ({"ts": HUGE}, "ts"),
+        ({"ts": -HUGE}, "ts"),
+        ({"ts": float("nan")}, "ts"),
+        ({"ts": float("inf")}, "ts"),
+        ({"wgmac": "zz"}, "sha256"),
         ({"mac": "00"}, "mac"),
     ],
 )
@@ -115,7 +132,7 @@ def test_parse_rejects_size_encoding_and_shape():
 def test_fuzzed_datagrams_only_raise_protocol_error():
     rng = random.Random(0)
     valid = P.encode(KEYS.server_key, "reg", "s1", "a" * 16, priv=["10.0.0.1", 9], wg=WG,
-                     probe=False)  # fmt: skip
+                     wgmac=wgmac("a" * 16), probe=False)  # fmt: skip
     for _ in range(3000):
         b = bytearray(valid)
         for _ in range(rng.randint(1, 8)):
@@ -170,6 +187,30 @@ def test_registry_pinned_token_mode():
     r.authenticate(reg(skey=False, now=clock.t))
     with pytest.raises(P.ProtocolError, match="bad MAC"):
         r.authenticate(reg(keys=P.derive_keys("nope", "s1"), now=clock.t))
+
+
+def test_pinned_registry_stretches_the_token_once_not_per_session(monkeypatch):
+    calls = [0]
+    real = P.hashlib.pbkdf2_hmac
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P.hashlib, "pbkdf2_hmac", counting)
+    clock = FakeClock(time.time())
+    r = P.Registry(pinned_token="tok", clock=clock)
+    assert calls[0] == 1
+    junk = [P.parse(P.encode(b"x" * 32, "reg", f"junk{i}", "b" * 16, now=clock.t,
+                             priv=["10.0.0.1", 9], wg=WG, wgmac="0" * 64, probe=False))
+            for i in range(50)]  # fmt: skip
+    t0 = time.perf_counter()
+    for msg in junk:
+        with pytest.raises(P.ProtocolError, match="bad MAC"):
+            r.authenticate(msg)
+    assert calls[0] == 1, "a session name must not cost a PBKDF2"
+    assert time.perf_counter() - t0 < 1.0
+    r.authenticate(reg(skey=False, now=clock.t))  # and the peers' key is the server's
 
 
 def test_registry_replay_skew_full_probe_and_expiry():
@@ -253,7 +294,13 @@ def test_mapping_behaviour_and_names():
     a, b = interface_name("s1", "a"), interface_name("s1", "b")
     assert a != b and len(a) <= 15 and a != interface_name("s2", "a")
     ip_a, ip_b = tunnel_addresses("s1")
-    assert ip_a.startswith("10.77.") and ip_a.endswith(".1") and ip_b.endswith(".2")
+    net_a = ipaddress.ip_interface(f"{ip_a}/30").network
+    assert net_a.subnet_of(ipaddress.ip_network("10.77.0.0/16"))
+    assert ipaddress.ip_address(ip_b) in net_a
+    assert ipaddress.ip_address(ip_a) < ipaddress.ip_address(ip_b)  # a: the lower host
+    blocks = {ipaddress.ip_interface(f"{tunnel_addresses(f'run-{i}')[0]}/30").network
+              for i in range(40)}  # fmt: skip
+    assert len(blocks) >= 39  # 14 bits: 40 sessions collide with odds of about 5 %
 
 
 # ---------------------------------------------------------------- server and peers on loopback
@@ -313,7 +360,7 @@ def test_server_survives_garbage_and_ignores_wrong_token(server):
     answer = None
     for _ in range(5):  # like a real peer, retry: the garbage may still fill the socket buffer
         ok = P.encode(KEYS.server_key, "reg", "s1", "a" * 16, priv=["127.0.0.1", 1], wg=WG,
-                      probe=False, skey=KEYS.server_key.hex())  # fmt: skip
+                      wgmac=wgmac("a" * 16), probe=False, skey=KEYS.server_key.hex())  # fmt: skip
         answer = _udp_exchange(port, ok)
         if answer is not None:
             break
@@ -323,11 +370,39 @@ def test_server_survives_garbage_and_ignores_wrong_token(server):
     assert msg["t"] == "reg_ok" and msg["pub"][0] == "127.0.0.1"
     bad = P.derive_keys("wrong-token", "s1")
     wrong = P.encode(bad.server_key, "reg", "s1", "b" * 16, priv=["127.0.0.1", 1], wg=WG,
-                     probe=False, skey=bad.server_key.hex())  # fmt: skip
+                     wgmac=wgmac("b" * 16, bad), probe=False,
+                     skey=bad.server_key.hex())  # fmt: skip
     assert _udp_exchange(port, wrong) is None  # no answer, no registration
     assert list(srv.registry.sessions["s1"].peers) == ["a" * 16]
     # the kernel may drop some of the burst before the server reads it
     assert srv.stats["rejected"] >= 50 and srv.stats["accepted"] == 1
+
+
+def test_server_survives_huge_numbers_and_internal_errors(server, monkeypatch):
+    srv, port = server
+
+    def register(pid: str) -> bytes | None:
+        return _udp_exchange(port, P.encode(KEYS.server_key, "reg", "s1", pid, wg=WG,
+                                            priv=["127.0.0.1", 1], wgmac=wgmac(pid),
+                                            probe=False, skey=KEYS.server_key.hex()))  # fmt: skip
+
+    huge = _with_ts(P.encode(KEYS.server_key, "reg", "s1", "a" * 16, priv=["127.0.0.1", 1],
+                             wg=WG, wgmac=wgmac("a" * 16), probe=False), HUGE)  # fmt: skip
+    with pytest.raises(P.ProtocolError, match="ts"):
+        P.parse(huge)
+    assert _udp_exchange(port, huge) is None
+    real = srv.registry.authenticate
+
+    def buggy(msg):  # a bug the input triggers, once
+        monkeypatch.setattr(srv.registry, "authenticate", real)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(srv.registry, "authenticate", buggy)
+    assert register("a" * 16) is None
+    answer = register("b" * 16)
+    assert answer is not None, "the server stopped answering"
+    assert P.parse(answer)["t"] == "reg_ok"
+    assert srv.stats["internal_error"] == 1 and srv.stats["rejected"] == 1, srv.stats
 
 
 def test_server_rate_limits_a_flooding_source(server):
@@ -346,6 +421,13 @@ def _peer_cmd(port: int, *extra: str) -> list[str]:
             "--session", "lo1", "--no-wireguard", *extra]  # fmt: skip
 
 
+def _with_ts(data: bytes, ts: object) -> bytes:
+    """The datagram with its `ts` replaced (the MAC no longer matches; parse must reject first)."""
+    msg = json.loads(data)
+    msg["ts"] = ts
+    return json.dumps(msg).encode()
+
+
 def _spam_peer(target_port: int, stop: threading.Event, sent: list[int]) -> None:
     """Garbage, wrong-token hellos and bare headers to a peer's port; counts what it sent."""
     wrong = P.derive_keys("wrong-token", "lo1")
@@ -353,8 +435,8 @@ def _spam_peer(target_port: int, stop: threading.Event, sent: list[int]) -> None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         while not stop.is_set():
             hello = P.encode(wrong.peer_key, "hello", "lo1", "c" * 16, to="d" * 16, echo="",
-                             done=True, wg=WG)  # fmt: skip
-            for data in (rng.randbytes(64), hello, b'{"v":1}'):
+                             done=True, wgh=P.wg_hash(WG))  # fmt: skip
+            for data in (rng.randbytes(64), hello, b'{"v":1}', _with_ts(hello, HUGE)):
                 s.sendto(data, ("127.0.0.1", target_port))
                 sent[0] += 1
             stop.wait(0.01)
@@ -432,6 +514,109 @@ def test_cli_user_errors_exit_2_without_traceback(script, args, match):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and match in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def puncher():
+    """A Puncher on loopback whose 'server' is two sockets of this test (returned too)."""
+    port = _free_port_pair()
+    socks = []
+    for q in (port, port + 1):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", q))
+        s.settimeout(2)
+        socks.append(s)
+    cfg = PeerConfig(server=("127.0.0.1", port), session="s1", token="tok",
+                     private_ip="127.0.0.1")  # fmt: skip
+    pu = Puncher(cfg, KEYS)
+    try:
+        yield pu, socks
+    finally:
+        pu.close()
+        for s in socks:
+            s.close()
+
+
+def _peer_msg(pid: str, wg: str = WG, mac: str | None = None) -> bytes:
+    other = {"id": pid, "pub": ["127.0.0.1", 7000], "pub_probe": None,
+             "priv": ["127.0.0.1", 7000], "wg": wg, "wgmac": mac or wgmac(pid, wg=wg)}  # fmt: skip
+    return P.encode(KEYS.server_key, "peer", "s1", "0" * 16, pub=["127.0.0.1", 1], other=other)
+
+
+def test_peer_counts_what_would_crash_it(puncher, monkeypatch):
+    pu, _ = puncher
+    hello = P.encode(KEYS.peer_key, "hello", "s1", "b" * 16, to=pu.peer_id, echo="",
+                     done=False, wgh=P.wg_hash(WG))  # fmt: skip
+    pu._handle(_with_ts(hello, HUGE), ("127.0.0.1", 7000))
+    assert pu.result.rejected_datagrams == 1
+
+    def buggy(msg, addr):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pu, "_from_peer", buggy)
+    pu._handle(hello, ("127.0.0.1", 7000))
+    assert pu.result.rejected_datagrams == 2
+
+
+def test_peer_takes_only_wireguard_keys_the_other_peer_authenticated(puncher):
+    pu, _ = puncher
+    server = pu.cfg.server
+    other_wg = "A" * 42 + "E="
+    pu._handle(_peer_msg("b" * 16, mac="0" * 64), server)  # the server (key) forged the key
+    assert pu.other is None and pu.result.rejected_datagrams == 1
+    pu._handle(_peer_msg("b" * 16, wg=other_wg, mac=wgmac("b" * 16)), server)  # b's mac, not key
+    assert pu.other is None
+    pu._handle(_peer_msg("b" * 16), server)
+    assert pu.other is not None and pu.other.wg == WG
+    pu._handle(_peer_msg("b" * 16, wg=other_wg), server)  # even validly mac'd: same id, new key
+    assert pu.other.wg == WG and pu.result.rejected_datagrams == 3
+    # a hello must hash the announced key
+    bad = P.encode(KEYS.peer_key, "hello", "s1", "b" * 16, to=pu.peer_id, echo="", done=False,
+                   wgh=P.wg_hash(other_wg))  # fmt: skip
+    pu._handle(bad, ("127.0.0.1", 7000))
+    assert pu.result.rejected_datagrams == 4 and pu.result.hellos_received == 0
+    # once confirmed, the server cannot swap in another peer (and with it another key)
+    pu.confirmed_at = time.monotonic()
+    pu._handle(_peer_msg("c" * 16, wg=other_wg), server)
+    assert pu.other.peer_id == "b" * 16 and pu.other.wg == WG
+
+
+def test_peer_sends_the_server_key_only_when_unanswered(puncher):
+    pu, (main, probe) = puncher
+
+    def sent_skey() -> tuple[bool, bool]:
+        return tuple("skey" in P.parse(s.recv(4096)) for s in (main, probe))
+
+    pu._register()
+    pu._register()
+    assert sent_skey() == sent_skey() == (False, False)  # a pinned server answers these
+    pu._register()  # an open-mode server needs it to create the session
+    assert sent_skey() == (True, False)
+    pu.result.my_public = ("127.0.0.1", 1)  # answered: the session exists
+    pu._register()
+    assert sent_skey() == (False, False)
+
+
+@pytest.mark.skipif(shutil.which("wg") is None, reason="`wg` missing (Debian wireguard-tools)")
+@pytest.mark.timeout(60)
+def test_sigterm_while_registering_deletes_the_private_key(server, tmp_path):
+    _, port = server
+    cmd = [PY, str(ROOT / "udp_hole_punching_test/peer.py"), "--server", f"127.0.0.1:{port}",
+           "--session", "alone", "--token", "t"]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where KeyPair.generate puts the key
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().startswith("peer "), p.stderr.read()  # keys exist now
+        assert list(tmp_path.glob("wg-session-*/private.key"))
+        time.sleep(2)  # registered, waiting for a peer that never comes
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("wg-session-*"))
 
 
 # ---------------------------------------------------------------- send/recv benchmark

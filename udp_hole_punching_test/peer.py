@@ -4,20 +4,23 @@
 
 Steps: (1) register on the server's port and probe its port+1 from the same socket, learning
 our public endpoint as seen from two destinations and the other peer's endpoints and WireGuard
-key; (2) send authenticated hellos to the other's public and private endpoints at once, with
-back-off, until each side has received a hello that echoes one of its own fresh nonces (a
-two-way exchange that a spoofed or replayed packet cannot fake); (3) close the socket and bring
-up WireGuard on the same local port, the other's confirmed endpoint as its peer endpoint, and
-keep-alives holding both NAT mappings open; it stays up until SIGINT/SIGTERM or --hold-s.
+key (which the other peer authenticated with `wgmac`); (2) send authenticated hellos to the
+other's public and private endpoints at once, with back-off, until each side has received a
+hello that echoes one of its own fresh nonces (a two-way exchange that a spoofed or replayed
+packet cannot fake); (3) close the socket and bring up WireGuard on the same local port, the
+other's confirmed endpoint as its peer endpoint, and keep-alives holding both NAT mappings
+open; it stays up until SIGINT/SIGTERM or --hold-s.
 
 Exit status: 0 success, 2 user error, 3 punching failed (the diagnosis names the NAT
-behaviour that was observed), 4 the tunnel did not come up.
+behaviour that was observed), 4 the tunnel did not come up, 128 + the signal number when
+SIGTERM/SIGINT stopped it before the tunnel was up.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import hmac
 import json
 import logging
 import os
@@ -44,6 +47,8 @@ from udp_hole_punching_test.protocol import (  # noqa: E402
     new_peer_id,
     parse,
     verify,
+    wg_hash,
+    wg_mac,
 )
 from udp_hole_punching_test.rendezvous_server import parse_hostport  # noqa: E402
 
@@ -153,6 +158,7 @@ class Puncher:
         self.result = PunchResult(ok=False, peer_id=self.peer_id, local_port=self.local_port)
         self.other: OtherPeer | None = None
         self.server_error = ""
+        self._regs_sent = 0
         self._sent: dict[str, float] = {}  # my hello nonces -> send time
         self._last_from_other = ""  # latest nonce received from the other
         self._rtts: list[float] = []
@@ -168,9 +174,18 @@ class Puncher:
             log.debug("sendto %s: %s", addr, exc)
 
     def _register(self) -> None:
+        # Only a server without a pinned token needs `skey`, and only in the registration that
+        # creates the session; a pinned server answers without it. So the key goes out in
+        # cleartext only after two registrations went unanswered.
+        skey = self.result.my_public is None and self._regs_sent >= 2
+        self._regs_sent += 1
+        wgmac = wg_mac(self.keys.peer_key, self.cfg.session, self.peer_id, self.wg_key)
         for probe, addr in ((False, self.cfg.server), (True, self.probe_server)):
-            fields: dict[str, Any] = {"priv": list(self.priv), "wg": self.wg_key, "probe": probe}
-            fields["skey"] = self.keys.server_key.hex()
+            fields: dict[str, Any] = {
+                "priv": list(self.priv), "wg": self.wg_key, "wgmac": wgmac, "probe": probe,
+            }  # fmt: skip
+            if skey and not probe:  # a probe never creates a session
+                fields["skey"] = self.keys.server_key.hex()
             data = encode(self.keys.server_key, "reg", self.cfg.session, self.peer_id, **fields)
             self._sendto(data, addr)
 
@@ -183,7 +198,7 @@ class Puncher:
         data = encode(
             self.keys.peer_key, "hello", self.cfg.session, self.peer_id, nonce=nonce,
             to=self.other.peer_id, echo=self._last_from_other,
-            done=self.confirmed_at is not None, wg=self.wg_key,
+            done=self.confirmed_at is not None, wgh=wg_hash(self.wg_key),
         )  # fmt: skip
         if ttl is None:
             self._sendto(data, addr)
@@ -231,6 +246,9 @@ class Puncher:
         except ProtocolError as exc:
             self.result.rejected_datagrams += 1
             log.debug("dropped datagram from %s: %s", addr, exc)
+        except Exception as exc:  # anyone can send us anything: a bug costs one datagram
+            self.result.rejected_datagrams += 1
+            log.warning("internal error on a datagram from %s: %r", addr, exc)
 
     def _from_server(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "reg_ok":
@@ -241,6 +259,10 @@ class Puncher:
         elif msg["t"] == "peer":
             self.result.my_public = tuple(msg["pub"])
             o = msg["other"]
+            # the server forwards the key; only the other peer (the peer key) can vouch for it
+            expected = wg_mac(self.keys.peer_key, self.cfg.session, o["id"], o["wg"])
+            if not hmac.compare_digest(o["wgmac"], expected):
+                raise ProtocolError("the other's WireGuard key is not authenticated (wgmac)")
             other = OtherPeer(
                 o["id"],
                 tuple(o["pub"]),
@@ -248,7 +270,12 @@ class Puncher:
                 tuple(o["priv"]),
                 o["wg"],
             )
-            if self.other is not None and other.peer_id != self.other.peer_id:
+            if self.other is not None and other.peer_id == self.other.peer_id:
+                if other.wg != self.other.wg:  # one key pair per peer process
+                    raise ProtocolError("the server changed the other's WireGuard key")
+            elif self.other is not None:
+                if self.confirmed_at is not None:  # the confirmed hellos vouched for this one
+                    raise ProtocolError("another peer announced after the handshake")
                 log.info("the other peer restarted (new id %s)", other.peer_id)
                 self._last_from_other = ""
             self.other = other
@@ -265,7 +292,7 @@ class Puncher:
             return  # the other side punches already; we answer once the server told us
         if msg["id"] != other.peer_id or msg["to"] != self.peer_id:
             raise ProtocolError("hello from/for a peer id this session did not announce")
-        if msg["wg"] != other.wg:
+        if msg["wgh"] != wg_hash(other.wg):
             raise ProtocolError("hello carries a WireGuard key other than the announced one")
         self.result.hellos_received += 1
         self._last_from_other = msg["n"]
@@ -430,6 +457,17 @@ class PunchFailed(RuntimeError):
     """Registration or punching failed; the message is the diagnosis."""
 
 
+class Stopped(BaseException):
+    """SIGTERM/SIGINT before the tunnel was up (a BaseException: `except Exception` lets it by)."""
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    """Signal handler until the tunnel is up: unwind, so that every `finally` cleans up."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
+    raise Stopped(signum)
+
+
 def _ep(ep: Endpoint | list | None) -> str:
     return "nothing" if ep is None else f"{ep[0]}:{ep[1]}"
 
@@ -456,6 +494,8 @@ def bring_up_tunnel(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     puncher.close()  # WireGuard takes over the port and the NAT mapping behind it
+    # `other.wg` is the key the confirmed hellos hashed (wgh) and the other peer vouched for
+    # (wgmac); _from_server refuses any later change of it
     try:
         t_up = time.monotonic()
         tunnel.up(keypair, other.wg)
@@ -492,7 +532,6 @@ def bring_up_tunnel(
         return 0
     finally:
         tunnel.down()
-        keypair.destroy()
 
 
 def _report(result: PunchResult, path: Path | None) -> None:
@@ -537,48 +576,70 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s peer %(message)s",
     )
+    # from the start: a signal while registering or punching must still delete the private key
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stopped)
     keypair = None
     puncher = None
     try:
-        if not args.token:
-            raise UserError("give the session's secret with --token T or PUNCH_TOKEN=T")
-        if not 0 <= args.local_port <= 65535:
-            raise UserError(f"--local-port {args.local_port} must be 0-65535")
-        if not 0 <= args.low_ttl <= 255:
-            raise UserError(f"--low-ttl {args.low_ttl} must be 0-255")
-        if args.register_timeout_s <= 0 or args.punch_timeout_s <= 0:
-            raise UserError("--register-timeout-s and --punch-timeout-s must be positive")
-        server = parse_hostport(args.server, "--server")
         try:
-            server = (socket.gethostbyname(server[0]), server[1])
-        except OSError as exc:
-            raise UserError(f"--server host {server[0]!r} does not resolve: {exc}") from exc
-        try:
-            keys = derive_keys(args.token, args.session)
-        except ProtocolError as exc:
-            raise UserError(f"--session/--token: {exc}") from exc
-        if not args.no_wireguard:
-            from udp_hole_punching_test.wireguard import KeyPair
+            cfg, keys = _config(args)
+            if not args.no_wireguard:
+                from udp_hole_punching_test.wireguard import KeyPair
 
-            keypair = KeyPair.generate()
-        cfg = PeerConfig(
-            server=server,
-            session=args.session,
-            token=args.token,
-            local_port=args.local_port,
-            private_ip=args.private_ip,
-            register_timeout_s=args.register_timeout_s,
-            punch_timeout_s=args.punch_timeout_s,
-            low_ttl=args.low_ttl,
-            relay_fallback=args.relay_fallback,
-            wg_public_key=keypair.public_key if keypair else None,
-        )
-        puncher = Puncher(cfg, keys)
-    except UserError as exc:
+                keypair = KeyPair.generate()
+                cfg.wg_public_key = keypair.public_key
+            puncher = Puncher(cfg, keys)
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        return _run(args, cfg, puncher, keypair)
+    except Stopped as exc:
+        signum = exc.args[0]
+        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if puncher is not None:
+            puncher.close()
         if keypair is not None:
             keypair.destroy()
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+
+
+def _config(args: argparse.Namespace) -> tuple[PeerConfig, SessionKeys]:
+    """Check the command line; raise UserError saying what is wrong."""
+    if not args.token:
+        raise UserError("give the session's secret with --token T or PUNCH_TOKEN=T")
+    if not 0 <= args.local_port <= 65535:
+        raise UserError(f"--local-port {args.local_port} must be 0-65535")
+    if not 0 <= args.low_ttl <= 255:
+        raise UserError(f"--low-ttl {args.low_ttl} must be 0-255")
+    if args.register_timeout_s <= 0 or args.punch_timeout_s <= 0:
+        raise UserError("--register-timeout-s and --punch-timeout-s must be positive")
+    server = parse_hostport(args.server, "--server")
+    try:
+        server = (socket.gethostbyname(server[0]), server[1])
+    except OSError as exc:
+        raise UserError(f"--server host {server[0]!r} does not resolve: {exc}") from exc
+    try:
+        keys = derive_keys(args.token, args.session)
+    except ProtocolError as exc:
+        raise UserError(f"--session/--token: {exc}") from exc
+    cfg = PeerConfig(
+        server=server,
+        session=args.session,
+        token=args.token,
+        local_port=args.local_port,
+        private_ip=args.private_ip,
+        register_timeout_s=args.register_timeout_s,
+        punch_timeout_s=args.punch_timeout_s,
+        low_ttl=args.low_ttl,
+        relay_fallback=args.relay_fallback,
+    )
+    return cfg, keys
+
+
+def _run(args: argparse.Namespace, cfg: PeerConfig, puncher: Puncher, keypair: Any) -> int:
+    """Register, punch (or relay), then report or bring up the tunnel; return the exit status."""
     print(
         f"peer {puncher.peer_id}: local port {puncher.local_port}, private "
         f"{_ep(puncher.priv)}, server {_ep(cfg.server)}",
@@ -607,9 +668,6 @@ def main(argv: list[str] | None = None) -> int:
         puncher.result.diagnosis = "; ".join(d for d in (puncher.result.diagnosis, str(exc)) if d)
         _report(puncher.result, args.result_json)
         print(f"error: {exc}", file=sys.stderr)
-        puncher.close()
-        if keypair is not None:
-            keypair.destroy()
         return EXIT_PUNCH_FAILED
     r = puncher.result
     if r.path == "direct":
@@ -622,7 +680,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relayed: through {_ep(r.endpoint)} from local port {r.local_port}", flush=True)
     if keypair is None:
         _report(r, args.result_json)
-        puncher.close()
         return 0
     try:
         return bring_up_tunnel(cfg, puncher, keypair, args.hold_s, args.result_json)

@@ -6,12 +6,17 @@ Every datagram is one JSON object of at most MAX_DATAGRAM_BYTES bytes with the f
 fields). Unknown types, unknown or missing fields and wrong value types are rejected, so a
 receiver never acts on anything it did not validate completely.
 
-Keys. A token shared by the two peers is stretched with PBKDF2 (salted with the session name)
-into a master secret, from which two keys are derived with HMAC:
-- the *server key* authenticates peer <-> server messages;
-- the *peer key* authenticates the peer <-> peer handshake and never leaves the peers.
-Knowing the server key does not give the peer key, so neither the server nor anyone who learns
-the server key can forge the handshake, redirect a peer, or swap a WireGuard public key.
+Keys. A token shared by the two peers is stretched twice with PBKDF2:
+- with a fixed salt into the *server master*, from which HMAC derives each session's *server
+  key*, which authenticates peer <-> server messages (a server pinning the token stretches it
+  once at start-up, so unknown session names cost it one HMAC, not one PBKDF2);
+- salted with the session name into the session's master, from which HMAC derives the *peer
+  key*, which authenticates everything peer <-> peer and never leaves the peers.
+Knowing a server key does not give the peer key, so neither the server nor anyone who learns
+the server key can forge a hello (and so redirect a peer) or swap a WireGuard public key: each
+registration carries `wgmac` = HMAC(peer key, session|id|wg), which the other peer checks before
+it uses the key the server forwards, and each hello carries sha256 of the sender's key. What
+the server key does allow is disruption: refusing or garbling the introduction.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import hashlib
 import hmac
 import ipaddress
 import json
-import math
 import os
 import re
 import time
@@ -32,6 +36,7 @@ VERSION = 1
 MAX_DATAGRAM_BYTES = 1200  # below every path MTU we care about, so nothing fragments
 MAX_TOKEN_CHARS = 256
 PBKDF2_ITERATIONS = 100_000  # slows offline guessing of weak tokens from a captured datagram
+MAX_TS = 2**53  # beyond any clock; bounds JSON integers before float arithmetic on them
 SESSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 PEER_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 NONCE_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -66,16 +71,39 @@ def validate_session(session: str) -> str:
     return session
 
 
-def derive_keys(token: str, session: str) -> SessionKeys:
-    """Stretch the token (salted with the session name) and derive the server and peer keys."""
-    validate_session(session)
+def _stretch(token: str, salt: str) -> bytes:
     if not isinstance(token, str) or not 1 <= len(token) <= MAX_TOKEN_CHARS:
         raise ProtocolError(f"token must be 1-{MAX_TOKEN_CHARS} characters")
-    salt = f"udp-hole-punch/{VERSION}|{session}".encode()
-    master = hashlib.pbkdf2_hmac("sha256", token.encode(), salt, PBKDF2_ITERATIONS, 32)
-    server_key = hmac.new(master, b"server", hashlib.sha256).digest()
+    return hashlib.pbkdf2_hmac("sha256", token.encode(), salt.encode(), PBKDF2_ITERATIONS, 32)
+
+
+def server_master(token: str) -> bytes:
+    """PBKDF2 of the token with a fixed salt; the server keys of all sessions derive from it."""
+    # "/" cannot occur in a session name, so this salt never equals a session's salt below
+    return _stretch(token, f"udp-hole-punch/{VERSION}/server")
+
+
+def server_key(master: bytes, session: str) -> bytes:
+    """The server key of one session: one HMAC of the server master."""
+    return hmac.new(master, f"server|{session}".encode(), hashlib.sha256).digest()
+
+
+def derive_keys(token: str, session: str) -> SessionKeys:
+    """Derive a session's server key and its peer key (salted with the session name)."""
+    validate_session(session)
+    master = _stretch(token, f"udp-hole-punch/{VERSION}|{session}")
     peer_key = hmac.new(master, b"peer", hashlib.sha256).digest()
-    return SessionKeys(server_key=server_key, peer_key=peer_key)
+    return SessionKeys(server_key=server_key(server_master(token), session), peer_key=peer_key)
+
+
+def wg_mac(peer_key: bytes, session: str, peer_id: str, wg: str) -> str:
+    """HMAC (peer key) binding a WireGuard public key to its peer; the server cannot forge it."""
+    return hmac.new(peer_key, f"wg|{session}|{peer_id}|{wg}".encode(), hashlib.sha256).hexdigest()
+
+
+def wg_hash(wg: str) -> str:
+    """sha256 (hex) of a WireGuard public key, which hellos carry instead of the key."""
+    return hashlib.sha256(wg.encode()).hexdigest()
 
 
 def new_nonce() -> str:
@@ -140,6 +168,7 @@ def _reason(value: Any) -> str:
 _peer_id = _regex(PEER_ID_RE, "peer id")
 _wg_key = _regex(WG_KEY_RE, "WireGuard public key")
 _key_hex = _regex(MAC_RE, "server key")
+_hex256 = _regex(MAC_RE, "sha256 hex digest")
 
 _OTHER_FIELDS: dict[str, Callable[[Any], Any]] = {
     "id": _peer_id,
@@ -147,6 +176,7 @@ _OTHER_FIELDS: dict[str, Callable[[Any], Any]] = {
     "pub_probe": _optional_endpoint,
     "priv": _endpoint,
     "wg": _wg_key,
+    "wgmac": _hex256,
 }
 
 
@@ -159,10 +189,14 @@ def _other(value: Any) -> dict[str, Any]:
 # type -> (required fields, optional fields), besides COMMON_FIELDS
 SCHEMAS: dict[str, tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[Any], Any]]]] = {
     # peer -> server: register (to the main port) or probe (to the probe port)
-    "reg": ({"priv": _endpoint, "wg": _wg_key, "probe": _bool}, {"skey": _key_hex}),
+    # (skey: open mode only, see Registry; wgmac = wg_mac(), checked by the other peer only)
+    "reg": (
+        {"priv": _endpoint, "wg": _wg_key, "wgmac": _hex256, "probe": _bool},
+        {"skey": _key_hex},
+    ),
     # server -> peer: what the server saw
     "reg_ok": ({"pub": _endpoint, "probe": _bool}, {}),
-    # server -> peer: the other peer's endpoints and key
+    # server -> peer: the other peer's endpoints, key and wgmac
     "peer": ({"pub": _endpoint, "other": _other}, {}),
     # server -> peer: an authenticated refusal
     "err": ({"reason": _reason}, {}),
@@ -170,8 +204,9 @@ SCHEMAS: dict[str, tuple[dict[str, Callable[[Any], Any]], dict[str, Callable[[An
     "relay": ({}, {}),
     # server -> peer: the relay saw us at `pub`; ready = the other peer is bound too
     "relay_ok": ({"pub": _endpoint, "ready": _bool}, {}),
-    # peer -> peer: handshake (echo = last nonce received from the other; done = I confirmed)
-    "hello": ({"to": _peer_id, "echo": _echo, "done": _bool, "wg": _wg_key}, {}),
+    # peer -> peer: handshake (echo = last nonce received from the other; done = I confirmed;
+    # wgh = wg_hash of my WireGuard key: endpoints that are not the peer learn no key)
+    "hello": ({"to": _peer_id, "echo": _echo, "done": _bool, "wgh": _hex256}, {}),
 }
 
 
@@ -216,7 +251,7 @@ def parse(data: bytes) -> dict[str, Any]:
         raise ProtocolError(f"datagram of {len(data)} bytes exceeds {MAX_DATAGRAM_BYTES}")
     try:
         msg = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also bad UTF-8, huge numbers
         raise ProtocolError("datagram is not UTF-8 JSON") from exc
     if not isinstance(msg, dict):
         raise ProtocolError("datagram is not a JSON object")
@@ -237,8 +272,10 @@ def parse(data: bytes) -> dict[str, Any]:
     _peer_id(msg["id"])
     _regex(NONCE_RE, "nonce")(msg["n"])
     ts = msg["ts"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-        raise ProtocolError("ts must be a finite number")
+    # compared, not converted: a 400-digit JSON integer would overflow a float (OverflowError);
+    # NaN and infinities fail the comparison too
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not abs(ts) <= MAX_TS:
+        raise ProtocolError(f"ts must be a number of at most {MAX_TS}")
     _regex(MAC_RE, "mac")(msg["mac"])
     for name, check in {**required, **optional}.items():
         if name in msg:
@@ -298,6 +335,7 @@ class Registration:
     pub: tuple[str, int]
     priv: tuple[str, int]
     wg: str
+    wgmac: str
     last_seen: float
     pub_probe: tuple[str, int] | None = None
     relay_addr: tuple[str, int] | None = None  # where the relay port saw this peer
@@ -310,6 +348,7 @@ class Registration:
             "pub_probe": None if self.pub_probe is None else list(self.pub_probe),
             "priv": list(self.priv),
             "wg": self.wg,
+            "wgmac": self.wgmac,
         }
 
 
@@ -333,23 +372,19 @@ class Registry:
         max_sessions: int = 10_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.pinned_token = pinned_token
+        # stretched once here: per session only an HMAC, so junk session names cost nothing
+        self.pinned_master = None if pinned_token is None else server_master(pinned_token)
         self.ttl_s = ttl_s
         self.max_skew_s = max_skew_s
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: dict[str, Session] = {}
-        self._pinned_keys: dict[str, bytes] = {}
         self._relay_index: dict[tuple[str, int], tuple[str, str]] = {}  # addr -> session, id
 
     def _server_key_for(self, msg: dict[str, Any]) -> bytes:
         name = msg["s"]
-        if self.pinned_token is not None:
-            if name not in self._pinned_keys:
-                if len(self._pinned_keys) >= self.max_sessions:
-                    self._pinned_keys.clear()  # a cache: recomputed when needed
-                self._pinned_keys[name] = derive_keys(self.pinned_token, name).server_key
-            return self._pinned_keys[name]
+        if self.pinned_master is not None:  # `skey` is ignored: the token decides
+            return server_key(self.pinned_master, name)
         if name in self.sessions:
             return self.sessions[name].server_key
         if "skey" not in msg:
@@ -370,7 +405,7 @@ class Registry:
         if session is not None:
             if msg["n"] in session.seen_nonces:
                 raise ProtocolError("replayed nonce")
-            if "skey" in msg and self.pinned_token is None and bytes.fromhex(msg["skey"]) != key:
+            if "skey" in msg and self.pinned_master is None and bytes.fromhex(msg["skey"]) != key:
                 raise ProtocolError("server key differs from the session's")
         return key
 
@@ -394,14 +429,14 @@ class Registry:
                 raise SessionFull("session full: two other peers are registered already")
             if msg["probe"]:
                 raise ProtocolError("probe before registration")
-            reg = Registration(peer_id, observed, tuple(msg["priv"]), msg["wg"], now)
+            reg = Registration(peer_id, observed, tuple(msg["priv"]), msg["wg"], msg["wgmac"], now)
             session.peers[peer_id] = reg
         if msg["probe"]:
             reg.pub_probe = observed
         else:
             reg.pub = observed
             reg.priv = tuple(msg["priv"])
-            reg.wg = msg["wg"]
+            reg.wg, reg.wgmac = msg["wg"], msg["wgmac"]
         reg.last_seen = now
         return session, reg
 

@@ -13,8 +13,10 @@ traffic of two peers that could not punch: each binds its socket there with an a
 `relay` request, after which anything not JSON from one bound address goes to the other.
 
 Every datagram is validated (size, JSON schema, HMAC, clock skew, replay) and rate-limited per
-source IP; anything else is counted and dropped without an answer. Without --token the first
-registration of a session fixes the session's server key (see README.md, "Security").
+source IP; anything else is counted and dropped without an answer (an unexpected error while
+handling one datagram is counted as `internal_error`, logged, and the server goes on). Without
+--token the first registration of a session fixes the session's server key (see README.md,
+"Security").
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class RendezvousServer:
         rate_per_s: float = 50.0,
         relay_mbit_s: float = 0.0,
     ) -> None:
-        self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s)
+        try:
+            self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s)
+        except ProtocolError as exc:  # e.g. a token longer than the protocol allows
+            raise UserError(f"--token: {exc}") from exc
         self.limiter = RateLimiter(rate_per_s=rate_per_s, burst=2 * rate_per_s)
         relay_bytes_s = relay_mbit_s * 1e6 / 8
         # bytes per second per source; one second of burst
@@ -136,6 +141,14 @@ class RendezvousServer:
             # tell the waiting peer now rather than at its next registration
             self._send(sock, other.pub, key, msg, "peer", pub=list(other.pub), other=reg.as_other())
 
+    def handle_safely(self, data: bytes, addr: tuple[str, int], sock: socket.socket) -> None:
+        """`handle`, but a bug it hits costs one datagram (counted), never the server."""
+        try:
+            self.handle(data, addr, sock)
+        except Exception as exc:  # anyone can send us anything: never let input stop us
+            self.stats["internal_error"] += 1
+            log.error("internal error on a datagram from %s:%d: %r", addr[0], addr[1], exc)
+
     def _forward(self, data: bytes, source: tuple[str, int]) -> None:
         """Relay an opaque datagram (WireGuard, end-to-end encrypted) to the bound other peer."""
         assert self.relay_sock is not None
@@ -179,7 +192,7 @@ class RendezvousServer:
                     except OSError as exc:  # e.g. ICMP errors surfacing on the socket
                         log.debug("recvfrom: %s", exc)
                         break
-                    self.handle(data, addr, sock)
+                    self.handle_safely(data, addr, sock)
             if time.monotonic() - last_expiry > 1.0:
                 dropped = self.registry.expire()
                 if dropped:

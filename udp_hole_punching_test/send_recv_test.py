@@ -1,14 +1,16 @@
 """torch.distributed send/recv benchmark between two ranks, e.g. across the WireGuard tunnel.
 
-    # on the peer whose tunnel address is 10.77.X.1 (rank 0), and on the other (rank 1):
+    # rank 0 on the peer of role a (interface wg<hash>-a, tunnel address A), rank 1 on the other:
     GLOO_SOCKET_IFNAME=wgXXXXXXXX-a python udp_hole_punching_test/send_recv_test.py \\
-        --dist-url tcp://10.77.X.1:29500 --world-size 2 --rank 0 --size-mb 4 --iters 5
+        --dist-url tcp://A:29500 --world-size 2 --rank 0 --size-mb 4 --iters 5
 
 Rank 0 sends a message of --size-mb MB to rank 1, which answers with a one-element
 acknowledgement; rank 0 times each round trip. Latency is the median round trip of a 4-byte
 message, halved; bandwidth is size / (round trip - latency round trip). The payload is a seeded
-pseudo-random byte pattern that rank 1 checks byte for byte, so a corrupted transfer fails the
-run (exit 1). Rank 0 prints one JSON line with the results.
+pseudo-random byte pattern that rank 1 checks byte for byte after every round (warm-up
+included; its buffers are zeroed in between, so a lost message cannot pass on stale bytes) and
+reports to rank 0 outside the timed part; a corrupted transfer fails the run (exit 1). Rank 0
+prints one JSON line with the results.
 
 --backend gloo runs on CPU. --backend cupy_nccl sends CUDA buffers with cupy's NCCL bindings
 (one GPU per rank; the NCCL unique id goes through the torch.distributed TCP store).
@@ -53,8 +55,12 @@ class GlooLink:
         dist.recv(t, src)
 
     def buffer(self, n: int) -> torch.Tensor:
-        """An empty buffer of n bytes."""
-        return torch.empty(n, dtype=torch.uint8)
+        """A zeroed buffer of n bytes."""
+        return torch.zeros(n, dtype=torch.uint8)
+
+    def zero(self, t: torch.Tensor) -> None:
+        """Overwrite the buffer with zeros."""
+        t.zero_()
 
     def to_cpu(self, t) -> torch.Tensor:
         """A CPU tensor with the buffer's bytes."""
@@ -109,8 +115,13 @@ class CupyNcclLink:
         self.stream.synchronize()
 
     def buffer(self, n: int):
-        """An empty device buffer of n bytes."""
-        return self.cp.empty(n, dtype=self.cp.uint8)
+        """A zeroed device buffer of n bytes."""
+        return self.cp.zeros(n, dtype=self.cp.uint8)
+
+    def zero(self, t) -> None:
+        """Overwrite the buffer with zeros."""
+        t.fill(0)
+        self.stream.synchronize()
 
     def to_cpu(self, t) -> torch.Tensor:
         """A CPU tensor with the buffer's bytes."""
@@ -138,10 +149,12 @@ def run(args: argparse.Namespace) -> dict | None:
         size = int(args.size_mb * 1e6)
         expected = payload(size, args.seed)
         data = link.from_cpu(expected) if args.rank == 0 else link.buffer(size)
-        small, ack = link.buffer(LATENCY_BYTES), link.buffer(1)
+        ones = torch.ones(LATENCY_BYTES, dtype=torch.uint8)
+        small, ack, verdict = link.buffer(LATENCY_BYTES), link.buffer(1), link.buffer(1)
         if args.rank == 0:
-            small = link.from_cpu(torch.ones(LATENCY_BYTES, dtype=torch.uint8))
+            small = link.from_cpu(ones)
         lat_rtts, big_rtts = [], []
+        verified = True
         for i in range(args.warmup + args.iters):
             for msg, rtts in ((small, lat_rtts), (data, big_rtts)):
                 t0 = time.perf_counter()
@@ -153,8 +166,17 @@ def run(args: argparse.Namespace) -> dict | None:
                     link.send(ack, 0)
                 if i >= args.warmup:
                     rtts.append(time.perf_counter() - t0)
-        ok = torch.tensor([1 if args.rank == 0 else int(torch.equal(link.to_cpu(data), expected))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # rank 0 learns whether rank 1 verified
+            # untimed: rank 1 checks this round's bytes and zeroes its buffers for the next one
+            # while rank 0 waits for the verdict, so checking never lands in a timed round trip
+            if args.rank == 0:
+                link.recv(verdict, 1)
+                verified = verified and int(link.to_cpu(verdict)[0]) == 1
+            else:
+                good = torch.equal(link.to_cpu(small), ones)
+                good = good and torch.equal(link.to_cpu(data), expected)
+                link.zero(small)
+                link.zero(data)
+                link.send(link.from_cpu(torch.tensor([int(good)], dtype=torch.uint8)), 0)
         if args.rank != 0:
             return None
         lat_rtt = statistics.median(lat_rtts)
@@ -164,7 +186,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "backend": args.backend,
             "size_mb": args.size_mb,
             "iters": args.iters,
-            "verified": bool(ok.item()),
+            "verified": verified,
             "latency_ms": round(lat_rtt / 2 * 1e3, 3),
             "rtt_ms": round(lat_rtt * 1e3, 3),
             "transfer_ms": round(big_rtt * 1e3, 3),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -24,6 +25,8 @@ from scheduler.errors import UserError
 KEEPALIVE_S = 5  # well below the 30 s UDP conntrack timeout of Linux NATs and home routers
 WG_SOCKET_DIR = Path("/var/run/wireguard")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+TUNNEL_NET = ipaddress.IPv4Network("10.77.0.0/16")
+TUNNEL_BLOCK_BITS = 14  # 2**14 /30 blocks: two sessions share one with odds 1 in 16384
 
 
 def session_hash(session: str) -> str:
@@ -38,9 +41,10 @@ def interface_name(session: str, role: str) -> str:
 
 
 def tunnel_addresses(session: str) -> tuple[str, str]:
-    """Tunnel IPs of role a and role b: 10.77.X.1 and 10.77.X.2, X derived from the session."""
-    x = int(session_hash(session)[:2], 16)
-    return f"10.77.{x}.1", f"10.77.{x}.2"
+    """Tunnel IPs of role a and role b: the two hosts of a /30 in 10.77.0.0/16 (session hash)."""
+    block = int(session_hash(session), 16) >> (32 - TUNNEL_BLOCK_BITS)  # top bits of 32
+    base = TUNNEL_NET.network_address + 4 * block
+    return str(base + 1), str(base + 2)
 
 
 def _die_with_parent() -> None:
@@ -109,7 +113,8 @@ class Tunnel:
             self.implementation = "kernel"
         except RuntimeError:
             self._start_wireguard_go()
-        _run(["ip", "address", "add", f"{self.address}/24", "dev", self.name])
+        prefix = TUNNEL_NET.max_prefixlen - 2  # the /30 of tunnel_addresses
+        _run(["ip", "address", "add", f"{self.address}/{prefix}", "dev", self.name])
         ip, port = self.endpoint
         endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
         _run(
