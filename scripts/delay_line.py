@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Userspace delay line: hold incoming packets per source address, then let them in.
 
-For kernels without sch_netem. Installs `iptables -I INPUT -s SRC -j NFQUEUE --queue-num Q`
-(with a comment tag) for each source, holds each queued packet `delay_ms[SRC]` ms and accepts it.
+For kernels without sch_netem. Installs `iptables -I INPUT -s SRC -j NFQUEUE --queue-num Q
+--queue-bypass` (with a comment tag) for each source, holds each queued packet `delay_ms[SRC]` ms
+and accepts it. --queue-bypass: if the delay line dies without removing its rules (SIGKILL), the
+kernel lets those packets through undelayed instead of dropping them (SSH stays reachable).
 It must sit on the receiver's INPUT chain: on the sender's OUTPUT chain TCP stalls.
 Run it inside the receiving host (or `ip netns exec NS`); SIGTERM/SIGINT remove its rules.
 
@@ -43,8 +45,11 @@ MAX_HELD = 200_000  # packets the kernel may hold for us (default 1024 drops at 
 
 
 def _iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True,
-                          timeout=30)
+    try:
+        proc = subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True,
+                              timeout=30)
+    except FileNotFoundError:
+        raise UserError("`iptables` not found (Debian package iptables)") from None
     if check and proc.returncode != 0:
         raise UserError(f"iptables {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc
@@ -53,7 +58,7 @@ def _iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def rule_args(src: str, queue: int, tag: str) -> list[str]:
     """The INPUT rule for one source (without -I/-D)."""
     return ["INPUT", "-s", f"{src}/32", "-m", "comment", "--comment", tag, "-j", "NFQUEUE",
-            "--queue-num", str(queue)]
+            "--queue-num", str(queue), "--queue-bypass"]
 
 
 def cleanup(tag: str) -> int:
@@ -104,7 +109,11 @@ def serve(delays: dict[bytes, float], queue: int, tag: str) -> None:
 
     nfq = NetfilterQueue()
     # 20 bytes: the IPv4 header is all we read (source address at offset 12).
-    nfq.bind(queue, on_packet, max_len=MAX_HELD, mode=COPY_PACKET, range=20)
+    try:
+        nfq.bind(queue, on_packet, max_len=MAX_HELD, mode=COPY_PACKET, range=20)
+    except OSError as e:
+        raise UserError(f"cannot bind NFQUEUE {queue} ({e}); not root, or another delay line "
+                        "holds it") from None
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -8,8 +8,9 @@
 Over SSH, line k of ip_list is host k; its address is what the other hosts' u32 filters match.
 Where a kernel has no sch_netem the rules go in without netem leaves and the delay is handled
 by the delay line (local namespaces: started automatically; SSH hosts: started when python3 and
-NetfilterQueue are present there, else reported as "delay not applied"). `show` compares the live
-qdiscs/classes/filters with the cluster and exits 1 on a mismatch. `probe` measures bandwidth
+NetfilterQueue are present there and it reports `ready`, else "delay NOT APPLIED" and exit 1).
+`show` compares the live qdiscs/classes/filters and the running delay lines' delays (read back
+from their command lines) with the cluster and exits 1 on a mismatch. `probe` measures bandwidth
 and RTT of every ordered host pair (stdlib agent copied to ~/.scattered/netemu) and writes them
 as a cluster file (--out measured.json), with configured vs measured printed side by side.
 """

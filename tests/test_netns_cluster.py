@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
+import sys
 from itertools import count
 
 import numpy as np
@@ -131,6 +133,25 @@ def test_delay_line_gives_configured_rtt(tmp_path, prefix) -> None:
     # benchmark's; here a busy CI machine may add a few ms in the userspace delay line.
     assert 27.0 <= 2 * meas.latency_ms[0, 1] <= 40.0, probe.stdout
     assert meas.bandwidth_gbps[0, 1] >= 0.85 * 0.1, probe.stdout
+    # show reads the delay back from the running delay lines, not from --cluster
+    c2 = _cluster(tmp_path / "c2.json", 25.0, [[0, 100], [100, 0]])
+    other = run_entry("scripts/tc.py", "show", "--cluster", c2, "--local", prefix)
+    assert other.returncode == 1 and "MISMATCH" in other.stdout, other.stdout
+    if state.delay_mode == "delay-line":
+        assert "25ms   15ms (delay-line)" in other.stdout, other.stdout
+        # a SIGKILLed delay line leaves its NFQUEUE rules: --queue-bypass lets the traffic
+        # through (not dropped), and reset removes the rules (delay_line.py --cleanup)
+        os.kill(pids[1], 9)
+        knock = subprocess.run(  # connection refused = the SYN got in (dropped: timeout)
+            ["ip", "netns", "exec", f"{prefix}-0", sys.executable, "-c",
+             "import socket; s = socket.socket(); s.settimeout(3); "
+             f"print(s.connect_ex(('{netns.address(1)}', 9)))"], capture_output=True, text=True)
+        assert knock.stdout.strip() == str(errno.ECONNREFUSED), knock.stdout + knock.stderr
+        reset = run_entry("scripts/tc.py", "reset", "--cluster", c, "--local", prefix)
+        assert reset.returncode == 0, reset.stdout + reset.stderr
+        rules = subprocess.run(["ip", "netns", "exec", f"{prefix}-1", "iptables", "-S", "INPUT"],
+                               capture_output=True, text=True).stdout
+        assert "NFQUEUE" not in rules, rules
     netns.destroy(prefix)
     assert not any(netns.pid_alive(p, "delay_line.py") for p in pids)
 
@@ -151,6 +172,18 @@ def test_down_after_crash_without_state_file(prefix) -> None:
     removed = netns.destroy(prefix)
     assert f"netns {prefix}-1" in removed and f"link {prefix}-br" in removed
     assert _leftovers(prefix) == []
+
+
+def test_down_removes_only_what_the_state_file_lists(prefix) -> None:
+    netns.create(prefix, 1)
+    foreign = f"{prefix}-7"  # named like ours, but not created by `up`
+    subprocess.run(["ip", "netns", "add", foreign], check=True, capture_output=True)
+    try:
+        removed = netns.destroy(prefix)
+        assert f"netns {prefix}-0" in removed and f"netns {foreign}" not in removed
+        assert _leftovers(prefix) == [foreign]
+    finally:
+        subprocess.run(["ip", "netns", "del", foreign], capture_output=True)
 
 
 def test_tc_show_detects_a_changed_class(tmp_path, prefix) -> None:

@@ -76,3 +76,7 @@ def test_measured_cluster_maps_host_pairs_to_devices() -> None:
     assert "1->0  100          47.0      0.470  60      64.0      BW" in text
     text2, _ = comparison(c, groups, res, delay_applied=False)
     assert "delay not applied" in text2 and " RTT" in text2
+    # per direction (remote probe: from the live rules): 0 -> 1 not delayed, 1 -> 0 delayed
+    text3, _ = comparison(c, groups, res, delay_applied=np.array([[True, False], [True, True]]))
+    assert "0->1  100          93.0      0.930  30      62.0      ok RTT" in text3, text3
+    assert text3.endswith("(delay not applied on 0->1: not counted in the configured RTT)")

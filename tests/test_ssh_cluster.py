@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,3 +236,82 @@ def test_aws_wrappers_run_batch_kill_copy_logs(fleet, tmp_path) -> None:
     assert c.returncode == 0, c.stdout + c.stderr
     s1 = fleet["servers"][1]
     assert (dest / f"root@{s1.addr}_{s1.port}" / "logs" / "rank1.log").exists()
+
+
+def test_other_key_type_counts_as_changed_key(fleet, tmp_path) -> None:
+    """known_hosts holds ed25519 for a host that now offers only RSA: refused everywhere."""
+    rsa = start_sshd(tmp_path, "127.0.0.6", fleet["dir"] / "authorized_keys", key_type="rsa")
+    try:
+        name = f"[127.0.0.6]:{rsa.port}"
+        (tmp_path / "ip1").write_text(f"root@127.0.0.6:{rsa.port}\n")
+        known = paramiko.HostKeys()
+        known.add(name, "ssh-ed25519",
+                  paramiko.Ed25519Key.from_private_key_file(str(keygen(tmp_path / "old"))))
+        known.save(str(tmp_path / "kh"))
+
+        def cs(*args: str):  # type: ignore[no-untyped-def]
+            return run_entry("scripts/cluster_ssh.py", "--hosts", str(tmp_path / "ip1"),
+                             "--known-hosts", str(tmp_path / "kh"), "--key", fleet["key"],
+                             *args, timeout=60)
+        r = cs("run", "--", "echo reached")
+        assert r.returncode == 1 and f"{name}: host key CHANGED: server offers ssh-rsa" in r.stdout
+        assert "reached" not in r.stdout.replace("echo reached", "")
+        acc = cs("accept-keys")
+        assert acc.returncode == 1 and "REFUSED" in acc.stdout and "ssh-rsa" in acc.stdout
+        rep = cs("accept-keys", "--replace")
+        assert rep.returncode == 0 and f"replaced {name} ssh-rsa" in rep.stdout, rep.stdout
+        assert list(paramiko.HostKeys(str(tmp_path / "kh")).lookup(name)) == ["ssh-rsa"]
+        ok = cs("run", "--", "echo reached")
+        assert ok.returncode == 0 and "] reached" in ok.stdout, ok.stdout
+    finally:
+        rsa.stop()
+
+
+def test_unreachable_host_gives_no_paramiko_traceback(tmp_path) -> None:
+    """A port that accepts and closes at once: one FAILED line, no logged traceback."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.7", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(4):
+                srv.accept()[0].close()
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        (tmp_path / "ip1").write_text(f"root@127.0.0.7:{port}\n")
+        (tmp_path / "kh").write_text("")
+        r = run_entry("scripts/cluster_ssh.py", "--hosts", str(tmp_path / "ip1"),
+                      "--known-hosts", str(tmp_path / "kh"), "run", "--", "true", timeout=60)
+    finally:
+        srv.close()
+    assert r.returncode == 1 and "FAILED: unreachable" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_start_script_waits_for_ready(tmp_path) -> None:
+    """start_script(ready_s): ok after `ready`; exit 4 with the log tail when the run dies
+    first; exit 4 and the run stopped when it stays silent."""
+    from scripts.netemu.hostlist import HostEntry
+    from scripts.netemu.sshctl import kill_script, start_failure, start_script
+    h = HostEntry("root", "127.0.0.1")
+    cases = [("sleep 0.3; echo ready; sleep 30", 0, "ready"),
+             ("echo 'error: no iptables' >&2; exit 2", 4, "it exited: error: no iptables"),
+             ("sleep 30", 4, "no ready line within 1 s (stopped it)")]
+    for cmd, want_rc, want in cases:
+        p = subprocess.run(["sh", "-c", start_script(0, h, cmd, "w", str(tmp_path), ready_s=1)],
+                           capture_output=True, text=True, timeout=30)
+        pid = int((tmp_path / "w@127.0.0.1_22.pid").read_text())
+        try:
+            assert p.returncode == want_rc, (cmd, p.stdout, p.stderr)
+            got = p.stdout.split()[-1] if want_rc == 0 else start_failure(p.stderr)
+            assert got == want, (cmd, p.stdout, p.stderr)
+            if "stopped" in want:
+                deadline = time.monotonic() + 10
+                while _running(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the TERM'd group exits asynchronously
+                assert not _running(pid)
+        finally:
+            subprocess.run(["sh", "-c", kill_script(h, "w", str(tmp_path))],
+                           capture_output=True, timeout=30)

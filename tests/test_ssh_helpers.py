@@ -26,9 +26,9 @@ def sshd_missing() -> str | None:
     return None
 
 
-def keygen(path: Path) -> Path:
-    """A fresh ed25519 key pair at path / path.pub."""
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "test", "-f",
+def keygen(path: Path, key_type: str = "ed25519") -> Path:
+    """A fresh key pair (ed25519 unless key_type says e.g. rsa) at path / path.pub."""
+    subprocess.run(["ssh-keygen", "-q", "-t", key_type, "-N", "", "-C", "test", "-f",
                     str(path)], check=True, capture_output=True)
     return path
 
@@ -66,11 +66,13 @@ class Sshd:
 
 
 def start_sshd(workdir: Path, addr: str, authorized_keys: Path,
-               exec_prefix: list[str] | None = None, port: int | None = None) -> Sshd:
-    """Start `sshd -D -e` on addr:port with its own host key; waits for `Server listening`."""
+               exec_prefix: list[str] | None = None, port: int | None = None,
+               key_type: str = "ed25519") -> Sshd:
+    """Start `sshd -D -e` on addr:port with its own (only) host key of key_type; waits for
+    `Server listening`."""
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
     port = port or free_port(addr)
-    key = keygen(workdir / f"host_key_{addr}_{port}")
+    key = keygen(workdir / f"host_key_{addr}_{port}", key_type)
     cfg = workdir / f"sshd_{addr}_{port}.conf"
     cfg.write_text("\n".join([
         f"ListenAddress {addr}:{port}", f"HostKey {key}", "PidFile none",

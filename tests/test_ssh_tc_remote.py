@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_entry
+from conftest import ROOT, run_entry
 from test_ssh_helpers import keygen, sshd_missing, start_sshd
 
 from scheduler.cluster import Cluster, Device, load_cluster, save_cluster
@@ -60,7 +63,22 @@ def tc(f, *args: str, timeout: float = 120):
                      "--link-gbps", "1", timeout=timeout)
 
 
-@pytest.mark.timeout(180)
+def aws(f, script: str, *args: str, timeout: float = 120):
+    """scripts/aws_*.sh with the fleet in the environment (REMOTE_PY: this python)."""
+    d = f["dir"]
+    env = dict(os.environ, IP_LIST=str(d / "ip_list"), KNOWN_HOSTS=str(d / "kh"),
+               SSH_KEY=f["key"], REMOTE_PY=sys.executable)
+    return subprocess.run(["bash", str(ROOT / "scripts" / script), str(d / "c.json"),
+                           "--link-gbps", "1", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _in_ns(f, i: int, *argv: str) -> str:
+    return subprocess.run([*f["st"].exec_prefix(i), *argv], capture_output=True,
+                          text=True).stdout
+
+
+@pytest.mark.timeout(240)
 def test_apply_show_probe_reset_over_ssh(ns_fleet) -> None:
     f = ns_fleet
     acc = run_entry("scripts/cluster_ssh.py", "--hosts", str(f["dir"] / "ip_list"),
@@ -70,28 +88,55 @@ def test_apply_show_probe_reset_over_ssh(ns_fleet) -> None:
     a = tc(f, "apply")
     assert "kernel has no sch_netem" in a.stdout or "delay netem" in a.stdout, a.stdout
     if "kernel has no sch_netem" in a.stdout:
-        assert a.returncode == 1 and "delay NOT APPLIED on traffic into this host" in a.stdout
+        assert a.returncode == 1, a.stdout
+        assert "delay NOT APPLIED on traffic into 198.18.0.2: python3 has no" in a.stdout
         show = tc(f, "show")
         assert show.returncode == 1 and "NOT APPLIED" in show.stdout
         assert "60mbit  60mbit" in show.stdout, show.stdout
-        # with a python that has NetfilterQueue the delay line is started over SSH
-        b = tc(f, "apply", "--remote-python", sys.executable)
+        # NetfilterQueue there, but no iptables on its PATH: the delay line starts, fails, and
+        # apply must say so (not "started pid" and exit 0)
+        noipt = f["dir"] / "python_without_iptables"
+        noipt.write_text(f'#!/bin/sh\nPATH=/nonexistent exec {sys.executable} "$@"\n')
+        noipt.chmod(0o755)
+        bad = tc(f, "apply", "--remote-python", str(noipt))
+        assert bad.returncode == 1, bad.stdout + bad.stderr
+        assert ("delay NOT APPLIED on traffic into 198.18.0.2: it exited: error: `iptables` "
+                "not found") in bad.stdout, bad.stdout
+        # with a python that has NetfilterQueue the delay line is started over SSH;
+        # aws_start_tc.sh = apply + show
+        b = aws(f, "aws_start_tc.sh")
         assert b.returncode == 0, b.stdout + b.stderr
-        assert "started pid" in b.stdout
+        assert "started pid" in b.stdout and "10ms (delay-line)" in b.stdout, b.stdout
+        assert "MISMATCH" not in b.stdout, b.stdout
+        # show reads the delays back from the running delay lines: same rates, other latency
+        lat2 = f["dir"] / "c2.json"
+        c = load_cluster(f["dir"] / "c.json")
+        save_cluster(Cluster("t2", c.devices, c.latency_ms * 2, c.bandwidth_gbps), lat2)
+        other = run_entry("scripts/tc.py", "show", "--cluster", str(lat2), "--hosts",
+                          str(f["dir"] / "ip_list"), "--known-hosts", str(f["dir"] / "kh"),
+                          "--key", f["key"], "--link-gbps", "1")
+        assert other.returncode == 1 and "20ms   10ms (delay-line)  MISMATCH" in other.stdout, \
+            other.stdout
     show = tc(f, "show")
     assert show.returncode == 0 and "MISMATCH" not in show.stdout, show.stdout
     out = f["dir"] / "measured.json"
     p = tc(f, "probe", "--out", str(out), "--seconds", "1")
     assert p.returncode == 0, p.stdout + p.stderr
+    assert "delay not applied" not in p.stdout, p.stdout
     m = load_cluster(out)
     assert 0.85 * 0.06 <= m.bandwidth_gbps[0, 1] <= 1.02 * 0.06, p.stdout
     assert 0.85 * 0.03 <= m.bandwidth_gbps[1, 0] <= 1.02 * 0.03, p.stdout
     assert 18.0 <= 2 * m.latency_ms[0, 1] <= 30.0, p.stdout  # 10 ms each way (+ busy CPU)
-    r = tc(f, "reset")
-    assert r.returncode == 0, r.stdout
-    q = subprocess.run([*f["st"].exec_prefix(0), "tc", "qdisc", "show", "dev", "eth0"],
-                       capture_output=True, text=True).stdout
-    assert "htb" not in q
-    lines = subprocess.run([*f["st"].exec_prefix(1), "iptables", "-S", "INPUT"],
-                           capture_output=True, text=True).stdout
-    assert "NFQUEUE" not in lines  # the delay line removed its rules when killed
+    if "kernel has no sch_netem" in a.stdout:
+        # SIGKILL host 1's delay line: its NFQUEUE rules stay, --queue-bypass keeps the traffic
+        # flowing, and reset (aws_clear_tc.sh) removes them with delay_line.py --cleanup
+        pidfile = Path.home() / ".scattered/netemu/delay-line@198.18.0.2_22.pid"
+        os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+        assert "NFQUEUE" in _in_ns(f, 1, "iptables", "-S", "INPUT")
+        knock = _in_ns(f, 0, sys.executable, "-c", "import socket; s = socket.socket(); "
+                       "s.settimeout(3); print(s.connect_ex(('198.18.0.2', 9)))")
+        assert knock.strip() == str(errno.ECONNREFUSED), knock  # got in, not dropped
+    r = aws(f, "aws_clear_tc.sh")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "htb" not in _in_ns(f, 0, "tc", "qdisc", "show", "dev", "eth0")
+    assert "NFQUEUE" not in _in_ns(f, 1, "iptables", "-S", "INPUT")

@@ -11,14 +11,17 @@ from conftest import run_entry
 from scheduler.cluster import Cluster, Device, save_cluster
 from scheduler.errors import UserError
 from scripts.netemu.hostlist import load_host_list, parse_host_line
+from scripts.netemu.shaping import LiveHost, compare, line_delays_of, sender_line_delays
 from scripts.netemu.tcrules import (
     MAX_CLASSES,
+    MAX_FILTERS,
     apply_commands,
     build_host_rules,
     format_rate,
     group_devices,
     host_links,
     receiver_delays,
+    render,
 )
 
 
@@ -102,6 +105,63 @@ def test_too_many_classes_is_error() -> None:
     assert MAX_CLASSES == 0xFFFE - 0x10 + 1
 
 
+def test_too_many_destination_hosts_is_error() -> None:
+    c = _three()  # 3 hosts: 2 u32 filters per host
+    with pytest.raises(UserError, match="3 hosts: .* at most 1 per host"):
+        build_host_rules(c, group_devices(c), ["10.9.0.1", "10.9.0.2", "10.9.0.3"],
+                         max_filters=1)
+    assert MAX_FILTERS == 4095
+
+
+@pytest.mark.parametrize("gbps", [float("nan"), float("inf"), 0.0, -1.0])
+def test_link_gbps_must_be_finite_and_positive(gbps: float) -> None:
+    c = _three()
+    with pytest.raises(UserError, match="--link-gbps: "):
+        build_host_rules(c, group_devices(c), ["10.9.0.1", "10.9.0.2", "10.9.0.3"],
+                         link_gbps=gbps)
+
+
+def test_no_netem_render_names_the_delay_line_command() -> None:
+    c = _three()
+    addrs = ["10.9.0.1", "10.9.0.2", "10.9.0.3"]
+    rules = build_host_rules(c, group_devices(c), addrs)
+    d = receiver_delays(c, group_devices(c), addrs)
+    text = render(rules[0], netem=False, line_delays=d[0])
+    assert ("# delay NOT APPLIED by these commands (no netem): run on this host (root): "
+            "python3 scripts/delay_line.py --delays '{\"10.9.0.2\": 10.0, \"10.9.0.3\": 20.0}'"
+            ) in text.splitlines()
+    assert "NOT APPLIED" not in render(rules[0], netem=True, line_delays=d[0])
+    # no delay into host 0 at all: still says the commands apply no delay
+    c0 = _cluster([[0, 10], [0, 0]], [[0, 0.1], [0.1, 0]])
+    r0 = build_host_rules(c0, group_devices(c0), addrs[:2])
+    assert "delay NOT APPLIED by these commands (no netem): nothing to hold on this host" in (
+        render(r0[0], netem=False, line_delays={}))
+
+
+def test_delay_line_readback_per_destination() -> None:
+    """show: the delay comes from the running delay lines' command lines, per destination."""
+    argv = "python3 delay_line.py --delays {\"10.9.0.1\": 10.0, \"10.9.0.2\": 30.0}"
+    assert line_delays_of(argv) == {"10.9.0.1": 10.0, "10.9.0.2": 30.0}
+    wrapped = ("sh -c export SCATTERED_HOST_INDEX=2; python3 .scattered/netemu/delay_line.py "
+               "--delays '{\"10.9.0.1\": 10.0}'")
+    assert line_delays_of(wrapped) == {"10.9.0.1": 10.0}
+    assert line_delays_of("sleep 100 --delays {}") is None and line_delays_of("") is None
+    c = _three()
+    addrs = ["10.9.0.1", "10.9.0.2", "10.9.0.3"]
+    rules = build_host_rules(c, group_devices(c), addrs)
+    live = LiveHost({0x10: 100e6}, {}, {"10.9.0.2": 0x10, "10.9.0.3": 0x10}, True)
+    right = receiver_delays(c, group_devices(c), addrs)
+    rows, ok = compare(rules[0], live, sender_line_delays(addrs, list(right), 0))
+    assert ok and rows[0][5] == "10ms (delay-line)", rows
+    # host 2's line holds host 0's packets 25 ms instead of 10: the class (two destinations,
+    # the first one right) shows the wrong one
+    wrong = [None, right[1], {**right[2], "10.9.0.1": 25.0}]
+    rows, ok = compare(rules[0], live, sender_line_delays(addrs, wrong, 0))
+    assert not ok and rows[0][5] == "25ms (delay-line)" and rows[0][6] == "MISMATCH", rows
+    rows, ok = compare(rules[0], live, sender_line_delays(addrs, [None, None, None], 0))
+    assert not ok and rows[0][5] == "NOT APPLIED"
+
+
 def test_grouping_modes_and_shared_links() -> None:
     lat = np.full((6, 6), 5.0)
     bw = np.full((6, 6), 1.0)
@@ -155,6 +215,15 @@ def test_cli_prints_rules_and_errors_cleanly(tmp_path) -> None:
                     "--link-gbps", "0.1")
     assert bad.returncode == 2 and bad.stderr.startswith("error: host 2")
     assert "Traceback" not in bad.stderr
+    nan = run_entry("scripts/generate_heterogeneous_tc.py", "--cluster", str(path),
+                    "--link-gbps", "nan")
+    assert nan.returncode == 2 and nan.stderr == "error: --link-gbps: nan Gbit/s is not a " \
+        "finite rate\n", nan.stderr
+    no_netem = run_entry("scripts/generate_heterogeneous_tc.py", "--cluster", str(path),
+                         "--host-index", "2", "--no-netem")
+    assert no_netem.returncode == 0 and "netem delay" not in no_netem.stdout
+    assert "run on this host (root): python3 scripts/delay_line.py --delays '{\"10.9.0.1\": " \
+        "10.0, \"10.9.0.2\": 30.0}'" in no_netem.stdout, no_netem.stdout
     obj = json.loads(path.read_text())
     obj["devices"][0]["host"] = "gpu-box-1"
     path.write_text(json.dumps(obj))

@@ -13,11 +13,13 @@ from scripts.netemu.shaping import (
     Runner,
     apply_host,
     compare,
+    line_delays_of,
     read_live,
     reset_host,
+    sender_line_delays,
     table,
 )
-from scripts.netemu.shell import pid_alive, sh
+from scripts.netemu.shell import cmdline, sh
 from scripts.netemu.tcrules import build_host_rules, receiver_delays
 
 DELAY_LINE = Path(__file__).resolve().parent.parent / "delay_line.py"
@@ -47,7 +49,7 @@ def apply_local(st: NetnsState, cluster: Cluster, delay: str = "auto") -> list[s
         raise UserError(f"--delay: expected one of {', '.join(DELAY_MODES)}, got {delay!r}")
     groups, addrs, rules = _rules(st, cluster)
     run = ns_runner(st)
-    report = stop_delay_lines(st)
+    report = _stop_delay_lines(st)
     results = [apply_host(run, r, try_netem=delay in ("auto", "netem")) for r in rules]
     for res in results:
         report += res.notes
@@ -69,6 +71,18 @@ def apply_local(st: NetnsState, cluster: Cluster, delay: str = "auto") -> list[s
     else:
         report.append(f"delay: {st.delay_mode}")
     return report
+
+
+def _stop_delay_lines(st: NetnsState) -> list[str]:
+    """Stop the recorded delay lines, then remove the rules one killed without its own cleanup
+    (SIGKILL) left behind in its namespace (`delay_line.py --cleanup`); returns notes."""
+    hosts = [i for i in range(st.num_hosts) if st.namespace(i) in st.delay_pids]
+    notes = stop_delay_lines(st)
+    for i in hosts:
+        p = sh([*st.exec_prefix(i), sys.executable, str(DELAY_LINE), "--cleanup"], check=False)
+        if p.returncode != 0:
+            notes.append(f"host {i}: delay_line.py --cleanup failed: {p.stderr.strip()}")
+    return notes
 
 
 def _start_delay_lines(st: NetnsState, delays: list[dict[str, float]]) -> str:
@@ -95,19 +109,13 @@ def show_local(st: NetnsState, cluster: Cluster) -> tuple[str, bool]:
     """Table of wanted vs live rules per host, and whether everything matches."""
     groups, addrs, rules = _rules(st, cluster)
     run = ns_runner(st)
-    line_delays = receiver_delays(cluster, groups, addrs)
+    # What each running delay line really holds, from its command line (not from `cluster`).
+    held = [line_delays_of(cmdline(st.delay_pids[st.namespace(j)]))
+            if st.namespace(j) in st.delay_pids else None for j in range(st.num_hosts)]
     lines, all_ok = [], True
     for r in rules:
         i = r.host.index
-        by_dest = None
-        if st.delay_mode == "delay-line":
-            # delay of i -> j is held at receiver j; only counts while j's delay line runs.
-            by_dest = {}
-            for j, a in enumerate(addrs):
-                pid = st.delay_pids.get(st.namespace(j))
-                if j != i and pid and pid_alive(pid, "delay_line.py"):
-                    by_dest[a] = line_delays[j].get(addrs[i], 0.0)
-        rows, ok = compare(r, read_live(run, i, IFACE), by_dest)
+        rows, ok = compare(r, read_live(run, i, IFACE), sender_line_delays(addrs, held, i))
         all_ok &= ok
         lines.append(f"host {i} {st.namespace(i)} {addrs[i]} devices {list(r.host.devices)}")
         lines.append(table(["class", "to", "rate", "live", "delay", "live", "check"], rows))
@@ -117,7 +125,7 @@ def show_local(st: NetnsState, cluster: Cluster) -> tuple[str, bool]:
 def reset_local(st: NetnsState, cluster: Cluster) -> list[str]:
     """Remove tc rules and stop delay lines in every namespace."""
     _, _, rules = _rules(st, cluster)
-    notes = stop_delay_lines(st)
+    notes = _stop_delay_lines(st)
     run = ns_runner(st)
     for r in rules:
         notes += reset_host(run, r)

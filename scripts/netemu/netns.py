@@ -4,10 +4,10 @@ Host i is namespace `{prefix}-{i}` with interface `eth0` at 198.18.0.{i+1}/24 (1
 reserved for benchmarking, RFC 2544; used only inside these namespaces) and `lo` up. Its veth
 peer `{prefix}-v{i}` sits in the root namespace on bridge `{prefix}-br` (no address in the root
 namespace). Every object is recorded in the state file BEFORE it is created, so `down` also
-cleans up after a crash half-way through `up`; `down` additionally removes objects that match
-the exact naming pattern of the prefix (namespaces `{prefix}-N`, links `{prefix}-br`,
-`{prefix}-vN`) and stops the delay-line processes it recorded (by pid, checked against
-/proc/PID/cmdline).
+cleans up after a crash half-way through `up` by removing exactly what the file lists, and stops
+the delay-line processes it recorded (by pid, checked against /proc/PID/cmdline). Only without a
+(readable) state file does `down` fall back to the exact naming pattern of the prefix
+(namespaces `{prefix}-N`, links `{prefix}-br`, `{prefix}-vN`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from scheduler.atomic_io import atomic_write_json
 from scheduler.errors import UserError
-from scripts.netemu.shell import pid_alive, sh
+from scripts.netemu.shell import READY_LINE, READY_TIMEOUT_S, pid_alive, sh
 
 STATE_DIR = Path(os.environ.get("NETEMU_STATE_DIR", "/run/scattered-netemu"))
 SUBNET_PREFIX = "198.18.0."
@@ -167,20 +167,26 @@ def _reap(pid: int) -> None:
 
 
 def destroy(prefix: str) -> list[str]:
-    """Remove everything of `prefix` (idempotent, works without or with a stale state file)."""
+    """Remove what the state file of `prefix` lists; without a readable one, every object named
+    exactly like the prefix's (after a crash that lost the file). Idempotent."""
     check_prefix(prefix)
     path = state_path(prefix)
     removed: list[str] = []
-    st = NetnsState(prefix)
+    st = None
     if path.exists():
         try:
             st = NetnsState(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
             removed.append(f"(ignored unreadable state file {path})")
-    removed += stop_delay_lines(st)
-    pat = re.compile(rf"^{re.escape(prefix)}-(\d+|br|v\d+)$")
-    namespaces = set(st.namespaces) | {n for n in _existing_namespaces() if pat.match(n)}
-    links = set(st.links) | {n for n in _existing_links() if pat.match(n)}
+    if st is not None:
+        # Every object is recorded before it is created: the state file is the whole list,
+        # and a look-alike made by someone else (e.g. `PREFIX-7` by hand) is not ours.
+        removed += stop_delay_lines(st)
+        namespaces, links = set(st.namespaces), set(st.links)
+    else:
+        pat = re.compile(rf"^{re.escape(prefix)}-(\d+|br|v\d+)$")
+        namespaces = {n for n in _existing_namespaces() if pat.match(n)}
+        links = {n for n in _existing_links() if pat.match(n)}
     for ns in sorted(namespaces):
         if sh(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(f"netns {ns}")
@@ -193,7 +199,7 @@ def destroy(prefix: str) -> list[str]:
 
 
 def start_in_namespace(st: NetnsState, i: int, argv: list[str], log: Path,
-                       ready_timeout_s: float = 10.0) -> subprocess.Popen:
+                       ready_timeout_s: float = READY_TIMEOUT_S) -> subprocess.Popen:
     """Start argv in host i's namespace, detached; wait for its `ready` line."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as errf:
@@ -203,7 +209,7 @@ def start_in_namespace(st: NetnsState, i: int, argv: list[str], log: Path,
     ready, _, _ = select.select([proc.stdout], [], [], ready_timeout_s)
     line = proc.stdout.readline().decode().strip() if ready else ""
     proc.stdout.close()
-    if line != "ready":
+    if line != READY_LINE:
         if proc.poll() is None:
             proc.kill()
         proc.wait()

@@ -130,24 +130,53 @@ def read_live(run: Runner, host: int, iface: str) -> LiveHost:
     return LiveHost(classes, netem, filters, root)
 
 
-def compare(rules: HostRules, live: LiveHost, delay_by_dest: dict[str, float] | None
+def line_delays_of(cmdline: str) -> dict[str, float] | None:
+    """{source: ms} that a running delay line holds, read from its command line (the `--delays`
+    JSON, also found inside a `sh -c '...'`/sudo wrapper); None when it is not a delay line."""
+    m = re.search(r"--delays '?(\{[^{}]*\})", cmdline) if "delay_line.py" in cmdline else None
+    try:
+        return {str(a): float(v) for a, v in json.loads(m.group(1)).items()} if m else None
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def sender_line_delays(addresses: list[str], lines: list[dict[str, float] | None], i: int
+                       ) -> dict[str, float]:
+    """{receiver address: ms} that the receivers' running delay lines (`lines[j]`, read back;
+    None where none runs) hold for packets from host i."""
+    return {addresses[j]: d[addresses[i]] for j, d in enumerate(lines)
+            if j != i and d and addresses[i] in d}
+
+
+def dest_delays(rules: HostRules, live: LiveHost, line_by_dest: dict[str, float] | None
+                ) -> dict[str, tuple[float, str]]:
+    """Per destination: the delay (ms) its traffic really gets and how (netem, delay-line, both
+    or none). `line_by_dest`: delay the receivers' running delay lines hold for this sender."""
+    out = {}
+    for c in rules.classes:
+        for a in c.dest_addresses:
+            parts = [(live.netem_ms[c.minor], "netem")] if c.minor in live.netem_ms else []
+            if line_by_dest and a in line_by_dest:
+                parts.append((line_by_dest[a], "delay-line"))
+            out[a] = (sum(d for d, _ in parts), "+".join(h for _, h in parts) or "none")
+    return out
+
+
+def compare(rules: HostRules, live: LiveHost, line_by_dest: dict[str, float] | None
             ) -> tuple[list[list[str]], bool]:
     """Rows (class, dests, rate want/live, delay want/live, verdict) and whether all match.
 
-    `delay_by_dest` is the delay provided another way (delay line: receiver-side delay per
-    destination), or None when only netem counts."""
+    `line_by_dest` is the delay the receivers' running delay lines hold per destination (read
+    back from them), or None when only netem counts. A class shows its worst destination."""
     rows, all_ok = [], live.root_htb
+    got_by_dest = dest_delays(rules, live, line_by_dest)
     for c in rules.classes:
         got_rate = live.classes.get(c.minor)
         rate_ok = got_rate is not None and abs(got_rate - c.rate_kbit * 1e3) <= 0.01 * (
             c.rate_kbit * 1e3)
         filt_ok = all(live.filters.get(a) == c.minor for a in c.dest_addresses)
-        if c.minor in live.netem_ms:
-            got_delay, how = live.netem_ms[c.minor], "netem"
-        elif delay_by_dest and all(a in delay_by_dest for a in c.dest_addresses):
-            got_delay, how = delay_by_dest[c.dest_addresses[0]], "delay-line"
-        else:
-            got_delay, how = 0.0, "none"
+        got_delay, how = max((got_by_dest[a] for a in c.dest_addresses),
+                             key=lambda g: abs(g[0] - c.delay_ms))
         delay_ok = abs(got_delay - c.delay_ms) <= 0.01
         ok = rate_ok and filt_ok and delay_ok
         all_ok &= ok

@@ -9,6 +9,11 @@ from pathlib import Path
 
 from scheduler.errors import UserError
 
+READY_LINE = "ready"
+"""What the delay line and the probe agent print on stdout once they serve."""
+READY_TIMEOUT_S = 10
+"""How long a starter waits for that line (locally and over SSH) before calling it failed."""
+
 
 class CommandError(UserError):
     """A system command failed; the message holds the command and its stderr."""
@@ -39,10 +44,15 @@ def missing_root_tools(tools: tuple[str, ...] = ("ip", "tc")) -> str | None:
     return None
 
 
-def pid_alive(pid: int, must_contain: str) -> bool:
-    """Whether `pid` runs and its command line contains `must_contain` (guards reused pids)."""
+def cmdline(pid: int) -> str:
+    """The command line of `pid`, arguments joined by spaces ("" when it is gone or a zombie)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
-    return must_contain in raw.replace(b"\0", b" ").decode(errors="replace")
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def pid_alive(pid: int, must_contain: str) -> bool:
+    """Whether `pid` runs and its command line contains `must_contain` (guards reused pids)."""
+    return must_contain in cmdline(pid)

@@ -2,7 +2,9 @@
 
 Host keys are only ever trusted from an explicit known_hosts file filled by `accept_keys`;
 normal connections use a policy that refuses an unknown key (naming the host and the key's
-SHA256 fingerprint) and paramiko's check refuses a changed one.
+SHA256 fingerprint) and paramiko's check refuses a changed one. A host with a recorded key is
+asked for that key type first; offering only another type counts as a changed key (an impostor
+cannot slip in with a type we have not recorded), in `accept_keys` too unless --replace.
 Background runs (`start`) write `RUN_DIR/NAME@HOST_PORT.pid` on the host (the pid of a `setsid`
 process group) and `RUN_DIR/NAME@HOST_PORT.log`; `kill` signals exactly those process groups.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import posixpath
 import shlex
@@ -26,9 +29,13 @@ import paramiko
 
 from scheduler.errors import UserError
 from scripts.netemu.hostlist import HostEntry
+from scripts.netemu.shell import READY_LINE
 
 DEFAULT_RUN_DIR = ".scattered/runs"
 _print_lock = threading.Lock()
+# paramiko's transport thread logs a full traceback for an unreachable host (banner error); our
+# per-host FAILED line already says what happened.
+logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 
 class HostKeyError(paramiko.SSHException):
@@ -49,9 +56,33 @@ class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client, hostname, key) -> None:  # type: ignore[no-untyped-def]
         """Refuse, naming host, key type and fingerprint."""
+        recorded = dict(client.get_host_keys().lookup(hostname) or {})
+        if recorded:  # paramiko raises BadHostKeyException itself for this; do not rely on it
+            raise HostKeyError(_changed(hostname, key, recorded, self.known_hosts))
         raise HostKeyError(
             f"{hostname}: unknown host key {key.get_name()} {fingerprint(key)} (not in "
             f"{self.known_hosts}); if you trust it, record it with `cluster_ssh.py accept-keys`")
+
+
+def _listing(recorded: dict[str, paramiko.PKey]) -> str:
+    return ", ".join(f"{t} {fingerprint(k)}" for t, k in recorded.items())
+
+
+def _changed(name: str, key: paramiko.PKey, recorded: dict[str, paramiko.PKey],
+             known_hosts: Path) -> str:
+    return (f"{name}: host key CHANGED: server offers {key.get_name()} {fingerprint(key)}, "
+            f"{known_hosts} has {_listing(recorded)}; refusing (possible man-in-the-middle). If "
+            "the host was really re-installed, run `cluster_ssh.py accept-keys --replace`")
+
+
+def _prefer_key_types(t: paramiko.Transport, recorded: list[str]) -> None:
+    """Ask the server for a recorded key type first (as SSHClient.connect does), so a host that
+    also has other key types is compared with the key we know."""
+    opts = t.get_security_options()
+    # an RSA key is recorded as ssh-rsa but negotiated as rsa-sha2-512/256
+    want = [a for k in recorded for a in (("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+                                           if k == "ssh-rsa" else (k,)) if a in opts.key_types]
+    opts.key_types = want + [a for a in opts.key_types if a not in want]
 
 
 @dataclass
@@ -93,11 +124,9 @@ def connect(h: HostEntry, opt: SSHOptions) -> paramiko.SSHClient:
                        auth_timeout=opt.timeout_s)
     except paramiko.BadHostKeyException as e:
         client.close()
-        raise HostKeyError(
-            f"{h.known_hosts_name()}: host key CHANGED: server offers {e.key.get_name()} "
-            f"{fingerprint(e.key)}, {opt.known_hosts} has {fingerprint(e.expected_key)}; "
-            "refusing (possible man-in-the-middle). If the host was really re-installed, "
-            "run `cluster_ssh.py accept-keys --replace`") from None
+        recorded = dict(client.get_host_keys().lookup(h.known_hosts_name()) or {})
+        raise HostKeyError(_changed(h.known_hosts_name(), e.key, recorded or {
+            e.expected_key.get_name(): e.expected_key}, opt.known_hosts)) from None
     except BaseException:
         client.close()
         raise
@@ -185,20 +214,47 @@ def check_name(name: str) -> str:
 
 
 def start_script(k: int, h: HostEntry, command: str, name: str,
-                 run_dir: str = DEFAULT_RUN_DIR, sudo: bool = False) -> str:
-    """Shell text that starts `command` in the background with a pid file (refuses a 2nd)."""
+                 run_dir: str = DEFAULT_RUN_DIR, sudo: bool = False, ready_s: int = 0) -> str:
+    """Shell text that starts `command` in the background with a pid file (refuses a 2nd).
+
+    With ready_s, it then waits up to ready_s for a `ready` line in the run's log and exits 4,
+    with the reason and the log's tail on stderr, when the run exits first or stays silent
+    (then it is stopped: a late start must not do what was reported as not done)."""
     check_name(name)
     pid, log = _run_path(run_dir, name, h, "pid"), _run_path(run_dir, name, h, "log")
+    q_pid, q_log = shlex.quote(pid), shlex.quote(log)
     inner = host_env(k, h) + command
     # setsid: the run gets its own process group, so `kill` reaches its children too.
     # (With sudo the pid is sudo's, which relays signals to the command.)
     launcher = "sudo -n setsid" if sudo else "setsid"
-    return (f"mkdir -p {shlex.quote(run_dir)} && "
-            f"if [ -e {shlex.quote(pid)} ] && {'sudo -n ' if sudo else ''}kill -0 "
-            f"\"$(cat {shlex.quote(pid)})\" 2>/dev/null; then "
+    kill = "sudo -n kill" if sudo else "kill"
+    text = (f"mkdir -p {shlex.quote(run_dir)} && "
+            f"if [ -e {q_pid} ] && {kill} -0 \"$(cat {q_pid})\" 2>/dev/null; then "
             f"echo 'run {name} is already running' >&2; exit 3; fi; "
-            f"{launcher} sh -c {shlex.quote(inner)} > {shlex.quote(log)} 2>&1 < /dev/null & "
-            f"echo $! > {shlex.quote(pid)}; echo started pid $!")
+            # truncated here, not only by the background job's own redirection (which runs
+            # later): the wait below must not read the previous run's `ready`
+            f": > {q_log}; {launcher} sh -c {shlex.quote(inner)} > {q_log} 2>&1 < /dev/null & "
+            f"p=$!; echo $p > {q_pid}; echo started pid $p")
+    if not ready_s:
+        return text
+    # State from /proc/PID/stat, not `kill -0`: until this shell exits the run is its child,
+    # and a child that died is a zombie that `kill -0` still finds.
+    return text + (
+        f"; n=0; while ! grep -qx {READY_LINE} {q_log} 2>/dev/null; do "
+        's=$(sed "s/.*) \\(.\\).*/\\1/" /proc/$p/stat 2>/dev/null); '
+        'if [ -z "$s" ] || [ "$s" = Z ]; then echo "it exited:" >&2; '
+        f"tail -n 3 {q_log} >&2; exit 4; fi; "
+        f"if [ $n -ge {ready_s * 10} ]; then "
+        f"{kill} -TERM -- -$p 2>/dev/null || {kill} -TERM $p 2>/dev/null; "
+        f"echo 'no {READY_LINE} line within {ready_s} s (stopped it):' >&2; "
+        f"tail -n 3 {q_log} >&2; exit 4; fi; "
+        "sleep 0.1; n=$((n+1)); done; echo ready")
+
+
+def start_failure(stderr: str) -> str:
+    """One line from a failed start_script's stderr: the reason, then the log's tail."""
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()] or ["no output"]
+    return " ".join([lines[0], " | ".join(lines[1:])]).strip().rstrip(":")
 
 
 def kill_script(h: HostEntry, name: str | None = None, run_dir: str = DEFAULT_RUN_DIR,
@@ -313,7 +369,8 @@ def accept_keys(hosts: list[HostEntry], opt: SSHOptions, replace: bool = False
                 ) -> list[HostResult]:
     """Fetch each host's key and record it in the known_hosts file (explicit trust step).
 
-    An already recorded, different key is refused unless `replace`."""
+    A host with recorded keys must offer one of them (its type is asked for first); any other
+    key, of any type, is refused unless `replace`, which then drops the old keys."""
     known = paramiko.HostKeys()
     if opt.known_hosts.exists():
         known.load(str(opt.known_hosts))
@@ -324,21 +381,26 @@ def accept_keys(hosts: list[HostEntry], opt: SSHOptions, replace: bool = False
         try:
             with paramiko.Transport((h.host, h.port)) as t:
                 t.banner_timeout = opt.timeout_s
+                with lock:
+                    recorded = list(known.lookup(h.known_hosts_name()) or {})
+                _prefer_key_types(t, recorded)
                 t.start_client(timeout=opt.timeout_s)
                 key = t.get_remote_server_key()
         except (OSError, paramiko.SSHException) as e:
             return HostResult(h, None, error=f"unreachable: {type(e).__name__}: {e}")
         name = h.known_hosts_name()
         with lock:
-            old = known.lookup(name)
-            prev = old.get(key.get_name()) if old else None
-            if prev is not None and prev != key and not replace:
-                return HostResult(h, None, error=(
-                    f"REFUSED: {name} offers {key.get_name()} {fingerprint(key)} but "
-                    f"{opt.known_hosts} has {fingerprint(prev)}; use --replace if the host was "
-                    "re-installed"))
+            old = dict(known.lookup(name) or {})
+            if old and key not in old.values():
+                if not replace:
+                    return HostResult(h, None, error=(
+                        f"REFUSED: {name} offers {key.get_name()} {fingerprint(key)} but "
+                        f"{opt.known_hosts} has {_listing(old)}; use --replace if the host was "
+                        "re-installed"))
+                while name in known:  # a re-installed host: its old keys of any type go
+                    del known[name]
             known.add(name, key.get_name(), key)
-        verb = "unchanged" if prev == key else ("replaced" if prev else "recorded")
+        verb = "unchanged" if key in old.values() else ("replaced" if old else "recorded")
         return HostResult(h, 0, f"{verb} {name} {key.get_name()} {fingerprint(key)}\n")
 
     with ThreadPoolExecutor(max_workers=max(1, min(opt.parallel, len(hosts)))) as pool:

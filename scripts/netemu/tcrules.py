@@ -13,11 +13,14 @@ the two hosts would see. Each sending host gets
 
 htb class ids are `major:minor` with 16-bit hexadecimal parts; leaf classes use minors 0x10 ..
 0xfffe (their netem qdiscs reuse the minor as handle major, and ffff: is the ingress handle), so
-a host can have at most MAX_CLASSES = 65519 (rate, delay) classes.
+a host can have at most MAX_CLASSES = 65519 (rate, delay) classes. The u32 filters all sit in
+hash table 800: whose node ids are 12-bit (0x001..0xfff), so a host can send to at most
+MAX_FILTERS = 4095 other hosts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from scheduler.errors import UserError
 FIRST_MINOR = 0x10
 LAST_MINOR = 0xFFFE
 MAX_CLASSES = LAST_MINOR - FIRST_MINOR + 1
+MAX_FILTERS = 0xFFF
 GROUP_MODES = ("host", "modulo", "region")
 MTU_BYTES = 1500
 
@@ -124,7 +128,9 @@ def format_delay(ms: float) -> str:
 
 
 def gbps_to_kbit(gbps: float, where: str) -> int:
-    """Gbit/s -> whole kbit/s; errors for rates tc cannot express (< 1 kbit/s)."""
+    """Gbit/s -> whole kbit/s; errors for rates tc cannot express (< 1 kbit/s, nan, inf)."""
+    if not math.isfinite(gbps):
+        raise UserError(f"{where}: {gbps} Gbit/s is not a finite rate")
     kbit = round(gbps * 1e6)
     if kbit < 1:
         raise UserError(f"{where}: {gbps} Gbit/s is below tc's smallest rate (1 kbit/s)")
@@ -133,7 +139,8 @@ def gbps_to_kbit(gbps: float, where: str) -> int:
 
 def build_host_rules(cluster: Cluster, groups: list[tuple[int, ...]], addresses: list[str],
                      iface: str = "eth0", link_gbps: float = 100.0,
-                     max_classes: int = MAX_CLASSES) -> list[HostRules]:
+                     max_classes: int = MAX_CLASSES, max_filters: int = MAX_FILTERS
+                     ) -> list[HostRules]:
     """The rules of every host; errors name the host pair for an impossible rate or class count."""
     if len(addresses) != len(groups):
         raise UserError(f"{len(groups)} hosts but {len(addresses)} addresses; give one address "
@@ -141,6 +148,10 @@ def build_host_rules(cluster: Cluster, groups: list[tuple[int, ...]], addresses:
     if len(set(addresses)) != len(addresses):
         raise UserError(f"host addresses must be distinct, got {addresses}")
     link_kbit = gbps_to_kbit(link_gbps, "--link-gbps")
+    if len(groups) - 1 > max_filters:
+        raise UserError(f"{len(groups)} hosts: each host needs one u32 filter per other host, and "
+                        f"tc's u32 node ids allow at most {max_filters} per host; use fewer hosts "
+                        "(--num-hosts, --group-by region)")
     lat, bw = host_links(cluster, groups)
     hosts = [HostGroup(i, a, g) for i, (a, g) in enumerate(zip(addresses, groups))]
     out = []
@@ -225,14 +236,28 @@ def receiver_delays(cluster: Cluster, groups: list[tuple[int, ...]], addresses: 
              if j != i and lat[j, i] > 0} for i in range(len(groups))]
 
 
-def render(rules: HostRules, netem: bool = True) -> str:
-    """Human/shell text for one host: a comment header, apply commands, reset commands."""
+def delay_line_command(delays: dict[str, float]) -> str:
+    """The shell command that holds traffic into a host for `delays` ({source: ms})."""
+    return shlex.join(["python3", "scripts/delay_line.py", "--delays", json.dumps(delays)])
+
+
+def render(rules: HostRules, netem: bool = True, line_delays: dict[str, float] | None = None
+           ) -> str:
+    """Human/shell text for one host: a comment header, apply commands, reset commands.
+
+    Without netem, `line_delays` (this host's entry of receiver_delays) names the delay line
+    that must run on the host, so the missing delay is stated, not only implied by comments."""
     h = rules.host
     lines = [f"# host {h.index} {h.address} devices {list(h.devices)} iface {rules.iface}: "
              f"{len(rules.classes)} class(es), link {format_rate(rules.link_kbit)}"]
     for c in rules.classes:
         lines.append(f"#   {c.classid}: rate {format_rate(c.rate_kbit)} delay "
                      f"{format_delay(c.delay_ms)} -> hosts {c.dest_hosts}")
+    if not netem and (line_delays or any(c.delay_ms > 0 for c in rules.classes)):
+        todo = (f"run on this host (root): {delay_line_command(line_delays)}" if line_delays
+                else "nothing to hold on this host (no delay into it); the receivers' delay "
+                     "lines hold its packets")
+        lines.append(f"# delay NOT APPLIED by these commands (no netem): {todo}")
     lines += [shlex.join(c) for c in apply_commands(rules, netem)]
     lines.append("# reset:")
     lines += [shlex.join(c) for c in reset_commands(rules.iface)]
