@@ -39,9 +39,9 @@ Model (every number in seconds, bytes, FLOP/s):
   stragglers and jitter.
 
 Two replays of the same model: `fast_replay` (numpy max-plus recurrences, vectorised over
-replicas and micro-batches; what the planner's objective calls) and `EventEngine` (a general
-discrete-event engine over tasks on devices and links; makes the timeline and checks the fast
-path, tests assert that they agree).
+replicas and micro-batches; what the planner's objective and `simulate(timeline=False)` call)
+and `EventEngine` (a general discrete-event engine over tasks on devices and links, a few hundred
+times slower; makes the timeline and checks the fast path, tests assert that they agree).
 """
 
 from __future__ import annotations
@@ -184,10 +184,20 @@ class StepInputs:
     num_micro_batches: int
     inner_steps: int = 1
     """Steps per data-parallel sync: 1 for allreduce, H for diloco."""
-    tied_s: np.ndarray | None = None
-    """(R,) seconds of each replica's tied-embedding gradient sum (None: embeddings not tied)."""
+    tied_tx: np.ndarray | None = None
+    """(R, 2) busy seconds of links pipelines[r,0] -> pipelines[r,-1] and back per step of the
+    tied-embedding gradient sum (None: embeddings not tied)."""
+    tied_lat: np.ndarray | None = None
+    """(R, 2) latency of those two links."""
     agree_s: float = 0.0
     """DiLoCo: seconds each outer step spends agreeing on membership through the store."""
+
+    @property
+    def tied_s(self) -> np.ndarray | None:
+        """(R,) seconds of each replica's tied-embedding gradient sum (None: not tied)."""
+        if self.tied_tx is None or self.tied_lat is None:
+            return None
+        return 2.0 * (self.tied_tx + self.tied_lat).max(axis=1)
 
     def dp_times(self) -> np.ndarray:
         """(S,) seconds of each stage group's all-reduce."""
@@ -272,16 +282,24 @@ def outer_agreement_time(pipelines: np.ndarray, lat_s: np.ndarray, sync: SyncCon
     return config.outer_store_round_trips * float(rtt.max())
 
 
-def tied_sum_times(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
-                   model: ModelSpec) -> np.ndarray | None:
-    """(R,) seconds of each replica's 2-rank all-reduce of the tied embedding gradient."""
+def tied_links(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
+               model: ModelSpec) -> tuple[np.ndarray, np.ndarray] | None:
+    """(busy seconds, latency), each (R, 2), of one step of each replica's tied-embedding sum on
+    the links first -> last stage and back (None: embeddings not tied or one stage)."""
     if not model.tie_embeddings or pipelines.shape[1] < 2:
         return None
     a, b = pipelines[:, 0], pipelines[:, -1]
-    half_bits = model.vocab_size * model.d_model * 4 / 2 * 8.0
-    one_way = np.maximum(lat_s[a, b] + half_bits / bits_per_s[a, b],
-                         lat_s[b, a] + half_bits / bits_per_s[b, a])
-    return 2.0 * one_way
+    half_bits = model.vocab_size * model.d_model * 4 / 2 * 8.0  # each step moves half of fp32
+    return (half_bits / np.stack([bits_per_s[a, b], bits_per_s[b, a]], axis=1),
+            np.stack([lat_s[a, b], lat_s[b, a]], axis=1))
+
+
+def tied_sum_times(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
+                   model: ModelSpec) -> np.ndarray | None:
+    """(R,) seconds of each replica's 2-rank all-reduce of the tied embedding gradient: 2 steps,
+    each as long as its slower direction."""
+    links = tied_links(pipelines, lat_s, bits_per_s, model)
+    return None if links is None else 2.0 * (links[0] + links[1]).max(axis=1)
 
 
 def replay_fast(inputs: StepInputs) -> StepTimes:
@@ -417,10 +435,14 @@ class TimelineBox:
 
     device: int
     kind: str
-    """`fwd`, `bwd`, `send` (pipeline transfer, on the sender's row) or `allreduce`."""
+    """`fwd`, `bwd`, `send` (pipeline transfer, on the sender's row), `tied` (tied-embedding sum
+    step, on the sender's row) or `allreduce`."""
     start_s: float
     end_s: float
+    """Transfers: when the link is free again."""
     label: str
+    latency_s: float = 0.0
+    """Transfers: the message arrives this long after end_s."""
 
 
 def replay_events(inputs: StepInputs, timeline: bool = True
@@ -471,12 +493,29 @@ def replay_events(inputs: StepInputs, timeline: bool = True
                     pipeline_tasks.append(x)
                     now_grads[m] = x
             grads = now_grads
+    # Tied embeddings: 2-rank all-reduce between each replica's end stages, 2 steps both ways;
+    # the end stages' rings wait for it (modules/trainer.py orders them so).
+    after = {(r, s): [t] for (r, s), t in last_bwd.items()}
+    tied_tasks: list[int] = []
+    if inputs.tied_tx is not None and inputs.tied_lat is not None and s_count > 1:
+        tied_tx, tied_lat = inputs.tied_tx.tolist(), inputs.tied_lat.tolist()
+        for r in range(r_count):
+            pair = (pipe[r][0], pipe[r][-1])
+            prev = [last_bwd[(r, 0)], last_bwd[(r, s_count - 1)]]
+            for step in range(2):
+                prev = [eng.task(link(pair[k], pair[1 - k]), tied_tx[r][k], prev, tied_lat[r][k],
+                                 row=pair[k], kind="tied", label=f"tied {step}")
+                        for k in range(2)]
+                tied_tasks += prev
+            after[(r, 0)] = after[(r, s_count - 1)] = prev
+    ring_first: list[list[int]] = []
     ring_last: list[list[int]] = []
     for s in range(s_count):
         ring = inputs.rings[s].tolist()
         tx, lat = inputs.ring_tx[s].tolist(), inputs.ring_lat[s].tolist()
         n = len(ring)
-        prev = [last_bwd[(r, s)] for r in range(r_count)]
+        prev = [t for r in range(r_count) for t in after[(r, s)]]
+        ring_first.append(prev)
         for step in range(2 * (n - 1)):
             prev = [eng.task(link(ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],
                              row=ring[i], kind="allreduce", label=f"ring {step}")
@@ -486,15 +525,19 @@ def replay_events(inputs: StepInputs, timeline: bool = True
     b_done = np.zeros((r_count, s_count))
     for (r, s), t in last_bwd.items():
         b_done[r, s] = end[t]
-    makespan = float(end[pipeline_tasks].max())
-    assert abs(makespan - b_done.max()) <= 1e-9 * max(1.0, makespan)
-    dp_time = np.array([float(end[last].max()) - b_done[:, s].max() if last else 0.0
-                        for s, last in enumerate(ring_last)])
+    # A ring runs from the end of what it waited for (last backwards, tied sums) to its last step.
+    dp_time = np.array([float(end[last].max() - end[first].max()) if last else 0.0
+                        for first, last in zip(ring_first, ring_last)])
     times = step_times(b_done, dp_time, inputs.inner_steps, inputs.tied_s, inputs.agree_s)
+    # step_times adds the tied sums arithmetically; the events must end at the same time.
+    for tasks, when in ((pipeline_tasks, times.pipeline_s),
+                        (pipeline_tasks + tied_tasks, times.makespan_s)):
+        assert abs(float(end[tasks].max()) - when) <= 1e-9 * max(1.0, when)
     if not timeline:
         return times, []
-    starts, ends = start.tolist(), (end - np.array(eng.latency)).tolist()
-    boxes = [TimelineBox(row, kind, starts[t], ends[t], label)
+    latency = eng.latency
+    starts, ends = start.tolist(), (end - np.array(latency)).tolist()
+    boxes = [TimelineBox(row, kind, starts[t], ends[t], label, latency[t])
              for t, (row, kind, label) in enumerate(eng.info)]
     return times, boxes
 
@@ -528,6 +571,8 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
     n = pipe.shape[0]
     chunk = ring_chunk_bytes(model, len(stages), n, sync.compression, config.int8_block)
+    tied = tied_links(pipe, tables.lat_s * config.collective_latency_factor, tables.bits_per_s,
+                      model)
     ring_list, ring_tx, ring_lat = [], [], []
     for s, (a, b) in enumerate(stages):
         payload = model.stage_params(a, b) * per_param
@@ -544,8 +589,7 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
         msg_bits / tables.bits_per_s[dst, src], tables.lat_s[dst, src],
         ring_list, ring_tx, ring_lat, num_micro_batches,
         sync.inner_steps if sync.mode == "diloco" else 1,
-        tied_sum_times(pipe, tables.lat_s * config.collective_latency_factor,
-                       tables.bits_per_s, model),
+        *(tied or (None, None)),
         outer_agreement_time(pipe, tables.lat_s, sync, config))
 
 
@@ -554,7 +598,7 @@ def no_transfers(inputs: StepInputs) -> StepInputs:
     zero = np.zeros_like(inputs.fwd_tx)
     return StepInputs(inputs.pipelines, inputs.t_fwd, inputs.t_bwd, zero, zero, zero, zero,
                       inputs.rings, inputs.ring_tx, inputs.ring_lat, inputs.num_micro_batches,
-                      inputs.inner_steps, None, inputs.agree_s)
+                      inputs.inner_steps, None, None, inputs.agree_s)
 
 
 @dataclass
@@ -642,7 +686,8 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
              pipelines: np.ndarray | list[list[int]], sync: SyncConfig, micro_batch_size: int,
              num_micro_batches: int, config: SimConfig | None = None,
              timeline: bool = True) -> SimResult:
-    """Event-replay one step (memory checked first: UserError naming a device that overflows)."""
+    """Replay one step (memory checked first: UserError naming a device that overflows): by the
+    event engine when a timeline is asked for, else by the vectorised replay (same numbers)."""
     config = config or SimConfig()
     pipe = np.asarray(pipelines, dtype=np.int64)
     diloco = sync.mode == "diloco"
@@ -651,7 +696,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
     tables = LinkTables(cluster, config)
     inputs = build_inputs(tables, model, stages, pipe, sync, micro_batch_size,
                           num_micro_batches, config)
-    times, boxes = replay_events(inputs, timeline)
+    times, boxes = replay_events(inputs) if timeline else (replay_fast(inputs), [])
     free = replay_fast(no_transfers(inputs))
     compute = float(((inputs.t_fwd + inputs.t_bwd) * num_micro_batches).max())
     tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
@@ -667,8 +712,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
         dp_comm_s=times.step_s - times.makespan_s, dp_comm_round_s=times.dp_exposed_round_s,
         dp_allreduce_s=[float(x) for x in times.dp_time_s], tokens_per_step=tokens,
         tokens_per_s=tokens / times.step_s, sync=sync, stages=list(stages),
-        pipelines=pipe.tolist(), memory_gb=sorted(mem),
-        timeline=boxes if timeline else [])
+        pipelines=pipe.tolist(), memory_gb=sorted(mem), timeline=boxes)
 
 
 def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,

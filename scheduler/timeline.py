@@ -1,7 +1,8 @@
 """Gantt chart of a simulated step: one row per device, boxes for compute and transfers.
 
 Each device row has an upper band for compute (forward blue, backward orange) and a lower band
-for what it sends (pipeline activations/gradients grey, all-reduce steps green). Rows go in
+for what it sends (pipeline activations/gradients grey, tied-embedding gradient sum purple,
+all-reduce steps green; a transfer's box is the time it holds the link). Rows go in
 pipeline order (replica 0's stages, then replica 1's, ...). Rendered with matplotlib's Agg
 backend and written atomically.
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 from scheduler.atomic_io import atomic_write_bytes
 from scheduler.simulator import SimResult
 
-COLORS = {"fwd": "#4878cf", "bwd": "#ee854a", "send": "#8c8c8c", "allreduce": "#6acc65"}
+COLORS = {"fwd": "#4878cf", "bwd": "#ee854a", "send": "#8c8c8c", "tied": "#956cb4",
+          "allreduce": "#6acc65"}
 
 
 def render_timeline_png(result: SimResult, title: str = "") -> bytes:
@@ -36,7 +38,7 @@ def render_timeline_png(result: SimResult, title: str = "") -> bytes:
                 (box.start_s, box.end_s - box.start_s))
     for (dev, kind), spans in bands.items():
         y = row_of[dev]
-        lower = kind in ("send", "allreduce")
+        lower = kind not in ("fwd", "bwd")  # transfers
         ax.broken_barh(spans, (y + (0.05 if lower else -0.4), 0.35 if lower else 0.45),
                        facecolors=COLORS[kind], linewidth=0)
     ax.set_yticks(range(len(order)))

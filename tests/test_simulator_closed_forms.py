@@ -13,8 +13,10 @@ from scheduler.plan import SyncConfig
 from scheduler.scenarios import make_scenario
 from scheduler.simulator import (
     EventEngine,
+    LinkTables,
     SimConfig,
     StepInputs,
+    build_inputs,
     payload_bytes_per_param,
     replay_events,
     replay_fast,
@@ -35,14 +37,16 @@ def uniform_cluster(n: int, lat_ms: float = 10.0, gbps: float = 1.0, tflops: flo
 
 
 def inputs(r: int, s: int, m: int, tf: float, tb: float, tx: float, lat: float,
-           ring_tx: float = 0.0, ring_lat: float = 0.0, h: int = 1) -> StepInputs:
-    """Homogeneous hand-made step inputs."""
+           ring_tx: float = 0.0, ring_lat: float = 0.0, h: int = 1,
+           tied: tuple[float, float] | None = None) -> StepInputs:
+    """Homogeneous hand-made step inputs; `tied`: (busy, latency) of each tied-sum step."""
     pipe = np.arange(r * s).reshape(r, s)
     full = lambda v, shape: np.full(shape, float(v))
     return StepInputs(pipe, full(tf, (r, s)), full(tb, (r, s)), full(tx, (r, s - 1)),
                       full(lat, (r, s - 1)), full(tx, (r, s - 1)), full(lat, (r, s - 1)),
                       [pipe[:, k] for k in range(s)], [full(ring_tx, r) for _ in range(s)],
-                      [full(ring_lat, r) for _ in range(s)], m, h)
+                      [full(ring_lat, r) for _ in range(s)], m, h,
+                      *((full(tied[0], (r, 2)), full(tied[1], (r, 2))) if tied else (None, None)))
 
 
 def test_single_transfer_is_latency_plus_bytes_over_bandwidth():
@@ -128,6 +132,29 @@ def test_dp_overlaps_with_earlier_stages_backward():
     assert t.dp_start_s[1] < t.dp_start_s[0] == pytest.approx(base)
 
 
+def test_tied_sum_delays_the_end_stages_rings_in_numbers_and_events():
+    r, s, m, tf, tb, tx, lat = 3, 3, 4, 0.1, 0.2, 0.01, 0.02
+    tied_tx, tied_lat, ring_tx = 0.3, 0.05, 0.04
+    inp = inputs(r, s, m, tf, tb, tx, lat, ring_tx=ring_tx, tied=(tied_tx, tied_lat))
+    base = (m + s - 1) * (tf + tb) + 2 * (s - 1) * (tx + lat)  # stage 0's last backward
+    ring = 2 * (r - 1) * ring_tx
+    fast = replay_fast(inp)
+    times, boxes = replay_events(inp)
+    assert fast.makespan_s == pytest.approx(base + 2 * (tied_tx + tied_lat))
+    assert fast.step_s == pytest.approx(base + 2 * (tied_tx + tied_lat) + ring)
+    for key in ("makespan_s", "pipeline_s", "dp_exposed_round_s", "step_s"):
+        assert getattr(times, key) == pytest.approx(getattr(fast, key), rel=1e-12)
+    tied = [b for b in boxes if b.kind == "tied"]
+    assert len(tied) == r * 2 * 2  # per replica: 2 steps, both directions
+    assert {b.device for b in tied} == {d for k in range(r) for d in (k * s, k * s + s - 1)}
+    tied_end = max(b.end_s + b.latency_s for b in tied)
+    assert tied_end == pytest.approx(fast.makespan_s)
+    ring_start = {k: min(b.start_s for b in boxes if b.kind == "allreduce" and b.device % s == k)
+                  for k in range(s)}
+    assert ring_start[0] == ring_start[s - 1] == pytest.approx(tied_end)
+    assert ring_start[1] < min(b.start_s for b in tied)  # the middle stage does not wait
+
+
 def test_diloco_amortises_outer_sync_over_h():
     r, s, m = 4, 3, 5
     every = inputs(r, s, m, 0.1, 0.2, 0.01, 0.0, ring_tx=1.0, ring_lat=0.1)
@@ -170,11 +197,35 @@ def test_fast_path_equals_event_engine_on_heterogeneous_plans(scenario, seed, sy
         bd = obj.breakdown(pipe)
         if not np.isfinite(bd.cost_s):
             continue
-        res = simulate(cluster, model, bd.stages, pipe, sync, 1, 13)
+        res = simulate(cluster, model, bd.stages, pipe, sync, 1, 13, timeline=True)  # events
         assert res.step_s == pytest.approx(bd.cost_s, rel=1e-9)
         assert obj.cost(pipe) == pytest.approx(bd.cost_s, rel=1e-12)
         for key in ("compute_s", "bubble_s", "pp_comm_s", "tied_comm_s", "dp_comm_s"):
             assert bd.parts[key] == pytest.approx(res.parts()[key], rel=1e-9, abs=1e-9)
+        assert res.tied_comm_s > 0  # gpt3-xl ties its embeddings: the tied tasks are replayed
+        # without a timeline simulate takes the fast path, the objective's recurrences
+        quick = simulate(cluster, model, bd.stages, pipe, sync, 1, 13, timeline=False)
+        assert quick.step_s == pytest.approx(bd.cost_s, rel=1e-12) and quick.timeline == []
+        assert quick.parts() == pytest.approx(res.parts(), rel=1e-9, abs=1e-9)
+        assert [quick.dp_comm_round_s, *quick.dp_allreduce_s] == pytest.approx(
+            [res.dp_comm_round_s, *res.dp_allreduce_s], rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("model_name", ["gpt3-xl", "llama-150m"])  # tied, untied
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_replay_fast_equals_replay_events_field_by_field(model_name, factor):
+    cluster = make_scenario("worldwide", 1)
+    model = get_model(model_name)
+    config = SimConfig(collective_latency_factor=factor)
+    pipe = np.random.default_rng(2).permutation(cluster.num_devices)[:24].reshape(4, 6)
+    inp = build_inputs(LinkTables(cluster, config), model, even_split(model.num_layers, 6),
+                       pipe, SyncConfig(), 1, 9, config)
+    assert (inp.tied_s is not None) == model.tie_embeddings
+    fast, (events, _) = replay_fast(inp), replay_events(inp)
+    for key in ("makespan_s", "pipeline_s", "dp_exposed_round_s", "step_s"):
+        assert getattr(events, key) == pytest.approx(getattr(fast, key), rel=1e-9)
+    for key in ("dp_start_s", "dp_time_s"):
+        np.testing.assert_allclose(getattr(events, key), getattr(fast, key), rtol=1e-9)
 
 
 def test_breakdown_parts_add_up_and_tokens_per_second():

@@ -42,13 +42,32 @@ def test_simulate_plan_reports_breakdown_and_table():
 def test_timeline_png(tmp_path):
     res = simulate_plan(CLUSTER, None, plan_from_dict(plan_dict()))
     kinds = {b.kind for b in res.timeline}
-    assert kinds == {"fwd", "bwd", "send", "allreduce"}
+    assert kinds == {"fwd", "bwd", "send", "tied", "allreduce"}  # gpt3-xl ties its embeddings
     assert len([b for b in res.timeline if b.kind == "fwd"]) == 16 * 8
     out = tmp_path / "t.png"
     save_timeline_png(res, out)
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert [p.name for p in tmp_path.iterdir()] == ["t.png"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("sync", [SyncConfig(), SyncConfig("diloco", 50, "int8")])
+def test_timeline_ends_where_the_reported_step_ends(sync):
+    # The boxes must tell the same story as the numbers: the pipeline and tied sums end at the
+    # makespan, the last all-reduce message arrives at makespan + the exposed sync per round.
+    plan = plan_dict(sync={"mode": sync.mode, "inner_steps": sync.inner_steps,
+                           "compression": sync.compression})
+    res = simulate_plan(CLUSTER, None, plan_from_dict(plan))
+    arrive = lambda kinds: max(b.end_s + b.latency_s for b in res.timeline if b.kind in kinds)
+    assert res.tied_comm_s > 0
+    assert arrive({"fwd", "bwd", "send", "tied"}) == pytest.approx(res.makespan_s, rel=1e-12)
+    assert arrive({"tied"}) > arrive({"fwd", "bwd", "send"})
+    assert arrive({"allreduce"}) == pytest.approx(res.makespan_s + res.dp_comm_round_s,
+                                                  rel=1e-12)
+    quick = simulate_plan(CLUSTER, None, plan_from_dict(plan), timeline=False)
+    assert quick.parts() == pytest.approx(res.parts(), rel=1e-9, abs=1e-9)
+    assert [quick.dp_comm_round_s, *quick.dp_allreduce_s] == pytest.approx(
+        [res.dp_comm_round_s, *res.dp_allreduce_s], rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("over,words", [
