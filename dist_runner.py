@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.join:
         rank_of = {d: i for i, d in enumerate(members)} if members else None
         groups = build_groups(plan, topo, spec.tie_embeddings, start, rank_of)
-    Trainer(plan, topo, groups, store, data, cfg, log=log).run()
-    log("done")
+    trainer = Trainer(plan, topo, groups, store, data, cfg, log=log)
+    trainer.run()
+    log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})")
     import torch.distributed as dist
     dist.destroy_process_group()
     return 0

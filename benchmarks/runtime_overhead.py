@@ -61,7 +61,7 @@ def runner(model_name: str, stages: list[tuple[int, int]], micro: int, num_micro
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/launch_local.py"), "--plan", str(tmp / "plan.json"),
          "--threads-per-rank", "1", "--", "--steps", str(steps), "--fake-data",
-         "--metrics", str(metrics), "--log-every", str(steps)],
+         "--metrics", str(metrics)],  # default --log-every 1: a progress line every step
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         sys.exit(f"dist_runner failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scheduler.atomic_io import atomic_write_bytes
+
 
 def replica_metrics_path(path: str | Path, replica: int) -> Path:
     """PATH for replica 0; PATH with `.r{r}` before the suffix for replica r > 0."""
@@ -16,12 +18,19 @@ def replica_metrics_path(path: str | Path, replica: int) -> Path:
 
 
 class MetricsWriter:
-    """Appends one flushed JSON line per record (a crash loses at most the current line)."""
+    """Appends one flushed JSON line per record (a crash loses at most the current line).
 
-    def __init__(self, path: str | Path, append: bool) -> None:
+    `resume_step` None starts a new file; a step keeps the records up to it and drops the later
+    ones, which the crashed run wrote after its checkpoint and the resumed run writes again.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        if resume_step is not None and self.path.exists():
+            atomic_write_bytes(self.path, _lines_up_to(self.path, resume_step))
+        mode = "w" if resume_step is None else "a"
+        self._f = open(self.path, mode, encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         """Append a record."""
@@ -36,3 +45,17 @@ class MetricsWriter:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _lines_up_to(path: Path, step: int) -> bytes:
+    """The lines of a metrics file whose record has no step or one <= `step` (a line cut off by
+    a crash is dropped)."""
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] <= step:
+            keep.append(line + "\n")
+    return "".join(keep).encode()

@@ -269,11 +269,18 @@ class Trainer(ElasticMembership):
         sum_tied_grads(self.model.tied_pair(), self.comm, self.groups.tied)
         if plan.sync.mode == "allreduce":
             self.dp_bytes += average_grads(self.params, self.average)
+        outer0, dp0 = getattr(self.opt, "outer_count", 0), self.dp_bytes
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
             self.opt.step()  # DiLoCo: inner step, and every H steps the outer (communicating) one
             self.step += 1
             self.tokens += self.tokens_per_step
+        outer = getattr(self.opt, "outer_count", 0)
+        if outer > outer0:  # DiLoCo's only communication: every rank says what it sent
+            # spelt like the metrics field: benchmarks/end_to_end.py echoes lines with " step "
+            self.log(f"outer_step {outer}: {self.dp_bytes - dp0} bytes sent to stage group "
+                     f"{list(self._stage_ranks())} (stage {topo.stage}, after "
+                     f"{plan.sync.inner_steps} inner steps)")
         return loss
 
     def evaluate(self) -> float | None:
@@ -299,7 +306,7 @@ class Trainer(ElasticMembership):
         writer = None
         if cfg.metrics and topo.is_last:
             writer = MetricsWriter(replica_metrics_path(cfg.metrics, topo.replica),
-                                   append=cfg.resume)
+                                   resume_step=self.step if cfg.resume else None)
         tokens_per_step = self.tokens_per_step
         records = []
         try:

@@ -1,6 +1,7 @@
 """Checkpoints: 3 steps + resume 3 gives the same losses as 6 uninterrupted steps (2 stages x 2
 replicas, DiLoCo with H=2 so the cut falls inside an outer period); a corrupt or mismatched
-checkpoint is a clear error."""
+checkpoint is a clear error; after a crash between checkpoints, --resume leaves each step once in
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -61,6 +62,23 @@ def test_resume_gives_identical_losses_and_bad_checkpoints_are_clear_errors(tmp_
     assert proc.returncode == 2
     assert f"error: checkpoint {bad} is corrupt or unreadable" in proc.stdout
     assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_resume_after_a_crash_between_checkpoints_writes_each_step_once(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[0]], micro_batch_size=2), plan_path)
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    # checkpoint at step 2 (on the training thread, so it is on disk), gone before step 4
+    crash = _launch(plan_path, metrics, "--steps", "5", "--ckpt-dir", str(ck), "--ckpt-every",
+                    "2", "--sync-checkpoints", "--debug-vanish", "0:4")
+    assert crash.returncode == 0, crash.stdout[-3000:]
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3]
+    resumed = _launch(plan_path, metrics, "--steps", "5", "--ckpt-dir", str(ck), "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from step 2" in resumed.stdout
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4, 5]
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_mismatched_or_missing_checkpoint_names_the_field(tmp_path):

@@ -3,6 +3,7 @@ outer steps, and a replica whose peer is gone fails loudly naming it (or waits, 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from datetime import timedelta
@@ -81,6 +82,17 @@ def test_diloco_2x2_matches_hand_written_diloco_and_syncs_only_at_outer_steps(tm
         assert [r["outer_step"] for r in rs] == [0, 1, 1, 2]
         dp = [r["dp_bytes_sent"] for r in rs]
         assert dp[0] == dp[2] == 0 and dp[1] == dp[3] > 0  # only at outer steps
+    # every rank logs its outer-step bytes, also rank 0 (stage 0), which writes no metrics
+    for rank, stage, group, dp in ((0, 0, [0, 2], None), (1, 1, [1, 3], recs[0][1])):
+        sent = [int(n) for n in re.findall(
+            rf"^\[rank {rank}\] outer_step \d: (\d+) bytes sent to stage group "
+            rf"{re.escape(str(group))} \(stage {stage}, after {H} inner steps\)$",
+            proc.stdout, re.M)]
+        assert len(sent) == STEPS // H and sent[0] > 0, proc.stdout[-3000:]
+        if dp is not None:
+            assert sent[0] == dp["dp_bytes_sent"]
+        assert f"[rank {rank}] done; {sum(sent)} data-parallel bytes sent by this rank " \
+            "(diloco)" in proc.stdout
     # replicas hold the same parameters right after the last outer step
     assert recs[0][-1]["val_loss"] == pytest.approx(recs[1][-1]["val_loss"], rel=1e-6)
     spec = get_model("gpt-tiny")

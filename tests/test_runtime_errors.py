@@ -90,8 +90,7 @@ def test_ranks_that_never_join_fail_within_timeout(tmp_path):
     _assert_clear(proc, 1, "rendezvous: not all 4 ranks joined")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # not slow: the one torchrun run that `-m "not slow"` keeps
 def test_runs_under_torchrun(tmp_path):
     plan = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[1, 0]], micro_batch_size=1)
     save_plan(plan, tmp_path / "plan.json")
