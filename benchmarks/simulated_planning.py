@@ -6,12 +6,13 @@ micro-batches of one sequence), prints the step time the event simulator predict
       DP of layer_split.py, then polished on the final plan by SimulatedObjective.polish),
   (b) our search minimising the `dtfm` objective (even split, as DT-FM plans),
   (c) our search minimising the simulated step time over even-split plans only,
-  (d) random plans (median of --random-plans, even split) and the index-order plan,
+  (d) random plans (median of --random-plans, even split, scored by the fast path) and the
+      index-order plan,
 with ratios to (a). Every search gets the same evaluation budget and time limit, on one core.
 Then times one step replay of a 64-device step (vectorised fast path and event engine) and one
 objective evaluation.
 
-    python benchmarks/simulated_planning.py [--scenarios mixed worldwide] [--time-limit 10]
+    python benchmarks/simulated_planning.py [--scenarios mixed worldwide] [--budget 3000]
         [--sync diloco --inner-steps 500 --compression int8]
 """
 
@@ -57,8 +58,10 @@ MODEL = get_model("gpt3-xl")
 
 def event_step(cluster, stages, pipelines, sync) -> float:
     """Step time of a plan by the discrete-event simulator (memory checked)."""
+    # timeline=True runs the event engine; without it simulate() takes the fast path, and the
+    # `agree` check below would compare that path with itself
     return simulate(cluster, MODEL, stages, pipelines, sync, 1, MICRO_BATCHES,
-                    timeline=False).step_s
+                    timeline=True).step_s
 
 
 def run_one(name: str, args: argparse.Namespace, sync: SyncConfig) -> dict:
@@ -82,6 +85,7 @@ def run_one(name: str, args: argparse.Namespace, sync: SyncConfig) -> dict:
             stages = polished.stages
         out[key] = event_step(cluster, stages, res.pipelines, sync)
         out[key + "_wall"], out[key + "_evals"] = wall, res.evaluations
+        out[key + "_stop"] = res.stopped_by
         if key == "a":
             out["a_split"] = "-".join(str(b - a) for a, b in stages)
             # the objective the search minimised is the event simulator's fast path
@@ -133,8 +137,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", nargs="+", default=[*DTFM_SCENARIOS, "mixed"])
     ap.add_argument("--seed", type=int, default=0, help="scenario and search seed")
-    ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per search")
-    ap.add_argument("--budget", type=int, default=20_000, help="evaluations per search")
+    ap.add_argument("--time-limit", type=float, default=60.0,
+                    help="seconds per search (a safety net: the budget ends each search, so "
+                         "the table is reproducible)")
+    ap.add_argument("--budget", type=int, default=3_000,
+                    help="evaluations per search (the planner's default for `simulated`)")
     ap.add_argument("--random-plans", type=int, default=20)
     ap.add_argument("--sync", choices=["allreduce", "diloco"], default="allreduce")
     ap.add_argument("--inner-steps", type=int, default=1)
@@ -166,6 +173,9 @@ def main() -> None:
     print(f"search (a): at most {worst_wall:.1f} s wall and "
           f"{max(o['a_evals'] for o in rows)} evaluations per scenario; objective == event "
           f"simulator on every returned plan: {all(o['agree'] for o in rows)}")
+    stops = sorted({o[k + "_stop"] for o in rows for k in "abc"})
+    print(f"searches (a), (b), (c) stopped by: {', '.join(stops)} (reproducible from --seed "
+          f"unless 'time')")
     for line in timings(sync):
         print(line)
 

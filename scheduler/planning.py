@@ -97,6 +97,10 @@ OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = 
 """Objective factories by name; a new objective registers here and the CLI offers it."""
 DEFAULT_OBJECTIVE = "simulated"
 """What `plan` and `evaluate` use without --objective."""
+DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 3_000}
+"""Evaluations per search without --budget: what one core does in a few seconds for 64 devices
+(dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a default run
+and the plan is reproducible from its seed."""
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
@@ -199,23 +203,6 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     wall = time.perf_counter() - start
     polish = getattr(objective, "polish", None)  # the simulated objective refines its split
     ours = polish(result.pipelines) if polish else objective.breakdown(result.pipelines)
-    how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
-                                        req.num_stages, req.num_replicas)
-    random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
-                                       req.random_samples, seed=req.search.seed)
-    index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
-    def score(p: np.ndarray) -> CostBreakdown:
-        if p.ndim != 2:  # no baseline plan of this kind could be scored (none fits)
-            return CostBreakdown(ours.objective, float("inf"))
-        return objective.breakdown(p)
-
-    baselines = {
-        "hand-structured (regions)": score(hand_plan),
-        f"best of {req.random_samples} random": score(random_plan),
-        "index order": score(index_plan),
-    }
-    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
-    index_cost = baselines["index order"].cost_s
     plan = Plan(
         cluster=cluster.name, cluster_sha256=cluster.sha256(), model=model.name,
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
@@ -232,5 +219,23 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         simulate_plan(cluster, model, plan, req.sim, timeline=False)  # names the device
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
+    how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
+                                        req.num_stages, req.num_replicas)
+    random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
+                                       req.random_samples, seed=req.search.seed)
+    index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
+
+    def score(p: np.ndarray) -> CostBreakdown:
+        if p.ndim != 2:  # no baseline plan of this kind could be scored (none fits)
+            return CostBreakdown(ours.objective, float("inf"))
+        return objective.breakdown(p)
+
+    baselines = {
+        "hand-structured (regions)": score(hand_plan),
+        f"best of {req.random_samples} random": score(random_plan),
+        "index order": score(index_plan),
+    }
+    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
+    index_cost = baselines["index order"].cost_s
     return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
                        result.best_structured, baselines, how)

@@ -40,6 +40,7 @@ from scheduler.plan import (  # noqa: E402
     save_plan,
 )
 from scheduler.planning import (  # noqa: E402
+    DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
     PlanOutcome,
@@ -170,6 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_output_path(args.plot, "--plot", ".png")
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGETS[args.objective]
     if args.budget < 1 or not 0 < args.time_limit < float("inf") or args.random_samples < 1:
         raise UserError(f"--budget ({args.budget}) and --random-samples ({args.random_samples}) "
                         f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
@@ -282,11 +285,13 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
     pl.add_argument("--inner-steps", type=int, default=1, help="DiLoCo H (with --sync diloco)")
     pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
-    pl.add_argument("--budget", type=int, default=20_000,
-                    help="max objective evaluations of the search (default 20000)")
-    pl.add_argument("--time-limit", type=float, default=10.0,
-                    help="search wall limit in s (default 10); a run cut by it is not "
-                         "reproducible, one ended by the budget or convergence is")
+    pl.add_argument("--budget", type=int,
+                    help="max objective evaluations per searched shape (default: " +
+                         ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
+    pl.add_argument("--time-limit", type=float, default=60.0,
+                    help="wall limit in s of the whole search, shared among shapes (default "
+                         "60, a safety net); a run cut by it is not reproducible, one ended "
+                         "by the budget or convergence is")
     pl.add_argument("--search-seed", type=int, default=0, help="seed of the search (default 0)")
     pl.add_argument("--random-samples", type=int, default=1000,
                     help="random plans of the best-of-random baseline (default 1000)")

@@ -129,6 +129,6 @@ def test_polish_is_never_worse_and_matches_the_event_simulator():
         assert polished.cost_s <= plain.cost_s + 1e-12
         better += polished.cost_s < plain.cost_s - 1e-9
         assert polished.stages[0][0] == 0 and polished.stages[-1][1] == 24
-        event = simulate(cluster, model, polished.stages, pipe, sync, 1, 61, timeline=False)
+        event = simulate(cluster, model, polished.stages, pipe, sync, 1, 61, timeline=True)
         assert event.step_s == pytest.approx(polished.cost_s, rel=1e-9)
     assert better >= 1  # the DP split is a heuristic; a local search finds small gains

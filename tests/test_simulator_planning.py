@@ -31,7 +31,7 @@ def test_search_with_simulated_objective_beats_index_order_and_matches_simulator
     assert ours.cost_s == pytest.approx(res.cost)
     index = obj.cost(index_order_plan(np.arange(64), 8, 8))
     assert ours.cost_s < 0.9 * index
-    event = simulate(cluster, XL, ours.stages, res.pipelines, sync, 1, 16, timeline=False)
+    event = simulate(cluster, XL, ours.stages, res.pipelines, sync, 1, 16, timeline=True)
     assert event.step_s == pytest.approx(ours.cost_s, rel=1e-9)
 
 

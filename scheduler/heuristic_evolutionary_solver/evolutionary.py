@@ -68,7 +68,8 @@ class SearchResult:
     """Name and cost of the best hand-structured starting plan (before any search)."""
     stopped_by: str = "converged"
     """What ended the search: `budget`, `time` (the wall limit: not reproducible from the
-    seed) or `converged` (no gain for `patience` evaluations, or the polish found nothing)."""
+    seed), `converged` (no gain for `patience` evaluations, or the polish found nothing) or
+    `infeasible` (no plan of the first population had a finite cost)."""
 
 
 Key = tuple[float, float]
@@ -272,6 +273,11 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         population.append((scorer.score(groups), groups))
     population = _select(population, config.population)
     first_population = list(population)
+    if not np.isfinite(scorer.best[0][0]) and not np.isfinite(given[1]):
+        # Nothing in a whole population fits (e.g. memory): every candidate costs inf, so the
+        # search has no slope to follow; say so now instead of spending the budget on a plateau.
+        return SearchResult(cache.chains(scorer.best[1]), float("inf"), scorer.evaluations,
+                            time.perf_counter() - start, [], best_structured, "infeasible")
 
     last_report = 0.0
     epoch_start = scorer.evaluations
