@@ -28,6 +28,15 @@ if [ -n "$missing" ]; then
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
+  # Debian's python3 ships venv/ensurepip separately (python3-venv)
+  if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "setup: installing python3-venv"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+    else
+      echo "setup: python3 cannot create a virtualenv (install python3-venv)" >&2; exit 1
+    fi
+  fi
   echo "setup: creating virtualenv $VENV"
   python3 -m venv "$VENV"
 fi
