@@ -161,10 +161,12 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     best: PlanOutcome | None = None
     failures: list[str] = []
     stops: set[str] = set()
-    for s, r in shapes:
+    searched_s = 0.0  # the time limit is for searching; baselines are scored outside it
+    for k, (s, r) in enumerate(shapes):
+        # each shape gets an equal share of the time left (a shape that cannot fit quits early)
+        share = max(req.search.time_limit_s - searched_s, 0.0) / (len(shapes) - k)
         sub = replace(req, num_stages=s, num_replicas=r,
-                      search=replace(req.search,
-                                     time_limit_s=req.search.time_limit_s / len(shapes)))
+                      search=replace(req.search, time_limit_s=max(share, 1e-3)))
         try:
             out = plan_cluster(cluster, model, sub, progress)
         except UserError as e:
@@ -172,6 +174,7 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 raise
             failures.append(f"{s} x {r}: {e}")
             continue
+        searched_s += out.plan.search["wall_s"]
         stops.add(out.plan.search["stopped_by"])
         if best is None or out.ours.cost_s < best.ours.cost_s:
             best = out
