@@ -108,6 +108,15 @@ def set_lr(opt: torch.optim.Optimizer, step: int, cfg: RunConfig) -> None:
         group["lr"] = cfg.lr * lr_factor(step, cfg)
 
 
+def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
+    """What a rank's checkpoint must match to be resumed (model, split, rank, sync, batch)."""
+    return {"model": plan.model, "stages": [list(s) for s in plan.stages], "rank": topo.rank,
+            "replica": topo.replica, "stage": topo.stage, "world_size": topo.world_size,
+            "sync_mode": plan.sync.mode, "inner_steps": plan.sync.inner_steps,
+            "micro_batch_size": plan.micro_batch_size,
+            "num_micro_batches": plan.num_micro_batches, "seed": seed}
+
+
 class Trainer(ElasticMembership):
     """One rank's share of the run described by a plan (failure handling: modules.elastic)."""
 
@@ -192,12 +201,7 @@ class Trainer(ElasticMembership):
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        p, t = self.plan, self.topo
-        return {"model": p.model, "stages": [list(s) for s in p.stages], "rank": t.rank,
-                "replica": t.replica, "stage": t.stage, "world_size": t.world_size,
-                "sync_mode": p.sync.mode, "inner_steps": p.sync.inner_steps,
-                "micro_batch_size": p.micro_batch_size,
-                "num_micro_batches": p.num_micro_batches, "seed": self.cfg.seed}
+        return checkpoint_meta(self.plan, self.topo, self.cfg.seed)
 
     def state(self) -> dict[str, Any]:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
