@@ -322,8 +322,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
-    result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
-                           timeline=bool(args.timeline))
+    try:
+        result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
+                               timeline=bool(args.timeline))
+    except UserError as e:  # e.g. memory: say which plan file does not fit
+        raise UserError(f"{args.plan}: {e}") from None
     if args.timeline:
         from scheduler.timeline import save_timeline_png  # matplotlib only when asked
         save_timeline_png(result, args.timeline, f"{plan.model} on {cluster.name}")
