@@ -12,7 +12,7 @@ with ratios to (a). Every search gets the same evaluation budget and time limit,
 Then times one step replay of a 64-device step (vectorised fast path and event engine) and one
 objective evaluation.
 
-    python benchmarks/simulated_planning.py [--scenarios mixed worldwide] [--budget 3000]
+    python benchmarks/simulated_planning.py [--scenarios mixed worldwide] [--budget 8000]
         [--sync diloco --inner-steps 500 --compression int8]
 """
 
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0,
                     help="seconds per search (a safety net: the budget ends each search, so "
                          "the table is reproducible)")
-    ap.add_argument("--budget", type=int, default=3_000,
+    ap.add_argument("--budget", type=int, default=8_000,
                     help="evaluations per search (the planner's default for `simulated`)")
     ap.add_argument("--random-plans", type=int, default=20)
     ap.add_argument("--sync", choices=["allreduce", "diloco"], default="allreduce")
