@@ -498,9 +498,11 @@ def bring_up_tunnel(
     # (wgmac); _from_server refuses any later change of it
     try:
         t_up = time.monotonic()
-        tunnel.up(keypair, other.wg)
+        tunnel.up(keypair, other.wg, initiate=role == "a")  # b answers (see Tunnel.up)
         t_listen = time.monotonic()
         ok = tunnel.wait_handshake(timeout_s=HANDSHAKE_TIMEOUT_S)
+        if ok and role == "b":
+            tunnel.keep_alive(other.wg)
         puncher.result.tunnel = {
             "ok": ok,
             "interface": tunnel.name,

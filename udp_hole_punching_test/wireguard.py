@@ -106,8 +106,14 @@ class Tunnel:
     implementation: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
 
-    def up(self, keys: KeyPair, peer_public_key: str) -> None:
-        """Create the interface on listen_port with the peer at `endpoint`, and bring it up."""
+    def up(self, keys: KeyPair, peer_public_key: str, initiate: bool = True) -> None:
+        """Create the interface on listen_port with the peer at `endpoint`, and bring it up.
+
+        Only an initiating side gets its persistent keep-alive now; the other gets it from
+        `keep_alive` once the handshake is done. Two sides that come up within one round trip
+        of each other initiate at once, each drops the response to its own initiation, and the
+        keep-alive timers (no jitter) keep them in that lock-step: seen as no handshake in 30 s.
+        """
         try:
             _run(["ip", "link", "add", self.name, "type", "wireguard"])
             self.implementation = "kernel"
@@ -125,10 +131,15 @@ class Tunnel:
                 "peer", peer_public_key,
                 "endpoint", endpoint,
                 "allowed-ips", f"{self.peer_address}/32",
-                "persistent-keepalive", str(KEEPALIVE_S),
+                "persistent-keepalive", str(KEEPALIVE_S if initiate else 0),
             ]
         )  # fmt: skip
         _run(["ip", "link", "set", self.name, "up"])
+
+    def keep_alive(self, peer_public_key: str) -> None:
+        """Turn on the persistent keep-alive that holds the NAT mapping open."""
+        _run(["wg", "set", self.name, "peer", peer_public_key,
+              "persistent-keepalive", str(KEEPALIVE_S)])
 
     def _start_wireguard_go(self) -> None:
         exe = shutil.which("wireguard-go")
