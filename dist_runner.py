@@ -22,8 +22,8 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scheduler.errors import UserError  # noqa: E402
-from scheduler.plan import load_plan  # noqa: E402
+from formats.errors import UserError  # noqa: E402
+from formats.plan import load_plan  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cluster = None
     if args.cluster:
-        from scheduler.cluster import load_cluster
+        from formats.cluster import load_cluster
         cluster = load_cluster(args.cluster)
     plan = load_plan(args.plan, cluster)
     if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
@@ -178,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     import torch
 
+    from formats.models import get_model
     from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
     from modules.dist import build_groups, parse_dist_url, rendezvous, topology
     from modules.fault import members_of, register
     from modules.sync import check_compression
     from modules.trainer import RunConfig, Trainer
-    from scheduler.models import get_model
 
     topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
     check_compression(plan.sync.compression, plan.num_replicas)

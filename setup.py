@@ -10,9 +10,19 @@ setup(
         "badly connected GPUs"
     ),
     python_requires=">=3.10",
-    packages=find_packages(include=["scheduler", "scheduler.*", "modules", "modules.*"]),
+    packages=find_packages(include=["formats", "formats.*", "scheduler", "scheduler.*", "modules",
+                                    "modules.*", "scripts", "scripts.*"]),
     package_data={"modules": ["quant/*.cu"]},
     py_modules=["dist_runner"],
+    # the same commands as `python scheduler/scheduler.py ...`, `python dist_runner.py ...`, ...
+    entry_points={"console_scripts": [
+        "st-plan = scheduler.scheduler:entry",
+        "st-run = dist_runner:entry",
+        "st-launch = scripts.launch_local:entry",
+        "st-netemu = scripts.local_cluster:entry",
+        "st-tc = scripts.tc:entry",
+        "st-ssh = scripts.cluster_ssh:entry",
+    ]},
     install_requires=[
         "numpy>=1.24",
         "scipy>=1.10",

@@ -33,14 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
+from formats.models import get_model  # noqa: E402
+from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
 from modules.checkpoint import load_checkpoint, save_checkpoint, step_path  # noqa: E402
 from modules.diloco import DiLoCoOptimizer  # noqa: E402
 from modules.dist import topology  # noqa: E402
 from modules.metrics import read_metrics, replica_metrics_path  # noqa: E402
 from modules.model import StageModel  # noqa: E402
 from modules.trainer import RunConfig, checkpoint_meta, make_inner_optimizer  # noqa: E402
-from scheduler.models import get_model  # noqa: E402
-from scheduler.plan import Plan, SyncConfig, save_plan  # noqa: E402
 
 
 def run(name: str, plan: Plan, steps: int, args: argparse.Namespace, tmp: Path,

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from scheduler.cluster import Cluster, Device, save_cluster  # noqa: E402
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.cluster import Cluster, Device, save_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
 from scripts.netemu.local import apply_local  # noqa: E402
 from scripts.netemu.probe import probe_local  # noqa: E402

@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
+from formats.models import get_model  # noqa: E402
+from formats.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
-from scheduler.models import get_model  # noqa: E402
-from scheduler.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
 
 PY = sys.executable

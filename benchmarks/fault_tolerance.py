@@ -31,11 +31,11 @@ if not __package__:
 
 import torch  # noqa: E402
 
+from formats.models import get_model  # noqa: E402
 from modules.checkpoint import AsyncCheckpointer, save_checkpoint, snapshot, step_path  # noqa: E402
-from modules.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits  # noqa: E402
 from modules.model import StageModel  # noqa: E402
 from modules.trainer import RunConfig, make_inner_optimizer  # noqa: E402
-from scheduler.models import get_model  # noqa: E402
+from testkit.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits  # noqa: E402
 
 
 def checkpoint_blocking(model_name: str, reps: int, tmp: Path) -> tuple[float, float, int]:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from formats.models import get_model  # noqa: E402
 from scheduler.baselines import (  # noqa: E402
     best_of_random,
     gcma,
@@ -33,10 +34,9 @@ from scheduler.baselines import (  # noqa: E402
     index_order_plan,
 )
 from scheduler.cost_dtfm import DtfmObjective  # noqa: E402
-from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
-from scheduler.models import get_model  # noqa: E402
 from scheduler.planning import search_plan  # noqa: E402
 from scheduler.scenarios import DTFM_SCENARIOS, make_scenario  # noqa: E402
+from scheduler.search import SearchConfig  # noqa: E402
 
 
 def run_one(scenario: str, seed: int, args: argparse.Namespace) -> dict:

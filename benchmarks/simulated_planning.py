@@ -33,15 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from formats.models import get_model  # noqa: E402
+from formats.plan import SyncConfig  # noqa: E402
 from scheduler.baselines import index_order_plan  # noqa: E402
 from scheduler.cost_dtfm import DtfmObjective  # noqa: E402
 from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
-from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
-from scheduler.models import get_model  # noqa: E402
-from scheduler.plan import SyncConfig  # noqa: E402
 from scheduler.planning import search_plan  # noqa: E402
 from scheduler.scenarios import DTFM_SCENARIOS, make_scenario  # noqa: E402
+from scheduler.search import SearchConfig  # noqa: E402
 from scheduler.simulator import (  # noqa: E402
     LinkTables,
     SimConfig,

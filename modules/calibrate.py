@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from formats.models import ModelSpec
 from modules.model import StageModel
-from scheduler.models import ModelSpec
 
 
 def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1,

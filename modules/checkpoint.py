@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from scheduler.atomic_io import atomic_write_bytes
-from scheduler.errors import UserError
+from formats.atomic_io import atomic_write_bytes
+from formats.errors import UserError
 
 CKPT_FORMAT = "ckpt/1"
 STEP_FILE = re.compile(r"^step(\d+)\.pt$")

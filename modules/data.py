@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 DEFAULT_CORPUS = Path("/usr/share/games/fortunes")
 SKIP_SUFFIXES = (".dat", ".u8")  # strfile indexes and UTF-8 symlinks to the same text

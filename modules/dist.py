@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from scheduler.errors import UserError
-from scheduler.plan import Plan
+from formats.errors import UserError
+from formats.plan import Plan
 
 
 class PeerError(RuntimeError):

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scheduler.plan import Plan
+from formats.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scheduler.atomic_io import atomic_write_bytes
+from formats.atomic_io import atomic_write_bytes
 
 
 def replica_metrics_path(path: str | Path, replica: int) -> Path:

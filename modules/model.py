@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scheduler.models import ModelSpec
+from formats.models import ModelSpec
 
 INIT_STD = 0.02
 

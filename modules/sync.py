@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from formats.errors import UserError
 from modules.dist import Comm, PeerError
-from scheduler.errors import UserError
 
 GroupAverage = Callable[[torch.Tensor], int]
 """Averages a flat fp32 tensor in place over a stage group; returns the bytes it sent."""

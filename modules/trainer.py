@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import Plan
 from modules.checkpoint import (
     AsyncCheckpointer,
     complete_steps,
@@ -33,9 +36,6 @@ from modules.metrics import MetricsWriter, replica_metrics_path
 from modules.model import StageModel
 from modules.pipeline import PipelineStage
 from modules.sync import average_grads, make_group_average, sum_tied_grads
-from scheduler.errors import UserError
-from scheduler.models import get_model
-from scheduler.plan import Plan
 
 
 @dataclass

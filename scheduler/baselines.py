@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scheduler.errors import UserError
-from scheduler.heuristic_evolutionary_solver.islands import chains_from_blocks
-from scheduler.heuristic_evolutionary_solver.matching import PairCache, best_path
+from formats.errors import UserError
 from scheduler.objective import Objective
+from scheduler.search.islands import chains_from_blocks
+from scheduler.search.matching import PairCache, best_path
 
 Baseline = tuple[np.ndarray, float, int]
 

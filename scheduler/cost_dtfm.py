@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
-from scheduler.models import ModelSpec
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec
 from scheduler.objective import CostBreakdown
 
 GPT3_XL_PARAMS = 1.3e9

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec
+from formats.plan import SyncConfig
 from scheduler.layer_split import even_split, flops_table, params_table, split_layers
 from scheduler.memory import memory_table
-from scheduler.models import ModelSpec
 from scheduler.objective import CostBreakdown
-from scheduler.plan import SyncConfig
 from scheduler.simulator import (
     LinkTables,
     SimConfig,

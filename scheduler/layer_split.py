@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.errors import UserError
-from scheduler.models import ModelSpec
+from formats.errors import UserError
+from formats.models import ModelSpec
 
 
 def flops_table(model: ModelSpec) -> np.ndarray:

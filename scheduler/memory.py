@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
-from scheduler.models import ModelSpec
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec
 
 STATE_BYTES_PER_PARAM = 4 + 4 + 8
 """fp32 weights + fp32 gradients + AdamW's two fp32 moments."""

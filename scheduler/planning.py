@@ -11,23 +11,23 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec
+from formats.plan import Plan, SyncConfig
 from scheduler.baselines import (
     best_of_random,
     hand_structured,
     index_order_plan,
     structured_plans,
 )
-from scheduler.cluster import Cluster
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
-from scheduler.errors import UserError
-from scheduler.heuristic_evolutionary_solver import (
+from scheduler.objective import CostBreakdown, Objective
+from scheduler.search import (
     SearchConfig,
     SearchResult,
     evolutionary_search,
 )
-from scheduler.models import ModelSpec
-from scheduler.objective import CostBreakdown, Objective
-from scheduler.plan import Plan, SyncConfig
 from scheduler.simulator import SimConfig, simulate_plan
 
 ObjectiveFactory = Callable[["PlanRequest"], Objective]

@@ -11,9 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scheduler.atomic_io import atomic_write_bytes  # noqa: E402
-from scheduler.cluster import Cluster  # noqa: E402
-from scheduler.plan import Plan  # noqa: E402
+from formats.atomic_io import atomic_write_bytes  # noqa: E402
+from formats.cluster import Cluster  # noqa: E402
+from formats.plan import Plan  # noqa: E402
 
 
 def _device_positions(cluster: Cluster) -> dict[int, tuple[float, float]]:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scheduler.cluster import Cluster, Device
-from scheduler.errors import UserError
+from formats.cluster import Cluster, Device
+from formats.errors import UserError
 
 # Published peak dense fp16/bf16 tensor-core TFLOP/s and memory (GB) of the GPUs we model.
 GPUS: dict[str, tuple[float, float]] = {

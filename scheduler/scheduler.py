@@ -23,14 +23,11 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from scheduler.atomic_io import check_output_path  # noqa: E402
-from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
-from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
-from scheduler.errors import UserError, run_main  # noqa: E402
-from scheduler.heuristic_evolutionary_solver import SearchConfig  # noqa: E402
-from scheduler.models import PRESETS, get_model  # noqa: E402
-from scheduler.objective import CostBreakdown  # noqa: E402
-from scheduler.plan import (  # noqa: E402
+from formats.atomic_io import check_output_path  # noqa: E402
+from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
+from formats.models import PRESETS, get_model  # noqa: E402
+from formats.plan import (  # noqa: E402
     COMPRESSIONS,
     SYNC_MODES,
     Plan,
@@ -39,6 +36,8 @@ from scheduler.plan import (  # noqa: E402
     load_plan,
     save_plan,
 )
+from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
+from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
@@ -48,6 +47,7 @@ from scheduler.planning import (  # noqa: E402
     plan_best_shape,
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
+from scheduler.search import SearchConfig  # noqa: E402
 from scheduler.simulator import SimConfig  # noqa: E402
 
 
@@ -377,5 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    entry()

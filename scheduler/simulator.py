@@ -52,11 +52,11 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec, get_model
+from formats.plan import Plan, SyncConfig, validate_plan
 from scheduler.memory import MemoryConfig, check_plan_memory, stage_memory
-from scheduler.models import ModelSpec, get_model
-from scheduler.plan import Plan, SyncConfig, validate_plan
 
 
 @dataclass(frozen=True)

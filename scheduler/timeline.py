@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from scheduler.atomic_io import atomic_write_bytes
+from formats.atomic_io import atomic_write_bytes
 from scheduler.simulator import SimResult
 
 COLORS = {"fwd": "#4878cf", "bwd": "#ee854a", "send": "#8c8c8c", "tied": "#956cb4",

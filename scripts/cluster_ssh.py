@@ -27,7 +27,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import sshctl  # noqa: E402
 from scripts.netemu.hostlist import load_host_list  # noqa: E402
 
@@ -95,5 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if sshctl.print_results(results) else 1
 
 
-if __name__ == "__main__":
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -34,10 +34,10 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:
-    from scheduler.errors import UserError
+    from formats.errors import UserError
 except ImportError:  # copied alone to a remote host by tc.py: stdlib + NetfilterQueue only
     class UserError(ValueError):  # type: ignore[no-redef]
-        """Bad input (same role as scheduler.errors.UserError)."""
+        """Bad input (same role as formats.errors.UserError)."""
 
 DEFAULT_TAG = "scattered-delay-line"
 DEFAULT_QUEUE = 4213

@@ -19,7 +19,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu.cli import add_cluster_args, resolve  # noqa: E402
 from scripts.netemu.tcrules import build_host_rules, receiver_delays, render  # noqa: E402
 

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.errors import UserError, run_main  # noqa: E402
-from scheduler.plan import load_plan  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
+from formats.plan import load_plan  # noqa: E402
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
 
@@ -214,5 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-if __name__ == "__main__":
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -27,9 +27,9 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.atomic_io import atomic_write_bytes, atomic_write_json  # noqa: E402
-from scheduler.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.atomic_io import atomic_write_bytes, atomic_write_json  # noqa: E402
+from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
 from scripts.netemu.hostlist import HostEntry, format_host_list  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, show_local  # noqa: E402
@@ -157,5 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         args)
 
 
-if __name__ == "__main__":
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    entry()

@@ -24,8 +24,8 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.cluster import load_cluster  # noqa: E402
-from scheduler.errors import UserError, run_main  # noqa: E402
+from formats.cluster import load_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
 from scripts.netemu.cli import add_cluster_args, resolve  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, reset_local, show_local  # noqa: E402
@@ -94,5 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_remote(args, resolve(args))
 
 
-if __name__ == "__main__":
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    entry()

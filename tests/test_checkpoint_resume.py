@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+from formats.errors import UserError
+from formats.plan import Plan, SyncConfig, save_plan
 from modules.checkpoint import (
     checkpoint_path,
     complete_steps,
@@ -17,8 +19,6 @@ from modules.checkpoint import (
     step_path,
 )
 from modules.metrics import read_metrics, replica_metrics_path
-from scheduler.errors import UserError
-from scheduler.plan import Plan, SyncConfig, save_plan
 from tests.conftest import run_entry
 
 PLAN = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]], micro_batch_size=2,

@@ -116,8 +116,8 @@ def test_evaluate_scores_a_hand_written_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     # By hand: 5 ms and 1 Gbps everywhere; one DP peer, one boundary each way.
+    from formats.models import get_model
     from scheduler.cost_dtfm import dtfm_constants
-    from scheduler.models import get_model
     c = dtfm_constants(get_model("gpt-tiny"), 2, 1)
     dp = 2 * (0.005 + c.gradient_gb / 2 * 8 / 1.0)
     pp = 2 * (0.005 + c.activation_gb * 8 / 1.0)

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from scheduler.cluster import cluster_from_dict, load_cluster, save_cluster
-from scheduler.errors import UserError
-from scheduler.models import get_model
-from scheduler.plan import Plan, SyncConfig, load_plan, plan_from_dict, save_plan, validate_plan
+from formats.cluster import cluster_from_dict, load_cluster, save_cluster
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import Plan, SyncConfig, load_plan, plan_from_dict, save_plan, validate_plan
 from scheduler.scenarios import DTFM_SCENARIOS, make_scenario
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from formats.errors import UserError
 from modules.data import DEFAULT_CORPUS, FakeData, Sharder, TextData, corpus_files, load_tokens
-from scheduler.errors import UserError
 
 
 def _corpus(tmp_path):

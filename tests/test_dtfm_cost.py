@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.cluster import cluster_from_dict
+from formats.cluster import cluster_from_dict
+from formats.models import get_model
 from scheduler.cost_dtfm import DtfmObjective, dtfm_constants, even_stages
-from scheduler.models import get_model
 
 
 def four_devices(bw: list[list[float]], lat_ms: float = 10.0):

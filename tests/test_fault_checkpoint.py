@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from formats.plan import Plan, SyncConfig, save_plan
 from modules.checkpoint import AsyncCheckpointer, complete_steps, load_checkpoint, rank_dir
-from modules.fault_harness import Ranks, free_port
 from modules.metrics import read_metrics
-from scheduler.plan import Plan, SyncConfig, save_plan
+from testkit.fault_harness import Ranks, free_port
 
 PLAN = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=1,
             sync=SyncConfig(mode="allreduce"))

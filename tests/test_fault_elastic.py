@@ -12,8 +12,8 @@ import torch
 
 from modules.checkpoint import load_checkpoint, step_path
 from modules.data import DEFAULT_CORPUS
-from modules.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits
 from modules.metrics import read_metrics, replica_metrics_path
+from testkit.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits
 
 HB = 2.0  # heartbeat timeout of the trials (s)
 

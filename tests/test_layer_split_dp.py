@@ -7,9 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler.cluster import Cluster, Device
+from formats.cluster import Cluster, Device
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import SyncConfig
 from scheduler.cost_simulated import SimulatedObjective
-from scheduler.errors import UserError
 from scheduler.layer_split import (
     even_split,
     flops_table,
@@ -17,8 +19,6 @@ from scheduler.layer_split import (
     split_layers,
     stage_replica_shapes,
 )
-from scheduler.models import get_model
-from scheduler.plan import SyncConfig
 from scheduler.scenarios import make_scenario
 
 

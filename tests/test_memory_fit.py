@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import SyncConfig
 from scheduler.cost_simulated import SimulatedObjective
-from scheduler.errors import UserError
 from scheduler.layer_split import even_split
 from scheduler.memory import (
     MemoryConfig,
@@ -15,8 +17,6 @@ from scheduler.memory import (
     memory_table,
     stage_memory,
 )
-from scheduler.models import get_model
-from scheduler.plan import SyncConfig
 from scheduler.scenarios import make_scenario
 from tests.test_simulator_closed_forms import uniform_cluster
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from formats.models import PRESETS, get_model
 from modules.model import StageModel, count_params, tie_weights_
-from scheduler.models import PRESETS, get_model
 
 SPLITS = [(0, 1), (1, 2), (0, 2), (2, 4), (1, 3)]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_entry
 
-from scheduler.cluster import Cluster, Device, load_cluster, save_cluster
+from formats.cluster import Cluster, Device, load_cluster, save_cluster
 from scripts.netemu import netns
 from scripts.netemu.shell import missing_root_tools
 

@@ -2,7 +2,7 @@
 
 Each case starts every rank of a plan with scripts/launch_local.py (gloo on 127.0.0.1, one thread
 per rank) on the real corpus, and compares the per-step mean loss over replicas with
-modules.reference (the full, truly tied model) within 1e-5 relative.
+testkit.reference (the full, truly tied model) within 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from formats.models import get_model
+from formats.plan import Plan, save_plan
 from modules.data import DEFAULT_CORPUS, TextData, load_tokens
 from modules.metrics import read_metrics, replica_metrics_path
-from modules.reference import reference_losses
 from modules.trainer import RunConfig
-from scheduler.models import get_model
-from scheduler.plan import Plan, save_plan
+from testkit.reference import reference_losses
 from tests.conftest import run_entry
 
 STEPS = 4

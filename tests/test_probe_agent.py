@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from scheduler.cluster import Cluster, Device
+from formats.cluster import Cluster, Device
 from scripts.netemu.probe import AGENT, PairResult, comparison, measured_cluster, parse_measure
 from scripts.netemu.tcrules import group_devices
 
@@ -46,7 +46,7 @@ def test_agent_measures_loopback(agent) -> None:
 
 
 def test_parse_measure_rejects_garbage() -> None:
-    from scheduler.errors import UserError
+    from formats.errors import UserError
     with pytest.raises(UserError, match="unexpected agent output"):
         parse_measure("Traceback ...", "0->1")
 

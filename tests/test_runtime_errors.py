@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from scheduler.cluster import save_cluster
-from scheduler.plan import Plan, save_plan
+from formats.cluster import save_cluster
+from formats.plan import Plan, save_plan
 from scheduler.scenarios import random_cluster
 from tests.conftest import ROOT, run_entry
 

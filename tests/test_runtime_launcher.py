@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from scheduler.plan import Plan, SyncConfig, save_plan
+from formats.plan import Plan, SyncConfig, save_plan
 from tests.conftest import ROOT, run_entry
 
 DILOCO_1X2 = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=1,

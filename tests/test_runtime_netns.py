@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from scheduler.plan import Plan, save_plan
+from formats.plan import Plan, save_plan
 from tests.conftest import run_entry
 
 pytestmark = pytest.mark.netns

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from formats.models import get_model
 from scheduler.baselines import (
     _five_point_crossover,
     _gains,
@@ -17,10 +18,9 @@ from scheduler.baselines import (
     index_order_plan,
 )
 from scheduler.cost_dtfm import DtfmObjective
-from scheduler.heuristic_evolutionary_solver import SearchConfig, evolutionary_search
-from scheduler.heuristic_evolutionary_solver.matching import best_path, bottleneck_matching
-from scheduler.models import get_model
 from scheduler.scenarios import make_scenario
+from scheduler.search import SearchConfig, evolutionary_search
+from scheduler.search.matching import best_path, bottleneck_matching
 
 
 def search(obj, n, s, r, seed=0, budget=4000):

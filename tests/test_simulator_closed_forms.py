@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.cluster import Cluster, Device
+from formats.cluster import Cluster, Device
+from formats.models import get_model
+from formats.plan import SyncConfig
 from scheduler.cost_simulated import SimulatedObjective
 from scheduler.layer_split import even_split
-from scheduler.models import get_model
-from scheduler.plan import SyncConfig
 from scheduler.scenarios import make_scenario
 from scheduler.simulator import (
     EventEngine,

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import SyncConfig
 from scheduler.baselines import index_order_plan
 from scheduler.cost_dtfm import DtfmObjective
 from scheduler.cost_simulated import SimulatedObjective, make_simulated
-from scheduler.errors import UserError
-from scheduler.heuristic_evolutionary_solver import SearchConfig
 from scheduler.layer_split import even_split
-from scheduler.models import get_model
-from scheduler.plan import SyncConfig
 from scheduler.planning import PlanRequest, search_plan
 from scheduler.scenarios import make_scenario
+from scheduler.search import SearchConfig
 from scheduler.simulator import simulate
 
 XL = get_model("gpt3-xl")

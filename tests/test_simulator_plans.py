@@ -7,10 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from scheduler.errors import UserError
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import Plan, SyncConfig, plan_from_dict
 from scheduler.layer_split import even_split
-from scheduler.models import get_model
-from scheduler.plan import Plan, SyncConfig, plan_from_dict
 from scheduler.scenarios import make_scenario
 from scheduler.simulator import format_sim_table, simulate_plan
 from scheduler.timeline import save_timeline_png

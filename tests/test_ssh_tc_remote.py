@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, run_entry
 from test_ssh_helpers import keygen, sshd_missing, start_sshd
 
-from scheduler.cluster import Cluster, Device, load_cluster, save_cluster
+from formats.cluster import Cluster, Device, load_cluster, save_cluster
 from scripts.netemu import netns
 from scripts.netemu.shell import missing_root_tools
 

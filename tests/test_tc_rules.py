@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import run_entry
 
-from scheduler.cluster import Cluster, Device, save_cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster, Device, save_cluster
+from formats.errors import UserError
 from scripts.netemu.hostlist import load_host_list, parse_host_line
 from scripts.netemu.shaping import LiveHost, compare, line_delays_of, sender_line_delays
 from scripts.netemu.tcrules import (

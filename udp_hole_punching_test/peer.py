@@ -36,8 +36,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.atomic_io import atomic_write_json  # noqa: E402
-from scheduler.errors import UserError  # noqa: E402
+from formats.atomic_io import atomic_write_json  # noqa: E402
+from formats.errors import UserError  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
     ProtocolError,
     SessionKeys,

@@ -35,7 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.errors import UserError  # noqa: E402
+from formats.errors import UserError  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
     ProtocolError,
     RateLimiter,

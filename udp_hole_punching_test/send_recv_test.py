@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from scheduler.errors import UserError  # noqa: E402
+from formats.errors import UserError  # noqa: E402
 
 LATENCY_BYTES = 4
 

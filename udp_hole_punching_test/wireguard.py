@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 KEEPALIVE_S = 5  # well below the 30 s UDP conntrack timeout of Linux NATs and home routers
 WG_SOCKET_DIR = Path("/var/run/wireguard")

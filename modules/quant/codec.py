@@ -25,49 +25,20 @@ Absmax (not a +-k sigma clipping window) was chosen by measured error:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-DEFAULT_BLOCK = 256
-SCALE_FLOOR = 2.0**-126
-"""FLT_MIN, the smallest normal fp32: the lower bound of every scale."""
-SCALE_CEIL = float(torch.tensor(0x7C010203, dtype=torch.int32).view(torch.float32))
-"""Largest fp32 s with 127 * s finite (2.6793884e36, bits 0x7c010203): x' never overflows."""
+from modules.quant.blocks import (
+    DEFAULT_BLOCK,
+    SCALE_CEIL,
+    SCALE_FLOOR,
+    NonFiniteError,
+    QuantizedTensor,
+    check_finite,
+)
+from modules.quant.cuda import dequantize_int8_cuda, quantize_int8_cuda
 
-
-class NonFiniteError(ValueError):
-    """The tensor to quantise holds NaN or inf: refusing to spread it to every replica."""
-
-
-@dataclass
-class QuantizedTensor:
-    """int8 codes and one fp32 scale per block of a flat tensor of `numel` values."""
-
-    codes: torch.Tensor
-    """(numel,) int8, on the input's device."""
-    scales: torch.Tensor
-    """(ceil(numel / block),) float32, on the input's device."""
-    numel: int
-    block: int
-
-    def nbytes(self) -> int:
-        """Bytes on the wire: codes plus scales."""
-        return self.codes.numel() + 4 * self.scales.numel()
-
-
-def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
-    """Raise NonFiniteError naming how many values are NaN/inf and the first index."""
-    flat = x.reshape(-1)
-    # CPU: cache-sized passes, no full-size bool temporary; GPU: one pass, one sync
-    step = 1 << 20 if not flat.is_cuda else max(1, flat.numel())
-    if all(bool(torch.isfinite(flat[lo: lo + step]).all()) for lo in range(0, flat.numel(), step)):
-        return
-    bad = ~torch.isfinite(flat)
-    idx = int(bad.nonzero()[0, 0])
-    raise NonFiniteError(f"{what}: {int(bad.sum())} NaN/inf values of {x.numel()} (first at "
-                         f"index {idx}, value {float(flat[idx])}); refusing to quantise them "
-                         "(a diverged replica would poison every other one)")
+__all__ = ["DEFAULT_BLOCK", "SCALE_CEIL", "SCALE_FLOOR", "NonFiniteError", "QuantizedTensor",
+           "check_finite", "dequantize_int8", "quantize_int8"]
 
 
 _CHUNK = 1 << 16
@@ -100,7 +71,6 @@ def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTenso
     """
     _check_args(x, block)
     if x.is_cuda and _cupy_available():
-        from modules.quant.cuda import quantize_int8_cuda
 
         return quantize_int8_cuda(x.contiguous(), block)
     return quantize_int8_torch(x, block)
@@ -141,7 +111,6 @@ def quantize_int8_torch(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> Quantize
 def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
     """fp32 flat tensor back from codes and scales (on their device): code * scale."""
     if q.codes.is_cuda and _cupy_available():
-        from modules.quant.cuda import dequantize_int8_cuda
 
         return dequantize_int8_cuda(q)
     out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modules.quant.codec import DEFAULT_BLOCK, QuantizedTensor, check_finite
+from modules.quant.blocks import DEFAULT_BLOCK, QuantizedTensor, check_finite
 
 KERNEL_SOURCE = Path(__file__).with_name("int8.cu")
 KERNELS = ("quantize_blocks", "dequantize_blocks")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from scheduler.cluster import Cluster, load_cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster, load_cluster
+from formats.errors import UserError
 from scripts.netemu.hostlist import HostEntry, ipv4_of, load_host_list
 from scripts.netemu.tcrules import GROUP_MODES, group_devices
 

@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 
 @dataclass(frozen=True)

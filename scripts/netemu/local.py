@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster
+from formats.errors import UserError
 from scripts.netemu.netns import IFACE, NetnsState, address, start_in_namespace, stop_delay_lines
 from scripts.netemu.shaping import (
     Runner,

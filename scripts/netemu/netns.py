@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scheduler.atomic_io import atomic_write_json
-from scheduler.errors import UserError
+from formats.atomic_io import atomic_write_json
+from formats.errors import UserError
 from scripts.netemu.shell import READY_LINE, READY_TIMEOUT_S, pid_alive, sh
 
 STATE_DIR = Path(os.environ.get("NETEMU_STATE_DIR", "/run/scattered-netemu"))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.cluster import Cluster, save_cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster, save_cluster
+from formats.errors import UserError
 from scripts.netemu.shaping import table
 from scripts.netemu.tcrules import host_links
 

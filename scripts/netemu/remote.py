@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import paramiko
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 from scripts.netemu import sshctl
 from scripts.netemu.cli import Resolved
 from scripts.netemu.hostlist import HostEntry
@@ -235,7 +235,7 @@ def probe_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
     finally:
         sshctl.for_all(hosts, opt, lambda k, h, c: sshctl.HostResult(h, *sshctl.exec_command(
             c, sshctl.kill_script(h, PROBE_RUN, REMOTE_DIR), t)))
-    from scheduler.cluster import save_cluster
+    from formats.cluster import save_cluster
     save_cluster(measured_cluster(r.cluster, r.groups, results), args.out)
     text, _ = comparison(r.cluster, r.groups, results, delay_applied=applied)
     print(text)

@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 from scripts.netemu.tcrules import (
     HostRules,
     apply_commands,

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 READY_LINE = "ready"
 """What the delay line and the probe agent print on stdout once they serve."""

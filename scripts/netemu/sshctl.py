@@ -27,7 +27,7 @@ from pathlib import Path
 
 import paramiko
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 from scripts.netemu.hostlist import HostEntry
 from scripts.netemu.shell import READY_LINE
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
+from formats.cluster import Cluster
+from formats.errors import UserError
 
 FIRST_MINOR = 0x10
 LAST_MINOR = 0xFFFE

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 # mkstemp creates 0600 files; a plan or cluster file is meant to be shared like any other file.
 _UMASK = os.umask(0)

@@ -108,7 +108,7 @@ def poll_exits(ranks: Ranks, timeout: float, poll_s: float = 0.05) -> dict[int, 
 
 def _plan(path: Path, replicas: int, stages: int, mode: str, inner_steps: int = 2,
           micro_batch_size: int = 1) -> Path:
-    from scheduler.plan import Plan, SyncConfig, save_plan
+    from formats.plan import Plan, SyncConfig, save_plan
 
     layers = 4
     cuts = [round(i * layers / stages) for i in range(stages + 1)]

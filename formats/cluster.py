@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.atomic_io import atomic_write_json
-from scheduler.errors import UserError
+from formats.atomic_io import atomic_write_json
+from formats.errors import UserError
 
 CLUSTER_FORMAT = "cluster/1"
 DEVICE_KEYS = ("id", "name", "region", "host", "gpu", "tflops", "memory_gb")

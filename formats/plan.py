@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler.atomic_io import atomic_write_json
-from scheduler.cluster import Cluster
-from scheduler.errors import UserError
-from scheduler.models import ModelSpec, get_model
+from formats.atomic_io import atomic_write_json
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec, get_model
 
 PLAN_FORMAT = "plan/1"
 SYNC_MODES = ("allreduce", "diloco")

@@ -1,6 +1,6 @@
 """Evolutionary search with local search over stage-group partitions (DESIGN.md §4)."""
 
-from scheduler.heuristic_evolutionary_solver.evolutionary import (
+from scheduler.search.evolutionary import (
     SearchConfig,
     SearchResult,
     evolutionary_search,

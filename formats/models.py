@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.errors import UserError
+from formats.errors import UserError
 
 
 @dataclass(frozen=True)

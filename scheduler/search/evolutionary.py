@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.heuristic_evolutionary_solver.islands import (
+from scheduler.objective import Objective
+from scheduler.search.islands import (
     Groups,
     leaf_orders,
     structured_partitions,
 )
-from scheduler.heuristic_evolutionary_solver.matching import PairCache
-from scheduler.objective import Objective
+from scheduler.search.matching import PairCache
 
 
 @dataclass

@@ -6,11 +6,11 @@ benchmarks compare against it.
 
 from __future__ import annotations
 
+from formats.models import get_model
+from formats.plan import Plan
 from modules.data import FakeData, Sharder, TextData
 from modules.model import StageModel, tie_weights_
 from modules.trainer import RunConfig, make_inner_optimizer, set_lr
-from scheduler.models import get_model
-from scheduler.plan import Plan
 
 
 def reference_losses(plan: Plan, data: TextData | FakeData, cfg: RunConfig) -> list[float]:
