@@ -36,11 +36,12 @@ if not __package__:
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
 from modules.checkpoint import load_checkpoint, save_checkpoint, step_path  # noqa: E402
+from modules.config import OptimConfig, RunConfig  # noqa: E402
 from modules.diloco import DiLoCoOptimizer  # noqa: E402
 from modules.dist import topology  # noqa: E402
 from modules.metrics import read_metrics, replica_metrics_path  # noqa: E402
 from modules.model import StageModel  # noqa: E402
-from modules.trainer import RunConfig, checkpoint_meta, make_inner_optimizer  # noqa: E402
+from modules.trainer import checkpoint_meta, make_inner_optimizer  # noqa: E402
 
 
 def run(name: str, plan: Plan, steps: int, args: argparse.Namespace, tmp: Path,
@@ -73,7 +74,7 @@ def branch(warm: dict, plan: Plan, args: argparse.Namespace, ckpt_dir: Path) -> 
     spec = get_model(plan.model)
     model = StageModel(spec, 0, spec.num_layers, seed=None)
     model.load_state_dict(warm["model"])
-    opt = make_inner_optimizer(model, RunConfig(steps=args.steps, lr=args.lr))
+    opt = make_inner_optimizer(model, RunConfig(steps=args.steps, optim=OptimConfig(lr=args.lr)))
     opt.load_state_dict(warm["opt"])
     if plan.sync.mode == "diloco":
         s = plan.sync

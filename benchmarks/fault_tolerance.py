@@ -33,8 +33,9 @@ import torch  # noqa: E402
 
 from formats.models import get_model  # noqa: E402
 from modules.checkpoint import AsyncCheckpointer, save_checkpoint, snapshot, step_path  # noqa: E402
+from modules.config import RunConfig  # noqa: E402
 from modules.model import StageModel  # noqa: E402
-from modules.trainer import RunConfig, make_inner_optimizer  # noqa: E402
+from modules.trainer import make_inner_optimizer  # noqa: E402
 from testkit.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits  # noqa: E402
 
 

@@ -39,17 +39,18 @@ class ElasticMembership:
     def start_monitor(self) -> None:
         """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0."""
         cfg, plan = self.cfg, self.plan
-        if cfg.store_addr is None:
+        if self.store_addr is None:
             return
         elastic = plan.sync.mode == "diloco"
         members = members_of(plan, self.replicas)
-        if self.topo.rank == 0 and not cfg.join:
+        if self.topo.rank == 0 and not cfg.elastic.join:
             publish(self.store, Generation(0, tuple(self.replicas), members, reason="start"))
         self.monitor = Monitor(MonitorConfig(
-            rank=self.topo.rank, host=cfg.store_addr[0], port=cfg.store_addr[1], plan=plan,
-            timeout_s=cfg.heartbeat_timeout_s,
-            interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=elastic,
-            min_replicas=cfg.min_replicas, members=() if cfg.join else members, log=self.log,
+            rank=self.topo.rank, host=self.store_addr[0], port=self.store_addr[1], plan=plan,
+            timeout_s=cfg.elastic.heartbeat_timeout_s,
+            interval_s=min(1.0, cfg.elastic.heartbeat_timeout_s / 4), elastic=elastic,
+            min_replicas=self.min_replicas, members=() if cfg.elastic.join else members,
+            log=self.log,
             on_fatal=self._on_fatal))
         self.monitor.start()
 
@@ -69,7 +70,7 @@ class ElasticMembership:
     def emergency_checkpoint(self) -> str:
         """Finish the write in flight, then save the current state if the training thread is
         not inside an update (it is usually blocked waiting on the lost peer)."""
-        if self.ckpt is None or not self.cfg.ckpt_dir:
+        if self.ckpt is None or not self.cfg.ckpt.dir:
             return ""
         if not self.ckpt.flush(timeout=2.0):
             return "checkpoint: the background write did not finish within 2 s"
@@ -80,7 +81,7 @@ class ElasticMembership:
         # keep the lock: the training thread must not change the state while it is saved
         if self.step == 0 or self.ckpt.last_step == self.step:
             return f"checkpoint: step {self.step} is already on disk"
-        path = step_path(self.cfg.ckpt_dir, self.topo.rank, self.step)
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
         save_checkpoint(path, self._meta(), snapshot(self.state()))
         return f"checkpoint: saved step {self.step} to {path}"
 
@@ -89,7 +90,7 @@ class ElasticMembership:
         mon = self.monitor
         if mon is None:
             return
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 3
+        deadline = time.monotonic() + self.cfg.elastic.heartbeat_timeout_s + 3
         gen = self.gen
         while time.monotonic() < deadline and not mon.dropped:
             if mon.gen > gen and self.plan.sync.mode == "diloco":
@@ -158,7 +159,7 @@ class ElasticMembership:
         g = mon.generation
         if self.topo.rank not in g.members or g.stop:
             if not mon.dropped:
-                mon.changed.wait(self.cfg.heartbeat_timeout_s)  # the monitor is exiting
+                mon.changed.wait(self.cfg.elastic.heartbeat_timeout_s)  # the monitor is exiting
             raise PeerError(f"generation {g.gen} does not continue with me ({g.reason})")
         t0 = time.monotonic()
         if dist.is_initialized():
@@ -184,7 +185,7 @@ class ElasticMembership:
                  f"{time.monotonic() - t0:.2f} s ({g.reason})")
         if len(self.replicas) == 1:
             self.log(f"warning: replica {self.replicas[0]} is the only one left; outer steps "
-                     f"average over it alone (--min-replicas {self.cfg.min_replicas})")
+                     f"average over it alone (--min-replicas {self.min_replicas})")
         self._exchange_outer_state()
         return True
 
@@ -311,7 +312,7 @@ class ElasticMembership:
     def _await_generation(self, gen: int) -> bool:
         """Wait (heartbeat timeout + 5 s) for a generation newer than `gen`; True if one came."""
         mon = self.monitor
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 5
+        deadline = time.monotonic() + self.cfg.elastic.heartbeat_timeout_s + 5
         while mon is not None and time.monotonic() < deadline:
             if mon.gen > gen:
                 return True
@@ -344,7 +345,7 @@ class ElasticMembership:
                     return True
                 msg = (f"{what}: rank(s) {missing} of my group {list(ranks)} did not arrive "
                        f"within {self.cfg.timeout_s:g} s")
-                if not self.cfg.wait_for_peers:
+                if not self.cfg.elastic.wait_for_peers:
                     err = PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)")
                     err.diagnosed = True  # type: ignore[attr-defined]
                     raise err from None
@@ -366,7 +367,8 @@ class ElasticMembership:
                 decision = "commit"
             except RuntimeError:
                 if mon.gen <= self.gen:
-                    if time.monotonic() - t0 > self.cfg.timeout_s + self.cfg.heartbeat_timeout_s:
+                    limit = self.cfg.timeout_s + self.cfg.elastic.heartbeat_timeout_s
+                    if time.monotonic() - t0 > limit:
                         raise PeerError(f"{what}: not every member confirmed the average "
                                         f"within {self.cfg.timeout_s:g} s") from None
                     continue

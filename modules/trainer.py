@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from modules.checkpoint import (
     snapshot,
     step_path,
 )
+from modules.config import RunConfig
 from modules.data import FakeData, Sharder, TextData
 from modules.diloco import DiLoCoOptimizer
 from modules.dist import Comm, Groups, PeerError, Topology, wait_for_peers
@@ -38,74 +38,29 @@ from modules.pipeline import PipelineStage
 from modules.sync import average_grads, make_group_average, sum_tied_grads
 
 
-@dataclass
-class RunConfig:
-    """What a run does besides the plan (dist_runner's flags)."""
-
-    steps: int
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up from lr/warmup_steps to lr."""
-    lr_schedule: str = "constant"
-    """After warm-up: `constant`, or `cosine` decay to min_lr_ratio x lr at the last step."""
-    min_lr_ratio: float = 0.1
-    seed: int = 0
-    timeout_s: float = 60.0
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0
-    """Save every K steps (and at the end) when > 0 and ckpt_dir is set."""
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept per rank (older ones are deleted after a new one is written)."""
-    sync_checkpoints: bool = False
-    """Write checkpoints on the training thread (for comparison) instead of in the background."""
-    resume: bool = False
-    metrics: str | None = None
-    eval_every: int = 0
-    """Validation loss every K steps (0: only at the end when eval_sequences > 0)."""
-    eval_sequences: int = 0
-    """Validation sequences per evaluation (0: no validation)."""
-    wait_for_peers: bool = False
-    """DiLoCo: keep waiting (and logging) for a missing peer instead of failing."""
-    log_every: int = 1
-    debug_vanish: tuple[int, int] = (0, 0)
-    """Tests only: (step, status): exit at once before that step, like a lost peer."""
-    debug_ckpt_die: int = 0
-    """Tests only: SIGKILL this process when the checkpoint of this step is half written."""
-    store_addr: tuple[str, int] | None = None
-    """(host, port) of the rendezvous store: the heartbeat thread's own connection (None: no
-    heartbeat, e.g. single-process tests)."""
-    heartbeat_timeout_s: float = 5.0
-    """A peer whose heartbeat has not moved for this long is gone."""
-    min_replicas: int = 1
-    """DiLoCo: below this many live replicas the run stops (checkpointing first)."""
-    start_replicas: tuple[int, ...] | None = None
-    """Replicas that start now (None: all); the others may come later with `join`."""
-    join: bool = False
-    """DiLoCo: this rank's replica joins a running job (state fetched from a live peer)."""
-
-
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW with GPT-style betas; the same in the runtime and in single-process references."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=cfg.optim.weight_decay)
 
 
 def lr_factor(step: int, cfg: RunConfig) -> float:
-    """Multiplier of cfg.lr for optimizer step `step` (0-based): warm-up, then the schedule."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    """Multiplier of the learning rate for optimizer step `step` (0-based): warm-up, then the
+    schedule."""
+    if step < cfg.optim.warmup_steps:
+        return (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.lr_schedule == "cosine":
+        span = max(1, cfg.steps - cfg.optim.warmup_steps)
+        progress = min(1.0, (step - cfg.optim.warmup_steps) / span)
+        low = cfg.optim.min_lr_ratio
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
     return 1.0
 
 
 def set_lr(opt: torch.optim.Optimizer, step: int, cfg: RunConfig) -> None:
     """Set the (inner) optimizer's learning rate for step `step`; a pure function of the step."""
     for group in opt.param_groups:
-        group["lr"] = cfg.lr * lr_factor(step, cfg)
+        group["lr"] = cfg.optim.lr * lr_factor(step, cfg)
 
 
 def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
@@ -121,9 +76,16 @@ class Trainer(ElasticMembership):
     """One rank's share of the run described by a plan (failure handling: modules.elastic)."""
 
     def __init__(self, plan: Plan, topo: Topology, groups: Groups | None, store: dist.Store,
-                 data: TextData | FakeData, cfg: RunConfig, log=print) -> None:
+                 data: TextData | FakeData, cfg: RunConfig, log=print,
+                 store_addr: tuple[str, int] | None = None) -> None:
         self.plan, self.topo, self.groups, self.store, self.cfg = plan, topo, groups, store, cfg
         self.log = log
+        self.store_addr = store_addr
+        """(host, port) of the rendezvous store for the heartbeat thread (None: no heartbeat)."""
+        self.start_replicas = cfg.elastic.start_replicas(plan.num_replicas)
+        self.min_replicas = cfg.elastic.resolved_min_replicas(plan.num_replicas)
+        self.vanish_at = cfg.debug.vanish_at(topo.rank)
+        self.ckpt_die_at = cfg.debug.ckpt_die_at(topo.rank)
         self.spec = get_model(plan.model)
         start, end = plan.stages[topo.stage]
         self.model = StageModel(self.spec, start, end, seed=cfg.seed)
@@ -131,13 +93,13 @@ class Trainer(ElasticMembership):
         self.pipe = PipelineStage(self.model, topo, self.comm, plan.micro_batch_size)
         self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
                                plan.micro_batch_size)
-        self.val = (data.val_batches(cfg.eval_sequences, plan.micro_batch_size)
-                    if cfg.eval_sequences else [])
+        self.val = (data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size)
+                    if cfg.data.eval_sequences else [])
         self.params = list(self.model.parameters())
-        self.replicas = sorted(cfg.start_replicas if cfg.start_replicas is not None
+        self.replicas = sorted(self.start_replicas if self.start_replicas is not None
                                else range(plan.num_replicas))
         """Live replicas of the current generation (process groups span their ranks)."""
-        self.active: set[int] = set() if cfg.join else set(self.replicas)
+        self.active: set[int] = set() if cfg.elastic.join else set(self.replicas)
         """Replicas that took part in the last outer step (a joiner is not one yet)."""
         self.gen = 0
         self.monitor: Monitor | None = None
@@ -145,7 +107,7 @@ class Trainer(ElasticMembership):
         """Held by the training thread while it changes parameters / optimizer state."""
         self.rejoin_s: float | None = None
         self.rank_of: dict[int, int] = {}
-        if cfg.start_replicas is not None and not cfg.join:  # generation 0 of a subset
+        if self.start_replicas is not None and not cfg.elastic.join:  # generation 0 of a subset
             self._apply_rank_map({d: i for i, d in enumerate(members_of(plan, self.replicas))})
         if groups is not None:
             self.average = self._make_average()
@@ -163,12 +125,12 @@ class Trainer(ElasticMembership):
         self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
         self.dp_bytes = 0
         self.ckpt: AsyncCheckpointer | None = None
-        if cfg.ckpt_dir:
-            self.ckpt = AsyncCheckpointer(cfg.ckpt_dir, topo.rank, cfg.keep_checkpoints,
+        if cfg.ckpt.dir:
+            self.ckpt = AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
                                           debug_hook=self._debug_ckpt_hook)
 
     def _debug_ckpt_hook(self, step: int, where: str) -> None:
-        if self.cfg.debug_ckpt_die and step == self.cfg.debug_ckpt_die:
+        if self.ckpt_die_at and step == self.ckpt_die_at:
             self.log(f"debug: killing myself while checkpoint step {step} is {where} written")
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -192,7 +154,7 @@ class Trainer(ElasticMembership):
             outer = self.opt.outer_count if isinstance(self.opt, DiLoCoOptimizer) else 0
             wait_for_peers(self.store, f"diloco/stage{self.topo.stage}/outer{outer}",
                            self.topo.rank, self.topo.stage_ranks, self.cfg.timeout_s,
-                           self.cfg.wait_for_peers, self.log,
+                           self.cfg.elastic.wait_for_peers, self.log,
                            what=f"DiLoCo outer step {outer + 1} of stage {self.topo.stage}")
             self.comm.wait_s += time.perf_counter() - t0
         sent = self.average(flat)
@@ -212,14 +174,14 @@ class Trainer(ElasticMembership):
     def save(self) -> float:
         """Checkpoint this step (model, optimizers, data position = step, RNG); returns the
         seconds the training thread was blocked (snapshot; the whole write with
-        cfg.sync_checkpoints)."""
-        assert self.ckpt is not None and self.cfg.ckpt_dir
-        if self.cfg.sync_checkpoints:
+        cfg.ckpt.sync)."""
+        assert self.ckpt is not None and self.cfg.ckpt.dir
+        if self.cfg.ckpt.sync:
             t0 = time.perf_counter()
             self.ckpt.flush()
-            save_checkpoint(step_path(self.cfg.ckpt_dir, self.topo.rank, self.step),
+            save_checkpoint(step_path(self.cfg.ckpt.dir, self.topo.rank, self.step),
                             self._meta(), snapshot(self.state()))
-            prune(self.cfg.ckpt_dir, self.topo.rank, self.cfg.keep_checkpoints)
+            prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep)
             return time.perf_counter() - t0
         return self.ckpt.save(self.step, self._meta(), self.state())
 
@@ -231,13 +193,13 @@ class Trainer(ElasticMembership):
 
     def agree_resume_step(self) -> int:
         """The newest step with a complete checkpoint on every rank (all ranks agree)."""
-        mine = complete_steps(self.cfg.ckpt_dir, self.topo.rank)
+        mine = complete_steps(self.cfg.ckpt.dir, self.topo.rank)
         cand = mine[-1] if mine else -1
         while True:
             cand = self._all_min(cand, "agreeing on the checkpoint step with every rank")
             if cand < 0:
                 raise UserError(f"--resume: no step has a complete checkpoint on every rank in "
-                                f"{self.cfg.ckpt_dir} (rank {self.topo.rank} has steps {mine}); "
+                                f"{self.cfg.ckpt.dir} (rank {self.topo.rank} has steps {mine}); "
                                 "run without --resume to start fresh")
             if self._all_min(int(cand in mine), "agreeing on the checkpoint step") == 1:
                 return cand
@@ -247,7 +209,7 @@ class Trainer(ElasticMembership):
     def load(self) -> None:
         """Restore the newest checkpoint that every rank has completely written."""
         step = self.agree_resume_step()
-        path = step_path(self.cfg.ckpt_dir, self.topo.rank, step)
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
         state = load_checkpoint(path, self._meta())
         try:
             self.model.load_state_dict(state["model"])
@@ -302,22 +264,22 @@ class Trainer(ElasticMembership):
         """Train from the current step (0, or the checkpoint's) up to cfg.steps."""
         cfg, topo, plan = self.cfg, self.topo, self.plan
         self.start_monitor()
-        if cfg.join:
+        if cfg.elastic.join:
             self.join()
-        elif cfg.resume:
+        elif cfg.ckpt.resume:
             self.load()
             self.log(f"resumed from step {self.step}")
         writer = None
-        if cfg.metrics and topo.is_last:
-            writer = MetricsWriter(replica_metrics_path(cfg.metrics, topo.replica),
-                                   resume_step=self.step if cfg.resume else None)
+        if cfg.metrics.metrics and topo.is_last:
+            writer = MetricsWriter(replica_metrics_path(cfg.metrics.metrics, topo.replica),
+                                   resume_step=self.step if cfg.ckpt.resume else None)
         tokens_per_step = self.tokens_per_step
         records = []
         try:
             while self.step < cfg.steps:
-                if cfg.debug_vanish[0] and self.step + 1 == cfg.debug_vanish[0]:
+                if self.vanish_at[0] and self.step + 1 == self.vanish_at[0]:
                     self.log(f"debug: vanishing before step {self.step + 1}")
-                    os._exit(cfg.debug_vanish[1])
+                    os._exit(self.vanish_at[1])
                 t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
                 dp0 = self.dp_bytes
                 try:
@@ -347,7 +309,8 @@ class Trainer(ElasticMembership):
                 if self.monitor is not None and plan.sync.mode == "diloco":
                     rec["live_replicas"] = len(self.replicas)
                 last = self.step == cfg.steps
-                if self.val and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                every = cfg.data.eval_every
+                if self.val and ((every and self.step % every == 0) or last):
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
@@ -359,7 +322,8 @@ class Trainer(ElasticMembership):
                         self.log(f"step {self.step}/{cfg.steps} loss {loss:.4f} "
                                  f"tok/s {rec['tokens_per_s']:.0f} step_s {step_s:.3f} "
                                  f"comm_s {comm_s:.3f}{extra}")
-                if cfg.ckpt_dir and cfg.ckpt_every and (self.step % cfg.ckpt_every == 0 or last):
+                ckpt_every = cfg.ckpt.interval(cfg.steps)
+                if ckpt_every and (self.step % ckpt_every == 0 or last):
                     rec["ckpt_block_s"] = round(self.save(), 6)
                 if writer:
                     writer.write(rec)

@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
+from modules.config import RunConfig
 from modules.data import DEFAULT_CORPUS, Sharder, TextData, load_tokens
 from modules.diloco import DiLoCoOptimizer
 from modules.dist import PeerError, wait_for_peers
 from modules.metrics import read_metrics, replica_metrics_path
 from modules.model import StageModel, tie_weights_
-from modules.trainer import RunConfig, make_inner_optimizer
+from modules.trainer import make_inner_optimizer
 from tests.conftest import run_entry
 
 H, STEPS = 2, 4

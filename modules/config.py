@@ -1,0 +1,320 @@
+"""The runtime's settings: one small dataclass per component, validated where it is defined.
+
+Each field is one `dist_runner.py` flag: the flag is `--` + the field name with dashes (or the
+field's `metadata["flag"]`), its help text is the docstring written under the field, and its
+default is the field's default. `modules.cli_config` turns these classes into argparse flags and
+back, so a setting is written once. `__post_init__` checks what a field can check alone and
+raises UserError naming the flag; checks against the plan are in `RunConfig.check_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from formats.errors import UserError
+from formats.plan import Plan
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The command-line flag of field `name` of config class `cls`."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.metadata.get("flag", "--" + name.replace("_", "-"))
+    raise KeyError(name)
+
+
+def _check(cls: type, name: str, ok: bool, value: object, must: str) -> None:
+    if not ok:
+        raise UserError(f"{flag_of(cls, name)}: must be {must}, got {value!r}")
+
+
+def _finite(cls: type, name: str, value: float, lo: float, strict: bool = True) -> None:
+    ok = math.isfinite(value) and (value > lo if strict else value >= lo)
+    _check(cls, name, ok, value, f"a finite number {'>' if strict else '>='} {lo:g}")
+
+
+def _int_at_least(cls: type, name: str, value: int, lo: int) -> None:
+    _check(cls, name, value >= lo, value, f">= {lo}")
+
+
+def _one_of(cls: type, name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(cls, name, value in choices, value, "one of " + ", ".join(choices))
+
+
+def choices(*values: str) -> dict[str, tuple[str, ...]]:
+    """Field metadata: the allowed values of a string setting (shown in --help)."""
+    return {"choices": values}
+
+
+@dataclass
+class OptimConfig:
+    """The inner optimizer (AdamW) and its learning-rate schedule."""
+
+    lr: float = 1e-3
+    """AdamW (inner) learning rate"""
+    weight_decay: float = 0.1
+    """AdamW weight decay"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up from lr/warmup_steps to lr over this many steps"""
+    lr_schedule: str = field(default="constant", metadata=choices("constant", "cosine"))
+    """after warm-up: constant, or cosine decay to min_lr_ratio x lr at --steps"""
+    min_lr_ratio: float = 0.1
+    """where the cosine schedule ends, as a fraction of --lr"""
+
+    def __post_init__(self) -> None:
+        _finite(OptimConfig, "lr", self.lr, 0.0)
+        _finite(OptimConfig, "weight_decay", self.weight_decay, 0.0, strict=False)
+        _int_at_least(OptimConfig, "warmup_steps", self.warmup_steps, 0)
+        _one_of(OptimConfig, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _finite(OptimConfig, "min_lr_ratio", self.min_lr_ratio, 0.0, strict=False)
+
+
+@dataclass
+class CheckpointConfig:
+    """Per-rank checkpoints: where, how often, how many, and whether to resume from them."""
+
+    dir: str | None = field(default=None, metadata={"flag": "--ckpt-dir"})
+    """folder for per-rank checkpoints (rank{R}/step{S}.pt), written in the background from a
+    memory snapshot (temp file + rename)"""
+    every: int = field(default=0, metadata={"flag": "--ckpt-every"})
+    """save every K steps and at the end (default with --ckpt-dir: only at the end)"""
+    keep: int = field(default=2, metadata={"flag": "--keep-checkpoints"})
+    """complete checkpoints kept per rank, newest first"""
+    sync: bool = field(default=False, metadata={"flag": "--sync-checkpoints"})
+    """write checkpoints on the training thread (slower; for comparison)"""
+    resume: bool = False
+    """continue from the newest step of --ckpt-dir that every rank has completely written"""
+
+    def __post_init__(self) -> None:
+        _int_at_least(CheckpointConfig, "every", self.every, 0)
+        _int_at_least(CheckpointConfig, "keep", self.keep, 1)
+        if self.resume and not self.dir:
+            raise UserError("--resume needs --ckpt-dir")
+
+    def interval(self, steps: int) -> int:
+        """Steps between checkpoints (0: none); with a folder and no --ckpt-every, the end."""
+        if not self.dir:
+            return 0
+        return self.every or steps
+
+
+@dataclass
+class ElasticConfig:
+    """Failure detection and membership: heartbeats, replicas that start, join and leave."""
+
+    heartbeat_timeout_s: float = 5.0
+    """a peer whose heartbeat (every ~1 s through the rendezvous store) is older than this is
+    gone: allreduce stops (checkpoint, exit 1), DiLoCo drops its replica and goes on; also how
+    long the store may stay silent"""
+    min_replicas: int | None = None
+    """DiLoCo: stop (checkpoint, exit 1) when fewer replicas are alive (default: 2, or 1 for a
+    one-replica plan)"""
+    replicas: str | None = None
+    """DiLoCo: comma-separated replicas of the plan that start now (default all); the others
+    can be added later with --join"""
+    join: bool = False
+    """DiLoCo: join a running job: fetch the outer model and momentum of my stage from a live
+    peer and take part from the next outer step"""
+    wait_for_peers: bool = False
+    """DiLoCo: wait (and log) for a missing peer at an outer step instead of failing"""
+
+    def __post_init__(self) -> None:
+        _finite(ElasticConfig, "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0)
+        if self.replicas is not None:
+            self._parse_replicas()
+
+    def _parse_replicas(self) -> tuple[int, ...]:
+        spec = self.replicas or ""
+        try:
+            out = tuple(sorted({int(v) for v in spec.split(",") if v.strip()}))
+        except ValueError:
+            raise UserError(f"--replicas: expected comma-separated numbers, got {spec!r}") \
+                from None
+        if not out or min(out) < 0:
+            raise UserError(f"--replicas: expected replica numbers >= 0, got {spec!r}")
+        return out
+
+    def start_replicas(self, num_replicas: int) -> tuple[int, ...] | None:
+        """Replicas that start now (None: all of the plan's)."""
+        if self.replicas is None:
+            return None
+        out = self._parse_replicas()
+        if max(out) >= num_replicas:
+            raise UserError(f"--replicas: must name replicas 0..{num_replicas - 1}, got "
+                            f"{self.replicas!r}")
+        return out
+
+    def resolved_min_replicas(self, num_replicas: int) -> int:
+        """--min-replicas, or its default (2, or 1 when fewer replicas start)."""
+        start = self.start_replicas(num_replicas)
+        live = len(start) if start is not None else num_replicas
+        return self.min_replicas if self.min_replicas is not None else min(2, live)
+
+
+@dataclass
+class DataConfig:
+    """Training text and validation."""
+
+    data: str | None = None
+    """text file or folder (default: /usr/share/games/fortunes, Debian's fortunes packages)"""
+    fake_data: bool = False
+    """seeded random tokens instead of text (speed tests)"""
+    eval_every: int = 0
+    """validation loss every K steps (0: only at the end when --eval-sequences > 0)"""
+    eval_sequences: int = 0
+    """validation sequences per evaluation (0: none)"""
+
+    def __post_init__(self) -> None:
+        if self.data is not None and self.fake_data:
+            raise UserError("--data and --fake-data exclude each other: pick one")
+        _int_at_least(DataConfig, "eval_every", self.eval_every, 0)
+        _int_at_least(DataConfig, "eval_sequences", self.eval_sequences, 0)
+
+
+@dataclass
+class MetricsConfig:
+    """Per-step metrics records."""
+
+    metrics: str | None = None
+    """metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl)"""
+    peak_tflops: float | None = None
+    """this device's peak TFLOP/s for the MFU figure (default: the plan's cluster entry when
+    --cluster is given; no MFU otherwise)"""
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None:
+            _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
+
+
+@dataclass
+class DeviceConfig:
+    """Where this rank computes, in which precision, and how its groups communicate."""
+
+    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
+    """where the model, optimizer state and activations live (auto: CUDA when available)"""
+    cuda_device: int | None = None
+    """CUDA device index (default: $LOCAL_RANK under torchrun, else 0)"""
+    comm: str = field(default="auto", metadata=choices("auto", "gloo", "nccl"))
+    """collective backend per group (auto: NCCL for a group of CUDA ranks on distinct GPUs,
+    gloo otherwise; gloo stages CUDA tensors through pinned host memory)"""
+    precision: str = field(default="fp32", metadata=choices("fp32", "bf16", "fp16"))
+    """compute precision of forward/backward (fp32 master weights and optimizer state;
+    fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it"""
+    compile: bool = False
+    """torch.compile each stage's module"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)"""
+
+    def __post_init__(self) -> None:
+        _one_of(DeviceConfig, "device", self.device, ("auto", "cpu", "cuda"))
+        _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
+        _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.cuda_device is not None:
+            _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0)
+        _int_at_least(DeviceConfig, "threads", self.threads, 0)
+
+
+def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(":")]
+    except ValueError:
+        values = []
+    if not 2 <= len(values) <= parts or min(values) < 0:
+        raise UserError(f"{flag}: expected RANK:STEP{'[:STATUS]' if parts > 2 else ''}, "
+                        f"got {text!r}")
+    return values
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests (hidden from --help)."""
+
+    vanish: str = field(default="", metadata={"flag": "--debug-vanish", "hidden": True})
+    """RANK:STEP[:STATUS]: that rank exits at once before STEP, like a lost peer"""
+    ckpt_die: str = field(default="", metadata={"flag": "--debug-ckpt-die", "hidden": True})
+    """RANK:STEP: SIGKILL that rank when its checkpoint of STEP is half written"""
+
+    def __post_init__(self) -> None:
+        if self.vanish:
+            _rank_spec(self.vanish, "--debug-vanish", 3)
+        if self.ckpt_die:
+            _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+
+    def vanish_at(self, rank: int) -> tuple[int, int]:
+        """(step, exit status) at which `rank` vanishes; (0, 0): never."""
+        if not self.vanish:
+            return 0, 0
+        who, step, *status = _rank_spec(self.vanish, "--debug-vanish", 3)
+        return (step, status[0] if status else 0) if who == rank else (0, 0)
+
+    def ckpt_die_at(self, rank: int) -> int:
+        """Step whose checkpoint write kills `rank` half-way; 0: never."""
+        if not self.ckpt_die:
+            return 0
+        who, step = _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+        return step if who == rank else 0
+
+
+@dataclass
+class RunConfig:
+    """What a rank's run does besides the plan: the run's own settings and one config per
+    component."""
+
+    steps: int
+    """train until this step (total)"""
+    seed: int = 0
+    """initialisation and data-order seed"""
+    timeout_s: float = 60.0
+    """how long any wait on a peer or the rendezvous may take"""
+    log_every: int = 1
+    """print a progress line every K steps"""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self) -> None:
+        _int_at_least(RunConfig, "steps", self.steps, 1)
+        _int_at_least(RunConfig, "seed", self.seed, 0)
+        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0)
+        _int_at_least(RunConfig, "log_every", self.log_every, 1)
+
+    def check_plan(self, plan: Plan) -> None:
+        """The checks that need the plan (UserError naming the flag)."""
+        el = self.elastic
+        start = el.start_replicas(plan.num_replicas)
+        if (el.join or start is not None) and plan.sync.mode != "diloco":
+            raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
+                            "slack for a replica to come and go)")
+        if el.join and self.ckpt.resume:
+            raise UserError("--join fetches its state from a live peer; it cannot --resume")
+        m = el.resolved_min_replicas(plan.num_replicas)
+        if not 1 <= m <= plan.num_replicas:
+            raise UserError(f"--min-replicas: must be between 1 and the plan's "
+                            f"{plan.num_replicas} replicas, got {m}")
+
+
+@dataclass
+class LaunchConfig:
+    """Which plan, which rank, and where the rendezvous is."""
+
+    plan: str = field(default="", metadata={"required": True})
+    """plan/1 JSON file"""
+    rank: int | None = None
+    """device id of this process (default: $RANK)"""
+    world_size: int | None = None
+    """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
+    dist_url: str | None = None
+    """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""
+    cluster: str | None = None
+    """cluster/1 file: check that the plan was made for it"""
+
+    def __post_init__(self) -> None:
+        if self.rank is not None:
+            _int_at_least(LaunchConfig, "rank", self.rank, 0)
+        if self.world_size is not None:
+            _int_at_least(LaunchConfig, "world_size", self.world_size, 1)
