@@ -36,7 +36,13 @@ from modules.checkpoint import AsyncCheckpointer, save_checkpoint, snapshot, ste
 from modules.config import RunConfig  # noqa: E402
 from modules.model import StageModel  # noqa: E402
 from modules.trainer import make_inner_optimizer  # noqa: E402
-from testkit.fault_harness import Ranks, _plan, free_port, kill_trial, poll_exits  # noqa: E402
+from testkit.fault_harness import (  # noqa: E402
+    Ranks,
+    free_port,
+    kill_trial,
+    poll_exits,
+    write_trial_plan,
+)
 
 
 def checkpoint_blocking(model_name: str, reps: int, tmp: Path) -> tuple[float, float, int]:
@@ -63,7 +69,7 @@ def checkpoint_blocking(model_name: str, reps: int, tmp: Path) -> tuple[float, f
 
 def rejoin(tmp: Path) -> tuple[float | None, float | None, bool]:
     """(join request -> first outer step s, outer-state transfer s, all exited 0)."""
-    plan = _plan(tmp / "plan.json", 3, 1, "diloco", inner_steps=4)
+    plan = write_trial_plan(tmp / "plan.json", 3, 1, "diloco", inner_steps=4)
     ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp)
     common = ("--fake-data", "--steps", "400", "--timeout-s", "60", "--log-every", "10")
     try:

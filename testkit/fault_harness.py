@@ -106,7 +106,7 @@ def poll_exits(ranks: Ranks, timeout: float, poll_s: float = 0.05) -> dict[int, 
     return done
 
 
-def _plan(path: Path, replicas: int, stages: int, mode: str, inner_steps: int = 2,
+def write_trial_plan(path: Path, replicas: int, stages: int, mode: str, inner_steps: int = 2,
           micro_batch_size: int = 1) -> Path:
     from formats.plan import Plan, SyncConfig, save_plan
 
@@ -144,7 +144,7 @@ def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: 
     """Start a run, SIGKILL `kill_rank` once replica 0 logged step `kill_step`, wait for the
     rest (at most `deadline_s`), and report exits, detection time and leftovers."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = _plan(out_dir / "plan.json", replicas, stages, mode)
+    plan = write_trial_plan(out_dir / "plan.json", replicas, stages, mode)
     ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", out_dir)
     n = replicas * stages
     last0 = stages - 1  # replica 0's last stage logs progress
