@@ -107,7 +107,8 @@ def poll_exits(ranks: Ranks, timeout: float, poll_s: float = 0.05) -> dict[int, 
 
 
 def write_trial_plan(path: Path, replicas: int, stages: int, mode: str, inner_steps: int = 2,
-          micro_batch_size: int = 1) -> Path:
+                     micro_batch_size: int = 1) -> Path:
+    """A gpt-tiny plan of `replicas` x `stages` devices for kill trials, written to `path`."""
     from formats.plan import Plan, SyncConfig, save_plan
 
     layers = 4

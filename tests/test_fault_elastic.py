@@ -120,7 +120,8 @@ def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path):
 def test_join_a_third_replica_mid_run_bit_identical_after_the_next_outer_step(tmp_path):
     if not DEFAULT_CORPUS.exists():
         pytest.skip("Debian fortunes not installed (apt-get install fortunes fortunes-min)")
-    plan = write_trial_plan(tmp_path / "plan.json", 3, 1, "diloco", inner_steps=4, micro_batch_size=2)
+    plan = write_trial_plan(tmp_path / "plan.json", 3, 1, "diloco", inner_steps=4,
+                            micro_batch_size=2)
     ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp_path)
     common = ("--steps", "240", "--timeout-s", "60", "--heartbeat-timeout-s", "5",
               "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "240", "--log-every", "10",
