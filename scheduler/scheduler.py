@@ -115,7 +115,7 @@ def describe_profile(config: SimConfig) -> str:
 
 
 def add_perf_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags of the simulated objective's performance model (defaults: the plan's, else GPU)."""
+    """Flags of the simulated objective's performance model (see sim_config_from_args)."""
     g = p.add_argument_group(
         "performance model of the simulated objective (default: what the plan was made with, "
         "else the generic model: mfu 0.4, fp16 activations, recompute, collective latency "

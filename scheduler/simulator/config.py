@@ -112,16 +112,19 @@ RUNTIME_PROFILES: dict[str, SimConfig] = {
     "cpu": SimConfig(runtime="cpu", mfu=1.0, activation_bytes=4, recompute=False,
                      collective_latency_factor=2.0, outer_store_round_trips=3),
     # The GPU runtime: bf16 activations, activation checkpointing (GPipe keeps every
-    # micro-batch's activations alive otherwise, see memory.py), NCCL collectives (data leaves
-    # as soon as it is ready: one latency per step), and the same elastic DiLoCo outer step
-    # (its membership agreement goes through the TCPStore whatever the backend: 3 round trips).
-    # MFU 0.4 is an estimate, not a measurement (no GPU has been lent to this work yet): the
-    # runtime is eager PyTorch (one 2048-token sequence per micro-batch, SDPA attention, no
-    # fused optimizer or CUDA graphs), measured against peak dense bf16 tensor-core FLOP/s.
-    # Tuned large-model training reports 0.2-0.55 of peak: PaLM (Chowdhery et al. 2022,
-    # Table 3) lists 0.21-0.46 model FLOPs utilisation; Megatron-LM (Korthikanti et al. 2022)
-    # 0.42 with full recomputation, 0.54 with selective. 0.4 sits in that range, below the
-    # tuned systems' best. A calibration file replaces it once it is measured.
+    # micro-batch's activations alive otherwise, see memory.py), NCCL collectives
+    # (modules/comm/: data leaves as soon as it is ready, one latency per step), and the same
+    # elastic DiLoCo outer step (its membership agreement goes through the TCPStore whatever
+    # the backend: 3 round trips).
+    # MFU 0.4 is an estimate, not a measurement (no GPU has been lent to this work yet) of
+    # what the runtime's eager PyTorch (SDPA attention; no fused optimizer, no CUDA graphs,
+    # no tensor parallelism) reaches of peak dense bf16 tensor-core FLOP/s. SimConfig.mfu
+    # counts the recomputed forward as work, so 0.4 with recomputation is 0.3 model FLOPs
+    # utilisation in the papers' sense (3 of the 4 forwards' worth of FLOPs are the model's):
+    # the low end of what tuned large-model training reports, as an untuned runtime should
+    # be. PaLM (Chowdhery et al. 2022, Table 3) lists 0.21-0.46 for GPT-3, Gopher, MT-NLG and
+    # PaLM; Megatron-LM (Korthikanti et al. 2022) 0.42 with full recomputation, 0.54 with
+    # selective. A calibration file replaces it once it is measured.
     "gpu": SimConfig(runtime="gpu", mfu=0.4, activation_bytes=2, recompute=True,
                      collective_latency_factor=1.0, outer_store_round_trips=3),
 }
