@@ -40,10 +40,10 @@ from scheduler.layer_split import even_split  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
 
 PY = sys.executable
-PERF_MODEL = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off",
-              "--collective-latency-factor", "2", "--outer-store-round-trips", "3"]
-"""The CPU runtime: measured FLOP/s, fp32 activations, no recomputation, gloo collectives,
-the elastic DiLoCo outer step's store round trips."""
+PERF_MODEL = ["--runtime", "cpu"]
+"""The planner's profile of the CPU runtime (scheduler/simulator/config.py RUNTIME_PROFILES):
+mfu 1 on the measured FLOP/s, fp32 activations, no recomputation, gloo collectives, the
+elastic DiLoCo outer step's store round trips; recorded in the plan, reused by `simulate`."""
 
 
 @dataclass

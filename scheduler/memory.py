@@ -12,7 +12,7 @@ Per device holding layers [a, b) of the model (P = model.stage_params(a, b) para
   87 GB: no V100 holds that. With `recompute` (activation checkpointing, the default, what
   GPipe and DT-FM use) a stage stores only each layer's fp16 input (seq * d * 2 bytes) for all m
   micro-batches, plus the full activations of one layer of one micro-batch while it is recomputed
-  in the backward pass. The backward pass then costs one extra forward (see simulator.py);
+  in the backward pass. The backward pass then costs one extra forward (see simulator/);
 - the last stage also holds the logits of a micro-batch: seq * vocab * 6 bytes (fp16 logits +
   fp32 softmax); all m of them without recomputation;
 - `reserved_gb` for the CUDA context, allocator fragmentation and communication buffers.

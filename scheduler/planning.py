@@ -22,34 +22,69 @@ from scheduler.baselines import (
     structured_plans,
 )
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
+from scheduler.cost_simulated import SimulatedObjective
+from scheduler.layer_split import stage_replica_shapes
 from scheduler.objective import CostBreakdown, Objective
 from scheduler.search import (
     SearchConfig,
     SearchResult,
     evolutionary_search,
 )
-from scheduler.simulator import SimConfig, simulate_plan
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.step import simulate_plan
 
-ObjectiveFactory = Callable[["PlanRequest"], Objective]
 
-
-@dataclass
+@dataclass(frozen=True)
 class PlanRequest:
-    """Everything `plan` needs besides the cluster and the model."""
+    """Everything `plan` needs besides the cluster and the model. Checked when made: a bad
+    field is a UserError naming it (`PlanRequest.num_stages`)."""
 
     num_stages: int
+    """Pipeline stages S; 0: try every S x R that uses all devices (with num_replicas 0), or
+    the S that goes with a given num_replicas."""
     num_replicas: int
+    """Data-parallel replicas R; 0: derived as for num_stages."""
     micro_batch_size: int = 1
+    """Sequences per micro-batch."""
     num_micro_batches: int = 0
-    """0 = derive from `tokens_per_replica` (the DT-FM budget: 61 micro-batches for gpt3-xl)."""
+    """Micro-batches per replica per step; 0 = derive from `tokens_per_replica` (the DT-FM
+    budget: 61 micro-batches for gpt3-xl)."""
     objective: str = "dtfm"
+    """Name of the cost model to minimise (a key of OBJECTIVES)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
+    """How the replicas of a stage keep their parameters in step."""
     search: SearchConfig = field(default_factory=SearchConfig)
+    """Budget, time limit and seed of the evolutionary search (per searched shape)."""
     random_samples: int = 1000
+    """Random plans scored for the best-of-random baseline."""
     tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA
     """Tokens each replica processes per step, used when num_micro_batches is 0."""
     sim: SimConfig = field(default_factory=SimConfig)
-    """Performance model of the simulated objective (MFU, activation bytes, recompute)."""
+    """Performance model of the simulated objective (runtime profile, MFU, activation bytes,
+    recompute, collective latency); recorded in the plan's search.sim_config."""
+
+    def __post_init__(self) -> None:
+        """UserError naming the first bad field."""
+        s, r = self.num_stages, self.num_replicas
+        if s < 0 or r < 0:
+            raise UserError(f"PlanRequest.num_stages and PlanRequest.num_replicas must be >= 1, "
+                            f"got {s} and {r}")
+        if self.micro_batch_size < 1:
+            raise UserError(f"PlanRequest.micro_batch_size: must be >= 1, got "
+                            f"{self.micro_batch_size}")
+        if self.num_micro_batches < 0:
+            raise UserError(f"PlanRequest.num_micro_batches: must be >= 1 (0: derived), got "
+                            f"{self.num_micro_batches}")
+        if self.objective not in OBJECTIVES:
+            raise UserError(f"PlanRequest.objective: unknown {self.objective!r}; known: "
+                            f"{', '.join(OBJECTIVES)}")
+        if self.random_samples < 1:
+            raise UserError(f"PlanRequest.random_samples: must be >= 1, got "
+                            f"{self.random_samples}")
+        if not 0 < self.tokens_per_replica < float("inf"):
+            raise UserError(f"PlanRequest.tokens_per_replica: must be > 0, got "
+                            f"{self.tokens_per_replica}")
+        self.sync.validate()
 
 
 @dataclass
@@ -83,11 +118,10 @@ def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjec
     return DtfmObjective(cluster, model, req.num_stages, req.num_replicas, sequences)
 
 
-def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> Objective:
+def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> SimulatedObjective:
     """The simulator's predicted step time (compute, memory, bubbles, sync) for this request."""
-    from scheduler.cost_simulated import make_simulated as factory  # it imports PlanRequest
-
-    return factory(cluster, model, req)
+    return SimulatedObjective(cluster, model, req.sync, req.micro_batch_size,
+                              req.num_micro_batches, req.sim)
 
 
 OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
@@ -96,28 +130,26 @@ OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = 
 }
 """Objective factories by name; a new objective registers here and the CLI offers it."""
 DEFAULT_OBJECTIVE = "simulated"
-"""What `plan` and `evaluate` use without --objective."""
+"""What `plan` and `evaluate` use when no objective is named."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
-"""Evaluations per search without --budget: what one core does in 5-12 s for 64 devices (dtfm
-~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a default run and
-the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on `universities`)."""
+"""Evaluations per search when no budget is given: what one core does in 5-12 s for 64
+devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a
+default run and the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on
+`universities`)."""
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
     """UserError unless S x R uses every device and S fits the model's layers."""
     s, r, n = req.num_stages, req.num_replicas, cluster.num_devices
     if s < 1 or r < 1:
-        raise UserError(f"--stages and --replicas must be >= 1, got {s} and {r}")
-    if req.micro_batch_size < 1 or req.num_micro_batches < 1:
-        raise UserError(f"--micro-batch-size ({req.micro_batch_size}) and the micro-batch "
-                        f"count ({req.num_micro_batches}) must be >= 1")
+        raise UserError(f"PlanRequest.num_stages and PlanRequest.num_replicas must be >= 1, "
+                        f"got {s} and {r}")
     if s * r != n:
-        raise UserError(f"--stages {s} x --replicas {r} = {s * r} devices, but cluster "
-                        f"'{cluster.name}' has {n}; choose S x R = {n}")
+        raise UserError(f"PlanRequest.num_stages {s} x PlanRequest.num_replicas {r} = {s * r} "
+                        f"devices, but cluster '{cluster.name}' has {n}; choose S x R = {n}")
     if s > model.num_layers:
-        raise UserError(f"--stages {s}: {model.name} has only {model.num_layers} layers")
-    if req.objective not in OBJECTIVES:
-        raise UserError(f"--objective: unknown {req.objective!r}; known: {', '.join(OBJECTIVES)}")
+        raise UserError(f"PlanRequest.num_stages {s}: {model.name} has only {model.num_layers} "
+                        f"layers")
 
 
 def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num_stages: int,
@@ -135,9 +167,7 @@ def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num
 def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
                      ) -> list[tuple[int, int]]:
     """(S, R) shapes to try: the given one, or every factorisation of the device count that
-    the model's layers allow when --stages/--replicas are left out (0)."""
-    from scheduler.layer_split import stage_replica_shapes
-
+    the model's layers allow when num_stages and num_replicas are left out (0)."""
     n = cluster.num_devices
     s, r = req.num_stages, req.num_replicas
     if s and r:
@@ -145,7 +175,8 @@ def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
     if s or r:
         given = s or r
         if n % given:
-            raise UserError(f"{'--stages' if s else '--replicas'} {given} does not divide the "
+            raise UserError(f"{'PlanRequest.num_stages' if s else 'PlanRequest.num_replicas'} "
+                            f"{given} does not divide the "
                             f"{n} devices of cluster '{cluster.name}'")
         return [(s, n // s)] if s else [(n // r, r)]
     shapes = stage_replica_shapes(n, model.num_layers)
@@ -187,19 +218,15 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     return best
 
 
-
 def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
     """Search a plan and score the random and index-order baselines with the same objective."""
-    if req.micro_batch_size < 1:
-        raise UserError(f"--micro-batch-size: must be >= 1, got {req.micro_batch_size}")
     if req.num_micro_batches == 0:
-        req.num_micro_batches = default_micro_batches(model, req.micro_batch_size,
-                                                      req.tokens_per_replica)
+        req = replace(req, num_micro_batches=default_micro_batches(
+            model, req.micro_batch_size, req.tokens_per_replica))
     check_shape(cluster, model, req)
     objective = OBJECTIVES[req.objective](cluster, model, req)
     dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding
-    devices = np.arange(cluster.num_devices)
     start = time.perf_counter()
     result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas, req.search,
                          progress)
@@ -222,6 +249,19 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         simulate_plan(cluster, model, plan, req.sim, timeline=False)  # names the device
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
+    how, baselines = score_baselines(cluster, objective, dtfm, req, ours.objective)
+    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
+    index_cost = baselines["index order"].cost_s
+    return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
+                       result.best_structured, baselines, how)
+
+
+def score_baselines(cluster: Cluster, objective: Objective, dtfm: DtfmObjective,
+                    req: PlanRequest, name: str) -> tuple[str, dict[str, CostBreakdown]]:
+    """The baselines scored by `objective` (called `name`), by row label: the best
+    hand-structured plan, the best of req.random_samples random plans, index order; and how
+    the hand-structured plan was built."""
+    devices = np.arange(cluster.num_devices)
     how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
                                         req.num_stages, req.num_replicas)
     random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
@@ -230,15 +270,11 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
 
     def score(p: np.ndarray) -> CostBreakdown:
         if p.ndim != 2:  # no baseline plan of this kind could be scored (none fits)
-            return CostBreakdown(ours.objective, float("inf"))
+            return CostBreakdown(name, float("inf"))
         return objective.breakdown(p)
 
-    baselines = {
+    return how, {
         "hand-structured (regions)": score(hand_plan),
         f"best of {req.random_samples} random": score(random_plan),
         "index order": score(index_plan),
     }
-    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
-    index_cost = baselines["index order"].cost_s
-    return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
-                       result.best_structured, baselines, how)

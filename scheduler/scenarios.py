@@ -17,7 +17,7 @@ from formats.errors import UserError
 # Published peak dense fp16/bf16 tensor-core TFLOP/s and memory (GB) of the GPUs we model.
 GPUS: dict[str, tuple[float, float]] = {
     "A100-40GB": (312.0, 40.0),
-    "V100-16GB": (112.0, 16.0),  # PCIe V100, the figure DESIGN.md uses
+    "V100-16GB": (112.0, 16.0),  # PCIe V100
     "T4-16GB": (65.0, 16.0),
     # One CPU core running the fp32 runtime (dist_runner on CPU). A nominal figure: the
     # end-to-end benchmark replaces it with the FLOP/s it measures on the machine at hand.
@@ -218,5 +218,5 @@ def make_scenario(name: str, seed: int = 0, **kwargs: int) -> Cluster:
     except KeyError:
         raise UserError(f"scenario: unknown name {name!r}; known: {', '.join(SCENARIOS)}") from None
     if seed < 0:
-        raise UserError(f"--seed: must be >= 0, got {seed}")
+        raise UserError(f"scenario seed: must be >= 0, got {seed}")
     return factory(seed=seed, **kwargs)

@@ -37,6 +37,7 @@ from formats.plan import (  # noqa: E402
     save_plan,
 )
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
+from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
@@ -48,7 +49,47 @@ from scheduler.planning import (  # noqa: E402
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
 from scheduler.search import SearchConfig  # noqa: E402
-from scheduler.simulator import SimConfig  # noqa: E402
+from scheduler.simulator.config import (  # noqa: E402
+    RUNTIME_PROFILES,
+    RUNTIME_SETTINGS,
+    SimConfig,
+    sim_config_from_record,
+)
+from scheduler.simulator.report import format_sim_table  # noqa: E402
+from scheduler.simulator.runtime import load_calibration, resolve_sim_config  # noqa: E402
+from scheduler.simulator.step import simulate_plan  # noqa: E402
+
+FLAG_OF_FIELD: dict[str, str] = {
+    "PlanRequest.num_stages": "--stages",
+    "PlanRequest.num_replicas": "--replicas",
+    "PlanRequest.micro_batch_size": "--micro-batch-size",
+    "PlanRequest.num_micro_batches": "--micro-batches",
+    "PlanRequest.objective": "--objective",
+    "PlanRequest.random_samples": "--random-samples",
+    "PlanRequest.tokens_per_replica": "--tokens-per-replica",
+    "SearchConfig.budget": "--budget",
+    "SearchConfig.time_limit_s": "--time-limit",
+    "SearchConfig.seed": "--search-seed",
+    "SimConfig.runtime": "--runtime",
+    "SimConfig.mfu": "--mfu",
+    "SimConfig.activation_bytes": "--activation-bytes",
+    "SimConfig.recompute": "--recompute",
+    "SimConfig.collective_latency_factor": "--collective-latency-factor",
+    "SimConfig.outer_store_round_trips": "--outer-store-round-trips",
+}
+"""The flag that sets each library field: the library's errors name fields, ours name flags."""
+
+
+def in_flag_words(message: str) -> str:
+    """A library error message with every field this CLI sets named by its flag."""
+    for name in sorted(FLAG_OF_FIELD, key=len, reverse=True):
+        message = message.replace(name, FLAG_OF_FIELD[name])
+    return message
+
+
+def _check_seed(args: argparse.Namespace) -> None:
+    if args.seed is not None and args.seed < 0:
+        raise UserError(f"--seed: must be >= 0, got {args.seed}")
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -60,15 +101,33 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
                             "its own ids (leave --seed out)")
         return load_cluster(args.cluster)
     if args.scenario:
+        _check_seed(args)
         return make_scenario(args.scenario, args.seed or 0)
     raise UserError("which cluster? give --cluster FILE or --scenario NAME")
 
 
+def describe_profile(config: SimConfig) -> str:
+    """One line of --help per runtime profile."""
+    return (f"{config.runtime}: mfu {config.mfu:g}, {config.activation_bytes}-byte activations, "
+            f"recompute {'on' if config.recompute else 'off'}, collective latency factor "
+            f"{config.collective_latency_factor:g}, {config.outer_store_round_trips} DiLoCo "
+            f"store round trips")
+
+
 def add_perf_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags of the simulated objective's performance model (defaults: the plan's, else GPU)."""
-    g = p.add_argument_group("performance model of the simulated objective (default: what the "
-                             "plan was made with, else a GPU: mfu 0.4, fp16 activations, "
-                             "recompute)")
+    """Flags of the simulated objective's performance model (see sim_config_from_args)."""
+    g = p.add_argument_group(
+        "performance model of the simulated objective (default: what the plan was made with, "
+        "else the generic model: mfu 0.4, fp16 activations, recompute, collective latency "
+        "factor 1, no store round trips; --runtime starts from a runtime's profile, "
+        "--calibration FILE overrides it, the flags below override both)")
+    g.add_argument("--runtime", choices=sorted(RUNTIME_PROFILES),
+                   help="the runtime the plan will run on; " + "; ".join(
+                       describe_profile(c) for c in RUNTIME_PROFILES.values()))
+    g.add_argument("--calibration", metavar="FILE",
+                   help="calibration/1 JSON file: measured values of these settings (keys "
+                        "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
+                        "outer_store_round_trips, all optional)")
     g.add_argument("--mfu", type=float, help="fraction of each device's tflops that training "
                    "reaches (1.0 when tflops were measured for this model)")
     g.add_argument("--activation-bytes", type=int, choices=(1, 2, 4),
@@ -76,36 +135,33 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                    "runtime)")
     g.add_argument("--collective-latency-factor", type=float,
                    help="one-way latencies per all-reduce step (2: gloo's rendezvous "
-                   "point-to-point, the CPU runtime; default 1)")
+                   "point-to-point, the CPU runtime; 1: NCCL)")
     g.add_argument("--outer-store-round-trips", type=int,
                    help="DiLoCo: round trips to the store on device 0 per outer step (3: the "
-                   "elastic CPU runtime; default 0)")
+                   "elastic runtime)")
     g.add_argument("--recompute", choices=("on", "off"),
-                   help="activation recomputation in backward (off: the dist_runner runtime)")
+                   help="activation recomputation in backward (off: the CPU runtime)")
 
 
 def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> SimConfig:
-    """The plan's recorded performance model (or the default), overridden by given flags."""
-    base = dict(plan.search.get("sim_config", {})) if plan is not None else {}
-    known = {k: v for k, v in base.items() if k in SimConfig.__dataclass_fields__}
-    if args.mfu is not None:
-        known["mfu"] = args.mfu
-    if args.activation_bytes is not None:
-        known["activation_bytes"] = args.activation_bytes
-    if args.collective_latency_factor is not None:
-        known["collective_latency_factor"] = args.collective_latency_factor
-    if args.outer_store_round_trips is not None:
-        known["outer_store_round_trips"] = args.outer_store_round_trips
-    if args.recompute is not None:
-        known["recompute"] = args.recompute == "on"
-    config = SimConfig(**known)
-    config.validate()
-    return config
+    """The plan's recorded performance model (or the generic one), then --runtime, then
+    --calibration, then the explicit flags."""
+    base = None
+    if plan is not None:
+        base = sim_config_from_record(plan.search.get("sim_config"),
+                                      f"{args.plan}: search.sim_config")
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    given = {name: getattr(args, name) for name in RUNTIME_SETTINGS
+             if getattr(args, name) is not None}
+    if "recompute" in given:
+        given["recompute"] = given["recompute"] == "on"
+    return resolve_sim_config(base, args.runtime, calibration, **given)
 
 
 def cmd_scenario(args: argparse.Namespace) -> int:
     """Export a built-in scenario as a cluster file."""
     check_output_path(args.out, "--out")
+    _check_seed(args)
     given = {k: v for k, v in (("num_devices", args.devices), ("num_regions", args.regions))
              if v is not None}
     if given and args.name != "random":
@@ -171,10 +227,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_output_path(args.plot, "--plot", ".png")
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
-    if args.budget is None:
-        args.budget = DEFAULT_BUDGETS[args.objective]
-    if args.budget < 1 or not 0 < args.time_limit < float("inf") or args.random_samples < 1:
-        raise UserError(f"--budget ({args.budget}) and --random-samples ({args.random_samples}) "
+    budget = DEFAULT_BUDGETS[args.objective] if args.budget is None else args.budget
+    if budget < 1 or not 0 < args.time_limit < float("inf") or args.random_samples < 1:
+        raise UserError(f"--budget ({budget}) and --random-samples ({args.random_samples}) "
                         f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
     if args.search_seed < 0:
         raise UserError(f"--search-seed: must be >= 0, got {args.search_seed}")
@@ -185,11 +240,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sync.validate()
     if args.tokens_per_replica <= 0:
         raise UserError(f"--tokens-per-replica: must be > 0, got {args.tokens_per_replica}")
-    req = PlanRequest(args.stages, args.replicas, args.micro_batch_size, args.micro_batches,
-                      args.objective, sync,
-                      SearchConfig(budget=args.budget, time_limit_s=args.time_limit,
-                                   seed=args.search_seed),
-                      args.random_samples, args.tokens_per_replica, sim_config_from_args(args))
+    req = PlanRequest(
+        num_stages=args.stages, num_replicas=args.replicas,
+        micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches,
+        objective=args.objective, sync=sync,
+        search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
+        random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
+        sim=sim_config_from_args(args))
     out = plan_best_shape(cluster, model, req, None if args.quiet else _progress)
     if not args.quiet:
         print(file=sys.stderr)
@@ -227,15 +284,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Print the cost of any plan file under an objective."""
     cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
-    req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
-                      plan.num_micro_batches, args.objective, plan.sync)
     if args.objective == "simulated":
         # Score the plan as written: its own layer split, not one the objective would choose.
-        from scheduler.cost_simulated import SimulatedObjective
         objective = SimulatedObjective(cluster, model, plan.sync, plan.micro_batch_size,
                                        plan.num_micro_batches, sim_config_from_args(args, plan),
                                        stages=list(plan.stages))
     else:
+        req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
+                          plan.num_micro_batches, args.objective, plan.sync)
         objective = OBJECTIVES[args.objective](cluster, model, req)
     result = objective.breakdown(np.asarray(plan.pipelines))
     if args.json:
@@ -317,8 +373,6 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Replay one training step of any plan and print its breakdown."""
-    from scheduler.simulator import format_sim_table, simulate_plan
-
     if args.timeline:
         check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
@@ -370,12 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flag_words(str(e))}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # e.g. the disk filled up while writing: say which file, no traceback
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
-
 
 
 def entry() -> None:

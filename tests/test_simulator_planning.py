@@ -10,9 +10,9 @@ from formats.models import get_model
 from formats.plan import SyncConfig
 from scheduler.baselines import index_order_plan
 from scheduler.cost_dtfm import DtfmObjective
-from scheduler.cost_simulated import SimulatedObjective, make_simulated
+from scheduler.cost_simulated import SimulatedObjective
 from scheduler.layer_split import even_split
-from scheduler.planning import PlanRequest, search_plan
+from scheduler.planning import PlanRequest, make_simulated, search_plan
 from scheduler.scenarios import make_scenario
 from scheduler.search import SearchConfig
 from scheduler.simulator import simulate

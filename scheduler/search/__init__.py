@@ -1,4 +1,4 @@
-"""Evolutionary search with local search over stage-group partitions (DESIGN.md §4)."""
+"""Evolutionary search with local search over stage-group partitions (README: Search)."""
 
 from scheduler.search.evolutionary import (
     SearchConfig,

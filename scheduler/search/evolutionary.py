@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from formats.errors import UserError
 from scheduler.objective import Objective
 from scheduler.search.islands import (
     Groups,
@@ -51,6 +52,18 @@ class SearchConfig:
     evolution's share of the budget (four fifths) is spent."""
     seed: int = 0
     """Seed of every random choice."""
+
+    def __post_init__(self) -> None:
+        """UserError naming the first bad field (`SearchConfig.budget`)."""
+        checks = (("budget", self.budget >= 1, ">= 1"),
+                  ("time_limit_s", self.time_limit_s > 0, "> 0"),
+                  ("population", self.population >= 1, ">= 1"),
+                  ("local_tries", self.local_tries >= 0, ">= 0"),
+                  ("patience", self.patience >= 1, ">= 1"),
+                  ("seed", self.seed >= 0, ">= 0"))
+        for name, ok, rule in checks:
+            if not ok:
+                raise UserError(f"SearchConfig.{name}: must be {rule}, got {getattr(self, name)}")
 
 
 @dataclass

@@ -1,0 +1,120 @@
+"""Simulate one training step of a plan: memory check, replay, breakdown (SimResult)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from formats.cluster import Cluster
+from formats.models import ModelSpec, get_model
+from formats.plan import Plan, SyncConfig, validate_plan
+from scheduler.memory import check_plan_memory, stage_memory
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.events import TimelineBox, replay_events
+from scheduler.simulator.kernel import (
+    LinkTables,
+    build_inputs,
+    no_transfers,
+    step_breakdown,
+)
+from scheduler.simulator.replay import replay_fast
+
+
+@dataclass
+class SimResult:
+    """What `simulate` prints: step time, its parts (as in kernel.StepBreakdown), throughput,
+    memory and the timeline."""
+
+    step_s: float
+    makespan_s: float
+    compute_s: float
+    """Forward + backward compute of the busiest device."""
+    bubble_s: float
+    """Pipeline idle time on the critical path with free transfers: makespan(no comm) - compute."""
+    pp_comm_s: float
+    """What pipeline transfers add: pipeline makespan - makespan(no comm)."""
+    tied_comm_s: float
+    """What the tied-embedding gradient sums add after the pipeline."""
+    dp_comm_s: float
+    """Exposed data-parallel sync per step (amortised over H with diloco)."""
+    dp_comm_round_s: float
+    """Exposed data-parallel sync per sync (per outer round with diloco)."""
+    dp_allreduce_s: list[float]
+    """Duration of each stage group's all-reduce."""
+    tokens_per_step: int
+    tokens_per_s: float
+    sync: SyncConfig
+    stages: list[tuple[int, int]]
+    pipelines: list[list[int]]
+    memory_gb: list[tuple[int, float, float]] = field(default_factory=list)
+    """(device, needed GB, available GB) per device in the plan."""
+    timeline: list[TimelineBox] = field(default_factory=list)
+
+    def parts(self) -> dict[str, float]:
+        """The breakdown in seconds; compute + bubble + pp_comm + tied_comm + dp_comm = step."""
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "pp_comm_s": self.pp_comm_s, "tied_comm_s": self.tied_comm_s,
+                "dp_comm_s": self.dp_comm_s}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (no timeline)."""
+        out: dict[str, Any] = {k: round(v, 6) for k, v in self.parts().items()}
+        out.update({
+            "makespan_s": round(self.makespan_s, 6),
+            "dp_comm_per_round_s": round(self.dp_comm_round_s, 6),
+            "dp_allreduce_s": [round(x, 6) for x in self.dp_allreduce_s],
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "sync": {"mode": self.sync.mode, "inner_steps": self.sync.inner_steps,
+                     "compression": self.sync.compression},
+            "stages": [list(st) for st in self.stages],
+            "memory_gb": [{"device": d, "need": round(need, 3), "have": have}
+                          for d, need, have in self.memory_gb],
+        })
+        return out
+
+
+def memory_use(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
+               pipelines: np.ndarray, micro_batch_size: int, num_micro_batches: int,
+               diloco: bool, config: SimConfig) -> list[tuple[int, float, float]]:
+    """(device, needed GB, available GB) of every device in the plan, by device id."""
+    mem = []
+    for s, (a, b) in enumerate(stages):
+        need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco,
+                            config.memory()).total_bytes / 1e9
+        mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in pipelines[:, s]]
+    return sorted(mem)
+
+
+def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
+             pipelines: np.ndarray | list[list[int]], sync: SyncConfig, micro_batch_size: int,
+             num_micro_batches: int, config: SimConfig | None = None,
+             timeline: bool = True) -> SimResult:
+    """Replay one step (memory checked first: UserError naming a device that overflows): by the
+    event engine when a timeline is asked for, else by the vectorised replay (same numbers)."""
+    config = config or SimConfig()
+    pipe = np.asarray(pipelines, dtype=np.int64)
+    diloco = sync.mode == "diloco"
+    check_plan_memory(cluster, model, stages, pipe, micro_batch_size, num_micro_batches, diloco,
+                      config.memory())
+    inputs = build_inputs(LinkTables(cluster, config), model, stages, pipe, sync,
+                          micro_batch_size, num_micro_batches, config)
+    times, boxes = replay_events(inputs) if timeline else (replay_fast(inputs), [])
+    free = replay_fast(no_transfers(inputs)).makespan_s
+    tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
+    breakdown = step_breakdown(inputs, times, free, tokens)
+    return SimResult(**vars(breakdown), sync=sync, stages=list(stages), pipelines=pipe.tolist(),
+                     memory_gb=memory_use(cluster, model, stages, pipe, micro_batch_size,
+                                          num_micro_batches, diloco, config),
+                     timeline=boxes)
+
+
+def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
+                  config: SimConfig | None = None, timeline: bool = True) -> SimResult:
+    """Validate `plan` against the cluster and model, then simulate one step of it."""
+    model = model or get_model(plan.model)
+    validate_plan(plan, cluster, model)
+    return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
+                    plan.micro_batch_size, plan.num_micro_batches, config, timeline)
