@@ -174,7 +174,7 @@ def check_runtime_flags(c: Checker, strict: bool) -> bool:
     """Whether `dist_runner.py --help` lists every flag the GPU runs use."""
     t0 = time.monotonic()
     code, out = c.run("dist_runner_help", [c.python, "dist_runner.py", "--help"], 120)
-    missing = [f for f in GPU_FLAGS if not re.search(rf"{re.escape(f)}\b", out)]
+    missing = [f for f in GPU_FLAGS if not re.search(rf"{re.escape(f)}(?![\w-])", out)]
     if code == 0 and not missing:
         c.add("runtime GPU flags", "PASS", t0, f"dist_runner.py has {' '.join(GPU_FLAGS)}")
         return True
@@ -427,7 +427,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="logs, plans, metrics, summary.md and results.json")
     p.add_argument("--steps", type=int, default=20, help="steps of each training run")
     p.add_argument("--peak-tflops", type=float,
-                   help="the GPU's peak TFLOP/s for the precision trained (MFU in the table)")
+                   help="the GPU's peak TFLOP/s, passed to the GPU runs and used for the MFU "
+                   "in the table (one value for every run: fp32 and bf16 peaks differ)")
     p.add_argument("--nvcc", default="nvcc", help="nvcc to compile the kernel with")
     args = p.parse_args(argv)
     check_peak_tflops(args.peak_tflops)

@@ -45,7 +45,8 @@ class LocalPipeline:
                 out = stage(inp, y) if stage.is_last else stage(inp)
             ins.append(inp)
             outs.append(out)
-            h = p.to_wire(out.detach())
+            if not stage.is_last:
+                h = p.to_wire(out.detach())
         return ins, outs
 
     def _backward(self, ins: list, outs: list) -> None:

@@ -11,7 +11,13 @@ import torch
 
 from formats.errors import UserError
 from modules.checkpoint import snapshot
-from modules.device import resolve_device, rng_states, set_rng_states, to_device
+from modules.device import (
+    describe_device,
+    resolve_device,
+    rng_states,
+    set_rng_states,
+    to_device,
+)
 from tests.conftest import ROOT
 
 
@@ -74,6 +80,10 @@ def test_entry_point_exits_2_with_the_message():
     assert "Traceback" not in r.stderr
 
 
+def test_describe_cpu():
+    assert describe_device(torch.device("cpu")) == f"cpu ({torch.get_num_threads()} threads)"
+
+
 def _state() -> dict:
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters())
@@ -134,6 +144,7 @@ def test_checkpoint_round_trip_through_cpu_onto_cuda():
     fresh_opt.load_state_dict(saved["opt"])  # the optimizer moves its state to the params'
     assert torch.equal(fresh.weight, model.weight)
     assert fresh_opt.state[fresh.weight]["exp_avg"].is_cuda
+    assert describe_device(dev).startswith(f"cuda:0 ({torch.cuda.get_device_name(0)}, ")
     first = torch.rand(4, device=dev)
     set_rng_states(saved["rng"], dev)  # taken before `first` was drawn
     assert torch.equal(torch.rand(4, device=dev), first)
