@@ -174,6 +174,15 @@ def test_check_finite_state_names_loss_parameter_or_gradient():
     model.bias.grad[0] = float("nan")
     assert check_finite_state(0.1, model.named_parameters()) == (
         "the gradient of weight has 3 non-finite value(s) of 8; 1 more tensor(s) too")
+    # huge but finite values whose sum overflows are no false alarm; half precision is summed
+    # in fp32
+    big = torch.nn.Parameter(torch.full((4,), 3e38))
+    half = torch.nn.Parameter(torch.full((100,), 60000.0, dtype=torch.float16))
+    assert check_finite_state(None, [("big", big), ("half", half)]) is None
+    with torch.no_grad():
+        half[7] = float("nan")
+    assert check_finite_state(None, [("big", big), ("half", half)]) == (
+        "parameter half has 1 non-finite value(s) of 100")
 
 
 def test_encoded_bytes_are_what_save_writes(tmp_path):
