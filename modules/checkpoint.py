@@ -1,21 +1,30 @@
 """Per-rank checkpoints: D/rank{R}/step{S}.pt, written to a temp file and renamed (so a file with
 that name is always complete), the newest `keep` kept; loaded with weights_only=True.
 
+A file is a 48-byte header (magic, sha256 of the payload, payload length) and the payload
+(`torch.save` of {format, meta, state}); the checksum is verified before anything is unpickled,
+so a flipped byte anywhere is an error naming the file and rank, never a silent load.
+
 `AsyncCheckpointer` takes a CPU snapshot on the training thread (tensors cloned: the only part
 that blocks training) and writes it in a background thread; `complete_steps` lists what
-`--resume` may pick (temp files never match `step*.pt`).
+`--resume` may pick: renamed files whose checksum verifies (temp files never match `step*.pt`).
+`check_finite_state` tells the training loop when the loss or a parameter stopped being finite.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import math
 import pickle
 import queue
 import re
+import struct
+import sys
 import threading
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +33,14 @@ import torch
 from formats.atomic_io import atomic_write_bytes
 from formats.errors import UserError
 
-CKPT_FORMAT = "ckpt/1"
+CKPT_FORMAT = "ckpt/2"
+"""ckpt/1 had no checksum; its files are refused (they cannot be verified)."""
+MAGIC = b"STCKPT2\n"
+HEADER = struct.Struct("<8s32sQ")
+"""magic, sha256 of the payload, payload length in bytes (little-endian)."""
 STEP_FILE = re.compile(r"^step(\d+)\.pt$")
+_RANK_NAME = re.compile(r"^rank(\d+)")
+_READ_CHUNK_BYTES = 1 << 20
 
 
 def checkpoint_path(ckpt_dir: str | Path, rank: int) -> Path:
@@ -43,12 +58,47 @@ def step_path(ckpt_dir: str | Path, rank: int, step: int) -> Path:
     return rank_dir(ckpt_dir, rank) / f"step{step:08d}.pt"
 
 
-def complete_steps(ckpt_dir: str | Path, rank: int) -> list[int]:
-    """Steps with a complete (renamed) checkpoint of `rank`, ascending; temp files are ignored."""
+def step_files(ckpt_dir: str | Path, rank: int) -> list[int]:
+    """Steps with a renamed checkpoint file of `rank`, ascending, unverified (names only)."""
     d = rank_dir(ckpt_dir, rank)
     if not d.is_dir():
         return []
     return sorted(int(m.group(1)) for f in d.iterdir() if (m := STEP_FILE.match(f.name)))
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def complete_steps(ckpt_dir: str | Path, rank: int,
+                   log: Callable[[str], None] | None = None) -> list[int]:
+    """Steps of `rank` whose checkpoint is complete and intact (checksum verified), ascending.
+
+    Each file that fails verification is skipped with an `error: checkpoint PATH is corrupt or
+    unreadable (...)` line naming it and the rank (to `log`, default stderr), so `--resume`'s
+    agreement on the newest step every rank has falls back to an older intact one.
+    """
+    log = log or _stderr
+    intact = []
+    for step in step_files(ckpt_dir, rank):
+        path = step_path(ckpt_dir, rank, step)
+        why = verify_checkpoint(path)
+        if why is None:
+            intact.append(step)
+        else:
+            log(f"error: checkpoint {path} is corrupt or unreadable (rank {rank}: {why}); "
+                f"rank {rank} skips step {step}, so --resume falls back to an older step if "
+                "every rank has one intact")
+    return intact
+
+
+def fallback_note(ckpt_dir: str | Path, rank: int, step: int) -> str | None:
+    """What to say when --resume picked `step` although `rank` has a newer checkpoint file."""
+    newer = [s for s in step_files(ckpt_dir, rank) if s > step]
+    if not newer:
+        return None
+    return (f"resuming from step {step}, not step {newer[-1]}: the newer checkpoints are not "
+            "intact on every rank (see the error lines)")
 
 
 def snapshot(obj: Any) -> Any:
@@ -64,16 +114,55 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-def save_checkpoint(path: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
-    """Serialise {format, meta, state} in memory, then write it atomically (temp + rename)."""
+def encode_checkpoint(meta: dict[str, Any], state: dict[str, Any]) -> list[bytes | memoryview]:
+    """The bytes of a checkpoint file as [header, payload] (written in that order)."""
     buf = io.BytesIO()
     torch.save({"format": CKPT_FORMAT, "meta": meta, "state": state}, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    payload = buf.getbuffer()
+    return [HEADER.pack(MAGIC, hashlib.sha256(payload).digest(), len(payload)), payload]
+
+
+def save_checkpoint(path: Path, meta: dict[str, Any], state: dict[str, Any]) -> None:
+    """Serialise {format, meta, state} in memory, then write it atomically (temp + rename)."""
+    atomic_write_bytes(path, encode_checkpoint(meta, state))
+
+
+def _check_header(head: bytes, size: int) -> tuple[str | None, bytes, int]:
+    """(why the file is bad or None, sha256, payload length) from its first HEADER.size bytes."""
+    if len(head) < HEADER.size:
+        return f"truncated: {size} bytes, shorter than the {HEADER.size}-byte header", b"", 0
+    magic, digest, length = HEADER.unpack(head)
+    if magic != MAGIC:
+        old = " (an older ckpt/1 file without a checksum?)" if head[:2] == b"PK" else ""
+        return f"not a {CKPT_FORMAT} checkpoint: bad magic bytes{old}", b"", 0
+    if size != HEADER.size + length:
+        return (f"{size} bytes on disk but the header says {HEADER.size + length} (truncated "
+                "or extended)"), b"", 0
+    return None, digest, length
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint whose checksum verifies, else why not."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, io.SEEK_END)
+            f.seek(0)
+            why, digest, _ = _check_header(f.read(HEADER.size), size)
+            if why is not None:
+                return why
+            h = hashlib.sha256()
+            while chunk := f.read(_READ_CHUNK_BYTES):
+                h.update(chunk)
+    except OSError as e:
+        return f"cannot read it: {e.strerror or e}"
+    if h.digest() != digest:
+        return "sha256 of its bytes does not match the one written with it (changed on disk)"
+    return None
 
 
 def prune(ckpt_dir: str | Path, rank: int, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints of `rank`."""
-    for step in complete_steps(ckpt_dir, rank)[:-keep] if keep > 0 else []:
+    """Delete all but the newest `keep` checkpoint files of `rank`."""
+    for step in step_files(ckpt_dir, rank)[:-keep] if keep > 0 else []:
         step_path(ckpt_dir, rank, step).unlink(missing_ok=True)
 
 
@@ -154,32 +243,116 @@ class AsyncCheckpointer:
     def _write(self, step: int, meta: dict[str, Any], snap: dict[str, Any]) -> None:
         path = step_path(self.ckpt_dir, self.rank, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save({"format": CKPT_FORMAT, "meta": meta, "state": snap}, buf)
         hook = self.debug_hook
-        atomic_write_bytes(path, buf.getbuffer(),
+        atomic_write_bytes(path, encode_checkpoint(meta, snap),
                            (lambda: hook(step, "half")) if hook is not None else None)
 
 
-def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint and check that it was written for the same run layout.
+def _rank_of(path: Path, expect_meta: dict[str, Any]) -> str:
+    """The rank a checkpoint belongs to, for messages: from the run's meta or the path."""
+    if "rank" in expect_meta:
+        return str(expect_meta["rank"])
+    m = _RANK_NAME.match(path.parent.name) or _RANK_NAME.match(path.name)
+    return m.group(1) if m else "?"
 
-    UserError when it is missing, unreadable, corrupt, or its meta differs from `expect_meta`
-    (the field that differs is named).
+
+def _read_verified(path: Path, rank: str) -> io.BytesIO:
+    """The payload of `path` after its checksum verified; UserError naming file and rank."""
+    def corrupt(why: str) -> UserError:
+        return UserError(f"checkpoint {path} is corrupt or unreadable (rank {rank}: {why}); "
+                         "delete it or resume from another --ckpt-dir")
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise corrupt(f"cannot read it: {e.strerror or e}") from None
+    why, digest, _ = _check_header(data[:HEADER.size], len(data))
+    if why is not None:
+        raise corrupt(why)
+    with memoryview(data) as view:
+        if hashlib.sha256(view[HEADER.size:]).digest() != digest:
+            raise corrupt("sha256 of its bytes does not match the one written with it "
+                          "(changed on disk)")
+        return io.BytesIO(view[HEADER.size:])  # one copy; `data` is freed on return
+
+
+def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint after verifying its checksum, and check it was written for this run.
+
+    UserError (naming the file and rank) when it is missing, unreadable, corrupt, not a
+    mapping of the expected shape, holds non-finite values, or its meta differs from
+    `expect_meta` (the field that differs is named).
     """
     if not path.exists():
         raise UserError(f"--resume: no checkpoint at {path}; run without --resume to start fresh")
+    rank = _rank_of(path, expect_meta)
+    payload = _read_verified(path, rank)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(payload, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,
-            zipfile.BadZipFile) as e:
-        raise UserError(f"checkpoint {path} is corrupt or unreadable ({str(e).splitlines()[0]}"
-                        "); delete it or resume from another --ckpt-dir") from None
+            zipfile.BadZipFile) as e:  # checksum fine: written so by a bug, not changed on disk
+        raise UserError(f"checkpoint {path} is corrupt or unreadable (rank {rank}: "
+                        f"{str(e).splitlines()[0]}); delete it or resume from another "
+                        "--ckpt-dir") from None
+    where = f"checkpoint {path} (rank {rank})"
     if not isinstance(obj, dict) or obj.get("format") != CKPT_FORMAT:
-        raise UserError(f"checkpoint {path}: not a {CKPT_FORMAT} checkpoint")
-    meta = obj.get("meta", {})
+        raise UserError(f"{where}: not a {CKPT_FORMAT} checkpoint")
+    meta, state = obj.get("meta"), obj.get("state")
+    for name, value in (("meta", meta), ("state", state)):
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
     for key, want in expect_meta.items():
         if meta.get(key) != want:
             raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r} but this run has "
                             f"{want!r}; it was written for another plan or rank")
-    return obj["state"]
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise UserError(f"{where}: {bad[0]} holds non-finite values ({len(bad)} tensor(s) in "
+                        "all); it was saved after training diverged, resume from an older step")
+    return state
+
+
+# -- finiteness ------------------------------------------------------------------------------
+def nonfinite_tensors(obj: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors in nested dicts/lists that hold NaN or inf."""
+    if isinstance(obj, torch.Tensor):
+        bad = obj.is_floating_point() and not bool(torch.isfinite(obj).all())
+        return [prefix or "tensor"] if bad else []
+    if isinstance(obj, dict):
+        items: Iterable[tuple[Any, Any]] = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return []
+    return [n for k, v in items
+            for n in nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+
+
+def check_finite_state(loss: float | torch.Tensor | None,
+                       params: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """None if the loss and every named parameter and its gradient are finite, else what is not.
+
+    `params` is e.g. `model.named_parameters()`; `loss` None (a stage without the loss) is
+    skipped. Fast path: one fp32-accumulated sum per tensor and a single device sync (NaN and
+    inf reach the sum; about 12x cheaper than isfinite on every element on a CPU); only when a
+    sum is not finite are the tensors looked at element by element, so a sum that merely
+    overflows is no false alarm.
+    """
+    if loss is not None and not math.isfinite(float(loss)):
+        return f"the loss is {float(loss)}"
+    named = [(f"{kind} {name}", t)
+             for name, p in params for kind, t in (("parameter", p), ("the gradient of", p.grad))
+             if t is not None and t.is_floating_point()]
+    if not named:
+        return None
+    with torch.no_grad():
+        sums = torch.stack([t.sum(dtype=torch.float32) for _, t in named])
+        if bool(torch.isfinite(sums).all()):
+            return None
+        bad = [(name, t) for name, t in named if not bool(torch.isfinite(t).all())]
+    if not bad:
+        return None
+    name, t = bad[0]
+    count = int((~torch.isfinite(t)).sum())
+    more = f"; {len(bad) - 1} more tensor(s) too" if len(bad) > 1 else ""
+    return f"{name} has {count} non-finite value(s) of {t.numel()}{more}"

@@ -10,6 +10,15 @@ PLAN="$1"; URL="$2"; shift 2
 WORLD=$("$PY" -c 'import json,sys; p=json.load(open(sys.argv[1])); print(sum(len(x) for x in p["pipelines"]))' "$PLAN")
 HOSTS=$(grep -cvE '^[[:space:]]*(#|$)' "$IP_LIST")
 PLAN_NAME=$(basename "$PLAN")
+# every host must have the checkout and a REMOTE_PY with torch, or each rank would only fail in
+# its log after this script said it started
+if ! "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" run -- \
+    "cd $REMOTE_REPO && test -f dist_runner.py && $REMOTE_PY -c 'import torch'"; then
+  echo "error: REMOTE_PY=$REMOTE_PY in REMOTE_REPO=$REMOTE_REPO cannot run dist_runner.py on" \
+       "the hosts that failed above; sync the repository there, run 'bash scripts/setup_env.sh'" \
+       "in it, and set REMOTE_PY=.venv/bin/python" >&2
+  exit 2
+fi
 "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" sync "$PLAN" --dest "$REMOTE_REPO"
 EXTRA=$(printf ' %q' "$@")
 CMD="cd $REMOTE_REPO && mkdir -p logs && for r in \$(seq \$SCATTERED_HOST_INDEX $HOSTS $((WORLD - 1))); do \

@@ -7,7 +7,10 @@ every device of the plan (each in its own process group), prefixes each output l
 rank, and prints a progress summary. If a rank fails the others are stopped and the launcher
 exits with that rank's status; with --keep-going (DiLoCo runs that drop a lost replica) the
 others go on and the launcher exits 0 when every rank of at least one replica finished.
-Ctrl+C or SIGTERM stops every child (SIGTERM to its process group, SIGKILL after --grace-s).
+Ctrl+C (SIGINT, also when started in the background from a script), SIGTERM or SIGHUP stops
+every child (SIGTERM to its process group, SIGKILL after --grace-s) and exits 128 + the signal
+number (130, 143, 129). On Linux every rank also gets SIGKILL from the kernel when the launcher
+dies (parent-death signal), so no rank outlives a launcher that was killed with SIGKILL.
 With --netns-map, rank R runs under `ip netns exec NS`.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,10 +40,58 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import load_plan  # noqa: E402
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal this process gets when its parent thread dies."""
 
 
 class Stop(Exception):
-    """SIGTERM (or SIGHUP) arrived: stop every child."""
+    """SIGINT, SIGTERM or SIGHUP arrived: stop every child, exit 128 + the signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def install_stop_handlers() -> None:
+    """Raise Stop on SIGINT, SIGTERM and SIGHUP.
+
+    SIGINT too: a shell ignores it in the background jobs a script starts, and Python then
+    installs no KeyboardInterrupt handler, so the launcher would not react to it at all.
+    """
+    def on_signal(signum: int, frame: object) -> None:
+        raise Stop(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+
+
+def ignore_stop_signals() -> None:
+    """While the children are being stopped, a second signal must not cut that short."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def parent_death_signal(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A `preexec_fn` giving the child `sig` when the launcher dies (Linux), else None.
+
+    The kernel sends it when the thread that started the child exits, so start ranks from the
+    main thread. prctl is looked up here, before the fork, so the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != launcher:  # it died before prctl took effect: nobody will signal us
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def free_port(host: str) -> int:
@@ -94,9 +147,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def start_rank(rank: int, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start one rank in its own process group, stdout+stderr merged into a pipe."""
+    """Start one rank in its own process group, stdout+stderr merged into a pipe; it dies
+    with the launcher (parent-death signal, Linux)."""
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=env, start_new_session=True)
+                            bufsize=1, env=env, start_new_session=True,
+                            preexec_fn=parent_death_signal())
 
 
 def stream(rank: int, proc: subprocess.Popen, progress: dict[int, str],
@@ -157,12 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "
           f"{plan.num_stages} stages), rendezvous {url}, {threads} thread(s) per rank",
           flush=True)
-
-    def on_term(signum, frame):
-        raise Stop(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
     procs: dict[int, subprocess.Popen] = {}
     done: queue.Queue = queue.Queue()
     progress: dict[int, str] = {}
@@ -171,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     failed: dict[int, int] = {}
     try:
+        install_stop_handlers()
         for r in ranks:
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
                    "--world-size", str(len(ranks)), "--dist-url", url,
@@ -199,11 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                 break
         if failed:
             status = keep_going_status(plan.pipelines, failed)
-    except (KeyboardInterrupt, Stop) as e:
-        print(f"launch: {type(e).__name__ if isinstance(e, KeyboardInterrupt) else e}; "
-              "stopping every rank", flush=True)
-        status = 130
+    except Stop as e:
+        print(f"launch: {e}; stopping every rank", flush=True)
+        status = 128 + e.signum
     finally:
+        ignore_stop_signals()
         stop_all(procs, args.grace_s)
     wall = time.monotonic() - t0
     for r in sorted(progress):

@@ -1,5 +1,6 @@
 """scripts/launch_local.py: rank-prefixed logs and progress, a failing rank stops the others,
-SIGTERM stops every child, bad arguments are clear errors."""
+SIGTERM stops every child (exit 143), ranks die with a SIGKILLed launcher, SIGINT works when a
+script started the launcher in the background, bad arguments are clear errors."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ DILOCO_1X2 = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_siz
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
 
 
 @pytest.mark.timeout(120)
@@ -64,7 +66,7 @@ def test_sigterm_stops_every_child(tmp_path):
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         rest, _ = launcher.communicate(timeout=30)
-        assert launcher.returncode == 130, rest
+        assert launcher.returncode == 143, rest  # 128 + SIGTERM
         assert "SIGTERM; stopping every rank" in rest
         assert time.monotonic() - t0 < 15
         assert not any(_alive(p) for p in pids)
@@ -101,3 +103,87 @@ def test_keep_going_lets_diloco_drop_a_lost_replica_and_finish(tmp_path):
     assert "launch: rank 2 exited with status 1; the others go on (--keep-going)" in proc.stdout
     assert "launch: ranks [2] failed; replicas [0, 1] finished" in proc.stdout
     assert re.search(r"^\[rank 0\] step 8/8 loss", proc.stdout, re.M), proc.stdout[-3000:]
+
+
+STUB_RANK = """import os, sys, time
+print(f"stub {os.getpid()} ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _stub_launcher(tmp_path, *extra: str) -> list[str]:
+    """launch_local.py over a stand-in rank that only says it is ready and sleeps."""
+    save_plan(DILOCO_1X2, tmp_path / "plan.json")
+    (tmp_path / "stub.py").write_text(STUB_RANK)
+    return [sys.executable, str(ROOT / "scripts/launch_local.py"), "--plan",
+            str(tmp_path / "plan.json"), "--runner", str(tmp_path / "stub.py"), "--grace-s", "2",
+            *extra]
+
+
+def _wait_for(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    launcher = subprocess.Popen(_stub_launcher(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    pids, lines = [], []
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            pids += [int(p) for p in re.findall(r"stub (\d+) ready", line)]
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2, "".join(lines)
+        launcher.kill()  # SIGKILL: no handler, no stop_all; only the kernel can stop the ranks
+        t0 = time.monotonic()
+        launcher.wait()
+        assert _wait_for(lambda: not any(_alive(p) for p in pids), 5), "ranks outlived it"
+        print(f"ranks gone {time.monotonic() - t0:.3f} s after the launcher was killed")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_a_launcher_that_a_script_started_in_the_background(tmp_path):
+    log = tmp_path / "launch.log"
+    cmd = " ".join(f"'{a}'" for a in _stub_launcher(tmp_path))
+    # a non-interactive shell starts background jobs with SIGINT ignored; the first line
+    # shows that for a plain Python started the same way
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+    script = (f"'{sys.executable}' -c '{probe}' &\nwait $!\n"
+              f"{cmd} > '{log}' 2>&1 &\necho $!\nwait $!\necho rc=$?\n")
+    shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    launcher = 0
+    try:
+        assert shell.stdout.readline().strip() == "True"  # SIGINT ignored
+        launcher = int(shell.stdout.readline())
+
+        def ready() -> bool:
+            text = log.read_text() if log.exists() else ""
+            pids[:] = [int(p) for p in re.findall(r"stub (\d+) ready", text)]
+            return len(pids) == 2
+
+        assert _wait_for(ready, 30), log.read_text()
+        os.kill(launcher, signal.SIGINT)
+        rest, _ = shell.communicate(timeout=20)
+        assert rest.strip() == "rc=130", rest + log.read_text()
+        assert "launch: SIGINT; stopping every rank" in log.read_text()
+        assert not any(_alive(p) for p in pids)
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+        for p in [launcher, *pids] if launcher else pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -238,6 +238,27 @@ def test_aws_wrappers_run_batch_kill_copy_logs(fleet, tmp_path) -> None:
     assert (dest / f"root@{s1.addr}_{s1.port}" / "logs" / "rank1.log").exists()
 
 
+@pytest.mark.timeout(90)
+def test_aws_run_batch_stops_when_the_hosts_lack_the_project_python(fleet, tmp_path) -> None:
+    """REMOTE_PY without torch on the hosts: a clear error (exit 2), nothing started."""
+    _accepted(fleet)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "dist_runner.py").write_text("raise SystemExit('must not start')\n")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "plan/1", "pipelines": [[0, 1], [2, 3], [4, 5]]}))
+    env = dict(os.environ, IP_LIST=str(fleet["dir"] / "ip_list"), KNOWN_HOSTS=fleet["known"],
+               SSH_KEY=fleet["key"], REMOTE_REPO=str(repo), REMOTE_PY=f"{sys.executable} -S")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "aws_run_batch.sh"), str(plan),
+                        "tcp://127.0.0.2:29500"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "No module named 'torch'" in r.stdout, r.stdout
+    assert r.stderr.startswith(f"error: REMOTE_PY={sys.executable} -S in REMOTE_REPO={repo} "
+                               "cannot run dist_runner.py"), r.stderr
+    assert not (repo / "plan.json").exists() and not (repo / "logs").exists()
+
+
 def test_other_key_type_counts_as_changed_key(fleet, tmp_path) -> None:
     """known_hosts holds ed25519 for a host that now offers only RSA: refused everywhere."""
     rsa = start_sshd(tmp_path, "127.0.0.6", fleet["dir"] / "authorized_keys", key_type="rsa")

@@ -12,11 +12,13 @@ With --relay-mbit-s R > 0 it also relays, on PORT+2, the (WireGuard, end-to-end 
 traffic of two peers that could not punch: each binds its socket there with an authenticated
 `relay` request, after which anything not JSON from one bound address goes to the other.
 
-Every datagram is validated (size, JSON schema, HMAC, clock skew, replay) and rate-limited per
-source IP; anything else is counted and dropped without an answer (an unexpected error while
-handling one datagram is counted as `internal_error`, logged, and the server goes on). Without
---token the first registration of a session fixes the session's server key (see README.md,
-"Security").
+Every datagram is validated (size, JSON schema, HMAC, clock skew, replay) before anything
+acts on it or charges anything: only then is it counted against its session's budget
+(--rate-per-s), so junk from a peer's own address (its NAT) costs that peer nothing. Replayed
+datagrams are refused from any address, also after the session expired. Anything invalid is
+counted and dropped without an answer (an unexpected error while handling one datagram is
+counted as `internal_error`, logged, and the server goes on). Without --token the first
+registration of a session fixes the session's server key (see README.md, "Security").
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from formats.errors import UserError  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
     ProtocolError,
     RateLimiter,
+    Registration,
     Registry,
     SessionFull,
     encode,
@@ -47,6 +50,9 @@ from udp_hole_punching_test.protocol import (  # noqa: E402
 
 log = logging.getLogger("rendezvous")
 SERVER_ID = "0" * 16  # the server's id in its replies
+RECV_BUFFER_BYTES = 4 << 20
+"""Socket receive buffer asked for (the kernel caps it at net.core.rmem_max): a burst of junk
+then takes longer to overflow it and crowd out a peer's datagram."""
 
 
 def parse_hostport(text: str, what: str) -> tuple[str, int]:
@@ -70,10 +76,12 @@ class RendezvousServer:
         relay_mbit_s: float = 0.0,
     ) -> None:
         try:
-            self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s)
+            # rate_per_s: authenticated datagrams per second and session, checked after
+            # authentication; an unauthenticated source is never charged to a session
+            self.registry = Registry(pinned_token=pinned_token, ttl_s=ttl_s,
+                                     session_rate_per_s=rate_per_s, session_burst=2 * rate_per_s)
         except ProtocolError as exc:  # e.g. a token longer than the protocol allows
             raise UserError(f"--token: {exc}") from exc
-        self.limiter = RateLimiter(rate_per_s=rate_per_s, burst=2 * rate_per_s)
         relay_bytes_s = relay_mbit_s * 1e6 / 8
         # bytes per second per source; one second of burst
         self.relay_limiter = RateLimiter(rate_per_s=relay_bytes_s, burst=relay_bytes_s)
@@ -85,6 +93,7 @@ class RendezvousServer:
             for p in ports:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 s = socket.socket(family, socket.SOCK_DGRAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER_BYTES)
                 s.bind((host, p))
                 s.setblocking(False)
                 self.sockets.append(s)
@@ -104,26 +113,33 @@ class RendezvousServer:
         self._running = False
 
     def handle(self, data: bytes, addr: tuple[str, int], sock: socket.socket) -> None:
-        """Validate one datagram and answer it; drop (and count) anything invalid."""
+        """Validate one datagram and answer it; drop (and count) anything invalid.
+
+        Order matters: parse, port check and authentication (which records the timestamp, so
+        no copy is accepted later) come before the session's budget is charged and before
+        anything changes or is sent.
+        """
         observed = (addr[0], addr[1])
         if sock is self.relay_sock and not data.startswith(b"{"):
             self._forward(data, observed)
             return
-        if not self.limiter.allow(addr[0]):
+        try:
+            msg = parse(data)
+            self._check_port(msg, sock)
+            key = self.registry.authenticate(msg)
+        except ProtocolError as exc:
+            self.stats["rejected"] += 1
+            log.debug("dropped datagram from %s:%d: %s", addr[0], addr[1], exc)
+            return
+        if not self.registry.within_rate(msg["s"]):
             self.stats["rate_limited"] += 1
             return
         try:
-            msg = parse(data)
-            key = self.registry.authenticate(msg)
-            if (msg["t"] == "relay") != (sock is self.relay_sock):
-                raise ProtocolError("relay requests go to the relay port, and only they")
             if msg["t"] == "relay":
                 ready = self.registry.bind_relay(msg, observed)
                 self.stats["relay_bound"] += 1
                 self._send(sock, addr, key, msg, "relay_ok", pub=list(observed), ready=ready)
                 return
-            if msg["probe"] != (sock is self.probe_sock):
-                raise ProtocolError("probe flag does not match the port it was sent to")
             _, reg = self.registry.register(msg, key, observed)
         except SessionFull as exc:  # authenticated, so it deserves an answer
             self.stats["rejected"] += 1
@@ -134,10 +150,22 @@ class RendezvousServer:
             log.debug("dropped datagram from %s:%d: %s", addr[0], addr[1], exc)
             return
         self.stats["accepted"] += 1
-        self._send(sock, addr, key, msg, "reg_ok", pub=list(observed), probe=msg["probe"])
+        self._introduce(sock, addr, key, msg, reg)
+
+    def _check_port(self, msg: dict, sock: socket.socket) -> None:
+        """Relay requests only on the relay port, probes only on the probe port."""
+        if (msg["t"] == "relay") != (sock is self.relay_sock):
+            raise ProtocolError("relay requests go to the relay port, and only they")
+        if msg["t"] == "reg" and msg["probe"] != (sock is self.probe_sock):
+            raise ProtocolError("probe flag does not match the port it was sent to")
+
+    def _introduce(self, sock, addr, key: bytes, msg: dict, reg: Registration) -> None:
+        """Answer an accepted registration; tell both peers about each other once both are in."""
+        observed = [addr[0], addr[1]]
+        self._send(sock, addr, key, msg, "reg_ok", pub=observed, probe=msg["probe"])
         other = self.registry.other(msg["s"], msg["id"])
         if other is not None and not msg["probe"]:
-            self._send(sock, addr, key, msg, "peer", pub=list(observed), other=other.as_other())
+            self._send(sock, addr, key, msg, "peer", pub=observed, other=other.as_other())
             # tell the waiting peer now rather than at its next registration
             self._send(sock, other.pub, key, msg, "peer", pub=list(other.pub), other=reg.as_other())
 
@@ -219,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         help="relay traffic between peers that cannot punch, on PORT+2, at most this many "
         "Mbit/s per source IP (0: no relay)",
     )
-    ap.add_argument("--rate-per-s", type=float, default=50.0, help="datagrams/s per source IP")
+    ap.add_argument("--rate-per-s", type=float, default=50.0,
+                    help="authenticated datagrams/s per session (burst: twice that); "
+                    "unauthenticated datagrams are dropped without charging anyone")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every dropped datagram")
     args = ap.parse_args(argv)
     logging.basicConfig(
