@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from formats.atomic_io import atomic_write_bytes  # noqa: E402
+from formats.atomic_io import atomic_write_with  # noqa: E402
 from formats.cluster import Cluster  # noqa: E402
 from formats.plan import Plan  # noqa: E402
 
@@ -62,8 +62,7 @@ def plot_plan(cluster: Cluster, plan: Plan, history: list[tuple[int, float]],
     conv.set_ylabel(f"best {plan.predicted.get('objective', '')} cost (s)")
     conv.set_title("search convergence")
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    atomic_write_bytes(path, tmp.read_bytes())
-    tmp.unlink()
+    try:  # a unique temp name beside the target, never through a symlink
+        atomic_write_with(path, lambda f: fig.savefig(f, format="png", dpi=90))
+    finally:
+        plt.close(fig)

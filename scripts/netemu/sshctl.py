@@ -19,6 +19,7 @@ import posixpath
 import shlex
 import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -406,7 +407,9 @@ def accept_keys(hosts: list[HostEntry], opt: SSHOptions, replace: bool = False
     with ThreadPoolExecutor(max_workers=max(1, min(opt.parallel, len(hosts)))) as pool:
         results = list(pool.map(one, range(len(hosts))))
     opt.known_hosts.parent.mkdir(parents=True, exist_ok=True)
-    tmp = opt.known_hosts.with_name(opt.known_hosts.name + f".tmp{os.getpid()}")
-    known.save(str(tmp))
-    os.replace(tmp, opt.known_hosts)
+    # a fresh private folder beside the file: no predictable temp name to plant a symlink at
+    with tempfile.TemporaryDirectory(dir=opt.known_hosts.parent) as tmpdir:
+        tmp = Path(tmpdir) / opt.known_hosts.name
+        known.save(str(tmp))
+        os.replace(tmp, opt.known_hosts)
     return results
