@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from formats.models import get_model
     from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
-    from modules.dist import build_groups, parse_dist_url, rendezvous, topology
+    from modules.dist import parse_dist_url, rendezvous, topology
     from modules.fault import members_of, register
     from modules.sync import check_compression
     from modules.trainer import RunConfig, Trainer
@@ -219,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         else None
     store = rendezvous(url, rank, world, args.timeout_s, agent_store, members=members,
                        on_store=lambda s: register(s, rank, topo.replica, topo.stage))
-    groups = None
-    if not args.join:
-        rank_of = {d: i for i, d in enumerate(members)} if members else None
-        groups = build_groups(plan, topo, spec.tie_embeddings, start, rank_of)
-    trainer = Trainer(plan, topo, groups, store, data, cfg, log=log)
+    trainer = Trainer(plan, topo, store, data, cfg, log=log)  # forms generation 0's groups
     trainer.run()
     log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})")
     import torch.distributed as dist

@@ -16,7 +16,6 @@ What it does:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from modules.checkpoint import save_checkpoint, snapshot, step_path
+from modules.comm import PeerError
 from modules.diloco import DiLoCoOptimizer
-from modules.dist import PeerError, build_groups
+from modules.dist import build_groups
 from modules.fault import Generation, Monitor, MonitorConfig, members_of, publish
 
 JOIN_TAG = 1 << 22
@@ -100,13 +100,10 @@ class ElasticMembership:
     def finish(self) -> None:
         """End of the run: nobody leaves before every rank is done (rank 0 hosts the store)."""
         mon = self.monitor
+        if mon is None or self.plan.sync.mode == "allreduce":
+            self.groups.world.barrier("final barrier with every rank")
         if mon is None:
-            work = dist.barrier(async_op=True)
-            self.comm.wait(work, "final barrier with every rank")
             return
-        if self.plan.sync.mode == "allreduce":
-            work = dist.barrier(async_op=True)
-            self.comm.wait(work, "final barrier with every rank")
         if self.topo.rank != 0:
             mon.stop()
             mon.join(timeout=5)
@@ -175,10 +172,9 @@ class ElasticMembership:
                             f"({str(e).strip().splitlines()[0][:200] if str(e) else e})") \
                 from None
         self.replicas = sorted(g.replicas)
-        self._apply_rank_map({d: i for i, d in enumerate(g.members)})
-        self.groups = build_groups(self.plan, self.topo, self.spec.tie_embeddings,
-                                   self.replicas, self.rank_of)
-        self.average = self._make_average()
+        self._set_groups(build_groups(self.plan, self.topo, self.spec.tie_embeddings,
+                                      self.replicas, {d: i for i, d in enumerate(g.members)},
+                                      self.cfg.timeout_s, self.stats))
         self.gen = g.gen
         self.log(f"generation {g.gen}: groups re-formed over replicas {self.replicas} in "
                  f"{time.monotonic() - t0:.2f} s ({g.reason})")
@@ -187,15 +183,6 @@ class ElasticMembership:
                      f"average over it alone (--min-replicas {self.cfg.min_replicas})")
         self._exchange_outer_state()
         return True
-
-    def _apply_rank_map(self, rank_of: dict[int, int]) -> None:
-        """Device id -> rank in the current default group: the pipeline talks to its
-        neighbours by their group ranks (a topology with translated prev/next)."""
-        self.rank_of = rank_of
-        t = self.topo
-        self.pipe.topo = dataclasses.replace(
-            t, prev_rank=None if t.prev_rank is None else rank_of[t.prev_rank],
-            next_rank=None if t.next_rank is None else rank_of[t.next_rank])
 
     def _exchange_outer_state(self) -> None:
         """After re-forming: a live peer of my stage sends the outer state to each joiner."""
@@ -207,7 +194,7 @@ class ElasticMembership:
         if self.topo.replica in joiners:
             self.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
             src = int(self.store.get(key))
-            self._recv_outer_state(src, self.rank_of[src])
+            self._recv_outer_state(src)
             return
         source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
         if self.topo.rank != source:
@@ -215,7 +202,7 @@ class ElasticMembership:
         self.store.set(key, str(source))
         for r in joiners:
             dst = self.plan.pipelines[r][stage]
-            self._send_outer_state(dst, self.rank_of[dst])
+            self._send_outer_state(dst)
 
     def _outer_header(self) -> torch.Tensor:
         opt = self.opt
@@ -224,7 +211,7 @@ class ElasticMembership:
         active = sorted(self.active) + [-1] * (R - len(self.active))
         return torch.tensor([self.step + 1, opt.outer_count, has_mom, *active], dtype=torch.int64)
 
-    def _send_outer_state(self, dst: int, group_rank: int) -> None:
+    def _send_outer_state(self, dst: int) -> None:
         """Anchor (outer model), Nesterov momentum and counters to the joiner `dst`."""
         opt = self.opt
         header = self._outer_header()
@@ -233,24 +220,23 @@ class ElasticMembership:
                          if p in opt.outer.state and opt.outer.state[p].get("momentum_buffer")
                          is not None else torch.zeros(p.numel()) for p in opt.params])
         t0 = time.monotonic()
-        works = [self.comm.isend(t, group_rank, JOIN_TAG + i)
-                 for i, t in enumerate((header, anchor, mom))]
-        for w in works:
-            self.comm.wait(w, f"sending the outer state to joining rank {dst}")
+        comm = self.groups.stage
+        posted = [comm.isend(t, dst, JOIN_TAG + i) for i, t in enumerate((header, anchor, mom))]
+        for p in posted:
+            comm.wait(p, "sending the outer state to a joining rank")
         self.log(f"sent the outer state of stage {self.topo.stage} to joining rank {dst} in "
                  f"{time.monotonic() - t0:.2f} s")
 
     @torch.no_grad()
-    def _recv_outer_state(self, src: int, group_rank: int) -> None:
+    def _recv_outer_state(self, src: int) -> None:
         """Receive what _send_outer_state sent; parameters and anchor become the outer model."""
         opt = self.opt
-        header = self.comm.recv(torch.empty(3 + self.plan.num_replicas, dtype=torch.int64),
-                                group_rank, JOIN_TAG, f"outer state header (rank {src})")
+        comm = self.groups.stage
+        header = comm.recv(torch.empty(3 + self.plan.num_replicas, dtype=torch.int64), src,
+                           JOIN_TAG, "outer state header")
         n = sum(p.numel() for p in opt.params)
-        anchor = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 1,
-                                f"outer model (rank {src})")
-        mom = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 2,
-                             f"outer momentum (rank {src})")
+        anchor = comm.recv(torch.empty(n), src, JOIN_TAG + 1, "outer model")
+        mom = comm.recv(torch.empty(n), src, JOIN_TAG + 2, "outer momentum")
         self._join_step, opt.outer_count = int(header[0]), int(header[1])
         self.active = {int(r) for r in header[3:] if int(r) >= 0}
         off = 0
@@ -285,7 +271,7 @@ class ElasticMembership:
             if len(ranks) > 1:
                 t0 = time.perf_counter()
                 ok = self._wait_members(key, ranks, what)
-                self.comm.wait_s += time.perf_counter() - t0
+                self.stats.wait_s += time.perf_counter() - t0
                 if not ok:
                     flat.copy_(keep)
                     continue

@@ -27,9 +27,10 @@ from modules.checkpoint import (
     snapshot,
     step_path,
 )
+from modules.comm import CommStats, PeerError
 from modules.data import FakeData, Sharder, TextData
 from modules.diloco import DiLoCoOptimizer
-from modules.dist import Comm, Groups, PeerError, Topology, wait_for_peers
+from modules.dist import Groups, Topology, build_groups, wait_for_peers
 from modules.elastic import ElasticMembership
 from modules.fault import Monitor, members_of
 from modules.metrics import MetricsWriter, replica_metrics_path
@@ -120,15 +121,17 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
 class Trainer(ElasticMembership):
     """One rank's share of the run described by a plan (failure handling: modules.elastic)."""
 
-    def __init__(self, plan: Plan, topo: Topology, groups: Groups | None, store: dist.Store,
+    def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print) -> None:
-        self.plan, self.topo, self.groups, self.store, self.cfg = plan, topo, groups, store, cfg
+        self.plan, self.topo, self.store, self.cfg = plan, topo, store, cfg
         self.log = log
         self.spec = get_model(plan.model)
         start, end = plan.stages[topo.stage]
         self.model = StageModel(self.spec, start, end, seed=cfg.seed)
-        self.comm = Comm(cfg.timeout_s)
-        self.pipe = PipelineStage(self.model, topo, self.comm, plan.micro_batch_size)
+        self.stats = CommStats()
+        """Bytes sent and seconds waited by every communicator of this rank."""
+        self.groups: Groups | None = None
+        self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size)
         self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
                                plan.micro_batch_size)
         self.val = (data.val_batches(cfg.eval_sequences, plan.micro_batch_size)
@@ -144,11 +147,11 @@ class Trainer(ElasticMembership):
         self.state_lock = threading.Lock()
         """Held by the training thread while it changes parameters / optimizer state."""
         self.rejoin_s: float | None = None
-        self.rank_of: dict[int, int] = {}
-        if cfg.start_replicas is not None and not cfg.join:  # generation 0 of a subset
-            self._apply_rank_map({d: i for i, d in enumerate(members_of(plan, self.replicas))})
-        if groups is not None:
-            self.average = self._make_average()
+        if not cfg.join:  # generation 0 (a subset's default group numbers its members 0..n-1)
+            members = members_of(plan, self.replicas)
+            self._set_groups(build_groups(plan, topo, self.spec.tie_embeddings, self.replicas,
+                                          {d: i for i, d in enumerate(members)}, cfg.timeout_s,
+                                          self.stats))
         inner = make_inner_optimizer(self.model, cfg)
         self.inner = inner
         if plan.sync.mode == "diloco":
@@ -176,12 +179,11 @@ class Trainer(ElasticMembership):
         """Devices of my stage in every live replica."""
         return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
 
-    def _make_average(self):
-        ranks = self._stage_ranks()
-        return make_group_average(self.comm, self.groups.stage, len(ranks),
-                                  self.plan.sync.compression,
-                                  f"all-reduce of stage {self.topo.stage} over ranks "
-                                  f"{list(ranks)}")
+    def _set_groups(self, groups: Groups) -> None:
+        self.groups = groups
+        self.pipe.comm = groups.pipeline
+        self.average = make_group_average(groups.stage, self.plan.sync.compression,
+                                          f"all-reduce of stage {self.topo.stage}")
 
     def _outer_all_reduce(self, flat: torch.Tensor) -> int:
         """DiLoCo's outer communication: check every group member is there, then average."""
@@ -194,7 +196,7 @@ class Trainer(ElasticMembership):
                            self.topo.rank, self.topo.stage_ranks, self.cfg.timeout_s,
                            self.cfg.wait_for_peers, self.log,
                            what=f"DiLoCo outer step {outer + 1} of stage {self.topo.stage}")
-            self.comm.wait_s += time.perf_counter() - t0
+            self.stats.wait_s += time.perf_counter() - t0
         sent = self.average(flat)
         self.dp_bytes += sent
         return sent
@@ -225,8 +227,7 @@ class Trainer(ElasticMembership):
 
     def _all_min(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
-        self.comm.wait(work, what)
+        self.groups.world.all_reduce(t, "min", what)
         return int(t[0])
 
     def agree_resume_step(self) -> int:
@@ -270,7 +271,7 @@ class Trainer(ElasticMembership):
         if topo.is_first or topo.is_last:
             x, y = self.sharder.micro_batches(self.step, topo.replica)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches)
-        sum_tied_grads(self.model.tied_pair(), self.comm, self.groups.tied)
+        sum_tied_grads(self.model.tied_pair(), self.groups.tied)
         if plan.sync.mode == "allreduce":
             self.dp_bytes += average_grads(self.params, self.average)
         outer0, dp0 = getattr(self.opt, "outer_count", 0), self.dp_bytes
@@ -318,7 +319,7 @@ class Trainer(ElasticMembership):
                 if cfg.debug_vanish[0] and self.step + 1 == cfg.debug_vanish[0]:
                     self.log(f"debug: vanishing before step {self.step + 1}")
                     os._exit(cfg.debug_vanish[1])
-                t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
+                t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
                 dp0 = self.dp_bytes
                 try:
                     loss = self.train_step()
@@ -335,11 +336,11 @@ class Trainer(ElasticMembership):
                                         "replicas finished") from None
                     raise e from None
                 step_s = time.perf_counter() - t0
-                comm_s = self.comm.wait_s - wait0
+                comm_s = self.stats.wait_s - wait0
                 rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
                        "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
                        "comm_s": round(comm_s, 6),
-                       "bytes_sent": self.comm.bytes_sent - bytes0,
+                       "bytes_sent": self.stats.bytes_sent - bytes0,
                        "dp_bytes_sent": self.dp_bytes - dp0,
                        "outer_step": getattr(self.opt, "outer_count", None),
                        "tokens_per_s": round(tokens_per_step * len(self.replicas) / step_s, 1),

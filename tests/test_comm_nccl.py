@@ -107,7 +107,8 @@ def test_single_gpu_communicator_every_call():
 
 
 def _nccl_worker(rank: int, world: int, port: int, out: dict) -> None:
-    from modules.quant.allreduce import compressed_all_reduce_mean, reference_compressed_mean
+    from modules.comm import compressed_all_reduce_mean
+    from modules.quant.allreduce import reference_compressed_mean
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
