@@ -1,13 +1,13 @@
-"""Where a rank sits in the plan, the rendezvous, and the communicators of a generation.
+"""Where a rank sits in the plan, the rendezvous, and waiting for peers through the store.
 
-Everything that waits on a peer goes through a modules.comm Communicator, which applies the
-run's one timeout and turns a silent peer into a `CommError` (a `PeerError`) naming it and the
-operation. All groups are built in `build_groups`, in the same order on every rank (a
-torch.distributed.new_group requirement).
+Rank = device id. Everything that waits on a peer's tensors goes through a modules.comm
+Communicator (built per generation by modules.groups), which applies the run's one timeout and
+turns a silent peer into a `CommError` (a `PeerError`) naming it and the operation.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,14 +17,9 @@ import torch.distributed as dist
 
 from formats.errors import UserError
 from formats.plan import Plan
-from modules.comm import (
-    CommStats,
-    Communicator,
-    GlooCommunicator,
-    PeerError,
-    build_communicators,
-)
+from modules.comm import PeerError
 from modules.comm.errors import first_line
+from modules.protocol import generation_prefix, member_key
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     Fails with PeerError within about `timeout_s` when the address is unreachable or not every
     rank joins. `agent_store`: torchrun's agent already hosts the store, so nobody binds it.
     `members`: the ranks that start now (default all); when fewer, the group is formed among
-    them under the store prefix `gen0` with ranks renumbered in ascending order, and a rank
+    them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
     store is reachable (before the group is formed).
     """
@@ -130,7 +125,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                                     timeout=timeout)
         else:
             world_size = len(members)
-            dist.init_process_group("gloo", store=dist.PrefixStore("gen0", store),
+            dist.init_process_group("gloo", store=dist.PrefixStore(generation_prefix(0), store),
                                     rank=members.index(rank), world_size=world_size,
                                     timeout=timeout)
     except (RuntimeError, OSError) as e:
@@ -139,72 +134,47 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     return store
 
 
-@dataclass
-class Groups:
-    """The communicators of one generation that this rank takes part in (peers: device ids)."""
-
-    world: Communicator
-    """Every member of the generation (resume agreement, final barrier)."""
-    pipeline: Communicator | None
-    """My replica's pipeline: activations and their gradients (None with one stage)."""
-    stage: Communicator | None
-    """Data-parallel group of my stage (gradient / pseudo-gradient averaging, a joiner's outer
-    state); None where it has one member."""
-    tied: Communicator | None
-    """First and last stage of my replica, which hold the two tied embedding copies."""
-
-
-def build_groups(plan: Plan, topo: Topology, tie_embeddings: bool,
-                 replicas: list[int] | tuple[int, ...] | None = None,
-                 rank_of: dict[int, int] | None = None, timeout_s: float = 300.0,
-                 stats: CommStats | None = None) -> Groups:
-    """Create every group on every rank in one fixed order; return the ones this rank uses.
-
-    `replicas`: the live replicas (default all); `rank_of`: device id -> rank in the current
-    default group (default: the same number). Every communicator has `timeout_s` and adds its
-    bytes and waits to `stats`.
-    """
-    replicas = list(range(plan.num_replicas)) if replicas is None else sorted(replicas)
-    members = sorted(d for r in replicas for d in plan.pipelines[r])
-    stage_groups = [[plan.pipelines[r][s] for r in replicas] for s in range(plan.num_stages)]
-    stage_groups = [g for g in stage_groups if len(g) > 1]
-    tied_groups = [[plan.pipelines[r][0], plan.pipelines[r][-1]] for r in replicas] \
-        if tie_embeddings and plan.num_stages > 1 else []
-    comms = build_communicators(stage_groups + tied_groups, topo.rank, "gloo",
-                                timeout_s=timeout_s, rank_of=rank_of, stats=stats)
-    chain = plan.pipelines[topo.replica]
-    world = GlooCommunicator(None, timeout_s, ids=members, stats=stats)
-    mine = tuple(sorted(plan.pipelines[r][topo.stage] for r in replicas))
-    return Groups(world=world, pipeline=world if plan.num_stages > 1 else None,
-                  stage=comms.get(mine), tied=comms.get(tuple(sorted((chain[0], chain[-1])))))
+def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Every device of the given replicas, ascending."""
+    return tuple(sorted(d for r in replicas for d in plan.pipelines[r]))
 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
                    timeout_s: float, wait_forever: bool = False, log=print,
-                   what: str | None = None) -> None:
+                   what: str | None = None, abandon: Callable[[], bool] | None = None,
+                   poll_s: float = 0.5) -> bool:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
-    Raises PeerError naming the peers that did not arrive within `timeout_s`; with
-    `wait_forever` it logs them every `timeout_s` and keeps waiting.
+    Returns True once all did. Raises PeerError naming the peers that did not arrive within
+    `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
+    `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
+    changed: the wait is moot).
     """
     what = what or key
-    store.set(f"{key}/{rank}", "1")
-    keys = [f"{key}/{p}" for p in peers]
+    store.set(member_key(key, rank), "1")
+    keys = [member_key(key, p) for p in peers]
+    t0 = time.monotonic()
     while True:
         try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-            return
+            store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
+            return True
         except RuntimeError as e:  # timeout, or the store (on rank 0) is gone
+            if abandon is not None:
+                if abandon():
+                    return False
+                if time.monotonic() - t0 < timeout_s:
+                    continue
             try:
                 missing = [p for p, k in zip(peers, keys) if not store.check([k])]
             except RuntimeError:
                 raise PeerError(f"{what}: the rendezvous store (hosted by rank 0) is gone "
                                 f"({first_line(e)})") from None
             if not missing:
-                return
+                return True
             msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "
                    f"{timeout_s:g} s")
             if not wait_forever:
-                raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)") \
-                    from None
+                raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)",
+                                diagnosed=True) from None
             log(f"warning: {msg}; still waiting (--wait-for-peers)")
+            t0 = time.monotonic()

@@ -20,8 +20,7 @@ import torch
 from modules.comm import Communicator, Posted
 from modules.dist import Topology
 from modules.model import StageModel
-
-FWD_TAG, BWD_TAG = 0, 1 << 20
+from modules.protocol import BWD_TAG, FWD_TAG
 
 
 class PipelineStage:

@@ -10,9 +10,10 @@ current stream).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -28,11 +29,35 @@ from modules.quant.allreduce import (
 )
 from modules.quant.codec import DEFAULT_BLOCK, check_finite
 
-if TYPE_CHECKING:
-    from modules.comm.base import Communicator
+
+class Transport(Protocol):
+    """The part of a modules.comm Communicator the compressed mean uses."""
+
+    ranks: tuple[int, ...]
+    rank: int
+    bytes_sent: int
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        ...
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]], what: str | None = None) -> None:
+        """Many sends and receives at once."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str | None = None) -> None:
+        """In-place reduction over the group."""
+        ...
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
+                   what: str | None = None) -> None:
+        """outputs[i] <- group rank i's tensor."""
+        ...
 
 
-def mean_all_reduce(tensor: torch.Tensor, comm: Communicator, compression: str = "int8",
+def mean_all_reduce(tensor: torch.Tensor, comm: Transport, compression: str = "int8",
                     block: int = DEFAULT_BLOCK, segment: int = SEGMENT,
                     what: str = "mean all-reduce") -> int:
     """Average a contiguous fp32 tensor in place over `comm`'s group; return the bytes sent.
@@ -107,7 +132,7 @@ class _Step:
     future: Future
 
 
-def _start_reduce_scatter(seg: torch.Tensor, comm: Communicator, compression: str, block: int,
+def _start_reduce_scatter(seg: torch.Tensor, comm: Transport, compression: str, block: int,
                           mover: _Mover, what: str) -> _Step:
     """Encode the segment and start sending chunk j to its owner j (receiving mine)."""
     bounds = chunk_bounds(seg.numel(), comm.size, block)
@@ -128,7 +153,7 @@ def _start_reduce_scatter(seg: torch.Tensor, comm: Communicator, compression: st
     return _Step(seg, bounds, [mine[me]] + inbox, future)
 
 
-def _finish_reduce_scatter(step: _Step, comm: Communicator, compression: str, block: int,
+def _finish_reduce_scatter(step: _Step, comm: Transport, compression: str, block: int,
                            mover: _Mover, what: str) -> _Step:
     """Average my chunk (own encoding first, then peers in rank order), start the all-gather."""
     step.future.result()

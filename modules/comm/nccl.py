@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.errors import CommError, first_line
+from modules.protocol import nccl_unique_id_key
 
 UNIQUE_ID_BYTES = 128
 
@@ -51,11 +52,6 @@ def share_unique_id(store: dist.Store, key: str, is_first: bool,
                         f"within {timeout_s:g} s ({str(e).strip()[:200]})",
                         op="NCCL unique id") from None
     return decode_unique_id(store.get(key))
-
-
-def unique_id_key(name: str, ranks: Sequence[int]) -> str:
-    """Store key of the NCCL unique id of communicator `name` over `ranks`."""
-    return f"comm/{name}/{'-'.join(map(str, ranks))}/nccl-unique-id"
 
 
 def load_nccl():  # noqa: ANN201 - cupy.cuda.nccl; cupy may be absent
@@ -103,7 +99,7 @@ class CupyNcclCommunicator(GroupMembership):
             self.device = torch.device("cuda", torch.cuda.current_device())
         import cupy
 
-        uid = share_unique_id(store, unique_id_key(name, self.ranks), rank == self.ranks[0],
+        uid = share_unique_id(store, nccl_unique_id_key(name, self.ranks), rank == self.ranks[0],
                               nccl.get_unique_id, timeout_s)
         with cupy.cuda.Device(self.device.index):
             self._comm = nccl.NcclCommunicator(self.size, uid, self.group_rank)
