@@ -9,8 +9,9 @@ Ranks are device ids of the plan. Keys by who writes them:
 - the members of a DiLoCo outer step: arrival `.../stage{s}/outer{k}/{rank}` and the commit
   keys `.../outer{k}/done/{rank}` and `.../outer{k}/decision`; the live rank that hands the
   outer state to a joiner: `ft/src/g{g}/s{s}`;
-- process groups: generation g's default group under the prefix `gen{g}`; NCCL unique ids
-  under `comm/{name}/{ranks}/nccl-unique-id`.
+- process groups: generation g's default group under the prefix `gen{g}`; an NCCL
+  communicator's members meet under `comm/{name}/{ranks}/arrived/{rank}`, then read its unique
+  id from `comm/{name}/{ranks}/nccl-unique-id`.
 """
 
 from __future__ import annotations
@@ -102,3 +103,9 @@ def device_key(rank: int) -> str:
 def nccl_unique_id_key(name: str, ranks: Sequence[int]) -> str:
     """The NCCL unique id of communicator `name` over `ranks` (made by the first rank)."""
     return f"comm/{name}/{'-'.join(map(str, ranks))}/nccl-unique-id"
+
+
+def nccl_arrival_prefix(name: str, ranks: Sequence[int]) -> str:
+    """Where the members of communicator `name` announce themselves before the NCCL init
+    (`member_key(prefix, rank)`)."""
+    return f"comm/{name}/{'-'.join(map(str, ranks))}/arrived"

@@ -30,6 +30,7 @@ from modules.checkpoint import (
     step_path,
 )
 from modules.comm import CommStats, PeerError
+from modules.comm.choice import CommOptions
 from modules.comm.errors import first_line
 from modules.data import FakeData, Sharder, TextData
 from modules.diloco import DiLoCoOptimizer
@@ -126,7 +127,9 @@ class Trainer:
     joining) is its composed `Membership` (modules.elastic), whose changes `_apply` takes."""
 
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
-                 data: TextData | FakeData, cfg: RunConfig, log=print) -> None:
+                 data: TextData | FakeData, cfg: RunConfig, log=print,
+                 comm: CommOptions | None = None) -> None:
+        """`comm`: the requested backend and this rank's device (default: gloo on CPU)."""
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.spec = get_model(plan.model)
         start, end = plan.stages[topo.stage]
@@ -161,7 +164,7 @@ class Trainer:
             self.ckpt = AsyncCheckpointer(cfg.ckpt_dir, topo.rank, cfg.keep_checkpoints,
                                           debug_hook=self._debug_ckpt_hook)
         builder = GroupBuilder(plan, topo, store, self.spec.tie_embeddings, cfg.timeout_s,
-                               self.stats)
+                               self.stats, comm, log)
         self.membership = Membership(store, plan, topo, cfg, builder, self.stats, log)
         self.groups: Groups | None = None
         """The current generation's communicators (None on a joiner until admitted)."""

@@ -32,6 +32,8 @@ def test_keys_of_different_purposes_never_collide():
     for g, s, k, r in itertools.product([None, *gens], stages, outers, ranks):
         add("arrival", p.member_key(p.outer_arrival_prefix(s, k, g), r))
     add("nccl id", p.nccl_unique_id_key("g1/stage", (0, 2)))
+    for r in ranks:
+        add("nccl arrival", p.member_key(p.nccl_arrival_prefix("g1/stage", (0, 2)), r))
     assert len(keys) > 100
 
 

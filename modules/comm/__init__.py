@@ -7,16 +7,19 @@ gloo (CPU; CUDA tensors staged through host memory) and cupy NCCL (GPU) behind i
     comm.all_reduce(t); comm.send(t, dst=1); comm.recv(t, src=0); comm.mean_all_reduce(t, "int8")
 
 Peers are always global ranks (in the runtime: the plan's device ids). Every wait is bounded by
-the communicator's timeout; failures are `CommError` (a `PeerError`) naming the operation and
-the peer(s). See base.Communicator.
+the communicator's timeout (NCCL's by a watchdog that aborts it); failures are `CommError` (a
+`PeerError`) naming the operation and the peer(s). Which backend a group gets: choice.py.
+See base.Communicator.
 """
 
 from modules.comm.base import CommStats, Communicator, Posted
+from modules.comm.choice import BackendChoice, CommOptions, DeviceInfo, choose_backend
 from modules.comm.errors import CommError, PeerError
 from modules.comm.factory import as_communicator, build_communicators, compressed_all_reduce_mean
 from modules.comm.gloo import GlooCommunicator
 from modules.comm.nccl import CupyNcclCommunicator
 
-__all__ = ["CommError", "CommStats", "Communicator", "CupyNcclCommunicator", "GlooCommunicator",
-           "PeerError", "Posted", "as_communicator", "build_communicators",
+__all__ = ["BackendChoice", "CommError", "CommOptions", "CommStats", "Communicator",
+           "CupyNcclCommunicator", "DeviceInfo", "GlooCommunicator", "PeerError", "Posted",
+           "as_communicator", "build_communicators", "choose_backend",
            "compressed_all_reduce_mean"]

@@ -1,4 +1,6 @@
-"""`Communicator` over a torch.distributed gloo process group."""
+"""`Communicator` over a torch.distributed gloo process group. gloo reads and writes host
+memory: CUDA tensors are staged through pinned host copies (modules.comm.staging), CPU tensors
+are used in place."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.errors import CommError, first_line, no_answer
+from modules.comm.staging import host_buffer, stage_in, to_host
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -42,28 +45,31 @@ class GlooCommunicator(GroupMembership):
             raise ValueError(f"GlooCommunicator: this process is not in the group {ids}")
         self._init_membership(ids, ids[me], timeout_s, stats)
         self.device = torch.device("cpu")
+        """gloo's own memory; tensors elsewhere (CUDA) are staged through it."""
 
     # -- point to point ----------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Posted:
         """Start sending a contiguous tensor to global rank `dst`; finish with `wait`."""
         peer = self.group_index(dst)
-        work = self._start(lambda: dist.isend(tensor, group=self.group, group_dst=peer, tag=tag),
+        buf = to_host(tensor)
+        work = self._start(lambda: dist.isend(buf, group=self.group, group_dst=peer, tag=tag),
                            f"sending to rank {dst}", (dst,))
         self._count_sent(nbytes(tensor))
-        return Posted(dst, "send", work, tensor)
+        return Posted(dst, "send", work, buf)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Posted:
         """Post a receive into a contiguous tensor from global rank `src`; finish with `wait`."""
         peer = self.group_index(src)
-        work = self._start(lambda: dist.irecv(tensor, group=self.group, group_src=peer, tag=tag),
+        buf = host_buffer(tensor)
+        work = self._start(lambda: dist.irecv(buf, group=self.group, group_src=peer, tag=tag),
                            f"receiving from rank {src}", (src,))
-        return Posted(src, "recv", work, tensor)
+        return Posted(src, "recv", work, buf, None if buf is tensor else tensor)
 
     def wait(self, posted: Posted, what: str | None = None) -> torch.Tensor:
         """Finish a posted send/receive within the timeout; returns its tensor."""
         verb = "sending to" if posted.kind == "send" else "receiving from"
         self._wait([posted.handle], what or f"{verb} rank {posted.peer}", (posted.peer,))
-        return posted.buffer
+        return _deliver(posted)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, what: str | None = None) -> None:
         """Send a contiguous tensor to global rank `dst`."""
@@ -80,6 +86,8 @@ class GlooCommunicator(GroupMembership):
         posted = [self.isend(t, dst) for t, dst in sends] + [self.irecv(t, src) for t, src in recvs]
         peers = tuple(sorted({p.peer for p in posted}))
         self._wait([p.handle for p in posted], what or "point-to-point exchange", peers)
+        for p in posted:
+            _deliver(p)
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str | None = None) -> None:
@@ -87,25 +95,34 @@ class GlooCommunicator(GroupMembership):
         check_op(op)
         what = what or f"all_reduce over ranks {list(self.ranks)}"
         self._count_sent(self._ring_bytes(tensor))
-        self._collective(lambda: dist.all_reduce(tensor, op=_OPS[op], group=self.group,
+        host = to_host(tensor)
+        self._collective(lambda: dist.all_reduce(host, op=_OPS[op], group=self.group,
                                                  async_op=True), what)
+        if host is not tensor:
+            stage_in(host, tensor)
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
                    what: str | None = None) -> None:
         """outputs[i] <- the `tensor` of group rank i."""
         self._count_sent((self.size - 1) * nbytes(tensor))
-        self._collective(lambda: dist.all_gather(outputs, tensor, group=self.group,
-                                                 async_op=True),
+        host, outs = to_host(tensor), [host_buffer(o) for o in outputs]
+        self._collective(lambda: dist.all_gather(outs, host, group=self.group, async_op=True),
                          what or f"all_gather over ranks {list(self.ranks)}")
+        for out, target in zip(outs, outputs):
+            if out is not target:
+                stage_in(out, target)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None) -> None:
         """In place: every member ends with global rank `src`'s tensor."""
         root = self.group_index(src)
         if self.rank == src:
             self._count_sent(nbytes(tensor))
-        self._collective(lambda: dist.broadcast(tensor, group=self.group, group_src=root,
+        host = to_host(tensor)
+        self._collective(lambda: dist.broadcast(host, group=self.group, group_src=root,
                                                 async_op=True),
                          what or f"broadcast from rank {src}")
+        if host is not tensor:
+            stage_in(host, tensor)
 
     def barrier(self, what: str | None = None) -> None:
         """Return once every member has called barrier."""
@@ -145,3 +162,11 @@ class GlooCommunicator(GroupMembership):
                     raise no_answer(what, peers, self.timeout_s)
         finally:
             self._count_wait(time.perf_counter() - t0)
+
+
+def _deliver(posted: Posted) -> torch.Tensor:
+    """The tensor a finished send/receive stands for; a staged receive is copied to its target."""
+    if posted.target is None:
+        return posted.buffer
+    stage_in(posted.buffer, posted.target)
+    return posted.target

@@ -1,10 +1,13 @@
 """`Communicator` over cupy.cuda.nccl for CUDA tensors (one process per GPU).
 
-The NCCL unique id is made by the group's first rank and handed to the others through the
-torch.distributed TCPStore the job already rendezvoused on (key `comm/<name>/<ranks>/
-nccl-unique-id`). Calls take torch CUDA tensors (contiguous, on `device`) and are enqueued on
-torch's current CUDA stream of that device unless a stream handle is given. cupy (the `gpu`
-extra) is imported lazily.
+The members first meet in the rendezvous TCPStore (a member that does not come is a CommError
+naming it, not a hung NCCL init); the NCCL unique id is then made by the group's first rank and
+handed to the others through the store (keys: modules.protocol). Calls take torch CUDA tensors
+(contiguous, on `device`) and are enqueued on torch's current CUDA stream of that device unless
+a stream handle is given. NCCL has no timeout of its own: a Watchdog aborts the communicator
+when an operation is not done within the timeout, and the next call (or `synchronize`) raises
+a CommError naming the operation and its peers, as the gloo path does. cupy (the `gpu` extra)
+is imported lazily.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch.distributed as dist
 
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.errors import CommError, first_line
-from modules.protocol import nccl_unique_id_key
+from modules.comm.watchdog import Watchdog
+from modules.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key
 
 UNIQUE_ID_BYTES = 128
 
@@ -52,6 +56,24 @@ def share_unique_id(store: dist.Store, key: str, is_first: bool,
                         f"within {timeout_s:g} s ({str(e).strip()[:200]})",
                         op="NCCL unique id") from None
     return decode_unique_id(store.get(key))
+
+
+def meet(store: dist.Store, prefix: str, rank: int, ranks: Sequence[int],
+         timeout_s: float) -> None:
+    """Announce `rank` under `prefix` and wait for every one of `ranks`; CommError naming the
+    ranks that did not come within the timeout."""
+    store.set(member_key(prefix, rank), "1")
+    keys = [member_key(prefix, r) for r in ranks]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        try:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        except RuntimeError:
+            missing = [r for r in ranks if r != rank]
+        raise CommError(f"NCCL communicator {prefix!r}: rank(s) {missing} did not come within "
+                        f"{timeout_s:g} s ({first_line(e)})", op="NCCL init",
+                        peers=missing) from None
 
 
 def load_nccl():  # noqa: ANN201 - cupy.cuda.nccl; cupy may be absent
@@ -88,7 +110,8 @@ class CupyNcclCommunicator(GroupMembership):
 
     def __init__(self, ranks: Sequence[int], rank: int, store: dist.Store, name: str,
                  device: torch.device | int | str, timeout_s: float = 300.0,
-                 stats: CommStats | None = None) -> None:
+                 stats: CommStats | None = None,
+                 on_failure: Callable[[CommError], None] | None = None) -> None:
         self._init_membership(ranks, rank, timeout_s, stats)
         self.device = torch.device(device) if not isinstance(device, int) \
             else torch.device("cuda", device)
@@ -99,10 +122,13 @@ class CupyNcclCommunicator(GroupMembership):
             self.device = torch.device("cuda", torch.cuda.current_device())
         import cupy
 
+        meet(store, nccl_arrival_prefix(name, self.ranks), rank, self.ranks, timeout_s)
         uid = share_unique_id(store, nccl_unique_id_key(name, self.ranks), rank == self.ranks[0],
                               nccl.get_unique_id, timeout_s)
         with cupy.cuda.Device(self.device.index):
             self._comm = nccl.NcclCommunicator(self.size, uid, self.group_rank)
+        self.watchdog = Watchdog(timeout_s, self._comm.abort, on_failure=on_failure)
+        """Aborts the communicator when an operation is not done within the timeout."""
 
     def _stream(self, stream: int | None) -> int:
         return stream if stream is not None else torch.cuda.current_stream(self.device).cuda_stream
@@ -112,8 +138,11 @@ class CupyNcclCommunicator(GroupMembership):
             raise ValueError(f"NCCL communicator on {self.device}: got a tensor on {t.device} "
                              f"(contiguous={t.is_contiguous()})")
 
-    def _enqueue(self, call: Callable[[], None], what: str, peers: Sequence[int]) -> None:
-        """Enqueue one NCCL call; a backend failure is a CommError naming `what`."""
+    def _enqueue(self, call: Callable[[], None], stream: int, what: str,
+                 peers: Sequence[int]) -> None:
+        """Enqueue one NCCL call on `stream` and watch it; a backend failure, or an earlier
+        operation that timed out, is a CommError."""
+        self.watchdog.check()
         t0 = time.perf_counter()
         try:
             call()
@@ -122,6 +151,9 @@ class CupyNcclCommunicator(GroupMembership):
                             peers=peers) from None
         finally:
             self._count_wait(time.perf_counter() - t0)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.ExternalStream(stream, device=self.device))
+        self.watchdog.watch(done.query, what, peers)
 
     # -- point to point ----------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0,
@@ -179,7 +211,7 @@ class CupyNcclCommunicator(GroupMembership):
             finally:
                 nccl.groupEnd()
 
-        self._enqueue(group_call, what or "point-to-point exchange", peers)
+        self._enqueue(group_call, s, what or "point-to-point exchange", peers)
         self._count_sent(sum(nbytes(t) for t, _ in sends))
 
     # -- collectives -------------------------------------------------------------------------
@@ -191,10 +223,10 @@ class CupyNcclCommunicator(GroupMembership):
         nccl = self._nccl
         code = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
         self._count_sent(self._ring_bytes(tensor))
+        s = self._stream(stream)
         self._enqueue(lambda: self._comm.allReduce(
             tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _dtype(nccl, tensor.dtype),
-            code, self._stream(stream)), what or f"all_reduce over ranks {list(self.ranks)}",
-            self.others())
+            code, s), s, what or f"all_reduce over ranks {list(self.ranks)}", self.others())
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
                    what: str | None = None, stream: int | None = None) -> None:
@@ -206,7 +238,7 @@ class CupyNcclCommunicator(GroupMembership):
         self._enqueue(lambda: self._comm.allGather(
             tensor.data_ptr(), flat.data_ptr(), tensor.numel(),
             _dtype(self._nccl, tensor.dtype), s),
-            what or f"all_gather over ranks {list(self.ranks)}", self.others())
+            s, what or f"all_gather over ranks {list(self.ranks)}", self.others())
         with torch.cuda.stream(torch.cuda.ExternalStream(s, device=self.device)):
             for out, part in zip(outputs, flat.view(self.size, -1)):
                 out.view(-1).copy_(part)
@@ -218,9 +250,10 @@ class CupyNcclCommunicator(GroupMembership):
         root = self.group_index(src)
         if self.rank == src:
             self._count_sent(nbytes(tensor))
+        s = self._stream(stream)
         self._enqueue(lambda: self._comm.bcast(
-            tensor.data_ptr(), tensor.numel(), _dtype(self._nccl, tensor.dtype), root,
-            self._stream(stream)), what or f"broadcast from rank {src}", (src,))
+            tensor.data_ptr(), tensor.numel(), _dtype(self._nccl, tensor.dtype), root, s),
+            s, what or f"broadcast from rank {src}", (src,))
 
     def barrier(self, what: str | None = None) -> None:
         """A one-element all-reduce, then wait for this device's stream."""
@@ -230,13 +263,19 @@ class CupyNcclCommunicator(GroupMembership):
         self.synchronize(what)
 
     def synchronize(self, what: str | None = None) -> None:
-        """Block until this device's current stream has run everything enqueued so far."""
+        """Block until this device's current stream has run everything enqueued so far, at
+        most the timeout (CommError naming the late operation otherwise)."""
         t0 = time.perf_counter()
         try:
-            torch.cuda.current_stream(self.device).synchronize()
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.watchdog.watch(done.query, what or "waiting for the stream", self.others())
+            self.watchdog.wait_all()
         finally:
             self._count_wait(time.perf_counter() - t0)
 
     def close(self) -> None:
-        """Free the NCCL communicator (also done when the object is collected)."""
-        self._comm.destroy()
+        """Free the NCCL communicator (an aborted one is already gone)."""
+        self.watchdog.close()
+        if self.watchdog.failure is None:
+            self._comm.destroy()
