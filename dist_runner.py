@@ -106,8 +106,7 @@ def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
                   where: tuple[int, int, str, bool], log) -> Trainer:
     """Place this rank, load its data, rendezvous, form the groups: a Trainer ready to run."""
-    from formats.models import get_model
-    from modules.dist import build_groups, parse_dist_url, rendezvous, topology
+    from modules.dist import parse_dist_url, rendezvous, topology
     from modules.fault import members_of, register
     from modules.sync import check_compression
     from modules.trainer import Trainer
@@ -127,11 +126,8 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
                else None)
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
                        on_store=lambda s: register(s, rank, topo.replica, topo.stage))
-    groups = None
-    if not join:
-        rank_of = {d: i for i, d in enumerate(members)} if members else None
-        groups = build_groups(plan, topo, get_model(plan.model).tie_embeddings, start, rank_of)
-    return Trainer(plan, topo, groups, store, data, cfg, log=log, store_addr=store_addr)
+    # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
+    return Trainer(plan, topo, store, data, cfg, log=log, store_addr=store_addr)
 
 
 def main(argv: list[str] | None = None) -> int:

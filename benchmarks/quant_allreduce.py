@@ -4,8 +4,9 @@
    vectorised torch version and a per-block loop; on a GPU (cupy present) the int8.cu kernel
    vs a device-to-device copy and the memory's theoretical peak.
 2. error: absmax scaling vs +-k sigma clipping windows on gradient-like data (why absmax).
-3. allreduce: mean all-reduce of a pseudo-gradient over 4 gloo ranks on loopback, fp32
-   (torch all_reduce) vs fp16 vs int8: wall time and bytes sent.
+3. allreduce: mean all-reduce of a pseudo-gradient over 4 gloo ranks on loopback through the
+   runtime's communicator (modules.comm), fp32 (all_reduce) vs fp16 vs int8: wall time and
+   bytes sent.
 4. netns: the same under an htb rate limit (default 100 Mbit/s) on every host's egress, the
    ranks in 4 network namespaces on a bridge (needs root, iproute2 and tc; skipped otherwise).
 
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from modules.quant import compressed_all_reduce_mean, dequantize_int8  # noqa: E402
+from modules.comm import GlooCommunicator  # noqa: E402
+from modules.quant import dequantize_int8  # noqa: E402
 from modules.quant.allreduce import SEGMENT  # noqa: E402
 from modules.quant.codec import quantize_int8_torch  # noqa: E402
 
@@ -167,19 +169,20 @@ def worker(rank: int, world: int, addr: str, port: int, numel: int, repeats: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))
+    comm = GlooCommunicator(None, timeout_s=600)  # the runtime's communicator, world group
     x0 = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     warm = torch.ones(1024)
     for comp in COMPRESSIONS:  # connections and code paths warm
-        compressed_all_reduce_mean(warm, None, comp)
+        comm.mean_all_reduce(warm, comp)
     rows = {}
     for comp in COMPRESSIONS:
         best = (float("inf"), 0)
         for _ in range(repeats):
             x = x0.clone()
-            dist.barrier()
+            comm.barrier()
             t = time.perf_counter()
-            sent = compressed_all_reduce_mean(x, None, comp, segment=segment)
-            dist.barrier()
+            sent = comm.mean_all_reduce(x, comp, segment=segment)
+            comm.barrier()
             best = min(best, (time.perf_counter() - t, sent))
         rows[comp] = best
     if rank == 0:

@@ -16,6 +16,7 @@ as in DiLoCo (Douillard et al. 2023) and OpenDiLoCo (Jaghouar et al. 2024). Usab
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,18 @@ def default_all_reduce(tensor: torch.Tensor) -> int:
     dist.all_reduce(tensor)
     tensor /= dist.get_world_size()
     return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class OuterState:
+    """What a replica joining mid-run needs: the outer model, its Nesterov momentum, the count."""
+
+    anchor: torch.Tensor
+    """The outer model (the parameters after the last outer step), flat fp32."""
+    momentum: torch.Tensor | None
+    """The outer optimizer's momentum buffer, flat (None before the first outer step)."""
+    outer_count: int
+    """Outer steps done."""
 
 
 class DiLoCoOptimizer:
@@ -87,6 +100,38 @@ class DiLoCoOptimizer:
             p.grad = g
         self.inner_count = 0
         self.outer_count += 1
+
+    @torch.no_grad()
+    def outer_state(self) -> OuterState:
+        """The outer model, momentum and count, flat (copies: safe to send while training)."""
+        anchor = torch.cat([a.reshape(-1) for a in self.anchor])
+        if not self.outer.state:
+            return OuterState(anchor, None, self.outer_count)
+        momentum = torch.cat([self._momentum(p).reshape(-1) for p in self.params])
+        return OuterState(anchor, momentum, self.outer_count)
+
+    def _momentum(self, p: torch.nn.Parameter) -> torch.Tensor:
+        buf = self.outer.state.get(p, {}).get("momentum_buffer")
+        return buf if buf is not None else torch.zeros_like(p)
+
+    @torch.no_grad()
+    def load_outer_state(self, state: OuterState) -> None:
+        """Take over another replica's outer state: parameters and anchor become its outer
+        model, the momentum its, inner steps start from zero."""
+        n = sum(p.numel() for p in self.params)
+        if state.anchor.numel() != n:
+            raise ValueError(f"outer state: {state.anchor.numel()} values for {n} parameters")
+        off = 0
+        for a, p in zip(self.anchor, self.params):
+            k = p.numel()
+            a.copy_(state.anchor[off:off + k].view_as(a))
+            p.copy_(a)
+            if state.momentum is not None:
+                self.outer.state[p]["momentum_buffer"] = \
+                    state.momentum[off:off + k].view_as(p).clone()
+            off += k
+        self.outer_count = state.outer_count
+        self.inner_count = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Inner and outer optimizer state, anchor parameters and counters (tensors + ints)."""

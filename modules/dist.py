@@ -1,8 +1,8 @@
-"""Rendezvous, process groups and timed point-to-point / collective calls (gloo on CPU).
+"""Where a rank sits in the plan, the rendezvous, and waiting for peers through the store.
 
-Everything that waits on a peer goes through `Comm`, which applies one timeout and turns a
-silent peer into a `PeerError` naming it. All process groups are built in `build_groups`, in
-the same order on every rank (a torch.distributed.new_group requirement).
+Rank = device id. Everything that waits on a peer's tensors goes through a modules.comm
+Communicator (built per generation by modules.groups), which applies the run's one timeout and
+turns a silent peer into a `CommError` (a `PeerError`) naming it and the operation.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
 
-import torch
 import torch.distributed as dist
 
 from formats.errors import UserError
 from formats.plan import Plan
-
-
-class PeerError(RuntimeError):
-    """A peer or the rendezvous did not answer within the timeout (exit status 1)."""
+from modules.comm import PeerError
+from modules.comm.errors import first_line
+from modules.protocol import generation_prefix, member_key
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     Fails with PeerError within about `timeout_s` when the address is unreachable or not every
     rank joins. `agent_store`: torchrun's agent already hosts the store, so nobody binds it.
     `members`: the ranks that start now (default all); when fewer, the group is formed among
-    them under the store prefix `gen0` with ranks renumbered in ascending order, and a rank
+    them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
     store is reachable (before the group is formed).
     """
@@ -116,7 +114,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     except (RuntimeError, OSError) as e:
         what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
-                        f"({_first_line(e)})") from None
+                        f"({first_line(e)})") from None
     if on_store is not None:
         on_store(store)
     if members is not None and rank not in members:
@@ -127,130 +125,56 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                                     timeout=timeout)
         else:
             world_size = len(members)
-            dist.init_process_group("gloo", store=dist.PrefixStore("gen0", store),
+            dist.init_process_group("gloo", store=dist.PrefixStore(generation_prefix(0), store),
                                     rank=members.index(rank), world_size=world_size,
                                     timeout=timeout)
     except (RuntimeError, OSError) as e:
         raise PeerError(f"rendezvous: not all {world_size} ranks joined at {url} within "
-                        f"{timeout_s:g} s ({_first_line(e)})") from None
+                        f"{timeout_s:g} s ({first_line(e)})") from None
     return store
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
-
-
-@dataclass
-class Groups:
-    """The process groups this rank takes part in (None where the group has one member)."""
-
-    stage: dist.ProcessGroup | None
-    """Data-parallel group of my stage (gradient / pseudo-gradient averaging)."""
-    tied: dist.ProcessGroup | None
-    """First and last stage of my replica, which hold the two tied embedding copies."""
-
-
-def build_groups(plan: Plan, topo: Topology, tie_embeddings: bool,
-                 replicas: list[int] | tuple[int, ...] | None = None,
-                 rank_of: dict[int, int] | None = None) -> Groups:
-    """Create every group on every rank in one fixed order; return the ones this rank uses.
-
-    `replicas`: the live replicas (default all); `rank_of`: device id -> rank in the current
-    default group (default: the same number).
-    """
-    replicas = list(range(plan.num_replicas)) if replicas is None else sorted(replicas)
-    rank_of = rank_of or {}
-    stage_group = tied_group = None
-    for s in range(plan.num_stages):  # 1) data-parallel groups, stage by stage
-        ranks = [rank_of.get(plan.pipelines[r][s], plan.pipelines[r][s]) for r in replicas]
-        if len(ranks) > 1:
-            g = dist.new_group(ranks=ranks, backend="gloo")
-            if s == topo.stage:
-                stage_group = g
-    if tie_embeddings and plan.num_stages > 1:  # 2) tied-embedding pairs, replica by replica
-        for r in replicas:
-            chain = plan.pipelines[r]
-            g = dist.new_group(ranks=[rank_of.get(chain[0], chain[0]),
-                                      rank_of.get(chain[-1], chain[-1])], backend="gloo")
-            if r == topo.replica and (topo.is_first or topo.is_last):
-                tied_group = g
-    return Groups(stage=stage_group, tied=tied_group)
-
-
-class Comm:
-    """Timed p2p and collectives: every wait has the timeout and names the peer it waits for."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout = timedelta(seconds=timeout_s)
-        self.timeout_s = timeout_s
-        self.wait_s = 0.0
-        """Seconds spent waiting on communication (includes waiting for a slow peer)."""
-        self.bytes_sent = 0
-        """Bytes this rank sent: p2p payloads, and 2 (W-1)/W x payload per ring all-reduce."""
-
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for `work` at most the timeout; PeerError(`what`) otherwise."""
-        t0 = time.perf_counter()
-        try:
-            ok = work.wait(timeout=self.timeout)
-        except RuntimeError as e:
-            raise PeerError(f"{what}: no answer within {self.timeout_s:g} s "
-                            f"({_first_line(e)})") from None
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        if ok is False:
-            raise PeerError(f"{what}: no answer within {self.timeout_s:g} s")
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        """Start sending `tensor` to global rank `dst`; wait on the result with `wait`."""
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, dst=dst, tag=tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        """Post a receive into `tensor` from `src` now; wait on the result with `wait`."""
-        return dist.irecv(tensor, src=src, tag=tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> torch.Tensor:
-        """Receive into `tensor` from global rank `src` within the timeout."""
-        self.wait(dist.irecv(tensor, src=src, tag=tag), f"{what} from rank {src}")
-        return tensor
-
-    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup,
-                       what: str) -> None:
-        """In-place sum over `group` within the timeout (bytes counted as a ring sends them)."""
-        w = dist.get_world_size(group)
-        self.bytes_sent += int(2 * (w - 1) / w * tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self.wait(work, what)
+def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Every device of the given replicas, ascending."""
+    return tuple(sorted(d for r in replicas for d in plan.pipelines[r]))
 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
                    timeout_s: float, wait_forever: bool = False, log=print,
-                   what: str | None = None) -> None:
+                   what: str | None = None, abandon: Callable[[], bool] | None = None,
+                   poll_s: float = 0.5) -> bool:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
-    Raises PeerError naming the peers that did not arrive within `timeout_s`; with
-    `wait_forever` it logs them every `timeout_s` and keeps waiting.
+    Returns True once all did. Raises PeerError naming the peers that did not arrive within
+    `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
+    `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
+    changed: the wait is moot).
     """
     what = what or key
-    store.set(f"{key}/{rank}", "1")
-    keys = [f"{key}/{p}" for p in peers]
+    store.set(member_key(key, rank), "1")
+    keys = [member_key(key, p) for p in peers]
+    t0 = time.monotonic()
     while True:
         try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-            return
+            store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
+            return True
         except RuntimeError as e:  # timeout, or the store (on rank 0) is gone
+            if abandon is not None:
+                if abandon():
+                    return False
+                if time.monotonic() - t0 < timeout_s:
+                    continue
             try:
                 missing = [p for p, k in zip(peers, keys) if not store.check([k])]
             except RuntimeError:
                 raise PeerError(f"{what}: the rendezvous store (hosted by rank 0) is gone "
-                                f"({_first_line(e)})") from None
+                                f"({first_line(e)})") from None
             if not missing:
-                return
+                return True
             msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "
                    f"{timeout_s:g} s")
             if not wait_forever:
-                raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)") \
-                    from None
+                raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)",
+                                diagnosed=True) from None
             log(f"warning: {msg}; still waiting (--wait-for-peers)")
+            t0 = time.monotonic()

@@ -1,99 +1,170 @@
-"""Failure handling and elastic membership of a rank: heartbeats, generations, join, commit.
+"""A rank's membership in the run, as an object the Trainer owns (the Trainer holds a
+`Membership` as torchft's DiLoCo holds a Manager): heartbeats, generations, the groups of each
+generation, join, and DiLoCo's outer-step protocol.
 
-`ElasticMembership` is mixed into modules.trainer.Trainer and works on its attributes (plan,
-topo, cfg, store, comm, opt, model, groups, replicas, active, gen, monitor, state_lock, ckpt).
-What it does:
-- start the heartbeat thread (modules.fault.Monitor) and die cleanly, checkpointing first, when
-  a peer or the store is lost in allreduce mode (`_on_fatal`);
-- DiLoCo: follow the generations rank 0 publishes (re-form the gloo groups over the live
-  replicas under a fresh PrefixStore), wait for every member at each outer step, average, and
-  commit only if every member of every stage got the average (else retry in the next
-  generation), so that no rank ever takes an outer step alone;
-- `--join`: fetch the outer model and Nesterov state of my stage from a live peer
-  point-to-point and take part in the next outer step with weight 0.
+Inputs are explicit: the rendezvous store, the plan and this rank's topology, the run settings
+it reads (`MembershipSettings`: RunConfig has them), a `GroupBuilder` that forms a generation's
+communicators and the `CommStats` its store waits count into. Every change of membership comes
+out as one `GenerationChange` (groups, live replicas, and on a joiner the state it received)
+that the Trainer applies in one place. What it does:
+- start the heartbeat thread (modules.fault.Monitor), which calls the Trainer's `on_fatal`
+  when the run cannot go on for this rank (a peer or the store lost in allreduce mode, the
+  replica dropped, fewer than --min-replicas left);
+- DiLoCo: follow the generations rank 0 publishes (re-form the groups over the live replicas),
+  wait for every member at each outer step, average, and commit only if every member of every
+  stage got the average (else retry in the next generation), so that no rank ever takes an
+  outer step alone;
+- `--join`: be admitted, receive the outer model and Nesterov state of my stage from a live
+  peer point-to-point, and take part in the next outer step with weight 0.
+Store keys and tags: modules.protocol.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import os
-import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from modules.checkpoint import save_checkpoint, snapshot, step_path
-from modules.diloco import DiLoCoOptimizer
-from modules.dist import PeerError, build_groups
-from modules.fault import Generation, Monitor, MonitorConfig, members_of, publish
+from formats.plan import Plan
+from modules.comm import CommStats, PeerError
+from modules.comm.errors import first_line
+from modules.config import RunConfig
+from modules.diloco import OuterState
+from modules.dist import Topology, members_of, wait_for_peers
+from modules.fault import Generation, Monitor, MonitorConfig, publish
+from modules.groups import GroupBuilder, Groups
+from modules.protocol import (
+    JOIN_TAG,
+    commit_decision_key,
+    commit_done_key,
+    commit_prefix,
+    done_key,
+    join_key,
+    join_source_key,
+    outer_arrival_prefix,
+)
+from modules.sync import GroupAverage
 
-JOIN_TAG = 1 << 22
-"""Point-to-point tags of the outer state sent to a joining replica."""
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    """The run settings membership reads, resolved for this run (`of` builds them)."""
+
+    timeout_s: float
+    """How long any wait on a peer or the store may take (--timeout-s)."""
+    heartbeat_timeout_s: float
+    """A peer whose heartbeat is older than this is gone (--heartbeat-timeout-s)."""
+    min_replicas: int
+    """DiLoCo: below this many live replicas the run stops (--min-replicas, resolved)."""
+    wait_for_peers: bool
+    """DiLoCo: keep waiting (and logging) for a missing peer instead of failing."""
+    store_addr: tuple[str, int] | None
+    """(host, port) of the rendezvous store for the heartbeat thread (None: no heartbeat)."""
+    start_replicas: tuple[int, ...] | None
+    """Replicas that start now (None: all); the others may come later with --join."""
+    join: bool
+    """This rank's replica joins a running job (state fetched from a live peer)."""
+
+    @staticmethod
+    def of(cfg: RunConfig, num_replicas: int,
+           store_addr: tuple[str, int] | None) -> MembershipSettings:
+        """The settings of a run with `num_replicas` replicas in the plan."""
+        el = cfg.elastic
+        return MembershipSettings(
+            timeout_s=cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
+            min_replicas=el.resolved_min_replicas(num_replicas),
+            wait_for_peers=el.wait_for_peers, store_addr=store_addr,
+            start_replicas=el.start_replicas(num_replicas), join=el.join)
 
 
-class ElasticMembership:
-    """Trainer's failure detection and DiLoCo membership (see the module docstring)."""
-    def start_monitor(self) -> None:
-        """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0."""
+@dataclass
+class Handover:
+    """What a live rank of my stage hands to a joining one."""
+
+    step: int
+    """The step the joiner continues from (the one after the next outer step's)."""
+    outer: OuterState
+
+
+@dataclass
+class GenerationChange:
+    """One change of membership, applied by the Trainer in one place."""
+
+    gen: int
+    replicas: tuple[int, ...]
+    """Live replicas of the generation."""
+    groups: Groups
+    """The generation's communicators (the previous ones must not be used again)."""
+    handover: Handover | None
+    """On a joiner: the state received from a live peer of its stage; else None."""
+    reason: str
+
+
+class Membership:
+    """Who this rank trains with, and DiLoCo's outer-step protocol (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, plan: Plan, topo: Topology, cfg: MembershipSettings,
+                 builder: GroupBuilder, stats: CommStats, log: Callable[[str], None] = print,
+                 ) -> None:
+        self.store, self.plan, self.topo, self.cfg = store, plan, topo, cfg
+        self.builder, self.stats, self.log = builder, stats, log
+        self.elastic = plan.sync.mode == "diloco"
+        """DiLoCo: a lost replica is dropped and the rest go on; allreduce: a loss is fatal."""
+        start = cfg.start_replicas if cfg.start_replicas is not None else range(plan.num_replicas)
+        self.replicas: tuple[int, ...] = tuple(sorted(start))
+        """Live replicas of the generation whose groups this rank holds."""
+        self.active: set[int] = set() if cfg.join else set(self.replicas)
+        """Replicas that took part in the last outer step (a joiner is not one yet)."""
+        self.gen = -1 if cfg.join else 0
+        """Generation whose groups this rank holds (-1: none yet, a joiner)."""
+        self.groups: Groups | None = None
+        """The communicators of that generation (the Trainer gets them in a GenerationChange)."""
+        self.monitor: Monitor | None = None
+        """The heartbeat thread (None before `start`, or without cfg.store_addr)."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def first_generation(self) -> GenerationChange:
+        """Generation 0's groups over the replicas that start now (not on a joiner)."""
+        assert not self.cfg.join and self.groups is None
+        self.groups = self.builder.build(0, self.replicas)
+        return GenerationChange(0, self.replicas, self.groups, None, "start")
+
+    def start(self, on_fatal: Callable[[str], None]) -> None:
+        """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0.
+        `on_fatal(reason)` is called (from any thread) when the run cannot go on for this rank;
+        it must not return."""
         cfg, plan = self.cfg, self.plan
-        if self.store_addr is None:
+        if cfg.store_addr is None:
             return
-        elastic = plan.sync.mode == "diloco"
         members = members_of(plan, self.replicas)
-        if self.topo.rank == 0 and not cfg.elastic.join:
-            publish(self.store, Generation(0, tuple(self.replicas), members, reason="start"))
+        if self.topo.rank == 0 and not cfg.join:
+            publish(self.store, Generation(0, self.replicas, members, reason="start"))
         self.monitor = Monitor(MonitorConfig(
-            rank=self.topo.rank, host=self.store_addr[0], port=self.store_addr[1], plan=plan,
-            timeout_s=cfg.elastic.heartbeat_timeout_s,
-            interval_s=min(1.0, cfg.elastic.heartbeat_timeout_s / 4), elastic=elastic,
-            min_replicas=self.min_replicas, members=() if cfg.elastic.join else members,
-            log=self.log,
-            on_fatal=self._on_fatal))
+            rank=self.topo.rank, host=cfg.store_addr[0], port=cfg.store_addr[1], plan=plan,
+            timeout_s=cfg.heartbeat_timeout_s,
+            interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=self.elastic,
+            min_replicas=cfg.min_replicas, members=() if cfg.join else members, log=self.log,
+            on_fatal=on_fatal))
         self.monitor.start()
 
-    def _on_fatal(self, reason: str) -> None:
-        """Say why, checkpoint what can be checkpointed, and leave with status 1 (any thread)."""
-        print(f"rank {self.topo.rank}: error: {reason}", file=sys.stderr, flush=True)
-        try:
-            saved = self.emergency_checkpoint()
-        except Exception as e:  # never let a failed save keep a dying rank alive
-            saved = f"no checkpoint ({type(e).__name__}: {e})"
-        if saved:
-            self.log(saved)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-    def emergency_checkpoint(self) -> str:
-        """Finish the write in flight, then save the current state if the training thread is
-        not inside an update (it is usually blocked waiting on the lost peer)."""
-        if self.ckpt is None or not self.cfg.ckpt.dir:
-            return ""
-        if not self.ckpt.flush(timeout=2.0):
-            return "checkpoint: the background write did not finish within 2 s"
-        if self.plan.sync.mode == "diloco" or not self.state_lock.acquire(timeout=1.0):
-            last = self.ckpt.last_step
-            return (f"checkpoint: newest complete one is step {last}" if last is not None
-                    else "checkpoint: none written yet")
-        # keep the lock: the training thread must not change the state while it is saved
-        if self.step == 0 or self.ckpt.last_step == self.step:
-            return f"checkpoint: step {self.step} is already on disk"
-        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
-        save_checkpoint(path, self._meta(), snapshot(self.state()))
-        return f"checkpoint: saved step {self.step} to {path}"
+    @property
+    def dropped(self) -> bool:
+        """Rank 0 only: its replica was dropped; it keeps hosting the store until the end."""
+        return self.monitor is not None and self.monitor.dropped
 
     def await_verdict(self) -> None:
         """After a PeerError: give the heartbeat time to name the lost peer (it exits then)."""
         mon = self.monitor
         if mon is None:
             return
-        deadline = time.monotonic() + self.cfg.elastic.heartbeat_timeout_s + 3
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 3
         gen = self.gen
         while time.monotonic() < deadline and not mon.dropped:
-            if mon.gen > gen and self.plan.sync.mode == "diloco":
+            if mon.gen > gen and self.elastic:
                 time.sleep(0.5)  # the monitor exits if my replica was dropped
             mon.changed.wait(0.2)
             mon.changed.clear()
@@ -101,38 +172,36 @@ class ElasticMembership:
     def finish(self) -> None:
         """End of the run: nobody leaves before every rank is done (rank 0 hosts the store)."""
         mon = self.monitor
+        if (mon is None or not self.elastic) and self.groups is not None:
+            self.groups.world.barrier("final barrier with every rank")
         if mon is None:
-            work = dist.barrier(async_op=True)
-            self.comm.wait(work, "final barrier with every rank")
             return
-        if self.plan.sync.mode == "allreduce":
-            work = dist.barrier(async_op=True)
-            self.comm.wait(work, "final barrier with every rank")
         if self.topo.rank != 0:
             mon.stop()
             mon.join(timeout=5)
-            self.store.add(f"ft/done/{self.topo.rank}", 1)
+            self.store.add(done_key(self.topo.rank), 1)
             return
-        self.store.add("ft/done/0", 1)
+        self.store.add(done_key(0), 1)
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:  # members that are lost meanwhile are dropped by the monitor
-            left = [r for r in mon.members if r != 0 and self.store.add(f"ft/done/{r}", 0) == 0]
+            left = [r for r in mon.members if r != 0 and self.store.add(done_key(r), 0) == 0]
             if not left:
                 break
-            if time.monotonic() > deadline and self.plan.sync.mode == "allreduce":
+            if time.monotonic() > deadline and not self.elastic:
                 raise PeerError(f"end of run: rank(s) {left} did not finish within "
                                 f"{self.cfg.timeout_s:g} s")
             time.sleep(0.1)
         mon.stop()
 
-    def join(self) -> None:
-        """--join: ask to be admitted, form the groups with the live replicas, fetch the outer
-        state of my stage from a live peer and take part in the next outer step."""
+    # -- generations -------------------------------------------------------------------------
+    def join(self, handover: Callable[[], Handover]) -> GenerationChange:
+        """--join: ask to be admitted, wait for the generation that admits me, form its groups
+        and receive the outer state of my stage (see `poll` for `handover`)."""
         mon = self.monitor
-        assert mon is not None and isinstance(self.opt, DiLoCoOptimizer)
+        assert mon is not None and self.cfg.join
         t0 = time.monotonic()
         try:
-            self.store.add(f"ft/join/{self.topo.rank}", 1)
+            self.store.add(join_key(self.topo.rank), 1)
         except RuntimeError as e:
             raise PeerError(f"--join: the rendezvous store does not answer (the run is over or "
                             f"rank 0 is gone): {str(e).strip()[:200]}") from None
@@ -143,176 +212,141 @@ class ElasticMembership:
                                 "run alive, and did every rank of my replica start with --join?)")
             mon.changed.wait(0.2)
             mon.changed.clear()
-        self.gen = -1
-        self._sync_generation()  # re-forms the groups and receives the state
-        self.opt.outer_step()  # pseudo-gradient 0, weight 0: the same outer step as everybody
-        self.step = self._join_step
-        self.rejoin_s = time.monotonic() - t0
-        self.log(f"joined at step {self.step} (outer step {self.opt.outer_count}) after "
-                 f"{self.rejoin_s:.2f} s")
+        change = self.poll(handover)
+        assert change is not None and change.handover is not None
+        return change
 
-    def _sync_generation(self) -> bool:
-        """Re-form the process groups if a newer generation was published; True if so."""
+    def poll(self, handover: Callable[[], Handover]) -> GenerationChange | None:
+        """The change to a newer generation, if rank 0 published one: its groups formed, and
+        the outer state handed over to joiners. `handover()` is this rank's current state: a
+        live rank sends it; a joiner receives into buffers shaped like it. PeerError when the
+        new generation does not continue with me."""
         mon = self.monitor
         if mon is None or mon.generation is None or mon.gen <= self.gen:
-            return False
+            return None
         g = mon.generation
         if self.topo.rank not in g.members or g.stop:
             if not mon.dropped:
-                mon.changed.wait(self.cfg.elastic.heartbeat_timeout_s)  # the monitor is exiting
+                mon.changed.wait(self.cfg.heartbeat_timeout_s)  # the monitor is exiting
             raise PeerError(f"generation {g.gen} does not continue with me ({g.reason})")
         t0 = time.monotonic()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        try:
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{g.gen}", self.store),
-                                    rank=g.members.index(self.topo.rank),
-                                    world_size=len(g.members),
-                                    timeout=timedelta(seconds=self.cfg.timeout_s))
-        except (RuntimeError, OSError) as e:
-            raise PeerError(f"re-forming the groups of generation {g.gen}: not every member "
-                            f"{list(g.members)} came within {self.cfg.timeout_s:g} s "
-                            f"({str(e).strip().splitlines()[0][:200] if str(e) else e})") \
-                from None
-        self.replicas = sorted(g.replicas)
-        self._apply_rank_map({d: i for i, d in enumerate(g.members)})
-        self.groups = build_groups(self.plan, self.topo, self.spec.tie_embeddings,
-                                   self.replicas, self.rank_of)
-        self.average = self._make_average()
-        self.gen = g.gen
-        self.log(f"generation {g.gen}: groups re-formed over replicas {self.replicas} in "
+        if self.groups is not None:
+            self.groups.close()
+        self.groups = self.builder.build(g.gen, g.replicas)
+        self.replicas, self.gen = tuple(sorted(g.replicas)), g.gen
+        self.log(f"generation {g.gen}: groups re-formed over replicas {list(self.replicas)} in "
                  f"{time.monotonic() - t0:.2f} s ({g.reason})")
         if len(self.replicas) == 1:
             self.log(f"warning: replica {self.replicas[0]} is the only one left; outer steps "
-                     f"average over it alone (--min-replicas {self.min_replicas})")
-        self._exchange_outer_state()
-        return True
+                     f"average over it alone (--min-replicas {self.cfg.min_replicas})")
+        received = self._hand_over(handover)
+        return GenerationChange(g.gen, self.replicas, self.groups, received, g.reason)
 
-    def _apply_rank_map(self, rank_of: dict[int, int]) -> None:
-        """Device id -> rank in the current default group: the pipeline talks to its
-        neighbours by their group ranks (a topology with translated prev/next)."""
-        self.rank_of = rank_of
-        t = self.topo
-        self.pipe.topo = dataclasses.replace(
-            t, prev_rank=None if t.prev_rank is None else rank_of[t.prev_rank],
-            next_rank=None if t.next_rank is None else rank_of[t.next_rank])
-
-    def _exchange_outer_state(self) -> None:
+    def _hand_over(self, handover: Callable[[], Handover]) -> Handover | None:
         """After re-forming: a live peer of my stage sends the outer state to each joiner."""
         joiners = [r for r in self.replicas if r not in self.active]
         if not joiners:
-            return
+            return None
         stage = self.topo.stage
-        key = f"ft/src/g{self.gen}/s{stage}"
+        key = join_source_key(self.gen, stage)
         if self.topo.replica in joiners:
             self.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
-            src = int(self.store.get(key))
-            self._recv_outer_state(src, self.rank_of[src])
-            return
+            return self._recv_handover(int(self.store.get(key)), handover())
         source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
-        if self.topo.rank != source:
-            return
-        self.store.set(key, str(source))
-        for r in joiners:
-            dst = self.plan.pipelines[r][stage]
-            self._send_outer_state(dst, self.rank_of[dst])
+        if self.topo.rank == source:
+            self.store.set(key, str(source))
+            state = handover()
+            for r in joiners:
+                self._send_handover(self.plan.pipelines[r][stage], state)
+        return None
 
-    def _outer_header(self) -> torch.Tensor:
-        opt = self.opt
-        R = self.plan.num_replicas
-        has_mom = int(bool(opt.outer.state))
-        active = sorted(self.active) + [-1] * (R - len(self.active))
-        return torch.tensor([self.step + 1, opt.outer_count, has_mom, *active], dtype=torch.int64)
-
-    def _send_outer_state(self, dst: int, group_rank: int) -> None:
-        """Anchor (outer model), Nesterov momentum and counters to the joiner `dst`."""
-        opt = self.opt
-        header = self._outer_header()
-        anchor = torch.cat([a.reshape(-1) for a in opt.anchor])
-        mom = torch.cat([opt.outer.state[p]["momentum_buffer"].reshape(-1)
-                         if p in opt.outer.state and opt.outer.state[p].get("momentum_buffer")
-                         is not None else torch.zeros(p.numel()) for p in opt.params])
+    def _send_handover(self, dst: int, state: Handover) -> None:
+        """Header (step, outer count, momentum?, active replicas), outer model, momentum."""
+        outer = state.outer
+        active = sorted(self.active) + [-1] * (self.plan.num_replicas - len(self.active))
+        header = torch.tensor([state.step, outer.outer_count, int(outer.momentum is not None),
+                               *active], dtype=torch.int64, device=outer.anchor.device)
+        mom = outer.momentum if outer.momentum is not None else torch.zeros_like(outer.anchor)
+        comm = self.groups.stage
         t0 = time.monotonic()
-        works = [self.comm.isend(t, group_rank, JOIN_TAG + i)
-                 for i, t in enumerate((header, anchor, mom))]
-        for w in works:
-            self.comm.wait(w, f"sending the outer state to joining rank {dst}")
+        posted = [comm.isend(t, dst, JOIN_TAG + i) for i, t in enumerate((header, outer.anchor,
+                                                                          mom))]
+        for p in posted:
+            comm.wait(p, "sending the outer state to a joining rank")
         self.log(f"sent the outer state of stage {self.topo.stage} to joining rank {dst} in "
                  f"{time.monotonic() - t0:.2f} s")
 
-    @torch.no_grad()
-    def _recv_outer_state(self, src: int, group_rank: int) -> None:
-        """Receive what _send_outer_state sent; parameters and anchor become the outer model."""
-        opt = self.opt
-        header = self.comm.recv(torch.empty(3 + self.plan.num_replicas, dtype=torch.int64),
-                                group_rank, JOIN_TAG, f"outer state header (rank {src})")
-        n = sum(p.numel() for p in opt.params)
-        anchor = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 1,
-                                f"outer model (rank {src})")
-        mom = self.comm.recv(torch.empty(n), group_rank, JOIN_TAG + 2,
-                             f"outer momentum (rank {src})")
-        self._join_step, opt.outer_count = int(header[0]), int(header[1])
-        self.active = {int(r) for r in header[3:] if int(r) >= 0}
-        off = 0
-        for a, p in zip(opt.anchor, opt.params):
-            k = p.numel()
-            a.copy_(anchor[off:off + k].view_as(a))
-            p.copy_(a)
-            if int(header[2]):
-                opt.outer.state[p]["momentum_buffer"] = mom[off:off + k].view_as(p).clone()
-            off += k
-        opt.inner_count = 0
+    def _recv_handover(self, src: int, like: Handover) -> Handover:
+        """Receive what _send_handover sent; the active replicas become the sender's."""
+        comm, anchor = self.groups.stage, like.outer.anchor
+        header = comm.recv(torch.empty(3 + self.plan.num_replicas, dtype=torch.int64,
+                                       device=anchor.device), src, JOIN_TAG, "outer state header")
+        outer = comm.recv(torch.empty_like(anchor), src, JOIN_TAG + 1, "outer model")
+        mom = comm.recv(torch.empty_like(anchor), src, JOIN_TAG + 2, "outer momentum")
+        header = header.tolist()
+        self.active = {r for r in header[3:] if r >= 0}
+        state = Handover(header[0], OuterState(outer, mom if header[2] else None, header[1]))
         self.log(f"received the outer model and momentum of stage {self.topo.stage} from rank "
-                 f"{src} (outer step {opt.outer_count}, continuing at step {self._join_step})")
+                 f"{src} (outer step {state.outer.outer_count}, continuing at step "
+                 f"{state.step})")
+        return state
 
-    def _elastic_outer_all_reduce(self, flat: torch.Tensor) -> int:
-        """Outer average over the live replicas of my stage: re-form groups when the membership
-        changed, wait for every member, average, and commit only if every rank of every stage
-        got its average (otherwise all retry in the next generation, so that every stage
-        re-forms at the same outer step and no pipeline waits on a partner in another group)."""
-        keep = flat.clone()
-        stage = self.topo.stage
-        while True:
-            self._sync_generation()
-            if self.topo.replica not in self.active:  # joining: contribute nothing
-                keep.zero_()
-                flat.zero_()
-            ranks = self._stage_ranks()
-            outer = self.opt.outer_count
-            key = f"diloco/g{self.gen}/stage{stage}/outer{outer}"
-            what = f"DiLoCo outer step {outer + 1} of stage {stage}"
-            sent = 0
+    # -- DiLoCo's outer step -----------------------------------------------------------------
+    def outer_round(self, flat: torch.Tensor, average: GroupAverage, outer: int) -> int | None:
+        """One attempt at averaging outer step `outer + 1`'s pseudo-gradient `flat` over the
+        live replicas of my stage: wait for every member, average, and commit only if every
+        rank of every stage got its average. Returns the bytes sent, or None when the
+        membership changed first: `poll`, apply the change, restore `flat` and call again
+        (every stage then re-forms at the same outer step, so no pipeline waits on a partner
+        in another group). A joiner contributes zeros and the mean is over the others."""
+        stage, ranks = self.topo.stage, self.stage_ranks()
+        what = f"DiLoCo outer step {outer + 1} of stage {stage}"
+        if self.monitor is None:  # no heartbeat: fixed groups, nothing to commit
             if len(ranks) > 1:
-                t0 = time.perf_counter()
-                ok = self._wait_members(key, ranks, what)
-                self.comm.wait_s += time.perf_counter() - t0
-                if not ok:
-                    flat.copy_(keep)
-                    continue
-                try:
-                    sent = self.average(flat)
-                except PeerError:
-                    if not self._await_generation(self.gen):
-                        raise
-                    flat.copy_(keep)
-                    continue
-            members = members_of(self.plan, self.replicas)
-            if len(members) > 1 and not self._commit(f"diloco/g{self.gen}/outer{outer}",
-                                                     members, what):
-                flat.copy_(keep)
-                continue
-            n_active = len(set(self.replicas) & self.active)
-            if n_active < len(self.replicas):  # joiners sent zeros: average over the others
-                flat.mul_(len(self.replicas) / n_active)
-            self.active = set(self.replicas)
-            self.dp_bytes += sent
-            return sent
+                self._timed_wait(outer_arrival_prefix(stage, outer), ranks, what, None)
+            return average(flat)
+        if self.topo.replica not in self.active:
+            flat.zero_()
+        sent = 0
+        if len(ranks) > 1:
+            gen = self.gen
+            abandon = lambda: self.monitor.gen > gen
+            if not self._timed_wait(outer_arrival_prefix(stage, outer, gen), ranks, what,
+                                    abandon):
+                return None
+            try:
+                sent = average(flat)
+            except PeerError:
+                if not self._await_generation(gen):
+                    raise
+                return None
+        members = members_of(self.plan, self.replicas)
+        if len(members) > 1 and not self._commit(commit_prefix(self.gen, outer), members, what):
+            return None
+        n_active = len(set(self.replicas) & self.active)
+        if n_active < len(self.replicas):  # joiners sent zeros: average over the others
+            flat.mul_(len(self.replicas) / n_active)
+        self.active = set(self.replicas)
+        return sent
+
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Devices of my stage in every live replica."""
+        return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
+
+    def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
+                    abandon: Callable[[], bool] | None) -> bool:
+        """Wait for every member's arrival (counted as communication time)."""
+        t0 = time.perf_counter()
+        try:
+            return wait_for_peers(self.store, prefix, self.topo.rank, ranks, self.cfg.timeout_s,
+                                  self.cfg.wait_for_peers, self.log, what, abandon=abandon)
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
 
     def _await_generation(self, gen: int) -> bool:
         """Wait (heartbeat timeout + 5 s) for a generation newer than `gen`; True if one came."""
         mon = self.monitor
-        deadline = time.monotonic() + self.cfg.elastic.heartbeat_timeout_s + 5
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 5
         while mon is not None and time.monotonic() < deadline:
             if mon.gen > gen:
                 return True
@@ -320,60 +354,27 @@ class ElasticMembership:
             mon.changed.clear()
         return False
 
-    def _wait_members(self, key: str, ranks: tuple[int, ...], what: str) -> bool:
-        """Announce `key` and wait for every member; False if the membership changed first."""
-        mon = self.monitor
-        assert mon is not None
-        self.store.set(f"{key}/{self.topo.rank}", "1")
-        keys = [f"{key}/{r}" for r in ranks]
-        t0 = time.monotonic()
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=0.5))
-                return True
-            except RuntimeError as e:
-                if mon.gen > self.gen:
-                    return False
-                if time.monotonic() - t0 < self.cfg.timeout_s:
-                    continue
-                try:
-                    missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
-                except RuntimeError:
-                    raise PeerError(f"{what}: the rendezvous store (hosted by rank 0) is gone "
-                                    f"({str(e).strip()[:200]})") from None
-                if not missing:
-                    return True
-                msg = (f"{what}: rank(s) {missing} of my group {list(ranks)} did not arrive "
-                       f"within {self.cfg.timeout_s:g} s")
-                if not self.cfg.elastic.wait_for_peers:
-                    err = PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)")
-                    err.diagnosed = True  # type: ignore[attr-defined]
-                    raise err from None
-                self.log(f"warning: {msg}; still waiting (--wait-for-peers)")
-                t0 = time.monotonic()
-
-    def _commit(self, key: str, ranks: tuple[int, ...], what: str) -> bool:
+    def _commit(self, prefix: str, ranks: tuple[int, ...], what: str) -> bool:
         """Every member (all stages) finished its all-reduce -> commit; the membership changed
-        first -> abort (everybody retries with the new groups). One decision per key, first
-        writer wins."""
+        first -> abort (everybody retries with the new groups). One decision per outer step,
+        first writer wins."""
         mon = self.monitor
         assert mon is not None
-        self.store.set(f"{key}/done/{self.topo.rank}", "1")
-        keys = [f"{key}/done/{r}" for r in ranks]
+        self.store.set(commit_done_key(prefix, self.topo.rank), "1")
+        keys = [commit_done_key(prefix, r) for r in ranks]
         t0 = time.monotonic()
         while True:
             try:
                 self.store.wait(keys, timedelta(seconds=0.5))
                 decision = "commit"
-            except RuntimeError:
+            except RuntimeError as e:
                 if mon.gen <= self.gen:
-                    limit = self.cfg.timeout_s + self.cfg.elastic.heartbeat_timeout_s
-                    if time.monotonic() - t0 > limit:
-                        raise PeerError(f"{what}: not every member confirmed the average "
-                                        f"within {self.cfg.timeout_s:g} s") from None
+                    if time.monotonic() - t0 > self.cfg.timeout_s + self.cfg.heartbeat_timeout_s:
+                        raise PeerError(f"{what}: not every member confirmed the average within "
+                                        f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
                     continue
                 decision = "abort"
-            got = self.store.compare_set(f"{key}/decision", "", decision)
+            got = self.store.compare_set(commit_decision_key(prefix), "", decision)
             if got != b"commit":
                 self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
                          "retrying with the live replicas")

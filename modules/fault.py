@@ -1,18 +1,18 @@
 """Failure detection and membership: heartbeats through the rendezvous TCPStore, generations.
 
 Every rank runs a `Monitor` thread with its own TCPStore client (clients are not thread-safe):
-every `interval` s it bumps its counter `ft/hb/{rank}` and reads everybody else's. A peer whose
+every `interval` s it bumps its heartbeat counter and reads everybody else's. A peer whose
 counter has not moved for `timeout_s` (measured on this rank's clock, so host clocks need not
-agree) is gone; the log names its rank, host and role from `ft/info/{rank}`, which every rank
-writes at start. A rank that finished sets `ft/done/{rank}` and is not missed. If the store
-itself stops answering for `timeout_s` (rank 0 hosts it), the diagnosis is that.
+agree) is gone; the log names its rank, host and role from the info record every rank writes
+at start. A rank that finished says so and is not missed. If the store itself stops answering
+for `timeout_s` (rank 0 hosts it), the diagnosis is that. (Store keys: modules.protocol.)
 
-Membership (DiLoCo) is a sequence of generations `ft/gen/{g}` (JSON: members, replicas,
-dropped, joined, reason), the counter `ft/gen` holding the newest g. Only rank 0, which hosts
-the store and so is alive whenever anybody can read it, writes generations: when a peer is gone
-its whole replica is dropped; when every rank of a replica asked to join (`ft/join/{rank}`), it
-is added. The training thread re-forms its process groups at its next outer step
-(modules/elastic.py); a rank that is no longer a member leaves at once with a message.
+Membership (DiLoCo) is a sequence of generations (JSON: members, replicas, dropped, joined,
+reason) and a counter holding the newest. Only rank 0, which hosts the store and so is alive
+whenever anybody can read it, writes generations: when a peer is gone its whole replica is
+dropped; when every rank of a replica asked to join, it is added. The training thread re-forms
+its groups at its next outer step (modules.elastic); a rank that is no longer a member leaves
+at once with a message.
 """
 
 from __future__ import annotations
@@ -31,6 +31,18 @@ from typing import Any
 import torch.distributed as dist
 
 from formats.plan import Plan
+from modules.dist import members_of
+from modules.protocol import (
+    GENERATION_COUNTER,
+    done_key,
+    generation_key,
+    heartbeat_key,
+    info_key,
+    join_key,
+)
+
+__all__ = ["Generation", "Monitor", "MonitorConfig", "members_of", "newest_generation",
+           "publish", "read_generation", "register"]
 
 
 @dataclass(frozen=True)
@@ -61,31 +73,26 @@ class Generation:
                           tuple(d["dropped"]), tuple(d["joined"]), d["reason"], bool(d["stop"]))
 
 
-def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    """Every device of the given replicas, ascending."""
-    return tuple(sorted(d for r in replicas for d in plan.pipelines[r]))
-
-
 def register(store: dist.Store, rank: int, replica: int, stage: int) -> None:
     """Record this rank's host, pid and role in the store (named in failure messages)."""
-    store.set(f"ft/info/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+    store.set(info_key(rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                               "replica": replica, "stage": stage}))
 
 
 def publish(store: dist.Store, g: Generation) -> None:
     """Write generation g, then advance the counter that announces it."""
-    store.set(f"ft/gen/{g.gen}", g.to_json())
-    store.set("ft/gen", str(g.gen))
+    store.set(generation_key(g.gen), g.to_json())
+    store.set(GENERATION_COUNTER, str(g.gen))
 
 
 def read_generation(store: dist.Store, g: int) -> Generation:
     """Generation g from the store."""
-    return Generation.from_json(store.get(f"ft/gen/{g}"))
+    return Generation.from_json(store.get(generation_key(g)))
 
 
 def newest_generation(store: dist.Store) -> int:
     """The newest published generation number (-1 when none is)."""
-    return int(store.get("ft/gen")) if store.check(["ft/gen"]) else -1
+    return int(store.get(GENERATION_COUNTER)) if store.check([GENERATION_COUNTER]) else -1
 
 
 @dataclass
@@ -139,8 +146,8 @@ class Monitor(threading.Thread):
         info = self._info.get(rank)
         if info is None and self._client is not None:
             try:
-                if self._client.check([f"ft/info/{rank}"]):
-                    info = self._info[rank] = json.loads(self._client.get(f"ft/info/{rank}"))
+                if self._client.check([info_key(rank)]):
+                    info = self._info[rank] = json.loads(self._client.get(info_key(rank)))
             except RuntimeError:
                 info = None
         if not info:
@@ -192,19 +199,19 @@ class Monitor(threading.Thread):
     def _beat(self) -> None:
         cfg, c = self.cfg, self._client
         assert c is not None
-        c.add(f"ft/hb/{cfg.rank}", 1)
+        c.add(heartbeat_key(cfg.rank), 1)
         now = time.monotonic()
-        newest = int(c.get("ft/gen")) if c.check(["ft/gen"]) else 0
+        newest = max(0, newest_generation(c))
         if newest > self.gen:
             self._new_generation(read_generation(c, newest))
         watch = [r for r in self.members if r != cfg.rank and r not in self.lost]
         gone = []
         for r in watch:
-            count = c.add(f"ft/hb/{r}", 0)
+            count = c.add(heartbeat_key(r), 0)
             prev = self._seen.get(r)
             if prev is None or prev[0] != count:
                 self._seen[r] = (count, now)
-            elif now - prev[1] > cfg.timeout_s and c.add(f"ft/done/{r}", 0) == 0:
+            elif now - prev[1] > cfg.timeout_s and c.add(done_key(r), 0) == 0:
                 gone.append(r)
         for r in gone:
             self.detect_s[r] = now
@@ -251,7 +258,7 @@ class Monitor(threading.Thread):
             {plan.stage_of(r)[0] for r in self.members})
         dropped = sorted({plan.stage_of(r)[0] for r in gone} & set(replicas))
         joined = [k for k in range(plan.num_replicas) if k not in replicas and
-                  all(c.add(f"ft/join/{d}", 0) > 0 for d in plan.pipelines[k])]
+                  all(c.add(join_key(d), 0) > 0 for d in plan.pipelines[k])]
         if not dropped and not joined:
             return
         new = sorted((set(replicas) - set(dropped)) | set(joined))
@@ -264,7 +271,7 @@ class Monitor(threading.Thread):
         g = Generation(self.gen + 1, tuple(new), members_of(plan, new), tuple(dropped),
                        tuple(joined), "; ".join(parts), stop=len(new) < cfg.min_replicas)
         for d in members_of(plan, joined):
-            c.set(f"ft/join/{d}", "0")  # consumed: a replica dropped later must ask again
+            c.set(join_key(d), "0")  # consumed: a replica dropped later must ask again
         publish(c, g)
         self._new_generation(g)
 

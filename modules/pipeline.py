@@ -1,4 +1,4 @@
-"""GPipe schedule over torch.distributed point-to-point: all forwards, then all backwards.
+"""GPipe schedule over a Communicator's point-to-point calls: all forwards, then all backwards.
 
 Stage s receives activations (micro_batch_size, seq_len, d_model) from stage s-1 and sends its
 output to s+1; in backward it receives the output gradient from s+1 and sends the input gradient
@@ -14,38 +14,39 @@ costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB mess
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from modules.dist import Comm, Topology
+from modules.comm import Communicator, Posted
+from modules.dist import Topology
 from modules.model import StageModel
-
-FWD_TAG, BWD_TAG = 0, 1 << 20
+from modules.protocol import BWD_TAG, FWD_TAG
 
 
 class PipelineStage:
     """Runs this rank's stage of the pipeline for one step of micro-batches."""
 
-    def __init__(self, model: StageModel, topo: Topology, comm: Comm,
+    def __init__(self, model: StageModel, topo: Topology, comm: Communicator | None,
                  micro_batch_size: int) -> None:
-        self.model, self.topo, self.comm = model, topo, comm
+        self.model, self.topo = model, topo
+        self.comm = comm
+        """My pipeline's communicator (peers by device id; None with one stage). The Trainer
+        sets it again when a new generation re-forms the groups."""
         spec = model.spec
         self.act_shape = (micro_batch_size, spec.seq_len, spec.d_model)
+        self.device = next(model.parameters()).device
+        """Where activations and their gradients are received."""
 
     def _recv_act(self, m: int, what: str) -> torch.Tensor:
-        buf = torch.empty(self.act_shape)
+        buf = torch.empty(self.act_shape, device=self.device)
         return self.comm.recv(buf, self.topo.prev_rank, FWD_TAG + m, what)
 
-    def _post_recvs(self, src: int | None, tag: int, count: int) -> list[tuple[torch.Tensor, Any]]:
+    def _post_recvs(self, src: int | None, tag: int, count: int) -> list[Posted]:
         """Post `count` receives from `src` (tags tag..tag+count-1) now; [] on a pipeline end."""
         if src is None:
             return []
-        out = []
-        for m in range(count):
-            buf = torch.empty(self.act_shape)
-            out.append((buf, self.comm.irecv(buf, src, tag + m)))
-        return out
+        return [self.comm.irecv(torch.empty(self.act_shape, device=self.device), src, tag + m)
+                for m in range(count)]
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None,
                    targets: Sequence[torch.Tensor] | None, num_micro_batches: int) -> float | None:
@@ -66,9 +67,7 @@ class PipelineStage:
             if topo.is_first:
                 x = inputs[m]
             else:
-                buf, work = acts[m]
-                self.comm.wait(work, f"activations of micro-batch {m} from rank {topo.prev_rank}")
-                x = buf.requires_grad_()
+                x = self.comm.wait(acts[m], f"activations of micro-batch {m}").requires_grad_()
             if topo.is_last:
                 loss = model(x, targets[m])
                 losses.append(loss.detach())
@@ -79,21 +78,19 @@ class PipelineStage:
                 saved_out.append(y)
             saved_in.append(x)
         for w in sends:
-            self.comm.wait(w, f"sending activations to rank {topo.next_rank}")
+            self.comm.wait(w, "sending activations")
         sends = []
         for m in reversed(range(M)):
             out = saved_out[m]
             if topo.is_last:
                 out.backward()
             else:
-                grad, work = grads[m]
-                self.comm.wait(work, f"gradients of micro-batch {m} from rank {topo.next_rank}")
-                out.backward(grad)
+                out.backward(self.comm.wait(grads[m], f"gradients of micro-batch {m}"))
             if not topo.is_first:
                 sends.append(self.comm.isend(saved_in[m].grad, topo.prev_rank, BWD_TAG + m))
             saved_out[m] = saved_in[m] = None  # free activations as we go
         for w in sends:
-            self.comm.wait(w, f"sending gradients to rank {topo.prev_rank}")
+            self.comm.wait(w, "sending gradients")
         if topo.is_last:
             return float(torch.stack(losses).mean())
         return None
@@ -112,5 +109,5 @@ class PipelineStage:
                 keep.append(model(x))
                 sends.append(self.comm.isend(keep[-1], topo.next_rank, FWD_TAG + m))
         for w in sends:
-            self.comm.wait(w, f"sending eval activations to rank {topo.next_rank}")
+            self.comm.wait(w, "sending eval activations")
         return float(torch.stack(losses).mean()) if topo.is_last else None

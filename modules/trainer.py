@@ -1,5 +1,6 @@
 """The training loop of one rank: pipeline step, tied-embedding sum, data-parallel sync, metrics,
-checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`.
+checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`; who the rank
+trains with is the Trainer's `Membership` (modules.elastic).
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -26,16 +28,19 @@ from modules.checkpoint import (
     snapshot,
     step_path,
 )
+from modules.comm import CommStats, PeerError
+from modules.comm.choice import CommOptions
+from modules.comm.errors import first_line
 from modules.config import RunConfig
 from modules.data import FakeData, Sharder, TextData
 from modules.diloco import DiLoCoOptimizer
-from modules.dist import Comm, Groups, PeerError, Topology, wait_for_peers
-from modules.elastic import ElasticMembership
-from modules.fault import Monitor, members_of
+from modules.dist import Topology
+from modules.elastic import GenerationChange, Handover, Membership, MembershipSettings
+from modules.groups import GroupBuilder, Groups
 from modules.metrics import MetricsWriter, replica_metrics_path
 from modules.model import StageModel
 from modules.pipeline import PipelineStage
-from modules.sync import average_grads, make_group_average, sum_tied_grads
+from modules.sync import GroupAverage, average_grads, make_group_average, no_average, sum_tied_grads
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -72,65 +77,84 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
             "num_micro_batches": plan.num_micro_batches, "seed": seed}
 
 
-class Trainer(ElasticMembership):
-    """One rank's share of the run described by a plan (failure handling: modules.elastic)."""
+class Trainer:
+    """One rank's share of the run described by a plan. Who it trains with (groups, failures,
+    joining) is its composed `Membership` (modules.elastic), whose changes `_apply` takes."""
 
-    def __init__(self, plan: Plan, topo: Topology, groups: Groups | None, store: dist.Store,
+    def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print,
+                 comm: CommOptions | None = None,
                  store_addr: tuple[str, int] | None = None) -> None:
-        self.plan, self.topo, self.groups, self.store, self.cfg = plan, topo, groups, store, cfg
-        self.log = log
-        self.store_addr = store_addr
-        """(host, port) of the rendezvous store for the heartbeat thread (None: no heartbeat)."""
-        self.start_replicas = cfg.elastic.start_replicas(plan.num_replicas)
-        self.min_replicas = cfg.elastic.resolved_min_replicas(plan.num_replicas)
-        self.vanish_at = cfg.debug.vanish_at(topo.rank)
-        self.ckpt_die_at = cfg.debug.ckpt_die_at(topo.rank)
+        """`comm`: the requested backend and this rank's device (default: gloo on CPU);
+        `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
+        connection (None: no heartbeat, e.g. single-process tests)."""
+        self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.spec = get_model(plan.model)
         start, end = plan.stages[topo.stage]
         self.model = StageModel(self.spec, start, end, seed=cfg.seed)
-        self.comm = Comm(cfg.timeout_s)
-        self.pipe = PipelineStage(self.model, topo, self.comm, plan.micro_batch_size)
+        self.params = list(self.model.parameters())
         self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
                                plan.micro_batch_size)
         self.val = (data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size)
                     if cfg.data.eval_sequences else [])
-        self.params = list(self.model.parameters())
-        self.replicas = sorted(self.start_replicas if self.start_replicas is not None
-                               else range(plan.num_replicas))
-        """Live replicas of the current generation (process groups span their ranks)."""
-        self.active: set[int] = set() if cfg.elastic.join else set(self.replicas)
-        """Replicas that took part in the last outer step (a joiner is not one yet)."""
-        self.gen = 0
-        self.monitor: Monitor | None = None
-        self.state_lock = threading.Lock()
-        """Held by the training thread while it changes parameters / optimizer state."""
-        self.rejoin_s: float | None = None
-        self.rank_of: dict[int, int] = {}
-        if self.start_replicas is not None and not cfg.elastic.join:  # generation 0 of a subset
-            self._apply_rank_map({d: i for i, d in enumerate(members_of(plan, self.replicas))})
-        if groups is not None:
-            self.average = self._make_average()
-        inner = make_inner_optimizer(self.model, cfg)
-        self.inner = inner
+        self.stats = CommStats()
+        """Bytes sent and seconds waited by every communicator of this rank."""
+        self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size)
+        self.inner = make_inner_optimizer(self.model, cfg)
+        self.diloco: DiLoCoOptimizer | None = None
+        """The outer optimizer around `inner` in sync mode diloco (None in allreduce mode)."""
         if plan.sync.mode == "diloco":
-            self.opt: Any = DiLoCoOptimizer(
-                self.params, inner, outer_lr=plan.sync.outer_lr,
+            self.diloco = DiLoCoOptimizer(
+                self.params, self.inner, outer_lr=plan.sync.outer_lr,
                 outer_momentum=plan.sync.outer_momentum, inner_steps=plan.sync.inner_steps,
                 all_reduce_fn=self._outer_all_reduce)
-        else:
-            self.opt = inner
+        self.opt: torch.optim.Optimizer | DiLoCoOptimizer = self.diloco or self.inner
+        """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
         self.step = 0
         self.tokens = 0
         self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
         self.dp_bytes = 0
+        """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
+        self.state_lock = threading.Lock()
+        """Held by the training thread while it changes parameters / optimizer state."""
         self.ckpt: AsyncCheckpointer | None = None
         if cfg.ckpt.dir:
             self.ckpt = AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
                                           debug_hook=self._debug_ckpt_hook)
+        builder = GroupBuilder(plan, topo, store, self.spec.tie_embeddings, cfg.timeout_s,
+                               self.stats, comm, log)
+        self.membership = Membership(store, plan, topo,
+                                     MembershipSettings.of(cfg, plan.num_replicas, store_addr),
+                                     builder, self.stats, log)
+        self.groups: Groups | None = None
+        """The current generation's communicators (None on a joiner until admitted)."""
+        self.replicas: tuple[int, ...] = self.membership.replicas
+        """Live replicas of the current generation."""
+        self.average: GroupAverage = no_average
+        """Averages a flat tensor over my stage group (sync.compression's payload)."""
+        if not cfg.elastic.join:
+            self._apply(self.membership.first_generation())
+
+    def _apply(self, change: GenerationChange) -> None:
+        """Take a generation: its groups and live replicas and, on a joiner, the outer state
+        and step handed over by a live peer. The one place membership changes the Trainer."""
+        self.groups, self.replicas = change.groups, change.replicas
+        self.pipe.comm = change.groups.pipeline
+        self.average = make_group_average(change.groups.stage, self.plan.sync.compression,
+                                          f"all-reduce of stage {self.topo.stage}")
+        if change.handover is not None:
+            assert self.diloco is not None
+            with self.state_lock:
+                self.diloco.load_outer_state(change.handover.outer)
+                self.step = change.handover.step
+
+    @property
+    def outer_count(self) -> int | None:
+        """DiLoCo outer steps done (None in allreduce mode)."""
+        return self.diloco.outer_count if self.diloco is not None else None
 
     def _debug_ckpt_hook(self, step: int, where: str) -> None:
-        if self.ckpt_die_at and step == self.ckpt_die_at:
+        if step == self.cfg.debug.ckpt_die_at(self.topo.rank) != 0:
             self.log(f"debug: killing myself while checkpoint step {step} is {where} written")
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -138,28 +162,68 @@ class Trainer(ElasticMembership):
         """Devices of my stage in every live replica."""
         return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
 
-    def _make_average(self):
-        ranks = self._stage_ranks()
-        return make_group_average(self.comm, self.groups.stage, len(ranks),
-                                  self.plan.sync.compression,
-                                  f"all-reduce of stage {self.topo.stage} over ranks "
-                                  f"{list(ranks)}")
-
+    # -- DiLoCo's outer step and joining -----------------------------------------------------
     def _outer_all_reduce(self, flat: torch.Tensor) -> int:
-        """DiLoCo's outer communication: check every group member is there, then average."""
-        if self.monitor is not None:
-            return self._elastic_outer_all_reduce(flat)
-        if len(self.topo.stage_ranks) > 1:
-            t0 = time.perf_counter()
-            outer = self.opt.outer_count if isinstance(self.opt, DiLoCoOptimizer) else 0
-            wait_for_peers(self.store, f"diloco/stage{self.topo.stage}/outer{outer}",
-                           self.topo.rank, self.topo.stage_ranks, self.cfg.timeout_s,
-                           self.cfg.elastic.wait_for_peers, self.log,
-                           what=f"DiLoCo outer step {outer + 1} of stage {self.topo.stage}")
-            self.comm.wait_s += time.perf_counter() - t0
-        sent = self.average(flat)
-        self.dp_bytes += sent
-        return sent
+        """DiLoCo's outer communication: take any new generation, then let the membership
+        average (every member there, commit everywhere); retry with the input otherwise."""
+        keep = flat.clone()
+        while True:
+            change = self.membership.poll(self._handover)
+            if change is not None:
+                self._apply(change)
+            sent = self.membership.outer_round(flat, self.average, self.diloco.outer_count)
+            if sent is not None:
+                self.dp_bytes += sent
+                return sent
+            flat.copy_(keep)
+
+    def _handover(self) -> Handover:
+        """What this rank would hand a joiner of its stage: the step after this outer step's
+        and the outer state."""
+        assert self.diloco is not None
+        return Handover(self.step + 1, self.diloco.outer_state())
+
+    def _join(self) -> None:
+        """--join: be admitted, take the outer state of my stage from a live peer, and take
+        part in the next outer step (with pseudo-gradient 0 and weight 0)."""
+        assert self.diloco is not None
+        t0 = time.monotonic()
+        self._apply(self.membership.join(self._handover))
+        self.diloco.outer_step()  # the same outer step as everybody
+        self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
+                 f"{time.monotonic() - t0:.2f} s")
+
+    # -- failures ----------------------------------------------------------------------------
+    def _on_fatal(self, reason: str) -> None:
+        """Say why, checkpoint what can be checkpointed, and leave with status 1 (any thread)."""
+        print(f"rank {self.topo.rank}: error: {reason}", file=sys.stderr, flush=True)
+        try:
+            saved = self.emergency_checkpoint()
+        except Exception as e:  # never let a failed save keep a dying rank alive
+            saved = f"no checkpoint ({type(e).__name__}: {e})"
+        if saved:
+            self.log(saved)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def emergency_checkpoint(self) -> str:
+        """Finish the write in flight, then save the current state if the training thread is
+        not inside an update (it is usually blocked waiting on the lost peer)."""
+        if self.ckpt is None or not self.cfg.ckpt.dir:
+            return ""
+        if not self.ckpt.flush(timeout=2.0):
+            return "checkpoint: the background write did not finish within 2 s"
+        if self.diloco is not None or not self.state_lock.acquire(timeout=1.0):
+            last = self.ckpt.last_step
+            return (f"checkpoint: newest complete one is step {last}" if last is not None
+                    else "checkpoint: none written yet")
+        # keep the lock: the training thread must not change the state while it is saved
+        if self.step == 0 or self.ckpt.last_step == self.step:
+            return f"checkpoint: step {self.step} is already on disk"
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
+        save_checkpoint(path, self._meta(), snapshot(self.state()))
+        return f"checkpoint: saved step {self.step} to {path}"
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
@@ -187,8 +251,7 @@ class Trainer(ElasticMembership):
 
     def _all_min(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
-        self.comm.wait(work, what)
+        self.groups.world.all_reduce(t, "min", what)
         return int(t[0])
 
     def agree_resume_step(self) -> int:
@@ -232,20 +295,19 @@ class Trainer(ElasticMembership):
         if topo.is_first or topo.is_last:
             x, y = self.sharder.micro_batches(self.step, topo.replica)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches)
-        sum_tied_grads(self.model.tied_pair(), self.comm, self.groups.tied)
-        if plan.sync.mode == "allreduce":
+        sum_tied_grads(self.model.tied_pair(), self.groups.tied)
+        if self.diloco is None:
             self.dp_bytes += average_grads(self.params, self.average)
-        outer0, dp0 = getattr(self.opt, "outer_count", 0), self.dp_bytes
+        outer0, dp0 = self.outer_count, self.dp_bytes
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
             self.opt.step()  # DiLoCo: inner step, and every H steps the outer (communicating) one
             self.step += 1
             self.tokens += self.tokens_per_step
-        outer = getattr(self.opt, "outer_count", 0)
-        if outer > outer0:  # DiLoCo's only communication: every rank says what it sent
-            # spelt like the metrics field: benchmarks/end_to_end.py echoes lines with " step "
-            self.log(f"outer_step {outer}: {self.dp_bytes - dp0} bytes sent to stage group "
-                     f"{list(self._stage_ranks())} (stage {topo.stage}, after "
+        if self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
+            # it sent, spelt like the metrics field (benchmarks/end_to_end.py echoes " step ")
+            self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
+                     f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
         return loss
 
@@ -261,11 +323,11 @@ class Trainer(ElasticMembership):
         return loss
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from the current step (0, or the checkpoint's) up to cfg.steps."""
-        cfg, topo, plan = self.cfg, self.topo, self.plan
-        self.start_monitor()
+        """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps."""
+        cfg, topo = self.cfg, self.topo
+        self.membership.start(on_fatal=self._on_fatal)
         if cfg.elastic.join:
-            self.join()
+            self._join()
         elif cfg.ckpt.resume:
             self.load()
             self.log(f"resumed from step {self.step}")
@@ -273,41 +335,14 @@ class Trainer(ElasticMembership):
         if cfg.metrics.metrics and topo.is_last:
             writer = MetricsWriter(replica_metrics_path(cfg.metrics.metrics, topo.replica),
                                    resume_step=self.step if cfg.ckpt.resume else None)
-        tokens_per_step = self.tokens_per_step
         records = []
         try:
             while self.step < cfg.steps:
-                if self.vanish_at[0] and self.step + 1 == self.vanish_at[0]:
+                vanish_step, status = cfg.debug.vanish_at(topo.rank)
+                if self.step + 1 == vanish_step:
                     self.log(f"debug: vanishing before step {self.step + 1}")
-                    os._exit(self.vanish_at[1])
-                t0, wait0, bytes0 = time.perf_counter(), self.comm.wait_s, self.comm.bytes_sent
-                dp0 = self.dp_bytes
-                try:
-                    loss = self.train_step()
-                except RuntimeError as e:  # PeerError, or gloo's own error from a posted op
-                    if not isinstance(e, PeerError):
-                        e = PeerError(f"step {self.step + 1}: "
-                                      f"{str(e).strip().splitlines()[0][:300]}")
-                    if not getattr(e, "diagnosed", False):
-                        self.await_verdict()  # the heartbeat names the lost peer and exits
-                    if self.monitor is not None and self.monitor.dropped:
-                        self.finish()  # rank 0: host the store until the others are done
-                        raise PeerError(f"my replica {topo.replica} was dropped at step "
-                                        f"{self.step}; the store was kept up until the other "
-                                        "replicas finished") from None
-                    raise e from None
-                step_s = time.perf_counter() - t0
-                comm_s = self.comm.wait_s - wait0
-                rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
-                       "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
-                       "comm_s": round(comm_s, 6),
-                       "bytes_sent": self.comm.bytes_sent - bytes0,
-                       "dp_bytes_sent": self.dp_bytes - dp0,
-                       "outer_step": getattr(self.opt, "outer_count", None),
-                       "tokens_per_s": round(tokens_per_step * len(self.replicas) / step_s, 1),
-                       "replica": topo.replica, "wall_time": round(time.time(), 3)}
-                if self.monitor is not None and plan.sync.mode == "diloco":
-                    rec["live_replicas"] = len(self.replicas)
+                    os._exit(status)
+                rec = self._measured_step()
                 last = self.step == cfg.steps
                 every = cfg.data.eval_every
                 if self.val and ((every and self.step % every == 0) or last):
@@ -316,12 +351,7 @@ class Trainer(ElasticMembership):
                         rec["val_loss"] = val
                 if topo.is_last:
                     records.append(rec)
-                    if topo.replica == min(self.replicas) and (self.step % cfg.log_every == 0
-                                                               or last):
-                        extra = f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-                        self.log(f"step {self.step}/{cfg.steps} loss {loss:.4f} "
-                                 f"tok/s {rec['tokens_per_s']:.0f} step_s {step_s:.3f} "
-                                 f"comm_s {comm_s:.3f}{extra}")
+                    self._log_progress(rec, last)
                 ckpt_every = cfg.ckpt.interval(cfg.steps)
                 if ckpt_every and (self.step % ckpt_every == 0 or last):
                     rec["ckpt_block_s"] = round(self.save(), 6)
@@ -332,7 +362,48 @@ class Trainer(ElasticMembership):
         finally:
             if writer:
                 writer.close()
-        self.finish()
+        self.membership.finish()
         return records
 
+    def _measured_step(self) -> dict[str, Any]:
+        """One train_step and its metrics record; a lost peer ends the run with its reason."""
+        t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
+        dp0 = self.dp_bytes
+        try:
+            loss = self.train_step()
+        except RuntimeError as e:  # PeerError, or the store's own error (rank 0 is gone)
+            raise self._peer_failure(e) from None
+        step_s = time.perf_counter() - t0
+        comm_s = self.stats.wait_s - wait0
+        rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
+               "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
+               "comm_s": round(comm_s, 6), "bytes_sent": self.stats.bytes_sent - bytes0,
+               "dp_bytes_sent": self.dp_bytes - dp0, "outer_step": self.outer_count,
+               "tokens_per_s": round(self.tokens_per_step * len(self.replicas) / step_s, 1),
+               "replica": self.topo.replica, "wall_time": round(time.time(), 3)}
+        if self.membership.monitor is not None and self.diloco is not None:
+            rec["live_replicas"] = len(self.replicas)
+        return rec
 
+    def _peer_failure(self, e: RuntimeError) -> PeerError:
+        """The error to end the run with after a failed step: the heartbeat first gets time
+        to name the lost peer (it exits the process then)."""
+        if not isinstance(e, PeerError):
+            e = PeerError(f"step {self.step + 1}: {first_line(e)}")
+        if not e.diagnosed:
+            self.membership.await_verdict()
+        if self.membership.dropped:
+            self.membership.finish()  # rank 0: host the store until the others are done
+            return PeerError(f"my replica {self.topo.replica} was dropped at step {self.step}; "
+                             "the store was kept up until the other replicas finished")
+        return e
+
+    def _log_progress(self, rec: dict[str, Any], last: bool) -> None:
+        """The progress line of the first live replica's last stage, every cfg.log_every steps."""
+        if self.topo.replica != min(self.replicas) or not (self.step % self.cfg.log_every == 0
+                                                            or last):
+            return
+        extra = f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        self.log(f"step {self.step}/{self.cfg.steps} loss {rec['loss']:.4f} "
+                 f"tok/s {rec['tokens_per_s']:.0f} step_s {rec['step_s']:.3f} "
+                 f"comm_s {rec['comm_s']:.3f}{extra}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -13,8 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from modules.comm import CommError, Communicator, GlooCommunicator, build_communicators
-from modules.quant import compressed_all_reduce_mean
+from modules.comm import (
+    CommError,
+    Communicator,
+    GlooCommunicator,
+    build_communicators,
+    compressed_all_reduce_mean,
+)
 
 WORLD = 3
 GROUPS = [[2, 0], [1], [0, 1, 2]]  # given unsorted on purpose: groups are kept sorted
@@ -134,3 +140,81 @@ def test_gloo_communicator_needs_an_initialised_world():
 def test_build_communicators_rejects_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         build_communicators([[0]], 0, "mpi")
+
+
+# -- the runtime's use: peers by device id, posted receives, shared stats, one timeout ---------
+IDS = (2, 5, 7)  # device ids of a later generation whose default group numbers them 0..2
+
+
+def _ids_worker(rank: int, port: int, out_dir: str) -> None:
+    from modules.comm import CommStats, PeerError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    me = IDS[rank]
+    stats = CommStats()
+    res: dict = {}
+    try:
+        world = GlooCommunicator(None, 30, ids=IDS, stats=stats)
+        comms = build_communicators([[2, 7], [5, 7]], me, "gloo", timeout_s=1.5,
+                                    rank_of={d: i for i, d in enumerate(IDS)}, stats=stats)
+        res["ranks"] = [world.rank, list(world.ranks)]
+        if me == 2:  # receives posted first, waited on out of order, tags keep them apart
+            posted = [world.irecv(torch.empty(3), 7, tag=t) for t in (0, 1, 2)]
+            res["tags"] = [world.wait(posted[i]).tolist() for i in (2, 0, 1)]
+        elif me == 7:
+            for t in (2, 1, 0):
+                world.send(torch.full((3,), float(t)), 2, tag=t)
+        world.barrier()
+        res["stats_bytes"] = stats.bytes_sent
+        res["own_bytes"] = world.bytes_sent
+        if me != 5:  # rank 5 stays out: a mean over [2, 7] and then one over [5, 7] wait on it
+            pair = comms[(2, 7)]
+            x = torch.full((1000,), float(me))
+            res["mean"] = pair.mean_all_reduce(x, "int8", "all-reduce of stage 0")
+            res["mean_value"] = float(x[0])
+        if me == 7:
+            t0 = time.monotonic()
+            try:
+                comms[(5, 7)].mean_all_reduce(torch.ones(1000), "int8", "all-reduce of stage 1")
+            except PeerError as e:
+                res["error"] = [type(e).__name__, str(e), e.op, list(e.peers)]
+            res["error_s"] = time.monotonic() - t0
+        res["wait_s"] = stats.wait_s
+    finally:
+        with open(f"{out_dir}/ids{rank}.json", "w") as f:
+            json.dump(res, f)
+        # rank 5 must outlive rank 7's timeout, or rank 7 sees a closed connection instead
+        time.sleep(3 if me == 5 else 0)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def id_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ids")
+    mp.start_processes(_ids_worker, args=(_free_port(), str(d)), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    return [json.loads((d / f"ids{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.timeout(120)
+def test_peers_are_named_by_id_and_posted_receives_match_by_tag(id_results):
+    assert [r["ranks"] for r in id_results] == [[i, list(IDS)] for i in IDS]
+    assert id_results[0]["tags"] == [[2.0] * 3, [0.0] * 3, [1.0] * 3]
+    assert id_results[2]["own_bytes"] == 3 * 12  # three 3-float messages
+    assert id_results[2]["stats_bytes"] >= 36  # the rank's total (all its communicators)
+
+
+@pytest.mark.timeout(120)
+def test_compressed_mean_and_a_silent_peer_within_the_communicators_timeout(id_results):
+    r2, r7 = id_results[0], id_results[2]
+    assert r2["mean_value"] == r7["mean_value"] == pytest.approx(4.5, rel=1e-2)
+    assert 0 < r2["mean"] < 1000 * 4  # int8 codes, not fp32
+    kind, text, op, peers = r7["error"]
+    assert kind == "CommError" and peers == [5]
+    assert op == "all-reduce of stage 1 (int8, reduce-scatter)"
+    assert text.startswith("all-reduce of stage 1 (int8, reduce-scatter): no answer from rank 5 "
+                           "within 1.5 s")
+    assert 1.4 < r7["error_s"] < 10  # the communicator's 1.5 s, not a default of minutes
+    assert r7["wait_s"] >= 1.4  # the wait is accounted

@@ -107,7 +107,8 @@ def test_single_gpu_communicator_every_call():
 
 
 def _nccl_worker(rank: int, world: int, port: int, out: dict) -> None:
-    from modules.quant.allreduce import compressed_all_reduce_mean, reference_compressed_mean
+    from modules.comm import compressed_all_reduce_mean
+    from modules.quant.allreduce import reference_compressed_mean
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
@@ -135,3 +136,52 @@ def test_multi_gpu_int8_all_reduce_matches_the_cpu_reference():
     world = torch.cuda.device_count()
     mp.start_processes(_nccl_worker, args=(world, _free_port(), {}), nprocs=world,
                        start_method="spawn", join=True)
+
+
+def _nccl_watchdog_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import time
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))
+    comm = CupyNcclCommunicator([0, 1], rank, store, "wd", dev, timeout_s=2)
+    got = torch.zeros(4, device=dev)
+    if rank == 0:
+        comm.send(torch.arange(4.0, device=dev), 1, what="payload")
+    else:
+        comm.wait(comm.irecv(got, 0), "payload")  # a posted receive, enqueued on wait
+    comm.synchronize()
+    res: dict = {"got": got.tolist()}
+    if rank == 0:  # rank 1 never joins this all-reduce: the watchdog must end it
+        t0 = time.monotonic()
+        comm.all_reduce(torch.ones(10, device=dev), what="lonely all-reduce")
+        try:
+            comm.synchronize()
+        except CommError as e:
+            res["error"] = [str(e), list(e.peers), time.monotonic() - t0]
+        store.set("done", "1")
+    else:
+        store.wait(["done"], timedelta(seconds=60))
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(res, f)
+    comm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _gpu_ready() or torch.cuda.device_count() < 2,
+                    reason="needs 2+ CUDA devices and cupy with NCCL (one NCCL rank per GPU)")
+def test_nccl_posted_receive_and_a_silent_peer_within_the_timeout(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_nccl_watchdog_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert res[1]["got"] == [0.0, 1.0, 2.0, 3.0]
+    text, peers, seconds = res[0]["error"]
+    assert text.startswith("lonely all-reduce: no answer from rank 1 within 2 s") and peers == [1]
+    assert 1.9 < seconds < 20

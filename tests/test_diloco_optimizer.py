@@ -178,3 +178,32 @@ def test_readme_example_runs_alone_and_under_torchrun(tmp_path):
     assert all(int(b) == 10 * 4 * n for _, b, _ in found)
     # both workers end on the same weights (the last call was an outer step)
     assert found[0][2] == found[1][2]
+
+
+@pytest.mark.parametrize("outer_steps", [0, 2])
+def test_outer_state_handed_to_a_fresh_optimizer_continues_identically(outer_steps):
+    """What a live replica hands a joiner (outer model, momentum, count) makes the joiner's
+    next outer steps bit-identical to the live replica's, given the same pseudo-gradients."""
+    live = _model(0)
+    opt = DiLoCoOptimizer(live.parameters(), torch.optim.SGD(live.parameters(), lr=0.1),
+                          inner_steps=3, all_reduce_fn=_halve)
+    _train(live, opt, 3 * outer_steps + 1)  # one inner step past the last outer step
+    state = opt.outer_state()
+    assert state.outer_count == outer_steps
+    assert (state.momentum is None) == (outer_steps == 0)
+    joiner = _model(5)  # other weights: everything must come from the state
+    jopt = DiLoCoOptimizer(joiner.parameters(), torch.optim.SGD(joiner.parameters(), lr=0.1),
+                           inner_steps=3, all_reduce_fn=_halve)
+    jopt.load_outer_state(copy.deepcopy(state))
+    assert jopt.outer_count == outer_steps and jopt.inner_count == 0
+    for a, b in zip(joiner.parameters(), opt.anchor):
+        assert torch.equal(a, b)  # the joiner starts from the outer model
+    for p, a in zip(live.parameters(), opt.anchor):  # and so does the live one's next step
+        p.data.copy_(a)
+    for o in (opt, jopt):
+        o.outer_step()
+        o.outer_step()
+    for a, b in zip(live.parameters(), joiner.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="outer state: 3 values"):
+        jopt.load_outer_state(type(state)(torch.zeros(3), None, 0))

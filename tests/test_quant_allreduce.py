@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from modules.comm import compressed_all_reduce_mean
 from modules.comm.base import GroupMembership
-from modules.quant import NonFiniteError, compressed_all_reduce_mean
+from modules.quant import NonFiniteError
 from modules.quant.allreduce import SEGMENT as DEFAULT_SEGMENT
 from modules.quant.allreduce import reference_compressed_mean
 

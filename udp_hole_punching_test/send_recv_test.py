@@ -12,8 +12,9 @@ included; its buffers are zeroed in between, so a lost message cannot pass on st
 reports to rank 0 outside the timed part; a corrupted transfer fails the run (exit 1). Rank 0
 prints one JSON line with the results.
 
---backend gloo runs on CPU. --backend cupy_nccl sends CUDA buffers with cupy's NCCL bindings
-(one GPU per rank; the NCCL unique id goes through the torch.distributed TCP store).
+Both ranks talk through the runtime's communicators (modules.comm): --backend gloo runs on CPU,
+--backend cupy_nccl sends CUDA buffers with cupy's NCCL bindings (one GPU per rank; the NCCL
+unique id goes through the rendezvous TCP store). Every wait is bounded by --timeout-s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -33,6 +33,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from formats.errors import UserError  # noqa: E402
+from modules.comm import Communicator, CupyNcclCommunicator, GlooCommunicator  # noqa: E402
+from modules.comm.nccl import load_nccl  # noqa: E402
+from modules.dist import rendezvous  # noqa: E402
 
 LATENCY_BYTES = 4
 
@@ -43,140 +46,77 @@ def payload(size_bytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (size_bytes,), dtype=torch.uint8, generator=gen)
 
 
-class GlooLink:
-    """send/recv of uint8 CPU tensors through the default gloo process group."""
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Blocking send."""
-        dist.send(t, dst)
-
-    def recv(self, t: torch.Tensor, src: int) -> None:
-        """Blocking receive into t."""
-        dist.recv(t, src)
-
-    def buffer(self, n: int) -> torch.Tensor:
-        """A zeroed buffer of n bytes."""
-        return torch.zeros(n, dtype=torch.uint8)
-
-    def zero(self, t: torch.Tensor) -> None:
-        """Overwrite the buffer with zeros."""
-        t.zero_()
-
-    def to_cpu(self, t) -> torch.Tensor:
-        """A CPU tensor with the buffer's bytes."""
-        return t
-
-    def from_cpu(self, t: torch.Tensor):
-        """A transfer buffer holding t's bytes."""
-        return t
+def require_cuda_nccl() -> None:
+    """UserError saying what is missing when cupy's NCCL or a CUDA device is not there."""
+    try:
+        load_nccl()
+    except RuntimeError as exc:
+        raise UserError(f"--backend cupy_nccl needs cupy with NCCL (pip install cupy-cuda12x) "
+                        f"and a CUDA GPU; use --backend gloo on CPU ({exc})") from None
+    if not torch.cuda.is_available():
+        raise UserError("--backend cupy_nccl: cupy is installed but no CUDA device is usable "
+                        "here; use --backend gloo on CPU")
 
 
-class CupyNcclLink:
-    """send/recv of cupy uint8 arrays through a cupy NCCL communicator."""
+def open_communicator(args: argparse.Namespace) -> Communicator:
+    """Rendezvous at --dist-url, then the pair's communicator (NCCL: its unique id goes through
+    the rendezvous store)."""
+    store = rendezvous(args.dist_url, args.rank, args.world_size, args.timeout_s)
+    if args.backend == "gloo":
+        return GlooCommunicator(None, args.timeout_s)
+    device = torch.device("cuda", args.rank % torch.cuda.device_count())
+    return CupyNcclCommunicator(range(args.world_size), args.rank, store, "send-recv", device,
+                                args.timeout_s)
 
-    @staticmethod
-    def require():
-        """Import cupy and its NCCL bindings, or raise UserError saying what is missing."""
-        try:
-            import cupy
-            from cupy.cuda import nccl
-        except ImportError as exc:
-            raise UserError(
-                "--backend cupy_nccl needs cupy (pip install cupy-cuda12x) and a CUDA GPU; "
-                "use --backend gloo on CPU"
-            ) from exc
-        if not cupy.cuda.is_available():
-            raise UserError(
-                "--backend cupy_nccl: cupy is installed but no CUDA device is usable here; "
-                "use --backend gloo on CPU"
-            )
-        return cupy, nccl
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        cupy, nccl = self.require()
-        self.cp, self.nccl = cupy, nccl
-        cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-        uid = torch.zeros(128, dtype=torch.uint8)  # NCCL unique ids are 128 bytes
+def round_trips(comm: Communicator, args: argparse.Namespace, expected: torch.Tensor,
+                ) -> tuple[list[float], list[float], bool]:
+    """Timed round trips (latency-sized, then payload-sized) and whether rank 1 got every byte."""
+    dev, rank = comm.device, args.rank
+    ones = torch.ones(LATENCY_BYTES, dtype=torch.uint8)
+    data = expected.to(dev) if rank == 0 else torch.zeros(expected.numel(), dtype=torch.uint8,
+                                                           device=dev)
+    small = ones.to(dev) if rank == 0 else torch.zeros(LATENCY_BYTES, dtype=torch.uint8,
+                                                       device=dev)
+    ack, verdict = (torch.zeros(1, dtype=torch.uint8, device=dev) for _ in range(2))
+    lat_rtts: list[float] = []
+    big_rtts: list[float] = []
+    verified = True
+    for i in range(args.warmup + args.iters):
+        for msg, rtts in ((small, lat_rtts), (data, big_rtts)):
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.send(msg, 1, what="payload")
+                comm.recv(ack, 1, what="acknowledgement")
+            else:
+                comm.recv(msg, 0, what="payload")
+                comm.send(ack, 0, what="acknowledgement")
+            comm.synchronize()
+            if i >= args.warmup:
+                rtts.append(time.perf_counter() - t0)
+        # untimed: rank 1 checks this round's bytes and zeroes its buffers for the next one
+        # while rank 0 waits for the verdict, so checking never lands in a timed round trip
         if rank == 0:
-            uid = torch.tensor([b % 256 for b in nccl.get_unique_id()], dtype=torch.uint8)
-        dist.broadcast(uid, 0)
-        uid_tuple = tuple(int(b) if b < 128 else int(b) - 256 for b in uid.tolist())
-        self.comm = nccl.NcclCommunicator(world_size, uid_tuple, rank)
-        self.stream = cupy.cuda.Stream.null
-
-    def send(self, t, dst: int) -> None:
-        """Send and wait for completion."""
-        self.comm.send(t.data.ptr, t.size, self.nccl.NCCL_UINT8, dst, self.stream.ptr)
-        self.stream.synchronize()
-
-    def recv(self, t, src: int) -> None:
-        """Receive and wait for completion."""
-        self.comm.recv(t.data.ptr, t.size, self.nccl.NCCL_UINT8, src, self.stream.ptr)
-        self.stream.synchronize()
-
-    def buffer(self, n: int):
-        """A zeroed device buffer of n bytes."""
-        return self.cp.zeros(n, dtype=self.cp.uint8)
-
-    def zero(self, t) -> None:
-        """Overwrite the buffer with zeros."""
-        t.fill(0)
-        self.stream.synchronize()
-
-    def to_cpu(self, t) -> torch.Tensor:
-        """A CPU tensor with the buffer's bytes."""
-        return torch.from_numpy(self.cp.asnumpy(t))
-
-    def from_cpu(self, t: torch.Tensor):
-        """A device buffer holding t's bytes."""
-        return self.cp.asarray(t.numpy())
+            comm.recv(verdict, 1, what="verdict")
+            verified = verified and int(verdict.cpu()[0]) == 1
+        else:
+            good = torch.equal(small.cpu(), ones) and torch.equal(data.cpu(), expected)
+            small.zero_()
+            data.zero_()
+            comm.send(torch.tensor([int(good)], dtype=torch.uint8, device=dev), 0, what="verdict")
+        comm.synchronize()
+    return lat_rtts, big_rtts, verified
 
 
 def run(args: argparse.Namespace) -> dict | None:
     """Run the benchmark on this rank; rank 0 returns the results."""
     torch.set_num_threads(1)
     if args.backend == "cupy_nccl":
-        CupyNcclLink.require()  # fail before waiting for the other rank
-    dist.init_process_group(
-        "gloo",
-        init_method=args.dist_url,
-        rank=args.rank,
-        world_size=args.world_size,
-        timeout=timedelta(seconds=args.timeout_s),
-    )
+        require_cuda_nccl()  # fail before waiting for the other rank
+    comm = open_communicator(args)
     try:
-        link = GlooLink() if args.backend == "gloo" else CupyNcclLink(args.rank, args.world_size)
         size = int(args.size_mb * 1e6)
-        expected = payload(size, args.seed)
-        data = link.from_cpu(expected) if args.rank == 0 else link.buffer(size)
-        ones = torch.ones(LATENCY_BYTES, dtype=torch.uint8)
-        small, ack, verdict = link.buffer(LATENCY_BYTES), link.buffer(1), link.buffer(1)
-        if args.rank == 0:
-            small = link.from_cpu(ones)
-        lat_rtts, big_rtts = [], []
-        verified = True
-        for i in range(args.warmup + args.iters):
-            for msg, rtts in ((small, lat_rtts), (data, big_rtts)):
-                t0 = time.perf_counter()
-                if args.rank == 0:
-                    link.send(msg, 1)
-                    link.recv(ack, 1)
-                else:
-                    link.recv(msg, 0)
-                    link.send(ack, 0)
-                if i >= args.warmup:
-                    rtts.append(time.perf_counter() - t0)
-            # untimed: rank 1 checks this round's bytes and zeroes its buffers for the next one
-            # while rank 0 waits for the verdict, so checking never lands in a timed round trip
-            if args.rank == 0:
-                link.recv(verdict, 1)
-                verified = verified and int(link.to_cpu(verdict)[0]) == 1
-            else:
-                good = torch.equal(link.to_cpu(small), ones)
-                good = good and torch.equal(link.to_cpu(data), expected)
-                link.zero(small)
-                link.zero(data)
-                link.send(link.from_cpu(torch.tensor([int(good)], dtype=torch.uint8)), 0)
+        lat_rtts, big_rtts, verified = round_trips(comm, args, payload(size, args.seed))
         if args.rank != 0:
             return None
         lat_rtt = statistics.median(lat_rtts)
@@ -193,6 +133,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "bandwidth_mbit_s": round(size * 8 / transfer_s / 1e6, 1),
         }
     finally:
+        comm.close()
         dist.destroy_process_group()
 
 

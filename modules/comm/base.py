@@ -1,86 +1,159 @@
-"""The `Communicator` protocol shared by the gloo and the cupy-NCCL implementations."""
+"""The `Communicator` interface shared by the gloo and the cupy-NCCL implementations, and the
+bookkeeping they share: membership, byte and wait-time accounting, the compressed mean."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from modules.comm.compressed import mean_all_reduce
+from modules.comm.errors import CommError
+from modules.quant.allreduce import SEGMENT
+from modules.quant.blocks import DEFAULT_BLOCK
+
 REDUCE_OPS = ("sum", "max", "min")
 
+__all__ = ["REDUCE_OPS", "CommError", "CommStats", "Communicator", "GroupMembership", "Posted",
+           "check_op"]
 
-class CommError(RuntimeError):
-    """A peer did not answer within the timeout, or the backend failed; names the operation."""
+
+@dataclass
+class CommStats:
+    """What the communicators of one rank did, added up (they can share one instance)."""
+
+    bytes_sent: int = 0
+    """Bytes put on the wire: p2p payloads exactly, collectives as a ring sends them
+    (2 (W-1)/W x payload per all-reduce), compressed means their codes and scales."""
+    wait_s: float = 0.0
+    """Seconds spent waiting on communication (waiting for a slow peer included)."""
+
+
+@dataclass
+class Posted:
+    """A send or receive started with `isend`/`irecv`; finish it with the communicator's `wait`."""
+
+    peer: int
+    """Global rank of the other side."""
+    kind: str
+    """`send` or `recv`."""
+    handle: Any
+    """The backend's own handle (gloo: a torch Work; NCCL: None, or the receive to enqueue)."""
+    buffer: torch.Tensor
+    """What travels on the wire (a host copy of the caller's tensor when it is staged)."""
+    target: torch.Tensor | None = None
+    """Receive into a staged tensor: the caller's tensor, filled from `buffer` on wait."""
 
 
 @runtime_checkable
 class Communicator(Protocol):
     """Point-to-point and collective calls over a fixed group of global ranks.
 
-    Every call is made by all members (collectives) or by the two peers (send/recv) with
-    tensors on `device`. On gloo a call returns when it is done; on NCCL it is enqueued on the
-    CUDA stream (torch's current stream unless one is given) and is ordered with the kernels
-    on it, as torch's own collectives are. `bytes_sent` counts what this rank put on the wire:
-    p2p payloads exactly, collectives as a ring sends them.
+    Peers are named by global rank (in the runtime: the plan's device id). Every call is made by
+    all members (collectives) or by the two peers (p2p). On gloo a call returns when it is done;
+    on NCCL it is enqueued on torch's current CUDA stream and ordered with the kernels on it.
+    Every wait is bounded by `timeout_s` and fails with `CommError` naming the operation and the
+    peer(s). `bytes_sent` counts what this communicator put on the wire; `stats` adds up every
+    communicator of the rank that shares it (bytes and seconds spent waiting).
     """
 
     ranks: tuple[int, ...]
-    """Global ranks of the group, ascending (group rank i = ranks[i]), as torch orders them."""
+    """Global ranks of the group, ascending (group rank i = ranks[i])."""
     rank: int
     """This process's global rank."""
     device: torch.device
-    """Where tensors passed to this communicator live (cpu for gloo, cuda:N for NCCL)."""
+    """Where the backend wants tensors (cpu for gloo, which stages CUDA tensors; cuda:N)."""
+    timeout_s: float
+    """How long any wait may take."""
     bytes_sent: int
+    stats: CommStats
 
     @property
     def size(self) -> int:
         """Number of ranks in the group."""
         ...
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Posted:
+        """Start sending a contiguous tensor to global rank `dst`; finish with `wait`."""
+        ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Posted:
+        """Post a receive into a contiguous tensor from `src` now (gloo's p2p is a rendezvous:
+        a receive posted early saves a round trip); finish with `wait`."""
+        ...
+
+    def wait(self, posted: Posted, what: str | None = None) -> torch.Tensor:
+        """Finish a posted send/receive within the timeout; returns its tensor."""
+        ...
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, what: str | None = None) -> None:
         """Send a contiguous tensor to global rank `dst`."""
         ...
 
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0,
+             what: str | None = None) -> torch.Tensor:
         """Receive into a contiguous tensor from global rank `src`; returns it."""
         ...
 
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
-                 recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+                 recvs: Sequence[tuple[torch.Tensor, int]], what: str | None = None) -> None:
         """Run many sends (tensor, dst) and receives (tensor, src) concurrently (no deadlock)."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str | None = None) -> None:
         """In-place reduction (`sum`, `max` or `min`) over the group."""
         ...
 
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
+                   what: str | None = None) -> None:
         """outputs[i] <- the `tensor` of group rank i (same shape and dtype everywhere)."""
         ...
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None) -> None:
         """In place: every member ends with global rank `src`'s tensor."""
         ...
 
-    def barrier(self) -> None:
+    def barrier(self, what: str | None = None) -> None:
         """Return once every member has called barrier (NCCL: and the stream is drained)."""
+        ...
+
+    def mean_all_reduce(self, tensor: torch.Tensor, compression: str = "int8",
+                        what: str | None = None) -> int:
+        """Average a contiguous fp32 tensor in place; fp16/int8 codes on the wire (`none`:
+        fp32). Returns the bytes this rank sent; every rank ends with the same bytes."""
+        ...
+
+    def synchronize(self, what: str | None = None) -> None:
+        """Block until everything enqueued so far is done (gloo: already is)."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources."""
         ...
 
 
 class GroupMembership:
-    """Group bookkeeping shared by the implementations."""
+    """Group bookkeeping shared by the implementations: who is in it, what was sent and waited."""
 
     ranks: tuple[int, ...]
     rank: int
+    device: torch.device
 
-    def _init_membership(self, ranks: Sequence[int], rank: int) -> None:
+    def _init_membership(self, ranks: Sequence[int], rank: int, timeout_s: float = 300.0,
+                         stats: CommStats | None = None) -> None:
         ranks = tuple(sorted(int(r) for r in ranks))  # torch's new_group order
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"communicator ranks {list(ranks)}: need distinct global ranks")
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not a member of the group {list(ranks)}")
         self.ranks, self.rank, self.bytes_sent = ranks, rank, 0
+        self.timeout_s = timeout_s
+        self.stats = stats if stats is not None else CommStats()
+        self.wait_s = 0.0
+        """Seconds this communicator spent waiting (stats.wait_s adds up all of the rank's)."""
 
     @property
     def size(self) -> int:
@@ -100,9 +173,40 @@ class GroupMembership:
             raise ValueError(f"rank {global_rank} is not in this communicator's group "
                              f"{list(self.ranks)}") from None
 
+    def others(self) -> tuple[int, ...]:
+        """Every member but this rank (whom a collective waits for)."""
+        return tuple(r for r in self.ranks if r != self.rank)
+
+    def mean_all_reduce(self, tensor: torch.Tensor, compression: str = "int8",
+                        what: str | None = None, block: int = DEFAULT_BLOCK,
+                        segment: int = SEGMENT) -> int:
+        """Average a contiguous fp32 tensor in place over the group (modules.comm.compressed);
+        returns the bytes this rank sent. Its whole duration counts as waiting, codec included,
+        as the reduction inside an fp32 all-reduce does."""
+        t0, wait0, own0 = time.perf_counter(), self.stats.wait_s, self.wait_s
+        try:
+            return mean_all_reduce(tensor, self, compression, block, segment,
+                                   what or f"mean all-reduce over ranks {list(self.ranks)}")
+        finally:  # replaces the waits of the calls inside, which overlap the codec
+            elapsed = time.perf_counter() - t0
+            self.stats.wait_s, self.wait_s = wait0 + elapsed, own0 + elapsed
+
+    def _count_sent(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.stats.bytes_sent += nbytes
+
+    def _count_wait(self, seconds: float) -> None:
+        self.wait_s += seconds
+        self.stats.wait_s += seconds
+
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         w = self.size
         return int(2 * (w - 1) / w * tensor.numel() * tensor.element_size())
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's payload."""
+    return tensor.numel() * tensor.element_size()
 
 
 def check_op(op: str) -> None:

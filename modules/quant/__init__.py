@@ -1,6 +1,7 @@
-"""Compression of data-parallel traffic: block-wise int8 codec (CPU + CUDA) and all-reduce."""
+"""Compression of data-parallel traffic: the block-wise int8 codec (CPU + CUDA) and the
+arithmetic of the compressed mean all-reduce (modules.comm.compressed moves it)."""
 
-from modules.quant.allreduce import COMPRESSIONS, compressed_all_reduce_mean
+from modules.quant.allreduce import COMPRESSIONS, reference_compressed_mean
 from modules.quant.codec import (
     DEFAULT_BLOCK,
     NonFiniteError,
@@ -10,4 +11,4 @@ from modules.quant.codec import (
 )
 
 __all__ = ["COMPRESSIONS", "DEFAULT_BLOCK", "NonFiniteError", "QuantizedTensor",
-           "compressed_all_reduce_mean", "dequantize_int8", "quantize_int8"]
+           "dequantize_int8", "quantize_int8", "reference_compressed_mean"]

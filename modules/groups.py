@@ -1,0 +1,150 @@
+"""The communicators of one generation: which groups a plan needs, the backend of each, and
+how they are formed.
+
+A generation's members are every device of its live replicas. Generation 0's default process
+group comes from the rendezvous (modules.dist); a later one is re-formed among the members
+under a fresh store prefix. The groups: the data-parallel group of each stage, the
+tied-embedding pair (first and last stage) of each replica, and each replica's pipeline. Each
+gets a backend from `CommOptions.backend` and its members' devices (modules.comm.choice, the
+same answer on every rank); every member creates the gloo ones in the same order (a
+torch.distributed.new_group rule), then the NCCL ones. A gloo pipeline needs no group of its
+own: its point-to-point calls go through the generation's default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from formats.plan import Plan
+from modules.comm import CommStats, Communicator, GlooCommunicator, PeerError, build_communicators
+from modules.comm.choice import (
+    BackendChoice,
+    CommOptions,
+    DeviceInfo,
+    announce_device,
+    choose_backend,
+    local_device,
+    read_devices,
+)
+from modules.comm.errors import first_line
+from modules.dist import Topology, members_of
+from modules.protocol import generation_prefix
+
+
+@dataclass
+class Groups:
+    """The communicators of one generation that this rank takes part in (peers: device ids)."""
+
+    world: Communicator
+    """Every member of the generation (resume agreement, final barrier)."""
+    pipeline: Communicator | None
+    """My replica's pipeline: activations and their gradients (None with one stage)."""
+    stage: Communicator | None
+    """Data-parallel group of my stage (gradient / pseudo-gradient averaging, a joiner's outer
+    state); None where it has one member."""
+    tied: Communicator | None
+    """First and last stage of my replica, which hold the two tied embedding copies (None
+    without tied embeddings or with one stage)."""
+    choices: tuple[BackendChoice, ...] = ()
+    """The backend of each group of more than one rank that I am in, and why."""
+
+    def close(self) -> None:
+        """Release every communicator (before a new generation replaces them)."""
+        for comm in {id(c): c for c in (self.world, self.pipeline, self.stage, self.tied)
+                     if c is not None}.values():
+            comm.close()
+
+
+class GroupBuilder:
+    """Forms the communicators of a generation, the same calls in the same order on every
+    member; every communicator has the run's timeout and adds to one `CommStats`."""
+
+    def __init__(self, plan: Plan, topo: Topology, store: dist.Store, tie_embeddings: bool,
+                 timeout_s: float, stats: CommStats, options: CommOptions | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.plan, self.topo, self.store = plan, topo, store
+        self.tie_embeddings = tie_embeddings
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self.options = options or CommOptions()
+        self.device = torch.device(self.options.device)
+        self.log = log
+        self.devices: dict[int, DeviceInfo] = {}
+        """Announced devices of the ranks seen so far (a device does not change)."""
+        if self.options.backend != "gloo":  # gloo for everything needs nobody's device
+            announce_device(store, topo.rank, local_device(self.device))
+
+    def build(self, gen: int, replicas: Sequence[int]) -> Groups:
+        """Groups of generation `gen` over the live `replicas` (re-forms the default process
+        group first for gen > 0; generation 0's is the rendezvous'). PeerError when a member
+        does not come within the timeout; UserError when --comm nccl cannot run somewhere."""
+        replicas = sorted(replicas)
+        members = members_of(self.plan, replicas)
+        if gen > 0:
+            self._reform_default_group(gen, members)
+        choices = self._choose(self._named_groups(replicas), members)
+        built: dict[tuple[int, ...], str] = {}  # ranks -> backend, once per set of ranks
+        for c in choices:  # (with two stages a pipeline is its tied pair)
+            if not (c.group.startswith("pipeline") and c.backend == "gloo"):
+                built.setdefault(c.ranks, c.backend)
+        comms = build_communicators(list(built), self.topo.rank, list(built.values()),
+                                    self.store, self.device,
+                                    f"g{gen}/", self.timeout_s,
+                                    {d: i for i, d in enumerate(members)}, self.stats)
+        world = GlooCommunicator(None, self.timeout_s, ids=members, stats=self.stats)
+        mine = {c.group: c for c in choices if self.topo.rank in c.ranks}
+        r = self.topo.replica
+        stage, tied, chain = (mine.get(f"stage{self.topo.stage}"), mine.get(f"tied{r}"),
+                              mine.get(f"pipeline{r}"))
+        pipeline = None if chain is None else world if chain.backend == "gloo" \
+            else comms[chain.ranks]
+        if self.options.backend != "gloo" and mine:
+            self.log(f"generation {gen} backends: "
+                     + "; ".join(c.describe() for c in mine.values()))
+        return Groups(world=world, pipeline=pipeline,
+                      stage=comms.get(stage.ranks) if stage else None,
+                      tied=comms.get(tied.ranks) if tied else None,
+                      choices=tuple(mine.values()))
+
+    def _named_groups(self, replicas: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+        """Every group of the generation with more than one rank, in one fixed order."""
+        plan = self.plan
+        named = [(f"stage{s}", tuple(sorted(plan.pipelines[r][s] for r in replicas)))
+                 for s in range(plan.num_stages)]
+        if self.tie_embeddings and plan.num_stages > 1:
+            named += [(f"tied{r}", tuple(sorted((plan.pipelines[r][0], plan.pipelines[r][-1]))))
+                      for r in replicas]
+        named += [(f"pipeline{r}", tuple(sorted(plan.pipelines[r]))) for r in replicas]
+        return [(name, ranks) for name, ranks in named if len(ranks) > 1]
+
+    def _choose(self, named: list[tuple[str, tuple[int, ...]]],
+                members: tuple[int, ...]) -> list[BackendChoice]:
+        """The backend of every group (reads the members' announced devices unless gloo was
+        asked for everything)."""
+        requested = self.options.backend
+        if requested != "gloo":
+            unknown = [d for d in members if d not in self.devices]
+            if unknown:
+                self.devices.update(read_devices(self.store, unknown, self.timeout_s))
+        return [choose_backend(requested, name, ranks, self.devices) for name, ranks in named]
+
+    def _reform_default_group(self, gen: int, members: tuple[int, ...]) -> None:
+        """A fresh default process group among `members` (ranks 0..n-1 in ascending order)."""
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # the old group may hold a lost peer
+                dist.destroy_process_group()
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore(generation_prefix(gen),
+                                                                   self.store),
+                                    rank=members.index(self.topo.rank), world_size=len(members),
+                                    timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, OSError) as e:
+            raise PeerError(f"re-forming the groups of generation {gen}: not every member "
+                            f"{list(members)} came within {self.timeout_s:g} s "
+                            f"({first_line(e)})") from None

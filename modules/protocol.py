@@ -1,0 +1,111 @@
+"""The runtime's wire protocol outside the tensors: every key it reads or writes in the
+rendezvous TCPStore (hosted by rank 0) and every point-to-point tag, named once.
+
+Ranks are device ids of the plan. Keys by who writes them:
+- every rank: `ft/info/{rank}` (host, pid, role; named in failure messages), `ft/hb/{rank}`
+  (heartbeat counter), `ft/done/{rank}` (finished: not missed), `ft/join/{rank}` (asks to join),
+  `comm/device/{rank}` (device kind, GPU and host: the backend choice per group);
+- rank 0 only: the generations `ft/gen/{g}` (JSON) and the counter `ft/gen` (the newest g);
+- the members of a DiLoCo outer step: arrival `.../stage{s}/outer{k}/{rank}` and the commit
+  keys `.../outer{k}/done/{rank}` and `.../outer{k}/decision`; the live rank that hands the
+  outer state to a joiner: `ft/src/g{g}/s{s}`;
+- process groups: generation g's default group under the prefix `gen{g}`; an NCCL
+  communicator's members meet under `comm/{name}/{ranks}/arrived/{rank}`, then read its unique
+  id from `comm/{name}/{ranks}/nccl-unique-id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# -- point-to-point tags (gloo matches a pair's messages by tag; NCCL by order) ----------------
+FWD_TAG = 0
+"""Activations of micro-batch m: FWD_TAG + m."""
+BWD_TAG = 1 << 20
+"""Gradients of micro-batch m: BWD_TAG + m."""
+JOIN_TAG = 1 << 22
+"""Outer state to a joining replica: header, outer model, momentum = JOIN_TAG + 0, 1, 2."""
+
+# -- failure detection and membership (modules.fault, modules.elastic) ------------------------
+GENERATION_COUNTER = "ft/gen"
+"""The newest published generation number."""
+
+
+def info_key(rank: int) -> str:
+    """JSON record of a rank's host, pid, replica and stage."""
+    return f"ft/info/{rank}"
+
+
+def heartbeat_key(rank: int) -> str:
+    """A rank's heartbeat counter (bumped about every second)."""
+    return f"ft/hb/{rank}"
+
+
+def done_key(rank: int) -> str:
+    """Counter > 0 once a rank finished its run (its silence is then not a loss)."""
+    return f"ft/done/{rank}"
+
+
+def join_key(rank: int) -> str:
+    """Counter > 0 while a rank asks to join (rank 0 resets it to 0 once admitted)."""
+    return f"ft/join/{rank}"
+
+
+def generation_key(gen: int) -> str:
+    """JSON of generation `gen` (members, replicas, dropped, joined, reason, stop)."""
+    return f"ft/gen/{gen}"
+
+
+def generation_prefix(gen: int) -> str:
+    """PrefixStore of generation `gen`'s default process group."""
+    return f"gen{gen}"
+
+
+def join_source_key(gen: int, stage: int) -> str:
+    """Device id of the live rank that sends the outer state of `stage` to joiners in `gen`."""
+    return f"ft/src/g{gen}/s{stage}"
+
+
+# -- DiLoCo outer steps (modules.elastic) ------------------------------------------------------
+def outer_arrival_prefix(stage: int, outer: int, gen: int | None = None) -> str:
+    """Prefix of the arrival keys of outer step `outer` of `stage` (per generation when
+    elastic); a rank announces itself under `member_key(prefix, rank)`."""
+    where = f"g{gen}/" if gen is not None else ""
+    return f"diloco/{where}stage{stage}/outer{outer}"
+
+
+def member_key(prefix: str, rank: int) -> str:
+    """One rank's key under a prefix (arrival at an outer step)."""
+    return f"{prefix}/{rank}"
+
+
+def commit_prefix(gen: int, outer: int) -> str:
+    """Prefix of the commit of outer step `outer` in generation `gen` (every stage together)."""
+    return f"diloco/g{gen}/outer{outer}"
+
+
+def commit_done_key(prefix: str, rank: int) -> str:
+    """A rank finished its all-reduce of the outer step."""
+    return f"{prefix}/done/{rank}"
+
+
+def commit_decision_key(prefix: str) -> str:
+    """`commit` or `abort`, written once by whoever decides first (compare_set)."""
+    return f"{prefix}/decision"
+
+
+# -- communicators (modules.comm) ---------------------------------------------------------------
+def device_key(rank: int) -> str:
+    """JSON of a rank's device (kind, GPU index and uuid, host, NCCL available)."""
+    return f"comm/device/{rank}"
+
+
+def nccl_unique_id_key(name: str, ranks: Sequence[int]) -> str:
+    """The NCCL unique id of communicator `name` over `ranks` (made by the first rank)."""
+    return f"comm/{name}/{'-'.join(map(str, ranks))}/nccl-unique-id"
+
+
+def nccl_arrival_prefix(name: str, ranks: Sequence[int]) -> str:
+    """Where the members of communicator `name` announce themselves before the NCCL init
+    (`member_key(prefix, rank)`)."""
+    return f"comm/{name}/{'-'.join(map(str, ranks))}/arrived"
