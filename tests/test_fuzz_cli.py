@@ -38,7 +38,10 @@ for _case in CASES:
     BY_ENTRY[_case.entry].append(_case)
 PROCESS_SAMPLE_PER_ENTRY = 2
 """Cases per entry point that also run as real processes (each costs an interpreter start)."""
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CASE_LIMIT_S = 20.0
+"""Longest a case may run in this process: a refused input takes milliseconds; one that runs
+this long was accepted and is doing real work (a search, a huge allocation)."""
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
 ENV_CLEARED = ("PUNCH_TOKEN", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
@@ -46,8 +49,16 @@ class Acted(Exception):
     """The program got past its checks and was about to act: the bad input was accepted."""
 
 
+class TookTooLong(Exception):
+    """The case ran past CASE_LIMIT_S: the bad input was accepted and set real work going."""
+
+
 def _acted(*args: object, **kwargs: object) -> None:
     raise Acted
+
+
+def _too_long(signum: int, frame: object) -> None:
+    raise TookTooLong
 
 
 GUARDS: dict[str, tuple[str, ...]] = {
@@ -136,16 +147,20 @@ def run_in_process(case: Case, folder: Path, monkeypatch: pytest.MonkeyPatch) ->
     with monkeypatch.context() as mp, isolated(folder):
         for target in GUARDS.get(case.entry, ()):
             mp.setattr(target, _acted)
+        signal.signal(signal.SIGALRM, _too_long)
+        signal.setitimer(signal.ITIMER_REAL, CASE_LIMIT_S)
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
                 run_main(main, list(case.argv))
             code: int | str = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Acted:
-            code = "acted"
+        except (Acted, TookTooLong) as e:
+            code = "acted" if isinstance(e, Acted) else "too long"
         except BaseException:  # noqa: BLE001 - what the fuzz looks for
             code, tb = "traceback", traceback.format_exc()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     return Outcome(code, err.getvalue(), changes(before, snapshot(folder)), tb)
 
 
@@ -176,10 +191,13 @@ def problems(case: Case, out: Outcome) -> list[str]:
         found.append(f"traceback: {tail}")
     elif out.code == "acted":
         found.append("accepted: went on to act")
+    elif out.code == "too long":
+        found.append(f"accepted: still running after {CASE_LIMIT_S:g} s")
     elif out.code != 2:
         found.append(f"exit {out.code}")
     message = error_text(out.stderr)
-    if out.code not in ("traceback", "acted") and not any(n in message for n in case.names):
+    refused = out.code not in ("traceback", "acted", "too long")
+    if refused and not any(n in message for n in case.names):
         found.append(f"message names none of {list(case.names)}: {message.strip()[:160]!r}")
     if out.written:
         found.append(f"wrote {out.written}")

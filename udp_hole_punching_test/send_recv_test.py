@@ -25,19 +25,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 from formats import argtypes  # noqa: E402
 from formats.addresses import resolve, tcp_url  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from modules.comm import Communicator, CupyNcclCommunicator, GlooCommunicator  # noqa: E402
-from modules.comm.nccl import load_nccl  # noqa: E402
-from modules.dist import rendezvous  # noqa: E402
+
+if TYPE_CHECKING:  # torch is imported once the flags are checked: a bad flag fails fast
+    import torch
+
+    from modules.comm import Communicator
 
 LATENCY_BYTES = 4
 MAX_SIZE_MB = 65536.0
@@ -48,12 +48,18 @@ MAX_SECONDS = 1e6
 
 def payload(size_bytes: int, seed: int) -> torch.Tensor:
     """The seeded byte pattern both ranks can regenerate."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (size_bytes,), dtype=torch.uint8, generator=gen)
 
 
 def require_cuda_nccl() -> None:
     """UserError saying what is missing when cupy's NCCL or a CUDA device is not there."""
+    import torch
+
+    from modules.comm.nccl import load_nccl
+
     try:
         load_nccl()
     except RuntimeError as exc:
@@ -67,6 +73,11 @@ def require_cuda_nccl() -> None:
 def open_communicator(args: argparse.Namespace) -> Communicator:
     """Rendezvous at --dist-url, then the pair's communicator (NCCL: its unique id goes through
     the rendezvous store)."""
+    import torch
+
+    from modules.comm import CupyNcclCommunicator, GlooCommunicator
+    from modules.dist import rendezvous
+
     store = rendezvous(args.dist_url, args.rank, args.world_size, args.timeout_s)
     if args.backend == "gloo":
         return GlooCommunicator(None, args.timeout_s)
@@ -78,6 +89,8 @@ def open_communicator(args: argparse.Namespace) -> Communicator:
 def round_trips(comm: Communicator, args: argparse.Namespace, expected: torch.Tensor,
                 ) -> tuple[list[float], list[float], bool]:
     """Timed round trips (latency-sized, then payload-sized) and whether rank 1 got every byte."""
+    import torch
+
     dev, rank = comm.device, args.rank
     ones = torch.ones(LATENCY_BYTES, dtype=torch.uint8)
     data = expected.to(dev) if rank == 0 else torch.zeros(expected.numel(), dtype=torch.uint8,
@@ -116,6 +129,9 @@ def round_trips(comm: Communicator, args: argparse.Namespace, expected: torch.Te
 
 def run(args: argparse.Namespace) -> dict | None:
     """Run the benchmark on this rank; rank 0 returns the results."""
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     if args.backend == "cupy_nccl":
         require_cuda_nccl()  # fail before waiting for the other rank
