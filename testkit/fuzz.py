@@ -388,8 +388,8 @@ def scheduler_cases() -> list[Case]:
     pl = Scenario("scheduler", ("plan", "--cluster", "c.json", "--model", "gpt-tiny", "--stages",
                                 "2", "--replicas", "2", "--objective", "simulated", "--budget",
                                 "20", "--random-samples", "2", "--time-limit", "5",
-                                "--calibration", "cal.json", "--out", "out.json",
-                                "--plot", "out.png", "--quiet"), files)
+                                "--runtime", "cpu", "--calibration", "cal.json", "--out",
+                                "out.json", "--plot", "out.png", "--quiet"), files)
     ev = Scenario("scheduler", ("evaluate", "--cluster", "c.json", "--plan", "p.json",
                                 "--objective", "simulated"), files)
     si = Scenario("scheduler", ("simulate", "--cluster", "c.json", "--plan", "p.json",
