@@ -28,6 +28,9 @@ from formats.plan import Plan, load_plan  # noqa: E402
 from modules.config import LaunchConfig, RunConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    from formats.cluster import Cluster
+    from modules.dist import Topology
+    from modules.placement import Placement
     from modules.trainer import Trainer
 
 
@@ -77,8 +80,8 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"${name}: expected an integer, got {value!r}") from None
 
 
-def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> Plan:
-    """The plan, checked against --cluster and against the run's settings."""
+def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Cluster | None]:
+    """The plan (and --cluster's cluster), checked against each other and the run's settings."""
     cluster = None
     if launch.cluster:
         from formats.cluster import load_cluster
@@ -88,7 +91,7 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> Plan:
         raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
                         f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
     cfg.check_plan(plan)
-    return plan
+    return plan, cluster
 
 
 def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData (torch import)
@@ -103,16 +106,15 @@ def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData
                     spec.vocab_size, seed=cfg.seed)
 
 
-def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
-                  where: tuple[int, int, str, bool], log) -> Trainer:
-    """Place this rank, load its data, rendezvous, form the groups: a Trainer ready to run."""
-    from modules.dist import parse_dist_url, rendezvous, topology
+def build_trainer(cfg: RunConfig, plan: Plan, topo: Topology, where: tuple[int, int, str, bool],
+                  placement: Placement, log) -> Trainer:
+    """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
+    from modules.dist import parse_dist_url, rendezvous
     from modules.fault import members_of, register
     from modules.sync import check_compression
     from modules.trainer import Trainer
 
     rank, world, url, agent_store = where
-    topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
     check_compression(plan.sync.compression, plan.num_replicas)
     store_addr = parse_dist_url(url)
     start, join = cfg.elastic.start_replicas(plan.num_replicas), cfg.elastic.join
@@ -127,13 +129,14 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
                        on_store=lambda s: register(s, rank, topo.replica, topo.stage))
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
-    return Trainer(plan, topo, store, data, cfg, log=log, store_addr=store_addr)
+    return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
+                   store_addr=store_addr)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
-    plan = load_checked_plan(launch, cfg)
+    plan, cluster = load_checked_plan(launch, cfg)
     where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
@@ -141,12 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from modules.dist import topology
+    from modules.placement import resolve_placement
+
+    topo = topology(plan, where[0], where[1])  # rank not in plan / world size mismatch: exit 2
+    placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
-    trainer = build_trainer(launch, cfg, plan, where, log)
+    log(f"device {placement.device}, precision {cfg.device.precision}, "
+        f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}")
+    trainer = build_trainer(cfg, plan, topo, where, placement, log)
     trainer.run()
-    log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})")
+    mfu = trainer.mfu_values
+    log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})"
+        + (f"; mean MFU {sum(mfu) / len(mfu):.2%}" if mfu else ""))
     dist.destroy_process_group()
     return 0
 
@@ -160,9 +172,10 @@ def entry() -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
-    except RuntimeError as e:
+    except Exception as e:  # a lost peer or a diverged run: exit 1; anything else is a bug
         from modules.dist import PeerError
-        if not isinstance(e, PeerError):
+        from modules.trainer import TrainingDiverged
+        if not isinstance(e, PeerError | TrainingDiverged):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 1
