@@ -139,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--gloo-ifname", help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="CUDA devices on this host: the ranks take them round robin "
+                   "(--cuda-device i %% N for the i-th rank started; 0: pass none, each rank "
+                   "uses --device auto)")
     p.add_argument("--keep-going", action="store_true",
                    help="a rank that fails does not stop the others (DiLoCo drops its replica "
                    "and trains on); exit 0 if every rank of some replica finished")
@@ -200,6 +204,8 @@ def keep_going_status(pipelines: list[list[int]], failed: dict[int, int]) -> int
 def main(argv: list[str] | None = None) -> int:
     """Launch, supervise and stop the ranks; returns the exit status."""
     args, rest = parse_args(argv)
+    if args.gpus < 0:
+        raise UserError(f"--gpus: must be >= 0, got {args.gpus}")
     plan = load_plan(args.plan)
     ranks = sorted(plan.devices())
     netns = load_netns_map(args.netns_map, ranks)
@@ -221,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     failed: dict[int, int] = {}
     try:
         install_stop_handlers()
-        for r in ranks:
+        for i, r in enumerate(ranks):
+            gpu = ["--cuda-device", str(i % args.gpus)] if args.gpus else []
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
                    "--world-size", str(len(ranks)), "--dist-url", url,
-                   "--threads", str(threads), *rest]
+                   "--threads", str(threads), *gpu, *rest]
             if r in netns:
                 cmd = ["ip", "netns", "exec", netns[r], *cmd]
             procs[r] = start_rank(r, cmd, env)

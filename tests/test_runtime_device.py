@@ -28,10 +28,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, metrics, *extra, plan=PLAN, timeout=240):
+def _launch(tmp_path, metrics, *extra, plan=PLAN, timeout=240, launcher=()):
     save_plan(plan, tmp_path / "plan.json")
     return run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
-                     "--threads-per-rank", "1", "--grace-s", "2", "--", "--metrics",
+                     "--threads-per-rank", "1", "--grace-s", "2", *launcher, "--", "--metrics",
                      str(metrics), "--timeout-s", "60", *extra, timeout=timeout)
 
 
@@ -128,3 +128,16 @@ def test_compile_without_a_compiler_exits_2_before_the_rendezvous(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "error: --compile:" in r.stderr and "Traceback" not in r.stderr
     assert "joining" not in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_launcher_hands_each_rank_a_cuda_device_round_robin(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a CUDA device: the ranks would start for real")
+    r = _launch(tmp_path, tmp_path / "m.jsonl", "--steps", "1", "--fake-data", timeout=200,
+                launcher=("--gpus", "2"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    # the first rank started got --cuda-device 0 and refused it before the rendezvous (the
+    # launcher then stops the others)
+    assert "--cuda-device 0: no CUDA device is visible" in out
