@@ -5,6 +5,7 @@ refused before any rendezvous (exit 2)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import pytest
@@ -138,6 +139,7 @@ def test_launcher_hands_each_rank_a_cuda_device_round_robin(tmp_path):
                 launcher=("--gpus", "2"))
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
-    # the first rank started got --cuda-device 0 and refused it before the rendezvous (the
-    # launcher then stops the others)
-    assert "--cuda-device 0: no CUDA device is visible" in out
+    # every rank that got to say it names its own device: rank r has --cuda-device r % 2 (the
+    # launcher stops the others after the first refusal)
+    said = re.findall(r"\[rank (\d)\] error: --cuda-device (\d): no CUDA device is visible", out)
+    assert said and all(int(dev) == int(rank) % 2 for rank, dev in said), out[-3000:]
