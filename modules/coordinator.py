@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -86,24 +87,16 @@ def check_in(store: dist.Store, plan: Plan, mine: RunSettings, join: bool, url: 
     """A rank's first words with the coordinator at `url`: its plan must be the coordinator's
     and its settings the run's (the first rank's, which the coordinator leads by; a joiner's
     --replicas is not compared). UserError naming the flag when not; PeerError when `url`
-    hosts no coordinator (e.g. it is a rank 0's --dist-url)."""
+    hosts no coordinator (e.g. it is a rank 0's --dist-url) or stops answering."""
     try:
-        store.wait([COORDINATOR_INFO], timedelta(seconds=timeout_s))
-    except RuntimeError:
-        raise PeerError(f"--coordinator {url}: the store there has no coordinator record after "
-                        f"{timeout_s:g} s; start scripts/coordinator.py there (a rank 0's "
-                        "--dist-url is no coordinator)") from None
-    theirs = json.loads(store.get(COORDINATOR_INFO))
+        theirs, run = _read_run(store, mine, join, timeout_s)
+    except RuntimeError as e:
+        raise PeerError(f"--coordinator {url}: {first_line(e)}") from None
     if {k: theirs[k] for k in plan_record(plan)} != plan_record(plan):
         raise UserError(f"--plan: this rank's plan (pipelines {plan_record(plan)['pipelines']}, "
                         f"sync {plan.sync.mode}) is not the one the coordinator at {url} runs "
                         f"(pipelines {theirs['pipelines']}, sync {theirs['sync']}, "
                         f"{theirs['plan']}); give every rank and the coordinator the same plan")
-    if join:
-        store.wait([RUN_SETTINGS], timedelta(seconds=timeout_s))
-        run = RunSettings.from_json(store.get(RUN_SETTINGS))
-    else:
-        run = RunSettings.from_json(store.compare_set(RUN_SETTINGS, "", mine.to_json()))
     for flag, a, b in (("--replicas", mine.replicas, run.replicas),
                        ("--min-replicas", mine.min_replicas, run.min_replicas),
                        ("--heartbeat-timeout-s", mine.heartbeat_timeout_s,
@@ -112,6 +105,32 @@ def check_in(store: dist.Store, plan: Plan, mine: RunSettings, join: bool, url: 
             raise UserError(f"{flag}: this rank has {a!r} but the run has {b!r} (set by the "
                             "first rank that reached the coordinator); give every rank the "
                             "same value")
+
+
+def _read_run(store: dist.Store, mine: RunSettings, join: bool,
+              timeout_s: float) -> tuple[dict[str, Any], RunSettings]:
+    """(the coordinator's record, the run's settings); a non-joining rank offers `mine` as the
+    run's (the first offer wins). RuntimeError saying what is missing."""
+    if not _wait(store, COORDINATOR_INFO, timeout_s):
+        raise RuntimeError(f"the store there has no coordinator record after {timeout_s:g} s; "
+                           "start scripts/coordinator.py there (a rank 0's --dist-url is no "
+                           "coordinator)")
+    theirs = json.loads(store.get(COORDINATOR_INFO))
+    if not join:
+        return theirs, RunSettings.from_json(store.compare_set(RUN_SETTINGS, "", mine.to_json()))
+    if not _wait(store, RUN_SETTINGS, timeout_s):
+        raise RuntimeError(f"--join: no rank of a run checked in within {timeout_s:g} s")
+    return theirs, RunSettings.from_json(store.get(RUN_SETTINGS))
+
+
+def _wait(store: dist.Store, key: str, timeout_s: float) -> bool:
+    """Whether `key` appears within timeout_s (RuntimeError if the store stops answering)."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 # -- the coordinator's side ----------------------------------------------------------------------
@@ -221,12 +240,13 @@ class Coordinator:
                    if r not in self.lost and store.add(done_key(r), 0) == 0]
         if running:
             return None
-        lost = [r for r in current.members if r in self.lost]
+        lost = [r for r in self.lost if r in current.members]  # in the order they were lost
         if not lost and not current.stop:
             self.cfg.log(f"run finished: every rank of replicas {list(current.replicas)} is "
                          "done")
             return 0
         why = (f"generation {current.gen} stopped it ({current.reason})" if current.stop
-               else f"rank(s) {lost} lost")
+               else f"rank(s) {sorted(lost)} stopped without finishing (the first: "
+                    f"{self.lost[lost[0]]})")
         self.cfg.log(f"error: the run ended without finishing: {why}")
         return 1

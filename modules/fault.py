@@ -149,6 +149,8 @@ class Monitor(threading.Thread):
         self._watch = HeartbeatWatch(cfg.timeout_s)
         self._halt = threading.Event()
         self._info: dict[int, dict[str, Any]] = {}
+        self._coordinator: dict[str, Any] = {}
+        """The coordinator's record (host, pid), read at connect: named if it is lost."""
         self._fatal_once = threading.Lock()
         self._client: dist.Store | None = None
 
@@ -162,7 +164,7 @@ class Monitor(threading.Thread):
         cfg = self.cfg
         if not cfg.coordinator:
             return f"the rendezvous store (hosted by {self.describe(0)}, {cfg.host}:{cfg.port})"
-        info = self._info.get(-1, {})
+        info = self._coordinator
         where = f", host {info['host']} pid {info['pid']}" if info else ""
         return (f"the coordinator tcp://{cfg.host}:{cfg.port} (rendezvous store and membership "
                 f"leader{where})")
@@ -184,7 +186,7 @@ class Monitor(threading.Thread):
                                timeout=timedelta(seconds=max(1.0, self.cfg.timeout_s)),
                                wait_for_workers=False)
         if self.cfg.coordinator and client.check([COORDINATOR_INFO]):
-            self._info[-1] = json.loads(client.get(COORDINATOR_INFO))  # named if it is lost
+            self._coordinator = json.loads(client.get(COORDINATOR_INFO))
         return client
 
     def run(self) -> None:

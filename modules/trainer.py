@@ -120,9 +120,7 @@ class Trainer:
         """Held by the training thread while it changes parameters / optimizer state."""
         self.ckpt: AsyncCheckpointer | None = None
         self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
-        """DiLoCo with --ckpt-dir: (step, outer step, CPU snapshot of the state) right after the
-        last committed outer step, the newest state every rank agrees on; an emergency
-        checkpoint writes it."""
+        """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
         if cfg.ckpt.dir:
             self.ckpt = AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
                                           debug_hook=self._debug_ckpt_hook)
@@ -239,9 +237,10 @@ class Trainer:
                 else "checkpoint: none written yet")
 
     def _save_outer_snapshot(self) -> str:
-        """DiLoCo: write the state kept at the last committed outer step unless it is on disk.
-        (A rank that was inside that outer step's commit when the store vanished keeps the
-        previous one; --resume then agrees on an older step that every rank has.)"""
+        """DiLoCo: write the state kept at the last committed outer step (unless this run's
+        periodic checkpoint already did). A rank that was inside an outer step's commit when
+        the store vanished keeps the previous one; --resume then agrees on an older step that
+        every rank has."""
         kept = self.outer_snapshot
         if kept is None:
             return self._newest_checkpoint()

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                           log))
     port = coord.listen()
     log(f"listening on port {port} (every interface) for {args.plan} ({plan.num_replicas} "
-        f"replicas x {plan.num_stages} stages, sync {plan.sync.mode}); start every rank with "
+        f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank with "
         f"--coordinator tcp://{host}:{port}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

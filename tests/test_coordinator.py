@@ -159,6 +159,26 @@ def test_rank0_kill_trials_behind_a_coordinator(tmp_path):
         _rank0_trial(tmp_path, seed, stages=2 if seed % 3 == 0 else 1)
 
 
+@pytest.mark.timeout(150)
+def test_launcher_with_a_coordinator_survives_losing_rank_0(tmp_path):
+    save_plan(DILOCO_3X1, tmp_path / "plan.json")
+    # rank 0 (replica 0) dies with status 1 before step 3; replicas 1 and 2 drop it and finish
+    proc = run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
+                     "--threads-per-rank", "1", "--keep-going", "--coordinator", "--",
+                     "--steps", "8", "--fake-data", "--timeout-s", "30",
+                     "--heartbeat-timeout-s", "2", "--min-replicas", "2",
+                     "--debug-vanish", "0:3:1", timeout=140)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"^\[coordinator\] listening on port \d+ ", out, re.M), out[-3000:]
+    assert "[rank 0] debug: vanishing before step 3" in out
+    assert "[coordinator] generation 1: replicas [1, 2] (dropped replica(s) 0: rank 0 (host " \
+        in out, out[-3000:]
+    assert re.search(r"^\[rank 1\] step 8/8 loss", out, re.M), out[-3000:]
+    assert "launch: ranks [0] failed; replicas [1, 2] finished" in out
+    assert "launch: the coordinator exited with status 0" in out
+
+
 # -- losing the coordinator -----------------------------------------------------------------------
 def _run(tmp_path, name: str, plan, steps: int, *extra: str, kill_at: int | None = None,
          timeout: float = 150) -> tuple[Ranks, dict[int, int | None], float | None]:
