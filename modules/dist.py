@@ -94,12 +94,13 @@ def parse_dist_url(url: str, flag: str = "--dist-url") -> tuple[str, int]:
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                agent_store: bool = False, members: tuple[int, ...] | None = None,
                on_store: Callable[[dist.Store], None] | None = None) -> dist.Store:
-    """Connect to the TCPStore at `url` (rank 0 hosts it) and init the gloo world group.
+    """Connect to the TCPStore at `url` (rank 0 hosts it unless `agent_store`) and init the
+    gloo world group.
 
     Fails with PeerError within about `timeout_s` when the address is unreachable or not every
     rank joins. `agent_store`: someone else already hosts the store (torchrun's agent, or the
     coordinator process of `--coordinator`), so nobody here binds it; the world group then
-    needs nothing of rank 0 that it needs of the others.
+    needs nothing more of rank 0 than of the others.
     `members`: the ranks that start now (default all); when fewer, the group is formed among
     them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the

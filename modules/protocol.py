@@ -55,7 +55,7 @@ def done_key(rank: int) -> str:
 
 
 def join_key(rank: int) -> str:
-    """Counter > 0 while a rank asks to join (rank 0 resets it to 0 once admitted)."""
+    """Counter > 0 while a rank asks to join (the leader resets it to 0 once admitted)."""
     return f"ft/join/{rank}"
 
 

@@ -400,7 +400,7 @@ class Trainer:
         dp0 = self.dp_bytes
         try:
             loss = self.train_step()
-        except RuntimeError as e:  # PeerError, or the store's own error (rank 0 is gone)
+        except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
             raise self._peer_failure(e) from None
         step_s = time.perf_counter() - t0
         comm_s = self.stats.wait_s - wait0
