@@ -226,6 +226,8 @@ class Coordinator:
                 if g is not None:
                     current = g
                     watch.restart(g.members)
+                    for r in g.members:  # a lost rank that rejoined is watched again
+                        self.lost.pop(r, None)
                     log(f"generation {g.gen}: replicas {list(g.replicas)} ({g.reason})"
                         + ("; stopping: fewer than --min-replicas" if g.stop else ""))
             status = self._end(current)

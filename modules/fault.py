@@ -249,6 +249,8 @@ class Monitor(threading.Thread):
         cfg = self.cfg
         self.gen, self.generation, self.members = g.gen, g, g.members
         self._watch.restart(g.members)  # (re)start the clock of every member now
+        for r in g.members:  # a lost rank is a member again only once its replica rejoined
+            self.lost.pop(r, None)
         self.changed.set()
         cfg.log(f"generation {g.gen}: replicas {list(g.replicas)} ({g.reason})")
         if g.stop and cfg.rank in g.members:

@@ -61,6 +61,16 @@ class Ranks:
         """Everything the coordinator printed so far."""
         return (self.out_dir / "coordinator.log").read_text(errors="replace")
 
+    def wait_coordinator(self, timeout: float) -> int | None:
+        """The coordinator's exit status once it exits within `timeout` (None: still running,
+        or there is none)."""
+        if self.coordinator is None:
+            return None
+        try:
+            return self.coordinator.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill_coordinator(self) -> float:
         """SIGKILL the coordinator; returns time.monotonic() of the kill."""
         assert self.coordinator is not None
@@ -215,22 +225,13 @@ def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: 
                     exits[r] = now - t_kill
             time.sleep(0.05)
         ranks.procs[kill_rank].wait(timeout=10)
-        coord_code = _wait_exit(ranks.coordinator, 10)
+        coord_code = ranks.wait_coordinator(10)
     finally:
         orphans = ranks.stop()
     codes = {r: p.returncode for r, p in ranks.procs.items()}
     return TrialResult(mode, kill_rank, kill_step, codes,
                        {r: ranks.output(r) for r in ranks.procs}, detect, exits, orphans,
                        coord_code, ranks.coordinator_output() if coordinator else "")
-
-
-def _wait_exit(proc: subprocess.Popen | None, timeout: float) -> int | None:
-    if proc is None:
-        return None
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
 
 
 def _detected(text: str, rank: int) -> bool:

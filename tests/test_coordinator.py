@@ -152,6 +152,37 @@ def test_rank0_lost_in_a_pipeline_behind_a_coordinator(tmp_path):
     _rank0_trial(tmp_path, 1, replicas=2, stages=2)
 
 
+@pytest.mark.timeout(240)
+def test_the_lost_rank_0_comes_back_with_join(tmp_path):
+    plan = write_trial_plan(tmp_path / "plan.json", 3, 1, "diloco", inner_steps=4)
+    ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp_path)
+    common = ("--fake-data", "--steps", "400", "--timeout-s", "30", "--heartbeat-timeout-s",
+              str(HB), "--min-replicas", "1", "--log-every", "10")
+    try:
+        ranks.start_coordinator()
+        for r in (0, 1, 2):
+            ranks.start(r, *common)
+        assert ranks.wait_for_text(0, "step 20/400", 100), ranks.output(0)[-2000:]
+        ranks.kill(0)
+        assert ranks.procs[0].wait(timeout=10) == -9
+        assert ranks.wait_for_text(1, "groups re-formed over replicas [1, 2]", 30), \
+            ranks.output(1)[-2000:]
+        ranks.start(0, "--join", *common)  # the same host comes back
+        codes = ranks.wait(180)
+        coord_code = ranks.wait_coordinator(15)
+    finally:
+        left = ranks.stop()
+    logs = "\n".join(f"[rank {r}] {ranks.output(r)[-1500:]}" for r in range(3))
+    logs += "\n[coordinator] " + ranks.coordinator_output()[-1500:]
+    assert left == [] and codes == {0: 0, 1: 0, 2: 0}, logs
+    assert "received the outer model and momentum of stage 0 from rank 1" in ranks.output(0), logs
+    coord = ranks.coordinator_output()
+    assert "generation 1: replicas [1, 2] (dropped replica(s) 0" in coord, logs
+    assert "generation 2: replicas [0, 1, 2] (replica(s) 0 joined)" in coord, logs
+    assert "run finished: every rank of replicas [0, 1, 2] is done" in coord, logs
+    assert coord_code == 0, logs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_rank0_kill_trials_behind_a_coordinator(tmp_path):
@@ -199,6 +230,8 @@ def _run(tmp_path, name: str, plan, steps: int, *extra: str, kill_at: int | None
             t_kill = ranks.kill_coordinator()
         codes = ranks.wait(timeout)
         took = time.monotonic() - t_kill if t_kill is not None else None
+        if t_kill is None:
+            ranks.wait_coordinator(15)  # it exits once it saw every rank done
     finally:
         left = ranks.stop()
     assert not left, f"ranks {left} still running: " + ranks.output(0)[-2000:]
