@@ -1,15 +1,17 @@
 """One process per device: read the plan, join the group, run this rank's stage of the training.
 
-    python dist_runner.py --plan plan.json --rank R --dist-url tcp://HOST:PORT \
+    python dist_runner.py --plan plan.json --rank R (--dist-url | --coordinator) tcp://HOST:PORT \
         [--world-size N] (--data PATH | --fake-data) --steps N \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
 Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are read from the environment.
+MASTER_ADDR and MASTER_PORT are read from the environment. With --coordinator, a coordinator
+process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
-rank's replica was dropped (DiLoCo), or fewer than --min-replicas replicas are left.
+rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, or the
+coordinator is gone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from formats.plan import Plan, load_plan  # noqa: E402
 from modules.config import LaunchConfig, RunConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from formats.cluster import Cluster
     from modules.dist import Topology
     from modules.placement import Placement
@@ -54,20 +58,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, RunConfig]:
 
 
 def resolve_launch(launch: LaunchConfig, num_devices: int) -> tuple[int, int, str, bool]:
-    """(rank, world_size, dist_url, agent_store) from flags, else torchrun's environment."""
+    """(rank, world_size, store url, store hosted elsewhere) from flags, else torchrun's
+    environment; with --coordinator the coordinator hosts the store."""
     env = os.environ
     rank = launch.rank if launch.rank is not None else _env_int("RANK")
     if rank is None:
         raise UserError("--rank is required (or set RANK, as torchrun does)")
     world = launch.world_size if launch.world_size is not None else _env_int("WORLD_SIZE")
     world = num_devices if world is None else world
-    url = launch.dist_url
+    url = launch.coordinator or launch.dist_url
     if url is None:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise UserError("--dist-url is required (or set MASTER_ADDR and MASTER_PORT)")
+            raise UserError("--dist-url or --coordinator is required (or set MASTER_ADDR and "
+                            "MASTER_PORT)")
         url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     agent_store = launch.dist_url is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return rank, world, url, agent_store
+    return rank, world, url, agent_store or launch.coordinator is not None
 
 
 def _env_int(name: str) -> int | None:
@@ -106,17 +112,18 @@ def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData
                     spec.vocab_size, seed=cfg.seed)
 
 
-def build_trainer(cfg: RunConfig, plan: Plan, topo: Topology, where: tuple[int, int, str, bool],
-                  placement: Placement, log) -> Trainer:
+def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
+                  where: tuple[int, int, str, bool], placement: Placement, log) -> Trainer:
     """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
     from modules.dist import parse_dist_url, rendezvous
-    from modules.fault import members_of, register
+    from modules.fault import members_of
     from modules.sync import check_compression
     from modules.trainer import Trainer
 
     rank, world, url, agent_store = where
     check_compression(plan.sync.compression, plan.num_replicas)
-    store_addr = parse_dist_url(url)
+    coordinator = launch.coordinator is not None
+    store_addr = parse_dist_url(url, "--coordinator" if coordinator else "--dist-url")
     start, join = cfg.elastic.start_replicas(plan.num_replicas), cfg.elastic.join
     if start is not None and not join and topo.replica not in start:
         raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
@@ -127,10 +134,23 @@ def build_trainer(cfg: RunConfig, plan: Plan, topo: Topology, where: tuple[int, 
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: register(s, rank, topo.replica, topo.stage))
+                       on_store=lambda s: on_store(s, launch, cfg, plan, topo))
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
     return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
-                   store_addr=store_addr)
+                   store_addr=store_addr, coordinator=coordinator)
+
+
+def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
+             topo: Topology) -> None:
+    """As soon as the store answers: record who this rank is (named in failure messages) and,
+    with --coordinator, check this rank's plan and settings against the coordinator's."""
+    from modules.coordinator import RunSettings, check_in
+    from modules.fault import register
+
+    register(store, topo.rank, topo.replica, topo.stage)
+    if launch.coordinator is not None:
+        check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,
+                 launch.coordinator, cfg.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
     log(f"device {placement.device}, precision {cfg.device.precision}, "
         f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}")
-    trainer = build_trainer(cfg, plan, topo, where, placement, log)
+    trainer = build_trainer(launch, cfg, plan, topo, where, placement, log)
     trainer.run()
     mfu = trainer.mfu_values
     log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})"

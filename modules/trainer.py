@@ -95,10 +95,11 @@ class Trainer:
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print,
                  placement: Placement | None = None,
-                 store_addr: tuple[str, int] | None = None) -> None:
+                 store_addr: tuple[str, int] | None = None, coordinator: bool = False) -> None:
         """`placement`: device, precision, compile and backend (default: CPU, fp32, gloo);
         `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
-        connection (None: no heartbeat, e.g. single-process tests)."""
+        connection (None: no heartbeat, e.g. single-process tests); `coordinator`: a
+        coordinator process hosts that store and leads membership (no rank does)."""
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
@@ -135,11 +136,9 @@ class Trainer:
         self.ckpt: AsyncCheckpointer | None = (
             AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
                               debug_hook=self._debug_ckpt_hook) if cfg.ckpt.dir else None)
-        builder = GroupBuilder(plan, topo, store, self.spec.tie_embeddings, cfg.timeout_s,
-                               self.stats, self.placement.comm, log)
-        self.membership = Membership(store, plan, topo,
-                                     MembershipSettings.of(cfg, plan.num_replicas, store_addr),
-                                     builder, self.stats, log)
+        self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
+        """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
+        self.membership = self._make_membership(store, store_addr, coordinator)
         self.groups: Groups | None = None
         """The current generation's communicators (None on a joiner until admitted)."""
         self.replicas: tuple[int, ...] = self.membership.replicas
@@ -148,6 +147,15 @@ class Trainer:
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
         if not cfg.elastic.join:
             self._apply(self.membership.first_generation())
+
+    def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
+                         coordinator: bool) -> Membership:
+        """Who this rank trains with; its groups are built with the placement's backend."""
+        plan, cfg = self.plan, self.cfg
+        builder = GroupBuilder(plan, self.topo, store, self.spec.tie_embeddings, cfg.timeout_s,
+                               self.stats, self.placement.comm, self.log)
+        settings = MembershipSettings.of(cfg, plan.num_replicas, store_addr, coordinator)
+        return Membership(store, plan, self.topo, settings, builder, self.stats, self.log)
 
     def _make_diloco(self) -> DiLoCoOptimizer | None:
         """DiLoCo around the inner AdamW (its anchor: the parameters as they are now, on the
@@ -239,22 +247,45 @@ class Trainer:
         os._exit(1)
 
     def emergency_checkpoint(self) -> str:
-        """Finish the write in flight, then save the current state if the training thread is
-        not inside an update (it is usually blocked waiting on the lost peer)."""
+        """Finish the write in flight, then save the last consistent state: in DiLoCo the one
+        right after the last committed outer step (the same step on every rank, so --resume
+        agrees on it); in allreduce the current one if the training thread is not inside an
+        update (it is usually blocked waiting on the lost peer)."""
         if self.ckpt is None or not self.cfg.ckpt.dir:
             return ""
         if not self.ckpt.flush(timeout=2.0):
             return "checkpoint: the background write did not finish within 2 s"
-        if self.diloco is not None or not self.state_lock.acquire(timeout=1.0):
-            last = self.ckpt.last_step
-            return (f"checkpoint: newest complete one is step {last}" if last is not None
-                    else "checkpoint: none written yet")
+        if self.diloco is not None:
+            return self._save_outer_snapshot()
+        if not self.state_lock.acquire(timeout=1.0):
+            return self._newest_checkpoint()
         # keep the lock: the training thread must not change the state while it is saved
         if self.step == 0 or self.ckpt.last_step == self.step:
             return f"checkpoint: step {self.step} is already on disk"
         path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
         save_checkpoint(path, self._meta(), snapshot(self.state()))
         return f"checkpoint: saved step {self.step} to {path}"
+
+    def _newest_checkpoint(self) -> str:
+        last = self.ckpt.last_step if self.ckpt is not None else None
+        return (f"checkpoint: newest complete one is step {last}" if last is not None
+                else "checkpoint: none written yet")
+
+    def _save_outer_snapshot(self) -> str:
+        """DiLoCo: write the state kept at the last committed outer step (unless this run's
+        periodic checkpoint already did). A rank that was inside an outer step's commit when
+        the store vanished keeps the previous one; --resume then agrees on an older step that
+        every rank has."""
+        kept = self.outer_snapshot
+        if kept is None:
+            return self._newest_checkpoint()
+        step, outer, snap = kept
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
+        if self.ckpt.last_step != step:  # not written by this run's periodic checkpoint
+            save_checkpoint(path, self._meta(), snap)
+        newest = max(step, self.ckpt.last_step or 0)
+        return (f"checkpoint: newest complete one is step {newest}; step {step} (right after "
+                f"outer step {outer}, which every member averaged) is in {path}")
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
@@ -350,6 +381,8 @@ class Trainer:
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
+            if self.ckpt is not None:  # taken here, on the only thread that changes the state
+                self.outer_snapshot = (self.step, self.outer_count, snapshot(self.state()))
         return loss
 
     def _check_finite(self, loss: float | None) -> None:
@@ -429,7 +462,7 @@ class Trainer:
         dp0 = self.dp_bytes
         try:
             loss = self.train_step()
-        except RuntimeError as e:  # PeerError, or the store's own error (rank 0 is gone)
+        except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
             raise self._peer_failure(e) from None
         except TrainingDiverged as e:
             raise TrainingDiverged(self.save_diverged(e)) from None
