@@ -231,6 +231,7 @@ def _plan_json(out: PlanOutcome, path: str) -> dict:
                       for label, b in out.baselines.items()},
         "hand_structured": out.hand_structured,
         "random_cost": out.random_cost, "index_cost": out.index_cost,
+        "random_scored": out.random_scored,
         "best_structured_cost": out.best_structured[1],
         "ratio_vs_random": ours.cost_s / out.random_cost,
         "ratio_vs_index": ours.cost_s / out.index_cost,
