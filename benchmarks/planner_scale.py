@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,10 +118,20 @@ def run_plan(path: Path, objective: str, limit_s: float, out_dir: Path) -> dict:
             "shape": f"{saved['num_stages']}x{saved['num_replicas']}"}
 
 
+def prepare(num_devices: int, regions: int, seed: int, out_dir: Path, full: bool
+            ) -> tuple[dict[str, Path], int]:
+    """Write the swarm's files; returns them by form and the swarm's link-class count."""
+    cluster = swarm(num_devices, regions, seed)
+    return write_files(cluster, out_dir, full), cluster.link_classes().num_classes
+
+
 def measure(num_devices: int, limit_s: float, args: argparse.Namespace) -> list[dict]:
     """Load times of both forms and one plan per objective, for one swarm size."""
-    cluster = swarm(num_devices, args.regions, args.seed)
-    files = write_files(cluster, args.out_dir, full=num_devices <= args.max_full)
+    # Built in a fresh process: a child's ru_maxrss starts from its parent's at fork, so this
+    # process must stay small for the plans' peak memory to be their own.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        files, classes = pool.submit(prepare, num_devices, args.regions, args.seed,
+                                     args.out_dir, num_devices <= args.max_full).result()
     loads = {form: load_seconds(path, args.repeats) for form, path in files.items()}
     rows = []
     for objective in args.objectives:
@@ -127,7 +139,7 @@ def measure(num_devices: int, limit_s: float, args: argparse.Namespace) -> list[
             continue  # needs the N x N matrices: refused above MAX_DENSE_DEVICES
         form = "full" if "full" in files else "compact"
         run = run_plan(files[form], objective, limit_s, args.out_dir)
-        rows.append({"devices": num_devices, "classes": cluster.link_classes().num_classes,
+        rows.append({"devices": num_devices, "classes": classes,
                      "load_full_s": loads.get("full"), "load_compact_s": loads["compact"],
                      "objective": objective, "planned_form": form, "limit_s": limit_s, **run})
     return rows

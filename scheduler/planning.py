@@ -31,6 +31,7 @@ from scheduler.search import (
     SearchResult,
     evolutionary_search,
 )
+from scheduler.search.islands import leaf_orders
 from scheduler.search.matching import PairCache
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.step import simulate_plan
@@ -141,7 +142,10 @@ BASELINE_SHARE = 0.15
 """Part of the time limit kept for scoring the baselines (used only when the search runs
 into the clock; a search ended by its budget leaves them more)."""
 FINISH_SHARE = 0.03
-"""Part of the time limit kept for writing the plan and exiting."""
+"""Part of the time limit kept for writing the plan and exiting (at least FINISH_MIN_S)."""
+FINISH_MIN_S = 0.3
+"""Seconds kept at least for writing the plan and the interpreter's exit (measured: 0.15-0.2 s
+after a 1,000-device plan on a loaded 2-core machine)."""
 POLISH_SHARE = 0.05
 """Part of a shape's time kept for polishing the simulated objective's layer split."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
@@ -167,14 +171,29 @@ def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
 
 def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num_stages: int,
                 num_replicas: int, config: SearchConfig,
-                progress: Callable[[int, float], None] | None = None) -> SearchResult:
+                progress: Callable[[int, float], None] | None = None,
+                deadline: float | None = None,
+                act_orders: dict[float, list[np.ndarray]] | None = None) -> SearchResult:
     """Our search over all devices of the cluster, minimising `objective`: DT-FM's link times
     drive the matching and the clustering of the seeds, and the plans built from the cluster's
-    regions (baselines.structured_plans) join the starting population."""
+    regions (baselines.structured_plans) join the starting population.
+
+    `deadline` (a time.perf_counter() value): the search, set-up included, ends by then
+    (config.time_limit_s is replaced). `act_orders`: device orders from the activation times,
+    by activation size, kept across calls (they do not depend on the shape)."""
     devices = np.arange(cluster.num_devices)
     seeds = structured_plans(cluster.regions(), dtfm.act, devices, num_stages, num_replicas)
+    orders = None
+    if act_orders is not None:
+        key = dtfm.constants.activation_gb
+        if key not in act_orders:
+            act_orders[key] = leaf_orders([dtfm.act], devices)
+        # = leaf_orders([act, grad]): the identity order, then each matrix's orders.
+        orders = act_orders[key] + leaf_orders([dtfm.grad], devices)[1:]
+    if deadline is not None:
+        config = replace(config, time_limit_s=max(deadline - time.perf_counter(), 1e-3))
     return evolutionary_search(objective, dtfm.act, devices, num_stages, num_replicas, config,
-                               [dtfm.grad], progress, seeds)
+                               [dtfm.grad], progress, seeds, orders)
 
 
 def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
@@ -222,21 +241,22 @@ class ShapeResult:
 
 
 def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline: float,
-                 digest: str, progress: Callable[[int, float], None] | None = None
-                 ) -> ShapeResult:
+                 digest: str, progress: Callable[[int, float], None] | None = None,
+                 act_orders: dict[float, list[np.ndarray]] | None = None) -> ShapeResult:
     """Build the objective, search one S x R shape and make its Plan, all before
     time.perf_counter() passes `deadline` (POLISH_SHARE of the time is kept for the
-    simulated objective's split polish). `digest`: the cluster's sha256."""
+    simulated objective's split polish). `digest`: the cluster's sha256; `act_orders`: as
+    search_plan."""
     if req.num_micro_batches == 0:
         req = replace(req, num_micro_batches=default_micro_batches(
             model, req.micro_batch_size, req.tokens_per_replica))
     check_shape(cluster, model, req)
     objective = OBJECTIVES[req.objective](cluster, model, req)
-    dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding
+    # DT-FM's link times drive matching and seeding (the objective itself when it is DT-FM).
+    dtfm = objective if isinstance(objective, DtfmObjective) else make_dtfm(cluster, model, req)
     start = time.perf_counter()
-    search_s = max((deadline - start) * (1 - POLISH_SHARE), 1e-3)
-    result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas,
-                         replace(req.search, time_limit_s=search_s), progress)
+    result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas, req.search,
+                         progress, start + (deadline - start) * (1 - POLISH_SHARE), act_orders)
     wall = time.perf_counter() - start
     polish = getattr(objective, "polish", None)  # the simulated objective refines its split
     ours = polish(result.pipelines, deadline=deadline) if polish else \
@@ -267,13 +287,14 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
 
     req.search.time_limit_s bounds all of it, counted from `started` (a time.perf_counter()
     value; default: now), so that a caller can count what it did before (loading the
-    cluster): the shapes share what is left of it but BASELINE_SHARE and FINISH_SHARE, the
-    baselines of the chosen shape get what is left but FINISH_SHARE (at least one plan of
-    each kind is scored). Every phase stops at its deadline, so the call ends within the limit
-    up to one objective evaluation (or one uninterruptible set-up step) past it."""
+    cluster): the shapes share what is left of it but BASELINE_SHARE and the finish reserve
+    (FINISH_SHARE, FINISH_MIN_S), the baselines of the chosen shape get what is left but the
+    finish reserve (at least one plan of each kind is scored). Every phase stops at its
+    deadline, so the call ends within the limit up to one objective evaluation (or one
+    uninterruptible set-up step, such as one matching of two big stage groups) past it."""
     started = time.perf_counter() if started is None else started
     limit = req.search.time_limit_s
-    end = started + limit * (1 - FINISH_SHARE)
+    end = started + limit - max(limit * FINISH_SHARE, min(FINISH_MIN_S, limit / 10))
     search_end = end - limit * BASELINE_SHARE
     check_scale(cluster, req)
     shapes = candidate_shapes(cluster, model, req)
@@ -281,13 +302,14 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     best: ShapeResult | None = None
     failures: list[str] = []
     stops: set[str] = set()
+    act_orders: dict[float, list[np.ndarray]] = {}  # the same for every shape: made once
     for k, (s, r) in enumerate(shapes):
         # each shape gets an equal share of the time left (a shape that cannot fit quits early)
         now = time.perf_counter()
         shape_end = now + max(search_end - now, 0.0) / (len(shapes) - k)
         try:
             found = search_shape(cluster, model, replace(req, num_stages=s, num_replicas=r),
-                                 shape_end, digest, progress)
+                                 shape_end, digest, progress, act_orders)
         except UserError as e:
             if len(shapes) == 1:
                 raise

@@ -233,8 +233,8 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
                         num_stages: int, num_replicas: int, config: SearchConfig | None = None,
                         extra_link_costs: list[np.ndarray | LinkCosts] | None = None,
                         progress: Callable[[int, float], None] | None = None,
-                        initial_plans: list[tuple[str, np.ndarray]] | None = None
-                        ) -> SearchResult:
+                        initial_plans: list[tuple[str, np.ndarray]] | None = None,
+                        seed_orders: list[np.ndarray] | None = None) -> SearchResult:
     """Search S x R plans over `devices` minimising `objective`.
 
     `t_act[i, j]` is the time to send one stage boundary's activations from i to j (it drives
@@ -243,6 +243,8 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
     LinkCosts (by link class for large swarms) instead of matrices; `initial_plans` are named
     (R, S) plans built elsewhere (e.g. from the cluster's regions): each is scored as given and
     its stage groups join the population, so the result is never worse than any of them.
+    `seed_orders`: the device orders cut into structured plans, if already made (default:
+    islands.leaf_orders of t_act and extra_link_costs).
     Cost: O(budget) evaluations, each O(S R^2) plus cached matchings.
     """
     config = config or SearchConfig()
@@ -270,7 +272,7 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
         if cost < given[1]:
             given = (name, cost, plan)
             given_history.append((scorer.evaluations, cost))
-    orders = leaf_orders([t_act, *(extra_link_costs or [])], devices)
+    orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
     structured += structured_partitions(orders, s, r)
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))

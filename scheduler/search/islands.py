@@ -52,7 +52,10 @@ def _points(cost: LinkCosts, devices: np.ndarray
         points, which = np.unique(classes[devices], return_inverse=True)
         members = [devices[which.reshape(-1) == k] for k in range(len(points))]
         return points, members, table[np.ix_(points, points)]
-    return devices, None, cost.dense()[np.ix_(devices, devices)]
+    matrix = cost.dense()
+    if len(devices) == len(matrix) and (devices == np.arange(len(matrix))).all():
+        return devices, None, matrix  # all of them in id order: no copy of N^2 entries
+    return devices, None, matrix[np.ix_(devices, devices)]
 
 
 def _expand(order: np.ndarray, points: np.ndarray, members: list[np.ndarray] | None

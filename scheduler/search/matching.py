@@ -13,11 +13,25 @@ from itertools import combinations
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from scheduler.link_costs import ClassCosts, LinkCosts, as_link_costs
 from scheduler.search.class_matching import ClassPlans
 
 _BIG = 1e18
+HOPCROFT_KARP_FROM = 64
+"""Groups bigger than this test for a perfect matching with Hopcroft-Karp, not an assignment."""
+
+
+def _perfect(allowed: np.ndarray) -> bool:
+    """Whether the boolean square matrix has a perfect matching on True entries: a linear
+    assignment for small ones, Hopcroft-Karp (O(E sqrt(R))) for big ones."""
+    if len(allowed) <= HOPCROFT_KARP_FROM:
+        rows, cols = linear_sum_assignment(~allowed)
+        return bool(allowed[rows, cols].all())
+    match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
+    return bool((match >= 0).all())
 
 
 def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
@@ -25,23 +39,20 @@ def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
 
     Returns (bottleneck, cols) with row i matched to cols[i]; among matchings with the optimal
     bottleneck it picks one of least total cost. Binary search over the distinct values, each
-    step a feasibility check by linear assignment: O(R^3 log R^2).
+    step a perfect-matching test, then one linear assignment: O(R^3) plus the tests.
     """
     # No matching can beat the largest row or column minimum, and on clustered networks that
-    # floor is usually feasible: try it first (one assignment instead of a binary search).
+    # floor is usually feasible: try it first (one test instead of a binary search).
     floor = max(cost.min(axis=1).max(), cost.min(axis=0).max())
     allowed = cost <= floor
-    rows, cols = linear_sum_assignment(~allowed)
-    if allowed[rows, cols].all():
+    if _perfect(allowed):
         rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
         return float(floor), cols
     values = np.unique(cost)
     lo, hi = int(np.searchsorted(values, floor)) + 1, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        allowed = cost <= values[mid]
-        rows, cols = linear_sum_assignment(~allowed)
-        if allowed[rows, cols].all():
+        if _perfect(cost <= values[mid]):
             hi = mid
         else:
             lo = mid + 1
