@@ -17,8 +17,9 @@ import numpy as np
 from formats.cluster import Cluster
 from formats.links import LinkClasses, find_pairs
 
-DENSE_LIMIT = 2048
-"""Compact clusters with more devices than this are planned by link class (ClassCosts)."""
+DENSE_LIMIT = 512
+"""Compact clusters with more devices than this are planned by link class (ClassCosts): the
+matching of two big stage groups costs O(K^2) there instead of O(R^3)."""
 
 MessageTime = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """(latency_ms, bandwidth_gbps) -> seconds per message, elementwise."""
