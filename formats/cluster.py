@@ -222,13 +222,9 @@ def _parse_device(raw: Any, index: int) -> Device:
 
 def _parse_matrix(raw: Any, field: str, n: int) -> np.ndarray:
     """An n x n matrix of numbers; the first bad row or entry named otherwise."""
-    if isinstance(raw, list) and len(raw) == n and \
-            all(type(row) is list and len(row) == n for row in raw):
-        kinds: set[type] = set()
-        for row in raw:
-            kinds.update(map(type, row))
-        if kinds <= {int, float}:  # the usual case, checked without a Python call per entry
-            return np.array(raw, dtype=float)
+    fast = _numeric_matrix(raw, n)
+    if fast is not None:
+        return fast
     if not isinstance(raw, list) or len(raw) != n:
         got = len(raw) if isinstance(raw, list) else type(raw).__name__
         raise UserError(f"{field}: expected {n} rows (one per device), got {got}")
@@ -240,6 +236,24 @@ def _parse_matrix(raw: Any, field: str, n: int) -> np.ndarray:
         for j, v in enumerate(row):
             _number(v, f"{field}[{i}][{j}]")
     return np.array(raw, dtype=float)
+
+
+def _numeric_matrix(raw: Any, n: int) -> np.ndarray | None:
+    """The n x n matrix when every entry is an int or a float (the usual case), checked
+    without a Python call per entry; None otherwise (the caller then names the bad entry)."""
+    if not isinstance(raw, list) or len(raw) != n:
+        return None
+    try:
+        m = np.array(raw)
+    except (ValueError, TypeError, OverflowError):  # ragged, or not numbers
+        return None
+    if m.shape != (n, n) or m.dtype.kind not in "fi":
+        return None
+    # A JSON true/false among numbers becomes 1.0/0.0: look only at the entries that are.
+    suspects = np.argwhere((m == 0) | (m == 1)).tolist()
+    if any(type(raw[i][j]) is bool for i, j in suspects):
+        return None
+    return m.astype(float, copy=False)
 
 
 def _check_links(lat: np.ndarray, bw: np.ndarray) -> None:

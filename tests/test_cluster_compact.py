@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 from conftest import run_entry
+from test_cluster_formats import tiny_cluster_dict
 
 from formats.cluster import (
     MAX_DENSE_DEVICES,
@@ -209,3 +210,19 @@ def test_scenario_exports_the_compact_form_and_plans_it(tmp_path):
                   "--budget", "300", "--out", str(plan), "--json", "--quiet")
     assert r.returncode == 0, r.stderr
     assert json.loads(plan.read_text())["cluster_sha256"] == load_cluster(path).sha256()
+
+
+@pytest.mark.parametrize("row,col,value,message", [
+    (1, 2, True, "latency_ms[1][2]: expected a number, got True"),
+    (0, 0, False, "latency_ms[0][0]: expected a number, got False"),
+    (2, 1, "5", "latency_ms[2][1]: expected a number, got '5'"),
+    (1, 0, None, "latency_ms[1][0]: expected a number, got None"),
+])
+def test_full_matrices_are_read_in_bulk_but_a_non_number_is_still_named(row, col, value,
+                                                                        message):
+    raw = tiny_cluster_dict()
+    assert cluster_from_dict(raw).latency_ms.tolist() == [[0, 5, 5], [5, 0, 5], [5, 5, 0]]
+    raw["latency_ms"][row][col] = value
+    with pytest.raises(UserError) as err:
+        cluster_from_dict(raw)
+    assert message in str(err.value)
