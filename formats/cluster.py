@@ -181,9 +181,13 @@ def _matrix_to_list(m: np.ndarray) -> list[list[float]]:
 
 def _hash_matrix(digest: Any, m: np.ndarray) -> None:
     """Feed the canonical JSON text of _matrix_to_list(m) to `digest`, row by row."""
-    values, inverse = np.unique(_rounded(m), return_inverse=True)
+    rounded = _rounded(m)
+    if (np.signbit(rounded) & (rounded == 0)).any():  # -0.0 and 0.0 are one value to unique
+        digest.update(_canonical(rounded.tolist()).encode())
+        return
+    values = np.unique(rounded)  # (without return_inverse: no argsort of N^2 entries)
     text = [json.dumps(float(v)) for v in values]
-    rows = inverse.reshape(m.shape).tolist()
+    rows = np.searchsorted(values, rounded).tolist()
     for k, row in enumerate(rows):
         digest.update((("[[" if k == 0 else "],[") + ",".join([text[i] for i in row])).encode())
     digest.update(b"]]" if rows else b"[]")

@@ -298,15 +298,38 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     search_end = end - limit * BASELINE_SHARE
     check_scale(cluster, req)
     shapes = candidate_shapes(cluster, model, req)
-    digest = cluster.sha256()
+    best, stops, skipped = search_shapes(cluster, model, req, shapes, search_end,
+                                         cluster.sha256(), progress)
+    best.plan.search["shapes_tried"] = [list(x) for x in shapes if x not in skipped]
+    if skipped:
+        best.plan.search["shapes_skipped"] = [list(x) for x in skipped]
+    # Reproducible only if no shape's search was cut by the wall limit.
+    best.plan.search["stopped_by"] = next(
+        (s for s in ("time", "budget") if s in stops), "converged")
+    return outcome_with_baselines(cluster, best, end)
+
+
+def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                  shapes: list[tuple[int, int]], deadline: float, digest: str,
+                  progress: Callable[[int, float], None] | None = None
+                  ) -> tuple[ShapeResult, set[str], list[tuple[int, int]]]:
+    """search_shape for each shape, sharing the time until `deadline`; the cheapest result,
+    what stopped each search, and the shapes skipped because the deadline had passed before
+    their turn (never the first). UserError when no shape works."""
     best: ShapeResult | None = None
     failures: list[str] = []
     stops: set[str] = set()
+    skipped: list[tuple[int, int]] = []
     act_orders: dict[float, list[np.ndarray]] = {}  # the same for every shape: made once
+    overrun = 0.0  # the most a shape ran past its end: expect the last one to do so too
     for k, (s, r) in enumerate(shapes):
         # each shape gets an equal share of the time left (a shape that cannot fit quits early)
         now = time.perf_counter()
-        shape_end = now + max(search_end - now, 0.0) / (len(shapes) - k)
+        if best is not None and now >= deadline:
+            skipped.append((s, r))
+            stops.add("time")
+            continue
+        shape_end = now + max(deadline - overrun - now, 0.0) / (len(shapes) - k)
         try:
             found = search_shape(cluster, model, replace(req, num_stages=s, num_replicas=r),
                                  shape_end, digest, progress, act_orders)
@@ -315,24 +338,25 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 raise
             failures.append(f"{s} x {r}: {e}")
             continue
+        finally:
+            overrun = max(overrun, time.perf_counter() - shape_end)
         stops.add(found.plan.search["stopped_by"])
         if best is None or found.ours.cost_s < best.ours.cost_s:
             best = found
     if best is None:
         raise UserError("no shape works:\n  " + "\n  ".join(failures))
-    best.plan.search["shapes_tried"] = [list(x) for x in shapes]
-    # Reproducible only if no shape's search was cut by the wall limit.
-    best.plan.search["stopped_by"] = next(
-        (s for s in ("time", "budget") if s in stops), "converged")
-    return outcome_with_baselines(cluster, best, end)
+    return best, stops, skipped
 
 
 def outcome_with_baselines(cluster: Cluster, found: ShapeResult, deadline: float
                            ) -> PlanOutcome:
     """The PlanOutcome of a searched shape, its baselines scored before `deadline`."""
     req = found.req
+    # Keep time for the three baseline rows' breakdowns, about one evaluation each.
+    per_eval = found.search.wall_s / max(found.search.evaluations, 1)
+    rows_s = min(3 * per_eval, max(deadline - time.perf_counter(), 0.0) / 2)
     how, baselines, random_scored = score_baselines(
-        cluster, found.objective, found.dtfm, req, found.ours.objective, deadline,
+        cluster, found.objective, found.dtfm, req, found.ours.objective, deadline - rows_s,
         found.search.pairs)
     random_label = next(label for label in baselines if label.startswith("best of"))
     return PlanOutcome(found.plan, found.ours, baselines[random_label].cost_s,

@@ -272,6 +272,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
                   f"may differ from run to run (raise --time-limit, or lower --budget, to "
                   f"reproduce it from --search-seed)", file=sys.stderr)
+        skipped = out.plan.search.get("shapes_skipped")
+        if skipped:
+            print(f"note: the --time-limit ran out before shapes "
+                  f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
+                  f"more time, or --stages/--replicas)", file=sys.stderr)
         if out.random_scored < args.random_samples:
             print(f"note: the --time-limit left time to score {out.random_scored} of "
                   f"{args.random_samples} random plans for the baseline", file=sys.stderr)

@@ -124,7 +124,7 @@ def test_full_digest_is_the_canonical_json_of_rounded_values():
     rng = np.random.default_rng(3)
     devices = make_scenario("lab").devices
     lat, bw = rng.uniform(0, 100, (8, 8)), rng.uniform(0.01, 10, (8, 8))
-    lat[1, 2], bw[3, 4] = 1e10 / 3, INF  # above the fast path's range; not finite
+    lat[1, 2], bw[3, 4], lat[5, 6] = 1e10 / 3, INF, -0.0  # off the fast paths
     c = Cluster("x", devices, lat, bw)
     rounded = {key: [[round(float(v), 6) for v in row] for row in m]
                for key, m in (("latency_ms", lat), ("bandwidth_gbps", bw))}
