@@ -184,3 +184,17 @@ def test_ten_thousand_devices_plan_with_dtfm_within_a_minute_and_4_gb(tmp_path):
     assert sorted(d for chain in saved["pipelines"] for d in chain) == list(range(10000))
     assert saved["cluster_sha256"] == load_cluster(cluster).sha256()
     assert json.loads(r.stdout)["ratio_vs_random"] < 0.8
+
+
+def test_with_no_time_left_one_shape_and_one_plan_of_each_baseline_are_still_made():
+    cluster = make_scenario("random", seed=3, num_devices=24, num_regions=3)
+    req = PlanRequest(0, 0, objective="dtfm", search=SearchConfig(time_limit_s=1.0))
+    start = time.perf_counter()
+    out = plan_best_shape(cluster, get_model("gpt3-xl"), req, started=start - 10.0)
+    assert time.perf_counter() - start < 5.0
+    search = out.plan.search
+    assert len(search["shapes_tried"]) == 1 and search["stopped_by"] == "time"
+    assert [search["shapes_tried"][0]] + search["shapes_skipped"] == \
+        [[s, 24 // s] for s in (1, 2, 3, 4, 6, 8, 12, 24)]
+    assert out.random_scored == 1 and "best of 1 random" in out.baselines
+    assert all(np.isfinite(b.cost_s) for b in out.baselines.values())
