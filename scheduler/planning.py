@@ -266,8 +266,7 @@ def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline:
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
         micro_batch_size=req.micro_batch_size, num_micro_batches=req.num_micro_batches,
         sync=req.sync,
-        predicted={"objective": ours.objective, "cost": round(ours.cost_s, 6),
-                   **{k: round(v, 6) for k, v in ours.parts.items()}},
+        predicted=predicted(ours),
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3),
                 "stopped_by": result.stopped_by,
@@ -278,6 +277,12 @@ def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline:
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
     return ShapeResult(req, plan, ours, result, objective, dtfm)
+
+
+def predicted(cost: CostBreakdown) -> dict[str, float | str]:
+    """A plan's `predicted` block: objective, cost and its parts (s, rounded to the us)."""
+    return {"objective": cost.objective, "cost": round(cost.cost_s, 6),
+            **{k: round(v, 6) for k, v in cost.parts.items()}}
 
 
 def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
@@ -350,29 +355,50 @@ def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
 
 def outcome_with_baselines(cluster: Cluster, found: ShapeResult, deadline: float
                            ) -> PlanOutcome:
-    """The PlanOutcome of a searched shape, its baselines scored before `deadline`."""
-    req = found.req
+    """The PlanOutcome of a searched shape, its baselines scored before `deadline`. When the
+    clock cut the search short and a baseline plan is cheaper, that plan is the one returned
+    (plan.search says so: `taken_from`, and `search_cost`, what the search had found)."""
     # Keep time for the three baseline rows' breakdowns, about one evaluation each.
     per_eval = found.search.wall_s / max(found.search.evaluations, 1)
     rows_s = min(3 * per_eval, max(deadline - time.perf_counter(), 0.0) / 2)
-    how, baselines, random_scored = score_baselines(
-        cluster, found.objective, found.dtfm, req, found.ours.objective, deadline - rows_s,
-        found.search.pairs)
-    random_label = next(label for label in baselines if label.startswith("best of"))
-    return PlanOutcome(found.plan, found.ours, baselines[random_label].cost_s,
-                       baselines["index order"].cost_s, found.search.history,
-                       found.search.best_structured, baselines, how, random_scored)
+    base = score_baselines(cluster, found.objective, found.dtfm, found.req,
+                           found.ours.objective, deadline - rows_s, found.search.pairs)
+    plan, ours = found.plan, found.ours
+    label = min(base.rows, key=lambda k: base.rows[k].cost_s)
+    if plan.search["stopped_by"] == "time" and base.rows[label].cost_s < ours.cost_s:
+        ours = base.rows[label]
+        plan = replace(plan, stages=list(ours.stages), pipelines=base.plans[label].tolist(),
+                       predicted=predicted(ours),
+                       search={**plan.search, "taken_from": label,
+                               "search_cost": round(found.ours.cost_s, 6)})
+    random_label = next(k for k in base.rows if k.startswith("best of"))
+    return PlanOutcome(plan, ours, base.rows[random_label].cost_s,
+                       base.rows["index order"].cost_s, found.search.history,
+                       found.search.best_structured, base.rows, base.how, base.random_scored)
+
+
+@dataclass
+class Baselines:
+    """The baseline plans of one shape, scored by the plan's objective."""
+
+    rows: dict[str, CostBreakdown]
+    """Cost with its parts, by row label: hand-structured (regions), best of N random, index
+    order."""
+    plans: dict[str, np.ndarray]
+    """The (R, S) plans, by the same labels."""
+    how: str
+    """How the hand-structured plan was built."""
+    random_scored: int
+    """Random plans scored (fewer than asked when the deadline ended it)."""
 
 
 def score_baselines(cluster: Cluster, objective: Objective, dtfm: DtfmObjective,
                     req: PlanRequest, name: str, deadline: float = math.inf,
-                    cache: PairCache | None = None
-                    ) -> tuple[str, dict[str, CostBreakdown], int]:
-    """The baselines scored by `objective` (called `name`), by row label: the best
-    hand-structured plan, the best of req.random_samples random plans, index order; how the
-    hand-structured plan was built; and how many random plans were scored. The structured
-    plans get half the time left before `deadline`, the random ones the rest (`cache`: the
-    search's matchings, reused)."""
+                    cache: PairCache | None = None) -> Baselines:
+    """The baselines scored by `objective` (called `name`): the best hand-structured plan, the
+    best of req.random_samples random plans, index order. The structured plans get half the
+    time left before `deadline`, the random ones the rest (`cache`: the search's matchings,
+    reused)."""
     devices = np.arange(cluster.num_devices)
     index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
     now = time.perf_counter()
@@ -388,8 +414,6 @@ def score_baselines(cluster: Cluster, objective: Objective, dtfm: DtfmObjective,
             return CostBreakdown(name, float("inf"))
         return objective.breakdown(p)
 
-    return how, {
-        "hand-structured (regions)": score(hand_plan),
-        f"best of {scored} random": score(random_plan),
-        "index order": score(index_plan),
-    }, scored
+    plans = {"hand-structured (regions)": hand_plan, f"best of {scored} random": random_plan,
+             "index order": index_plan}
+    return Baselines({label: score(p) for label, p in plans.items()}, plans, how, scored)

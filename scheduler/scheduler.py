@@ -199,6 +199,7 @@ def _progress(evaluations: int, best: float) -> None:
 
 def _plan_table(out: PlanOutcome) -> str:
     ours, p = out.ours, out.plan
+    taken = p.search.get("taken_from")  # a baseline beat a search cut short by the clock
     keys = list(ours.parts)
     head = f"  {'':28s} {'cost (s)':>10s}" + "".join(f" {k:>12s}" for k in keys) + \
         f" {'ours / it':>10s}"
@@ -211,7 +212,7 @@ def _plan_table(out: PlanOutcome) -> str:
         f"plan {p.model} on {p.cluster}: {p.num_stages} stages x {p.num_replicas} replicas, "
         f"objective {ours.objective}",
         head,
-        row("ours (evolutionary)", ours),
+        row(f"ours = {taken.split(' (')[0]}" if taken else "ours (evolutionary)", ours),
         *(row(label, b) for label, b in out.baselines.items()),
         f"  search: {p.search['evaluations']} evaluations in {p.search['wall_s']:.2f} s "
         f"(seed {p.search['seed']}, stopped by {p.search['stopped_by']}); best starting plan "
@@ -272,6 +273,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
                   f"may differ from run to run (raise --time-limit, or lower --budget, to "
                   f"reproduce it from --search-seed)", file=sys.stderr)
+        taken = out.plan.search.get("taken_from")
+        if taken:
+            print(f"note: the search, cut short by --time-limit, ended at "
+                  f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
+                  f"plan is the one written", file=sys.stderr)
         skipped = out.plan.search.get("shapes_skipped")
         if skipped:
             print(f"note: the --time-limit ran out before shapes "

@@ -198,3 +198,8 @@ def test_with_no_time_left_one_shape_and_one_plan_of_each_baseline_are_still_mad
         [[s, 24 // s] for s in (1, 2, 3, 4, 6, 8, 12, 24)]
     assert out.random_scored == 1 and "best of 1 random" in out.baselines
     assert all(np.isfinite(b.cost_s) for b in out.baselines.values())
+    # Cut short by the clock, the plan returned is never worse than a baseline it scored.
+    assert out.ours.cost_s <= min(b.cost_s for b in out.baselines.values())
+    dtfm = DtfmObjective(cluster, get_model("gpt3-xl"), *search["shapes_tried"][0])
+    assert dtfm.cost(np.array(out.plan.pipelines)) == pytest.approx(out.ours.cost_s)
+    assert out.plan.predicted["cost"] == pytest.approx(out.ours.cost_s)
