@@ -1,15 +1,17 @@
 """One process per device: read the plan, join the group, run this rank's stage of the training.
 
-    python dist_runner.py --plan plan.json --rank R --dist-url tcp://HOST:PORT \
+    python dist_runner.py --plan plan.json --rank R (--dist-url | --coordinator) tcp://HOST:PORT \
         [--world-size N] (--data PATH | --fake-data) --steps N \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
 Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are read from the environment.
+MASTER_ADDR and MASTER_PORT are read from the environment. With --coordinator, a coordinator
+process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
-rank's replica was dropped (DiLoCo), or fewer than --min-replicas replicas are left.
+rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, or the
+coordinator is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from formats.plan import Plan, load_plan  # noqa: E402
 from modules.config import LaunchConfig, RunConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from formats.cluster import Cluster
+    from modules.dist import Topology
+    from modules.placement import Placement
     from modules.trainer import Trainer
 
 
@@ -48,22 +55,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, RunConfig]:
 
 
 def resolve_launch(launch: LaunchConfig, num_devices: int) -> tuple[int, int, str, bool]:
-    """(rank, world_size, dist_url, agent_store) from flags, else torchrun's environment."""
+    """(rank, world_size, store url, store hosted elsewhere) from flags, else torchrun's
+    environment; with --coordinator the coordinator hosts the store."""
     env = os.environ
     rank = launch.rank if launch.rank is not None else _env_int("RANK")
     if rank is None:
         raise UserError("--rank is required (or set RANK, as torchrun does)")
     world = launch.world_size if launch.world_size is not None else _env_int("WORLD_SIZE")
     world = num_devices if world is None else world
-    url = launch.dist_url
+    url = launch.coordinator or launch.dist_url
     if url is None:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise UserError("--dist-url is required (or set MASTER_ADDR and MASTER_PORT)")
+            raise UserError("--dist-url or --coordinator is required (or set MASTER_ADDR and "
+                            "MASTER_PORT)")
         url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    where = "--dist-url" if launch.dist_url is not None else "$MASTER_ADDR:$MASTER_PORT"
+    where = ("--coordinator" if launch.coordinator else "--dist-url" if launch.dist_url
+             else "$MASTER_ADDR:$MASTER_PORT")
     resolve(tcp_url(url, where)[0], where)  # a name that does not resolve: exit 2 now
     agent_store = launch.dist_url is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return rank, world, url, agent_store
+    return rank, world, url, agent_store or launch.coordinator is not None
 
 
 def _env_int(name: str) -> int | None:
@@ -76,8 +86,8 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"${name}: expected an integer, got {value!r}") from None
 
 
-def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> Plan:
-    """The plan, checked against --cluster and against the run's settings."""
+def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Cluster | None]:
+    """The plan (and --cluster's cluster), checked against each other and the run's settings."""
     cluster = None
     if launch.cluster:
         from formats.cluster import load_cluster
@@ -87,7 +97,7 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> Plan:
         raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
                         f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
     cfg.check_plan(plan)
-    return plan
+    return plan, cluster
 
 
 def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData (torch import)
@@ -102,18 +112,18 @@ def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData
                     spec.vocab_size, seed=cfg.seed)
 
 
-def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
-                  where: tuple[int, int, str, bool], log) -> Trainer:
-    """Place this rank, load its data, rendezvous, form the groups: a Trainer ready to run."""
-    from modules.dist import parse_dist_url, rendezvous, topology
-    from modules.fault import members_of, register
+def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
+                  where: tuple[int, int, str, bool], placement: Placement, log) -> Trainer:
+    """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
+    from modules.dist import parse_dist_url, rendezvous
+    from modules.fault import members_of
     from modules.sync import check_compression
     from modules.trainer import Trainer
 
     rank, world, url, agent_store = where
-    topo = topology(plan, rank, world)  # rank not in plan / world size mismatch: exit 2 here
     check_compression(plan.sync.compression, plan.num_replicas)
-    store_addr = parse_dist_url(url)
+    coordinator = launch.coordinator is not None
+    store_addr = parse_dist_url(url, "--coordinator" if coordinator else "--dist-url")
     start, join = cfg.elastic.start_replicas(plan.num_replicas), cfg.elastic.join
     if start is not None and not join and topo.replica not in start:
         raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
@@ -124,16 +134,30 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan,
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: register(s, rank, topo.replica, topo.stage))
+                       on_store=lambda s: on_store(s, launch, cfg, plan, topo))
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
-    return Trainer(plan, topo, store, data, cfg, log=log, store_addr=store_addr)
+    return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
+                   store_addr=store_addr, coordinator=coordinator)
+
+
+def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
+             topo: Topology) -> None:
+    """As soon as the store answers: record who this rank is (named in failure messages) and,
+    with --coordinator, check this rank's plan and settings against the coordinator's."""
+    from modules.coordinator import RunSettings, check_in
+    from modules.fault import register
+
+    register(store, topo.rank, topo.replica, topo.stage)
+    if launch.coordinator is not None:
+        check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,
+                 launch.coordinator, cfg.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
     cfg.check_paths()
-    plan = load_checked_plan(launch, cfg)
+    plan, cluster = load_checked_plan(launch, cfg)
     where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
@@ -141,12 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from modules.dist import topology
+    from modules.placement import resolve_placement
+
+    topo = topology(plan, where[0], where[1])  # rank not in plan / world size mismatch: exit 2
+    placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
-    trainer = build_trainer(launch, cfg, plan, where, log)
+    log(f"device {placement.device}, precision {cfg.device.precision}, "
+        f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}")
+    trainer = build_trainer(launch, cfg, plan, topo, where, placement, log)
     trainer.run()
-    log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})")
+    mfu = trainer.mfu_values
+    log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})"
+        + (f"; mean MFU {sum(mfu) / len(mfu):.2%}" if mfu else ""))
     dist.destroy_process_group()
     return 0
 
@@ -160,9 +193,10 @@ def entry() -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
-    except RuntimeError as e:
+    except Exception as e:  # a lost peer or a diverged run: exit 1; anything else is a bug
         from modules.dist import PeerError
-        if not isinstance(e, PeerError):
+        from modules.trainer import TrainingDiverged
+        if not isinstance(e, PeerError | TrainingDiverged):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 1

@@ -1,13 +1,17 @@
 """Fault tolerance of dist_runner.py: kill -9 trials, detection time, rejoin time, and the
 training thread's blocking time of an asynchronous checkpoint against a synchronous one.
 
-    python benchmarks/fault_tolerance.py [--trials 20] [--allreduce-trials 4] [--model gpt-small]
+    python benchmarks/fault_tolerance.py [--trials 20] [--allreduce-trials 4] [--rank0-trials 5]
+        [--model gpt-small] [--rows diloco,allreduce,rank0,rejoin,checkpoint]
 
 Trials: DiLoCo 1 stage x 3 replicas (gpt-tiny, fake data, --heartbeat-timeout-s 2); a random
 rank other than 0 (rank 0 hosts the store) is SIGKILLed at a random step; a survival is a trial
 where every other rank finished with status 0 and no process was left. Detection time: kill ->
 the first survivor log line naming the lost rank. Allreduce trials (1 x 2): the survivor must
-exit 1 naming the lost rank; exit time reported. Rejoin: a third replica started with --join
+exit 1 naming the lost rank; exit time reported. Rank 0 trials (1x3 DiLoCo behind a coordinator
+process, scripts/coordinator.py): rank 0 is SIGKILLed at a random step; a survival is a trial
+where ranks 1 and 2 finished with status 0, the coordinator exited 0 and no process was left.
+Rejoin: a third replica started with --join
 mid-run; the time from its join request to its first outer step with the others (includes
 waiting for the next outer step) and the point-to-point transfer of the outer state.
 Checkpoint blocking: in one process, the same model + AdamW state saved N times by the
@@ -87,15 +91,58 @@ def rejoin(tmp: Path) -> tuple[float | None, float | None, bool]:
     return (float(m.group(1)) if m else None), (float(s.group(1)) if s else None), ok
 
 
+def rank0_trials(tmp: Path, trials: int, rng: random.Random) -> tuple[int, list[float], int]:
+    """(survivals, detection times, orphans) of SIGKILLing rank 0 of a 1x3 DiLoCo run behind a
+    coordinator process."""
+    survived, detect, orphans = 0, [], 0
+    for t in range(trials):
+        step = rng.randrange(2, 40)
+        res = kill_trial(tmp / f"c{t}", "diloco", 3, 1, 0, step, steps=160, heartbeat_s=2.0,
+                         coordinator=True)
+        ok = (not res.orphans and res.codes[1] == res.codes[2] == 0
+              and res.coordinator_code == 0)
+        survived += ok
+        orphans += len(res.orphans)
+        if res.detect_s is not None:
+            detect.append(res.detect_s)
+        print(f"rank 0 trial {t + 1}: killed rank 0 at step {step}: "
+              f"{'survived' if ok else 'FAILED'}, detected after "
+              f"{res.detect_s if res.detect_s is None else round(res.detect_s, 2)} s",
+              flush=True)
+    return survived, detect, orphans
+
+
+ROWS = ("diloco", "allreduce", "rank0", "rejoin", "checkpoint")
+
+
+def parse_rows(text: str) -> tuple[str, ...]:
+    """--rows: comma-separated names out of ROWS."""
+    rows = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ROWS)}, got {text!r}")
+    return rows
+
+
 def main() -> None:
-    """Run everything and print one markdown table."""
+    """Run everything (or --rows) and print one markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--allreduce-trials", type=int, default=4)
+    p.add_argument("--rank0-trials", type=int, default=5)
     p.add_argument("--model", default="gpt-small", help="model of the checkpoint measurement")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=parse_rows, default=ROWS,
+                   help=f"which measurements to run, comma-separated (default {','.join(ROWS)})")
     args = p.parse_args()
+    rows = args.rows
+    if "diloco" not in rows:
+        args.trials = 0
+    if "allreduce" not in rows:
+        args.allreduce_trials = 0
+    if "rank0" not in rows:
+        args.rank0_trials = 0
     rng = random.Random(args.seed)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
@@ -126,31 +173,45 @@ def main() -> None:
                 ar_exit.append(res.exit_s[0])
             print(f"allreduce trial {t + 1}: {'clean exit' if good else 'FAILED'} after "
                   f"{res.exit_s.get(0)} s", flush=True)
-        join_s, xfer_s, join_ok = rejoin(tmp / "join")
-        a_s, s_s, size = checkpoint_blocking(args.model, args.reps, tmp / "ck")
+        r0_ok, r0_detect, r0_orphans = rank0_trials(tmp / "rank0", args.rank0_trials, rng)
+        orphans += r0_orphans
+        if "rejoin" in rows:
+            join_s, xfer_s, join_ok = rejoin(tmp / "join")
+        if "checkpoint" in rows:
+            a_s, s_s, size = checkpoint_blocking(args.model, args.reps, tmp / "ck")
 
     fmt = lambda v: "n/a" if v is None else f"{v:.2f} s"
+    spread = lambda v: f"{statistics.median(v):.2f} s / {max(v):.2f} s"
     print()
     print("| measurement | value |")
     print("|---|---|")
-    print(f"| DiLoCo kill -9 trials (1x3, heartbeat timeout 2 s) | {args.trials} |")
-    print(f"| survivals (other replicas finished, exit 0) | {survived}/{args.trials} |")
-    if detect:
-        print(f"| detection time median / max | {statistics.median(detect):.2f} s / "
-              f"{max(detect):.2f} s |")
-    print(f"| allreduce trials: clean exit 1 naming the lost rank | {ar_ok}/"
-          f"{args.allreduce_trials} |")
-    if ar_exit:
-        print(f"| allreduce survivor exit after kill, median / max | "
-              f"{statistics.median(ar_exit):.2f} s / {max(ar_exit):.2f} s |")
+    if "diloco" in rows:
+        print(f"| DiLoCo kill -9 trials (1x3, heartbeat timeout 2 s) | {args.trials} |")
+        print(f"| survivals (other replicas finished, exit 0) | {survived}/{args.trials} |")
+        if detect:
+            print(f"| detection time median / max | {spread(detect)} |")
+    if "allreduce" in rows:
+        print(f"| allreduce trials: clean exit 1 naming the lost rank | {ar_ok}/"
+              f"{args.allreduce_trials} |")
+        if ar_exit:
+            print(f"| allreduce survivor exit after kill, median / max | {spread(ar_exit)} |")
+    if "rank0" in rows:
+        print(f"| DiLoCo kill -9 of rank 0 behind a coordinator (1x3, heartbeat timeout 2 s) | "
+              f"{args.rank0_trials} |")
+        print(f"| survivals (replicas 1, 2 finished, coordinator exit 0) | {r0_ok}/"
+              f"{args.rank0_trials} |")
+        if r0_detect:
+            print(f"| rank 0 detection time median / max | {spread(r0_detect)} |")
     print(f"| orphan processes | {orphans} |")
-    print(f"| rejoin: join request -> first outer step (incl. waiting for it) | {fmt(join_s)}"
-          f"{'' if join_ok else ' (run failed)'} |")
-    print(f"| rejoin: outer state transfer (gpt-tiny) | {fmt(xfer_s)} |")
-    print(f"| checkpoint blocking, async (snapshot), {args.model} {size / 1e6:.0f} MB | "
-          f"{a_s * 1e3:.1f} ms |")
-    print(f"| checkpoint blocking, synchronous | {s_s * 1e3:.1f} ms |")
-    print(f"| ratio synchronous / async | {s_s / a_s:.1f}x |")
+    if "rejoin" in rows:
+        print(f"| rejoin: join request -> first outer step (incl. waiting for it) | "
+              f"{fmt(join_s)}{'' if join_ok else ' (run failed)'} |")
+        print(f"| rejoin: outer state transfer (gpt-tiny) | {fmt(xfer_s)} |")
+    if "checkpoint" in rows:
+        print(f"| checkpoint blocking, async (snapshot), {args.model} {size / 1e6:.0f} MB | "
+              f"{a_s * 1e3:.1f} ms |")
+        print(f"| checkpoint blocking, synchronous | {s_s * 1e3:.1f} ms |")
+        print(f"| ratio synchronous / async | {s_s / a_s:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -335,6 +335,10 @@ class LaunchConfig:
     """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
     dist_url: str | None = None
     """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""
+    coordinator: str | None = None
+    """tcp://HOST:PORT of a coordinator (scripts/coordinator.py) that hosts the rendezvous
+    store and leads membership instead of rank 0, so that no rank is special and DiLoCo
+    survives losing rank 0 like any replica; replaces --dist-url"""
     cluster: str | None = None
     """cluster/1 file: check that the plan was made for it"""
 
@@ -343,5 +347,9 @@ class LaunchConfig:
             _int_at_least(LaunchConfig, "rank", self.rank, 0, MAX_DEVICE_ID)
         if self.world_size is not None:
             _int_at_least(LaunchConfig, "world_size", self.world_size, 1, MAX_DEVICE_ID + 1)
-        if self.dist_url is not None:
-            tcp_url(self.dist_url, "--dist-url")
+        if self.coordinator is not None and self.dist_url is not None:
+            raise UserError("--coordinator and --dist-url exclude each other: with a "
+                            "coordinator every rank reaches the store at --coordinator")
+        for flag, url in (("--dist-url", self.dist_url), ("--coordinator", self.coordinator)):
+            if url is not None:
+                tcp_url(url, flag)

@@ -79,25 +79,28 @@ def topology(plan: Plan, rank: int, world_size: int) -> Topology:
     )
 
 
-def parse_dist_url(url: str) -> tuple[str, int]:
-    """`tcp://HOST:PORT` -> (host, port); UserError otherwise."""
+def parse_dist_url(url: str, flag: str = "--dist-url") -> tuple[str, int]:
+    """`tcp://HOST:PORT` -> (host, port); UserError naming `flag` otherwise."""
     u = urlparse(url)
     try:
         port = u.port
     except ValueError:
         port = None
     if u.scheme != "tcp" or not u.hostname or port is None:
-        raise UserError(f"--dist-url: expected tcp://HOST:PORT, got {url!r}")
+        raise UserError(f"{flag}: expected tcp://HOST:PORT, got {url!r}")
     return u.hostname, port
 
 
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                agent_store: bool = False, members: tuple[int, ...] | None = None,
                on_store: Callable[[dist.Store], None] | None = None) -> dist.Store:
-    """Connect to the TCPStore at `url` (rank 0 hosts it) and init the gloo world group.
+    """Connect to the TCPStore at `url` (rank 0 hosts it unless `agent_store`) and init the
+    gloo world group.
 
     Fails with PeerError within about `timeout_s` when the address is unreachable or not every
-    rank joins. `agent_store`: torchrun's agent already hosts the store, so nobody binds it.
+    rank joins. `agent_store`: someone else already hosts the store (torchrun's agent, or the
+    coordinator process of `--coordinator`), so nobody here binds it; the world group then
+    needs nothing more of rank 0 than of the others.
     `members`: the ranks that start now (default all); when fewer, the group is formed among
     them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
@@ -158,7 +161,7 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
         try:
             store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
             return True
-        except RuntimeError as e:  # timeout, or the store (on rank 0) is gone
+        except RuntimeError as e:  # timeout, or the store (rank 0's or the coordinator's) is gone
             if abandon is not None:
                 if abandon():
                     return False
@@ -167,8 +170,8 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
             try:
                 missing = [p for p, k in zip(peers, keys) if not store.check([k])]
             except RuntimeError:
-                raise PeerError(f"{what}: the rendezvous store (hosted by rank 0) is gone "
-                                f"({first_line(e)})") from None
+                raise PeerError(f"{what}: the rendezvous store is gone ({first_line(e)})") \
+                    from None
             if not missing:
                 return True
             msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "

@@ -10,7 +10,8 @@ that the Trainer applies in one place. What it does:
 - start the heartbeat thread (modules.fault.Monitor), which calls the Trainer's `on_fatal`
   when the run cannot go on for this rank (a peer or the store lost in allreduce mode, the
   replica dropped, fewer than --min-replicas left);
-- DiLoCo: follow the generations rank 0 publishes (re-form the groups over the live replicas),
+- DiLoCo: follow the generations the leader publishes (rank 0, or the coordinator process
+  with --coordinator; modules.leader), re-form the groups over the live replicas,
   wait for every member at each outer step, average, and commit only if every member of every
   stage got the average (else retry in the next generation), so that no rank ever takes an
   outer step alone;
@@ -35,8 +36,9 @@ from modules.comm.errors import first_line
 from modules.config import RunConfig
 from modules.diloco import OuterState
 from modules.dist import Topology, members_of, wait_for_peers
-from modules.fault import Generation, Monitor, MonitorConfig, publish
+from modules.fault import Monitor, MonitorConfig
 from modules.groups import GroupBuilder, Groups
+from modules.leader import first_generation, publish
 from modules.protocol import (
     JOIN_TAG,
     commit_decision_key,
@@ -68,17 +70,21 @@ class MembershipSettings:
     """Replicas that start now (None: all); the others may come later with --join."""
     join: bool
     """This rank's replica joins a running job (state fetched from a live peer)."""
+    coordinator: bool = False
+    """The store is the coordinator process's (--coordinator): no rank hosts it or leads the
+    generations, rank 0 included."""
 
     @staticmethod
-    def of(cfg: RunConfig, num_replicas: int,
-           store_addr: tuple[str, int] | None) -> MembershipSettings:
+    def of(cfg: RunConfig, num_replicas: int, store_addr: tuple[str, int] | None,
+           coordinator: bool = False) -> MembershipSettings:
         """The settings of a run with `num_replicas` replicas in the plan."""
         el = cfg.elastic
         return MembershipSettings(
             timeout_s=cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
             min_replicas=el.resolved_min_replicas(num_replicas),
             wait_for_peers=el.wait_for_peers, store_addr=store_addr,
-            start_replicas=el.start_replicas(num_replicas), join=el.join)
+            start_replicas=el.start_replicas(num_replicas), join=el.join,
+            coordinator=coordinator)
 
 
 @dataclass
@@ -133,27 +139,33 @@ class Membership:
         self.groups = self.builder.build(0, self.replicas)
         return GenerationChange(0, self.replicas, self.groups, None, "start")
 
+    @property
+    def hosts_store(self) -> bool:
+        """This rank hosts the rendezvous store and leads (rank 0 without a coordinator)."""
+        return self.topo.rank == 0 and not self.cfg.coordinator
+
     def start(self, on_fatal: Callable[[str], None]) -> None:
-        """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0.
-        `on_fatal(reason)` is called (from any thread) when the run cannot go on for this rank;
-        it must not return."""
+        """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0
+        when it hosts the store (else the coordinator does). `on_fatal(reason)` is called (from
+        any thread) when the run cannot go on for this rank; it must not return."""
         cfg, plan = self.cfg, self.plan
         if cfg.store_addr is None:
             return
         members = members_of(plan, self.replicas)
-        if self.topo.rank == 0 and not cfg.join:
-            publish(self.store, Generation(0, self.replicas, members, reason="start"))
+        if self.hosts_store and not cfg.join:
+            publish(self.store, first_generation(plan, self.replicas))
         self.monitor = Monitor(MonitorConfig(
             rank=self.topo.rank, host=cfg.store_addr[0], port=cfg.store_addr[1], plan=plan,
             timeout_s=cfg.heartbeat_timeout_s,
             interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=self.elastic,
-            min_replicas=cfg.min_replicas, members=() if cfg.join else members, log=self.log,
-            on_fatal=on_fatal))
+            min_replicas=cfg.min_replicas, members=() if cfg.join else members,
+            coordinator=cfg.coordinator, log=self.log, on_fatal=on_fatal))
         self.monitor.start()
 
     @property
     def dropped(self) -> bool:
-        """Rank 0 only: its replica was dropped; it keeps hosting the store until the end."""
+        """Rank 0 hosting the store only: its replica was dropped; it keeps hosting the store
+        until the end."""
         return self.monitor is not None and self.monitor.dropped
 
     def await_verdict(self) -> None:
@@ -170,13 +182,14 @@ class Membership:
             mon.changed.clear()
 
     def finish(self) -> None:
-        """End of the run: nobody leaves before every rank is done (rank 0 hosts the store)."""
+        """End of the run: the store's host (rank 0 without a coordinator) leaves only after
+        every rank is done."""
         mon = self.monitor
         if (mon is None or not self.elastic) and self.groups is not None:
             self.groups.world.barrier("final barrier with every rank")
         if mon is None:
             return
-        if self.topo.rank != 0:
+        if not self.hosts_store:
             mon.stop()
             mon.join(timeout=5)
             self.store.add(done_key(self.topo.rank), 1)
@@ -204,7 +217,7 @@ class Membership:
             self.store.add(join_key(self.topo.rank), 1)
         except RuntimeError as e:
             raise PeerError(f"--join: the rendezvous store does not answer (the run is over or "
-                            f"rank 0 is gone): {str(e).strip()[:200]}") from None
+                            f"its host is gone): {str(e).strip()[:200]}") from None
         self.log(f"asking to join the run with replica {self.topo.replica}")
         while mon.generation is None or self.topo.rank not in mon.generation.members:
             if time.monotonic() - t0 > self.cfg.timeout_s:
@@ -217,7 +230,7 @@ class Membership:
         return change
 
     def poll(self, handover: Callable[[], Handover]) -> GenerationChange | None:
-        """The change to a newer generation, if rank 0 published one: its groups formed, and
+        """The change to a newer generation, if the leader published one: its groups formed, and
         the outer state handed over to joiners. `handover()` is this rank's current state: a
         live rank sends it; a joiner receives into buffers shaped like it. PeerError when the
         new generation does not continue with me."""

@@ -1,4 +1,4 @@
-"""metrics.jsonl (DESIGN.md §3): one JSON object per step, written by each replica's last stage."""
+"""metrics.jsonl (see README, File formats): one JSON object per step and replica."""
 
 from __future__ import annotations
 

@@ -9,25 +9,35 @@ Every receive of a step is posted when the step starts: gloo's point-to-point is
 (data flows once the receiver has posted its buffer), so a receive posted only when needed
 costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB messages took
 0.87 s against 0.24 s pre-posted (measured between two namespace hosts).
+
+With --precision bf16/fp16 (modules.precision) a stage computes under autocast and activations
+and their gradients cross links in the compute dtype (half of fp32's bytes); a received buffer
+is turned back into fp32, so every stage's residual stream and backward input stay fp32. The
+last stage scales its loss with the step's loss scaling (fp16) before backward, so every
+stage's gradients carry the same scale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from modules.comm import Communicator, Posted
 from modules.dist import Topology
 from modules.model import StageModel
+from modules.precision import Precision
 from modules.protocol import BWD_TAG, FWD_TAG
+
+ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
+"""The last stage's loss -> what backward runs on (fp16: loss x the current scale)."""
 
 
 class PipelineStage:
     """Runs this rank's stage of the pipeline for one step of micro-batches."""
 
     def __init__(self, model: StageModel, topo: Topology, comm: Communicator | None,
-                 micro_batch_size: int) -> None:
+                 micro_batch_size: int, precision: Precision | None = None) -> None:
         self.model, self.topo = model, topo
         self.comm = comm
         """My pipeline's communicator (peers by device id; None with one stage). The Trainer
@@ -36,78 +46,104 @@ class PipelineStage:
         self.act_shape = (micro_batch_size, spec.seq_len, spec.d_model)
         self.device = next(model.parameters()).device
         """Where activations and their gradients are received."""
+        self.precision = precision or Precision("fp32", self.device)
+
+    def _buffer(self) -> torch.Tensor:
+        """An empty receive buffer for one micro-batch's activations (in the wire dtype)."""
+        return torch.empty(self.act_shape, device=self.device, dtype=self.precision.wire_dtype)
+
+    def _wait(self, posted: Posted, what: str) -> torch.Tensor:
+        """The fp32 tensor a posted receive brought."""
+        return self.precision.from_wire(self.comm.wait(posted, what))
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> tuple[Posted, torch.Tensor]:
+        """Start sending `t` in the wire dtype; keep the returned tensor alive until the wait."""
+        wire = self.precision.to_wire(t.detach()).contiguous()
+        return self.comm.isend(wire, dst, tag), wire
 
     def _recv_act(self, m: int, what: str) -> torch.Tensor:
-        buf = torch.empty(self.act_shape, device=self.device)
-        return self.comm.recv(buf, self.topo.prev_rank, FWD_TAG + m, what)
+        buf = self.comm.recv(self._buffer(), self.topo.prev_rank, FWD_TAG + m, what)
+        return self.precision.from_wire(buf)
 
     def _post_recvs(self, src: int | None, tag: int, count: int) -> list[Posted]:
         """Post `count` receives from `src` (tags tag..tag+count-1) now; [] on a pipeline end."""
         if src is None:
             return []
-        return [self.comm.irecv(torch.empty(self.act_shape, device=self.device), src, tag + m)
-                for m in range(count)]
+        return [self.comm.irecv(self._buffer(), src, tag + m) for m in range(count)]
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None,
-                   targets: Sequence[torch.Tensor] | None, num_micro_batches: int) -> float | None:
+                   targets: Sequence[torch.Tensor] | None, num_micro_batches: int,
+                   scale_loss: ScaleLoss | None = None) -> float | None:
         """Forward and backward all micro-batches; gradients accumulate in the model.
 
         `inputs` (token ids) are needed on the first stage, `targets` on the last. The loss of
         each micro-batch is scaled by 1/num_micro_batches, so the accumulated gradient is that of
-        the mean loss over the step's batch. Returns that mean loss on the last stage, else None.
+        the mean loss over the step's batch, and `scale_loss` (default: none) scales it before
+        backward. Returns that mean loss on the last stage, else None.
         """
-        topo, model, M = self.topo, self.model, num_micro_batches
+        topo, M = self.topo, num_micro_batches
         acts = self._post_recvs(topo.prev_rank, FWD_TAG, M)
         grads = self._post_recvs(topo.next_rank, BWD_TAG, M)
-        saved_in: list[torch.Tensor] = []
-        saved_out: list[torch.Tensor] = []
-        sends = []
-        losses = []
-        for m in range(M):
-            if topo.is_first:
-                x = inputs[m]
-            else:
-                x = self.comm.wait(acts[m], f"activations of micro-batch {m}").requires_grad_()
-            if topo.is_last:
-                loss = model(x, targets[m])
-                losses.append(loss.detach())
-                saved_out.append(loss / M)
-            else:
-                y = model(x)
-                sends.append(self.comm.isend(y.detach(), topo.next_rank, FWD_TAG + m))
-                saved_out.append(y)
-            saved_in.append(x)
-        for w in sends:
-            self.comm.wait(w, "sending activations")
+        saved_in, saved_out, losses = self._forward_all(inputs, targets, acts)
         sends = []
         for m in reversed(range(M)):
             out = saved_out[m]
             if topo.is_last:
-                out.backward()
+                (scale_loss(out) if scale_loss else out).backward()
             else:
-                out.backward(self.comm.wait(grads[m], f"gradients of micro-batch {m}"))
+                out.backward(self._wait(grads[m], f"gradients of micro-batch {m}"))
             if not topo.is_first:
-                sends.append(self.comm.isend(saved_in[m].grad, topo.prev_rank, BWD_TAG + m))
+                sends.append(self._send(saved_in[m].grad, topo.prev_rank, BWD_TAG + m))
             saved_out[m] = saved_in[m] = None  # free activations as we go
-        for w in sends:
+        for w, _ in sends:
             self.comm.wait(w, "sending gradients")
         if topo.is_last:
             return float(torch.stack(losses).mean())
         return None
+
+    def _forward_all(self, inputs: Sequence[torch.Tensor] | None,
+                     targets: Sequence[torch.Tensor] | None, acts: list[Posted],
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Forward of every micro-batch (`acts`: the posted receives of its activations):
+        (inputs kept for backward, outputs or loss/M to call backward on, the last stage's
+        per-micro-batch losses)."""
+        topo, model = self.topo, self.model
+        M = len(inputs) if topo.is_first else len(acts)
+        saved_in: list[torch.Tensor] = []
+        saved_out: list[torch.Tensor] = []
+        sends, losses = [], []
+        for m in range(M):
+            if topo.is_first:
+                x = inputs[m]
+            else:
+                x = self._wait(acts[m], f"activations of micro-batch {m}").requires_grad_()
+            with self.precision.autocast():
+                out = model(x, targets[m]) if topo.is_last else model(x)
+            if topo.is_last:
+                losses.append(out.detach().float())
+                saved_out.append(out.float() / M)
+            else:
+                sends.append(self._send(out, topo.next_rank, FWD_TAG + m))
+                saved_out.append(out)
+            saved_in.append(x)
+        for w, _ in sends:
+            self.comm.wait(w, "sending activations")
+        return saved_in, saved_out, losses
 
     @torch.no_grad()
     def eval_loss(self, inputs: Sequence[torch.Tensor] | None,
                   targets: Sequence[torch.Tensor] | None, num_micro_batches: int) -> float | None:
         """Forward-only mean loss over the micro-batches (returned on the last stage)."""
         topo, model = self.topo, self.model
-        losses, sends, keep = [], [], []  # keep: sent tensors stay alive until their wait
+        losses, sends = [], []  # sends hold the sent tensors alive until their wait
         for m in range(num_micro_batches):
             x = inputs[m] if topo.is_first else self._recv_act(m, "eval activations")
+            with self.precision.autocast():
+                out = model(x, targets[m]) if topo.is_last else model(x)
             if topo.is_last:
-                losses.append(model(x, targets[m]))
+                losses.append(out.float())
             else:
-                keep.append(model(x))
-                sends.append(self.comm.isend(keep[-1], topo.next_rank, FWD_TAG + m))
-        for w in sends:
+                sends.append(self._send(out, topo.next_rank, FWD_TAG + m))
+        for w, _ in sends:
             self.comm.wait(w, "sending eval activations")
         return float(torch.stack(losses).mean()) if topo.is_last else None

@@ -1,11 +1,15 @@
 """The runtime's wire protocol outside the tensors: every key it reads or writes in the
-rendezvous TCPStore (hosted by rank 0) and every point-to-point tag, named once.
+rendezvous TCPStore (hosted by rank 0, or by the coordinator process with `--coordinator`) and
+every point-to-point tag, named once.
 
 Ranks are device ids of the plan. Keys by who writes them:
 - every rank: `ft/info/{rank}` (host, pid, role; named in failure messages), `ft/hb/{rank}`
   (heartbeat counter), `ft/done/{rank}` (finished: not missed), `ft/join/{rank}` (asks to join),
   `comm/device/{rank}` (device kind, GPU and host: the backend choice per group);
-- rank 0 only: the generations `ft/gen/{g}` (JSON) and the counter `ft/gen` (the newest g);
+- the leader only (rank 0, or the coordinator): the generations `ft/gen/{g}` (JSON) and the
+  counter `ft/gen` (the newest g);
+- the coordinator: `coord/info` (its host, pid and plan) when it starts; the first rank that
+  reaches it: `coord/run` (the run settings the coordinator leads by; the others check theirs);
 - the members of a DiLoCo outer step: arrival `.../stage{s}/outer{k}/{rank}` and the commit
   keys `.../outer{k}/done/{rank}` and `.../outer{k}/decision`; the live rank that hands the
   outer state to a joiner: `ft/src/g{g}/s{s}`;
@@ -26,9 +30,13 @@ BWD_TAG = 1 << 20
 JOIN_TAG = 1 << 22
 """Outer state to a joining replica: header, outer model, momentum = JOIN_TAG + 0, 1, 2."""
 
-# -- failure detection and membership (modules.fault, modules.elastic) ------------------------
+# -- failure detection and membership (modules.fault, modules.leader, modules.elastic) --------
 GENERATION_COUNTER = "ft/gen"
 """The newest published generation number."""
+COORDINATOR_INFO = "coord/info"
+"""JSON of the coordinator process: host, pid and the pipelines of its plan."""
+RUN_SETTINGS = "coord/run"
+"""JSON of the run settings the coordinator leads by (set once, by the first rank to arrive)."""
 
 
 def info_key(rank: int) -> str:
@@ -47,7 +55,7 @@ def done_key(rank: int) -> str:
 
 
 def join_key(rank: int) -> str:
-    """Counter > 0 while a rank asks to join (rank 0 resets it to 0 once admitted)."""
+    """Counter > 0 while a rank asks to join (the leader resets it to 0 once admitted)."""
     return f"ft/join/{rank}"
 
 

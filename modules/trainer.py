@@ -21,7 +21,9 @@ from formats.models import get_model
 from formats.plan import Plan
 from modules.checkpoint import (
     AsyncCheckpointer,
+    check_finite_state,
     complete_steps,
+    fallback_note,
     load_checkpoint,
     prune,
     save_checkpoint,
@@ -29,17 +31,21 @@ from modules.checkpoint import (
     step_path,
 )
 from modules.comm import CommStats, PeerError
-from modules.comm.choice import CommOptions
 from modules.comm.errors import first_line
+from modules.compile import maybe_compile
 from modules.config import RunConfig
 from modules.data import FakeData, Sharder, TextData
+from modules.device import rng_states, set_rng_states, to_device
 from modules.diloco import DiLoCoOptimizer
 from modules.dist import Topology
 from modules.elastic import GenerationChange, Handover, Membership, MembershipSettings
 from modules.groups import GroupBuilder, Groups
 from modules.metrics import MetricsWriter, replica_metrics_path
+from modules.mfu import flops_per_token, mfu
 from modules.model import StageModel
 from modules.pipeline import PipelineStage
+from modules.placement import Placement
+from modules.precision import LossScaling
 from modules.sync import GroupAverage, average_grads, make_group_average, no_average, sum_tied_grads
 
 
@@ -77,37 +83,45 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
             "num_micro_batches": plan.num_micro_batches, "seed": seed}
 
 
+class TrainingDiverged(Exception):  # noqa: N818 - the name says what happened
+    """A non-finite loss or parameter: the run stops (exit 1) after saving the last finite
+    state. Not a RuntimeError, which the loop reads as a lost peer."""
+
+
 class Trainer:
     """One rank's share of the run described by a plan. Who it trains with (groups, failures,
     joining) is its composed `Membership` (modules.elastic), whose changes `_apply` takes."""
 
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print,
-                 comm: CommOptions | None = None,
-                 store_addr: tuple[str, int] | None = None) -> None:
-        """`comm`: the requested backend and this rank's device (default: gloo on CPU);
+                 placement: Placement | None = None,
+                 store_addr: tuple[str, int] | None = None, coordinator: bool = False) -> None:
+        """`placement`: device, precision, compile and backend (default: CPU, fp32, gloo);
         `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
-        connection (None: no heartbeat, e.g. single-process tests)."""
+        connection (None: no heartbeat, e.g. single-process tests); `coordinator`: a
+        coordinator process hosts that store and leads membership (no rank does)."""
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
+        self.placement = placement or Placement()
+        self.device = self.placement.device
         self.spec = get_model(plan.model)
         start, end = plan.stages[topo.stage]
-        self.model = StageModel(self.spec, start, end, seed=cfg.seed)
+        # initialised on the CPU (the same weights on every device), then moved
+        self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
+                                   .to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
         self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
                                plan.micro_batch_size)
-        self.val = (data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size)
-                    if cfg.data.eval_sequences else [])
+        self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
+                              self.device) if cfg.data.eval_sequences else [])
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
-        self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size)
+        self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
+                                  self.placement.precision)
+        self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
+        """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
-        self.diloco: DiLoCoOptimizer | None = None
+        self.diloco: DiLoCoOptimizer | None = self._make_diloco()
         """The outer optimizer around `inner` in sync mode diloco (None in allreduce mode)."""
-        if plan.sync.mode == "diloco":
-            self.diloco = DiLoCoOptimizer(
-                self.params, self.inner, outer_lr=plan.sync.outer_lr,
-                outer_momentum=plan.sync.outer_momentum, inner_steps=plan.sync.inner_steps,
-                all_reduce_fn=self._outer_all_reduce)
         self.opt: torch.optim.Optimizer | DiLoCoOptimizer = self.diloco or self.inner
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
         self.step = 0
@@ -115,17 +129,16 @@ class Trainer:
         self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
+        self.mfu_values: list[float] = []
+        """MFU of each measured step (empty without a peak)."""
         self.state_lock = threading.Lock()
         """Held by the training thread while it changes parameters / optimizer state."""
-        self.ckpt: AsyncCheckpointer | None = None
-        if cfg.ckpt.dir:
-            self.ckpt = AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
-                                          debug_hook=self._debug_ckpt_hook)
-        builder = GroupBuilder(plan, topo, store, self.spec.tie_embeddings, cfg.timeout_s,
-                               self.stats, comm, log)
-        self.membership = Membership(store, plan, topo,
-                                     MembershipSettings.of(cfg, plan.num_replicas, store_addr),
-                                     builder, self.stats, log)
+        self.ckpt: AsyncCheckpointer | None = (
+            AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
+                              debug_hook=self._debug_ckpt_hook) if cfg.ckpt.dir else None)
+        self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
+        """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
+        self.membership = self._make_membership(store, store_addr, coordinator)
         self.groups: Groups | None = None
         """The current generation's communicators (None on a joiner until admitted)."""
         self.replicas: tuple[int, ...] = self.membership.replicas
@@ -134,6 +147,25 @@ class Trainer:
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
         if not cfg.elastic.join:
             self._apply(self.membership.first_generation())
+
+    def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
+                         coordinator: bool) -> Membership:
+        """Who this rank trains with; its groups are built with the placement's backend."""
+        plan, cfg = self.plan, self.cfg
+        builder = GroupBuilder(plan, self.topo, store, self.spec.tie_embeddings, cfg.timeout_s,
+                               self.stats, self.placement.comm, self.log)
+        settings = MembershipSettings.of(cfg, plan.num_replicas, store_addr, coordinator)
+        return Membership(store, plan, self.topo, settings, builder, self.stats, self.log)
+
+    def _make_diloco(self) -> DiLoCoOptimizer | None:
+        """DiLoCo around the inner AdamW (its anchor: the parameters as they are now, on the
+        device), or None in allreduce mode."""
+        sync = self.plan.sync
+        if sync.mode != "diloco":
+            return None
+        return DiLoCoOptimizer(self.params, self.inner, outer_lr=sync.outer_lr,
+                               outer_momentum=sync.outer_momentum,
+                               inner_steps=sync.inner_steps, all_reduce_fn=self._outer_all_reduce)
 
     def _apply(self, change: GenerationChange) -> None:
         """Take a generation: its groups and live replicas and, on a joiner, the outer state
@@ -147,6 +179,13 @@ class Trainer:
             with self.state_lock:
                 self.diloco.load_outer_state(change.handover.outer)
                 self.step = change.handover.step
+
+    def _agree_overflow(self, flag: torch.Tensor) -> None:
+        """MAX of the fp16 overflow flag over the ranks that step together: every rank in
+        allreduce mode (stage groups average gradients), my replica's pipeline in DiLoCo."""
+        comm = self.groups.world if self.diloco is None else self.groups.pipeline
+        if comm is not None:
+            comm.all_reduce(flag, "max", "agreeing on an fp16 gradient overflow")
 
     @property
     def outer_count(self) -> int | None:
@@ -208,22 +247,45 @@ class Trainer:
         os._exit(1)
 
     def emergency_checkpoint(self) -> str:
-        """Finish the write in flight, then save the current state if the training thread is
-        not inside an update (it is usually blocked waiting on the lost peer)."""
+        """Finish the write in flight, then save the last consistent state: in DiLoCo the one
+        right after the last committed outer step (the same step on every rank, so --resume
+        agrees on it); in allreduce the current one if the training thread is not inside an
+        update (it is usually blocked waiting on the lost peer)."""
         if self.ckpt is None or not self.cfg.ckpt.dir:
             return ""
         if not self.ckpt.flush(timeout=2.0):
             return "checkpoint: the background write did not finish within 2 s"
-        if self.diloco is not None or not self.state_lock.acquire(timeout=1.0):
-            last = self.ckpt.last_step
-            return (f"checkpoint: newest complete one is step {last}" if last is not None
-                    else "checkpoint: none written yet")
+        if self.diloco is not None:
+            return self._save_outer_snapshot()
+        if not self.state_lock.acquire(timeout=1.0):
+            return self._newest_checkpoint()
         # keep the lock: the training thread must not change the state while it is saved
         if self.step == 0 or self.ckpt.last_step == self.step:
             return f"checkpoint: step {self.step} is already on disk"
         path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
         save_checkpoint(path, self._meta(), snapshot(self.state()))
         return f"checkpoint: saved step {self.step} to {path}"
+
+    def _newest_checkpoint(self) -> str:
+        last = self.ckpt.last_step if self.ckpt is not None else None
+        return (f"checkpoint: newest complete one is step {last}" if last is not None
+                else "checkpoint: none written yet")
+
+    def _save_outer_snapshot(self) -> str:
+        """DiLoCo: write the state kept at the last committed outer step (unless this run's
+        periodic checkpoint already did). A rank that was inside an outer step's commit when
+        the store vanished keeps the previous one; --resume then agrees on an older step that
+        every rank has."""
+        kept = self.outer_snapshot
+        if kept is None:
+            return self._newest_checkpoint()
+        step, outer, snap = kept
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
+        if self.ckpt.last_step != step:  # not written by this run's periodic checkpoint
+            save_checkpoint(path, self._meta(), snap)
+        newest = max(step, self.ckpt.last_step or 0)
+        return (f"checkpoint: newest complete one is step {newest}; step {step} (right after "
+                f"outer step {outer}, which every member averaged) is in {path}")
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
@@ -233,7 +295,7 @@ class Trainer:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
         return {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "rng": torch.get_rng_state()}
+                "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
 
     def save(self) -> float:
         """Checkpoint this step (model, optimizers, data position = step, RNG); returns the
@@ -272,14 +334,19 @@ class Trainer:
     def load(self) -> None:
         """Restore the newest checkpoint that every rank has completely written."""
         step = self.agree_resume_step()
+        note = fallback_note(self.cfg.ckpt.dir, self.topo.rank, step)
+        if note:
+            self.log(note)
         path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
         state = load_checkpoint(path, self._meta())
         try:
-            self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["opt"])
+            self.model.load_state_dict(state["model"])  # copies the CPU tensors onto the device
+            self.opt.load_state_dict(state["opt"])  # torch moves optimizer state to the params'
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
             self.dp_bytes = int(state["dp_bytes"])
-            torch.set_rng_state(state["rng"])
+            set_rng_states(state["rng"], self.device)
+            if state.get("scaler"):
+                self.scaling.load_state_dict(state["scaler"])
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise UserError(f"checkpoint {path}: does not fit this stage "
                             f"({str(e).splitlines()[0]})") from None
@@ -293,15 +360,20 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         x = y = None
         if topo.is_first or topo.is_last:
-            x, y = self.sharder.micro_batches(self.step, topo.replica)
-        loss = self.pipe.train_step(x, y, plan.num_micro_batches)
+            x, y = to_device(self.sharder.micro_batches(self.step, topo.replica), self.device,
+                             non_blocking=True)
+        loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
         sum_tied_grads(self.model.tied_pair(), self.groups.tied)
-        if self.diloco is None:
+        overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
+        if not overflow:
+            self._check_finite(loss)
+        if self.diloco is None and not overflow:
             self.dp_bytes += average_grads(self.params, self.average)
         outer0, dp0 = self.outer_count, self.dp_bytes
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
-            self.opt.step()  # DiLoCo: inner step, and every H steps the outer (communicating) one
+            # DiLoCo: inner step, and every H steps the outer (communicating) one
+            self.scaling.step(self.opt, self.inner, overflow)
             self.step += 1
             self.tokens += self.tokens_per_step
         if self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
@@ -309,7 +381,26 @@ class Trainer:
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
+            if self.ckpt is not None:  # taken here, on the only thread that changes the state
+                self.outer_snapshot = (self.step, self.outer_count, snapshot(self.state()))
         return loss
+
+    def _check_finite(self, loss: float | None) -> None:
+        """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
+        the update: the model and optimizer still hold the last finite state)."""
+        why = check_finite_state(loss, self.model.named_parameters())
+        if why is not None:
+            raise TrainingDiverged(f"step {self.step + 1}: {why}")
+
+    def save_diverged(self, e: TrainingDiverged) -> str:
+        """Save the last finite state (the step before the divergence) and say where."""
+        if self.ckpt is None or not self.cfg.ckpt.dir:
+            return f"{e}; no --ckpt-dir, nothing saved"
+        self.ckpt.flush()
+        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
+        if self.ckpt.last_step != self.step:
+            save_checkpoint(path, self._meta(), snapshot(self.state()))
+        return f"{e}; the last finite state (step {self.step}) is in {path}"
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the fixed validation set (returned on the last stage)."""
@@ -371,8 +462,10 @@ class Trainer:
         dp0 = self.dp_bytes
         try:
             loss = self.train_step()
-        except RuntimeError as e:  # PeerError, or the store's own error (rank 0 is gone)
+        except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
             raise self._peer_failure(e) from None
+        except TrainingDiverged as e:
+            raise TrainingDiverged(self.save_diverged(e)) from None
         step_s = time.perf_counter() - t0
         comm_s = self.stats.wait_s - wait0
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
@@ -383,6 +476,12 @@ class Trainer:
                "replica": self.topo.replica, "wall_time": round(time.time(), 3)}
         if self.membership.monitor is not None and self.diloco is not None:
             rec["live_replicas"] = len(self.replicas)
+        rec["comm"] = {c.group: c.backend for c in self.groups.choices} or {"all": "gloo"}
+        value = mfu(self.tokens_per_step / step_s, flops_per_token(self.spec),
+                    self.placement.replica_peak_tflops)
+        if value is not None:
+            rec["mfu"] = round(value, 6)
+            self.mfu_values.append(value)
         return rec
 
     def _peer_failure(self, e: RuntimeError) -> PeerError:
@@ -404,6 +503,7 @@ class Trainer:
                                                             or last):
             return
         extra = f" val_loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        extra += f" mfu {rec['mfu']:.1%}" if "mfu" in rec else ""
         self.log(f"step {self.step}/{self.cfg.steps} loss {rec['loss']:.4f} "
                  f"tok/s {rec['tokens_per_s']:.0f} step_s {rec['step_s']:.3f} "
                  f"comm_s {rec['comm_s']:.3f}{extra}")

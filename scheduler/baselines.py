@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from formats.errors import UserError
+from scheduler.link_costs import LinkCosts, as_link_costs
 from scheduler.objective import Objective
-from scheduler.search.islands import chains_from_blocks
+from scheduler.search.islands import chains_from_blocks, stage_groups
 from scheduler.search.matching import PairCache, best_path
 
 Baseline = tuple[np.ndarray, float, int]
@@ -28,11 +30,15 @@ def index_order_plan(devices: np.ndarray, num_stages: int, num_replicas: int) ->
 
 
 def best_of_random(objective: Objective, devices: np.ndarray, num_stages: int,
-                   num_replicas: int, samples: int = 1000, seed: int = 0) -> Baseline:
-    """Best of `samples` uniformly random plans. O(samples) evaluations."""
+                   num_replicas: int, samples: int = 1000, seed: int = 0,
+                   deadline: float = math.inf) -> Baseline:
+    """Best of `samples` uniformly random plans, or of those scored before time.perf_counter()
+    passes `deadline` (at least one). Returns (plan, cost, plans scored)."""
     rng = np.random.default_rng(seed)
     best: tuple[float, np.ndarray] = (math.inf, np.empty(0))
-    for _ in range(samples):
+    for k in range(samples):
+        if k and time.perf_counter() > deadline:
+            return best[1], best[0], k
         plan = rng.permutation(devices)[: num_stages * num_replicas].reshape(num_replicas,
                                                                              num_stages)
         cost = float(objective.cost(plan))
@@ -63,18 +69,22 @@ def exhaustive(objective: Objective, devices: np.ndarray, num_stages: int,
 
 
 def region_orders(regions: list[str], devices: np.ndarray,
-                  t_act: np.ndarray) -> list[tuple[str, np.ndarray]]:
+                  t_act: np.ndarray | LinkCosts) -> list[tuple[str, np.ndarray]]:
     """Devices grouped by their cluster-file region (the islands a person would read off the
     network description), regions in a few hand-picked orders: biggest first; along the cheapest
     path between regions (mean link time, up to 10 regions); and that path with big regions
     first. Inside a region, devices keep id order."""
     devices = np.asarray(devices)
-    names = sorted({regions[int(d)] for d in devices})
-    members = {g: [int(d) for d in devices if regions[int(d)] == g] for g in names}
+    of_device = [regions[int(d)] for d in devices]
+    names = sorted(set(of_device))
+    members: dict[str, list[int]] = {g: [] for g in names}
+    for d, g in zip(devices, of_device):
+        members[g].append(int(d))
     by_size = sorted(names, key=lambda g: (-len(members[g]), g))
     orders = [("regions by size", by_size)]
     if 2 < len(names) <= 10:
-        mean = np.array([[t_act[np.ix_(members[a], members[b])].mean() if a != b else 0.0
+        costs = as_link_costs(t_act)
+        mean = np.array([[costs.block_mean(members[a], members[b]) if a != b else 0.0
                           for b in names] for a in names])
         path = [names[k] for k in best_path((mean + mean.T) / 2)]
         orders.append(("regions along the cheapest path", path))
@@ -83,7 +93,7 @@ def region_orders(regions: list[str], devices: np.ndarray,
     return [(name, np.array([d for g in order for d in members[g]])) for name, order in orders]
 
 
-def structured_plans(regions: list[str], t_act: np.ndarray, devices: np.ndarray,
+def structured_plans(regions: list[str], t_act: np.ndarray | LinkCosts, devices: np.ndarray,
                      num_stages: int, num_replicas: int) -> list[tuple[str, np.ndarray]]:
     """Plans a person would build from the regions: every order of `region_orders` cut into
     whole chains per region (block S), whole stage groups per region (block 1), or region-sized
@@ -94,18 +104,25 @@ def structured_plans(regions: list[str], t_act: np.ndarray, devices: np.ndarray,
             for block in range(1, num_stages + 1)]
 
 
-def hand_structured(objective: Objective, regions: list[str], t_act: np.ndarray,
-                    devices: np.ndarray, num_stages: int, num_replicas: int
+def hand_structured(objective: Objective, regions: list[str], t_act: np.ndarray | LinkCosts,
+                    devices: np.ndarray, num_stages: int, num_replicas: int,
+                    deadline: float = math.inf, cache: PairCache | None = None
                     ) -> tuple[str, np.ndarray, float]:
     """The best of `structured_plans`, each taken as built and with its stage groups re-matched
-    and re-ordered (bottleneck matching, exact order). Returns (description, pipelines, cost)."""
-    cache = PairCache(t_act)
+    and re-ordered (bottleneck matching, exact order), or of those scored before
+    time.perf_counter() passes `deadline` (at least one). `cache`: matchings already made for
+    these link costs (e.g. by the search). Returns (description, pipelines, cost)."""
+    cache = cache or PairCache(t_act)
     best: tuple[str, np.ndarray, float] = ("", np.empty(0), math.inf)
+    scored = 0
     for name, chains in structured_plans(regions, t_act, devices, num_stages, num_replicas):
-        groups = [tuple(sorted(int(d) for d in chains[:, k])) for k in range(num_stages)]
-        for how, plan in (("as built", chains),
-                          ("matched", cache.chains(cache.order(groups)))):
+        groups = stage_groups(chains)
+        for how in ("as built", "matched"):
+            if scored and time.perf_counter() > deadline:
+                return best
+            plan = chains if how == "as built" else cache.chains(cache.order(groups))
             cost = float(objective.cost(plan))
+            scored += 1
             if cost < best[2]:
                 best = (f"{name}, {how}", plan, cost)
     return best

@@ -10,7 +10,10 @@ latency_ms[i, j] / 1e3 + x * 8 / bandwidth_gbps[i, j] seconds to send x GB from 
   directions are counted separately (forward s -> s+1 plus backward s+1 -> s), which equals
   2 * PP when the matrices are symmetric.
 
-Cost of one evaluation: O(S R^2) with numpy gathers.
+Cost of one evaluation: O(S R^2) with numpy gathers on (N, N) matrices, or, for a compact
+cluster of more than link_costs.DENSE_LIMIT devices, O(S R + S K^2) from the K link classes
+(group sums from class counts; the exceptions by pair added on top): the same numbers without
+the N x N matrices.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
+from scheduler.link_costs import DenseCosts, LinkCosts, by_class, class_costs
 from scheduler.objective import CostBreakdown
 
 GPT3_XL_PARAMS = 1.3e9
@@ -79,29 +83,54 @@ class DtfmObjective:
     name = "dtfm"
 
     def __init__(self, cluster: Cluster, model: ModelSpec, num_stages: int, num_replicas: int,
-                 sequences_per_replica: float = DTFM_TOKENS_PER_REPLICA / 2048) -> None:
+                 sequences_per_replica: float = DTFM_TOKENS_PER_REPLICA / 2048,
+                 classes: bool | None = None) -> None:
+        """`classes`: work from link classes (default: for compact clusters of more than
+        DENSE_LIMIT devices) instead of (N, N) matrices."""
         self.cluster, self.model = cluster, model
         self.num_stages, self.num_replicas = num_stages, num_replicas
         self.constants = dtfm_constants(model, num_stages, sequences_per_replica)
         self.stages = even_stages(model.num_layers, num_stages)
+        act_gb = self.constants.activation_gb
+        grad_gb = self.constants.gradient_gb / num_replicas
+        self.act: LinkCosts
+        """Seconds per boundary's activations on each link."""
+        self.grad: LinkCosts
+        """Seconds of the 2 x gradient / R exchange on each link (the DP term per pair)."""
+        if by_class(cluster) if classes is None else classes:
+            links = cluster.link_classes()
+            self.act = class_costs(links, lambda lat, bw: lat / 1e3 + act_gb * 8 / bw)
+            self.grad = class_costs(links, lambda lat, bw: 2 * (lat / 1e3 + grad_gb * 8 / bw))
+            return
         lat_s = cluster.latency_ms / 1e3
         bw = cluster.bandwidth_gbps
         with np.errstate(divide="ignore"):
             # (N, N) seconds per message; diagonal 0 (a device never sends to itself).
-            self.t_act = lat_s + self.constants.activation_gb * 8 / bw
-            self.t_grad = 2 * (lat_s + self.constants.gradient_gb / num_replicas * 8 / bw)
-        np.fill_diagonal(self.t_act, 0.0)
-        np.fill_diagonal(self.t_grad, 0.0)
+            t_act = lat_s + act_gb * 8 / bw
+            t_grad = 2 * (lat_s + grad_gb * 8 / bw)
+        np.fill_diagonal(t_act, 0.0)
+        np.fill_diagonal(t_grad, 0.0)
+        self.act, self.grad = DenseCosts(t_act), DenseCosts(t_grad)
+
+    @property
+    def t_act(self) -> np.ndarray:
+        """(N, N) seconds per boundary's activations (built from classes when planning by
+        class: large)."""
+        return self.act.dense()
+
+    @property
+    def t_grad(self) -> np.ndarray:
+        """(N, N) seconds of the DP exchange per pair (as t_act)."""
+        return self.grad.dense()
 
     def dp_group_costs(self, groups: np.ndarray) -> np.ndarray:
         """DP cost of each stage group; `groups` is (G, R) device ids -> (G,) seconds."""
-        block = self.t_grad[groups[:, :, None], groups[:, None, :]]  # (G, R, R)
-        return block.sum(axis=2).max(axis=1)
+        return self.grad.member_sums(groups).max(axis=1)
 
     def pp_edges(self, pipelines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward bottleneck time of each of the S-1 stage boundaries."""
-        fwd = self.t_act[pipelines[:, :-1], pipelines[:, 1:]].max(axis=0)  # (S-1,)
-        bwd = self.t_act[pipelines[:, 1:], pipelines[:, :-1]].max(axis=0)
+        fwd = self.act.at(pipelines[:, :-1], pipelines[:, 1:]).max(axis=0)  # (S-1,)
+        bwd = self.act.at(pipelines[:, 1:], pipelines[:, :-1]).max(axis=0)
         return fwd, bwd
 
     def cost(self, pipelines: np.ndarray) -> float:

@@ -17,6 +17,9 @@ Ring orders of stage groups are cached by group; one `cost` call on a 64-device,
 
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 
 from formats.cluster import Cluster
@@ -147,9 +150,11 @@ class SimulatedObjective:
         cost, stages, detail = self._best(self._candidate(pipelines))
         return self._breakdown(cost, stages, detail)
 
-    def polish(self, pipelines: np.ndarray, max_replays: int = 2000) -> CostBreakdown:
+    def polish(self, pipelines: np.ndarray, max_replays: int = 2000,
+               deadline: float = math.inf) -> CostBreakdown:
         """`breakdown` after a local search on the split: move one stage boundary by one layer
-        while the replayed step gets shorter (steepest descent, at most `max_replays` replays).
+        while the replayed step gets shorter (steepest descent, at most `max_replays` replays,
+        none once time.perf_counter() passes `deadline`).
         Never worse than `breakdown`; meant for a final plan (the DP split of `cost` is within
         a few percent of it), not for the search's hot path. A fixed split is kept as it is."""
         cand = self._candidate(pipelines)
@@ -158,9 +163,11 @@ class SimulatedObjective:
             return self._breakdown(cost, stages, detail)
         bounds = [0] + [b for _, b in stages]
         replays = 0
-        while replays < max_replays:
+        while replays < max_replays and time.perf_counter() < deadline:
             best_move = None
             for i in range(1, len(bounds) - 1):
+                if time.perf_counter() > deadline:
+                    break
                 for step in (-1, 1):
                     moved = list(bounds)
                     moved[i] += step

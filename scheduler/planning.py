@@ -5,13 +5,14 @@ This is the library behind `scheduler.py plan`; it does no I/O besides the progr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from formats.cluster import Cluster
+from formats.cluster import MAX_DENSE_DEVICES, Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
 from formats.plan import Plan, SyncConfig
@@ -30,6 +31,8 @@ from scheduler.search import (
     SearchResult,
     evolutionary_search,
 )
+from scheduler.search.islands import leaf_orders
+from scheduler.search.matching import PairCache
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.step import simulate_plan
 
@@ -54,7 +57,8 @@ class PlanRequest:
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the replicas of a stage keep their parameters in step."""
     search: SearchConfig = field(default_factory=SearchConfig)
-    """Budget, time limit and seed of the evolutionary search (per searched shape)."""
+    """Budget (per searched shape) and seed of the evolutionary search; its time limit bounds
+    the whole of plan_best_shape: every shape's set-up and search, and the baselines."""
     random_samples: int = 1000
     """Random plans scored for the best-of-random baseline."""
     tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA
@@ -103,6 +107,9 @@ class PlanOutcome:
     random plans, index order."""
     hand_structured: str = ""
     """How the best hand-structured plan was built."""
+    random_scored: int = 0
+    """Random plans scored for the best-of-random baseline (fewer than asked when the time
+    limit ended it)."""
 
 
 def default_micro_batches(model: ModelSpec, micro_batch_size: int,
@@ -131,6 +138,16 @@ OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = 
 """Objective factories by name; a new objective registers here and the CLI offers it."""
 DEFAULT_OBJECTIVE = "simulated"
 """What `plan` and `evaluate` use when no objective is named."""
+BASELINE_SHARE = 0.15
+"""Part of the time limit kept for scoring the baselines (used only when the search runs
+into the clock; a search ended by its budget leaves them more)."""
+FINISH_SHARE = 0.03
+"""Part of the time limit kept for writing the plan and exiting (at least FINISH_MIN_S)."""
+FINISH_MIN_S = 0.3
+"""Seconds kept at least for writing the plan and the interpreter's exit (measured: 0.15-0.2 s
+after a 1,000-device plan on a loaded 2-core machine)."""
+POLISH_SHARE = 0.05
+"""Part of a shape's time kept for polishing the simulated objective's layer split."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
 """Evaluations per search when no budget is given: what one core does in 5-12 s for 64
 devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a
@@ -154,14 +171,29 @@ def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
 
 def search_plan(cluster: Cluster, objective: Objective, dtfm: DtfmObjective, num_stages: int,
                 num_replicas: int, config: SearchConfig,
-                progress: Callable[[int, float], None] | None = None) -> SearchResult:
+                progress: Callable[[int, float], None] | None = None,
+                deadline: float | None = None,
+                act_orders: dict[float, list[np.ndarray]] | None = None) -> SearchResult:
     """Our search over all devices of the cluster, minimising `objective`: DT-FM's link times
     drive the matching and the clustering of the seeds, and the plans built from the cluster's
-    regions (baselines.structured_plans) join the starting population."""
+    regions (baselines.structured_plans) join the starting population.
+
+    `deadline` (a time.perf_counter() value): the search, set-up included, ends by then
+    (config.time_limit_s is replaced). `act_orders`: device orders from the activation times,
+    by activation size, kept across calls (they do not depend on the shape)."""
     devices = np.arange(cluster.num_devices)
-    seeds = structured_plans(cluster.regions(), dtfm.t_act, devices, num_stages, num_replicas)
-    return evolutionary_search(objective, dtfm.t_act, devices, num_stages, num_replicas, config,
-                               [dtfm.t_grad], progress, seeds)
+    seeds = structured_plans(cluster.regions(), dtfm.act, devices, num_stages, num_replicas)
+    orders = None
+    if act_orders is not None:
+        key = dtfm.constants.activation_gb
+        if key not in act_orders:
+            act_orders[key] = leaf_orders([dtfm.act], devices)
+        # = leaf_orders([act, grad]): the identity order, then each matrix's orders.
+        orders = act_orders[key] + leaf_orders([dtfm.grad], devices)[1:]
+    if deadline is not None:
+        config = replace(config, time_limit_s=max(deadline - time.perf_counter(), 1e-3))
+    return evolutionary_search(objective, dtfm.act, devices, num_stages, num_replicas, config,
+                               [dtfm.grad], progress, seeds, orders)
 
 
 def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
@@ -185,61 +217,56 @@ def candidate_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest
     return shapes
 
 
-def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
-                    progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
-    """plan_cluster for each candidate shape (the time limit shared among them); the cheapest."""
-    shapes = candidate_shapes(cluster, model, req)
-    best: PlanOutcome | None = None
-    failures: list[str] = []
-    stops: set[str] = set()
-    searched_s = 0.0  # the time limit is for searching; baselines are scored outside it
-    for k, (s, r) in enumerate(shapes):
-        # each shape gets an equal share of the time left (a shape that cannot fit quits early)
-        share = max(req.search.time_limit_s - searched_s, 0.0) / (len(shapes) - k)
-        sub = replace(req, num_stages=s, num_replicas=r,
-                      search=replace(req.search, time_limit_s=max(share, 1e-3)))
-        try:
-            out = plan_cluster(cluster, model, sub, progress)
-        except UserError as e:
-            if len(shapes) == 1:
-                raise
-            failures.append(f"{s} x {r}: {e}")
-            continue
-        searched_s += out.plan.search["wall_s"]
-        stops.add(out.plan.search["stopped_by"])
-        if best is None or out.ours.cost_s < best.ours.cost_s:
-            best = out
-    if best is None:
-        raise UserError("no shape works:\n  " + "\n  ".join(failures))
-    best.plan.search["shapes_tried"] = [list(x) for x in shapes]
-    # Reproducible only if no shape's search was cut by the wall limit.
-    best.plan.search["stopped_by"] = next(
-        (s for s in ("time", "budget") if s in stops), "converged")
-    return best
+def check_scale(cluster: Cluster, req: PlanRequest) -> None:
+    """UserError when the objective cannot work on a cluster this large: the simulated one
+    needs the N x N matrices, which a compact cluster builds only up to MAX_DENSE_DEVICES."""
+    n = cluster.num_devices
+    if req.objective == "simulated" and cluster.is_compact and n > MAX_DENSE_DEVICES:
+        raise UserError(f"PlanRequest.objective: 'simulated' needs the full {n} x {n} link "
+                        f"matrices, which a compact cluster builds only up to "
+                        f"{MAX_DENSE_DEVICES} devices; plan '{cluster.name}' with 'dtfm'")
 
 
-def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
-                 progress: Callable[[int, float], None] | None = None) -> PlanOutcome:
-    """Search a plan and score the random and index-order baselines with the same objective."""
+@dataclass
+class ShapeResult:
+    """One searched shape: its plan and what scoring its baselines needs."""
+
+    req: PlanRequest
+    """The request with this shape and the micro-batch count filled in."""
+    plan: Plan
+    ours: CostBreakdown
+    search: SearchResult
+    objective: Objective
+    dtfm: DtfmObjective
+
+
+def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline: float,
+                 digest: str, progress: Callable[[int, float], None] | None = None,
+                 act_orders: dict[float, list[np.ndarray]] | None = None) -> ShapeResult:
+    """Build the objective, search one S x R shape and make its Plan, all before
+    time.perf_counter() passes `deadline` (POLISH_SHARE of the time is kept for the
+    simulated objective's split polish). `digest`: the cluster's sha256; `act_orders`: as
+    search_plan."""
     if req.num_micro_batches == 0:
         req = replace(req, num_micro_batches=default_micro_batches(
             model, req.micro_batch_size, req.tokens_per_replica))
     check_shape(cluster, model, req)
     objective = OBJECTIVES[req.objective](cluster, model, req)
-    dtfm = make_dtfm(cluster, model, req)  # its link times drive matching and seeding
+    # DT-FM's link times drive matching and seeding (the objective itself when it is DT-FM).
+    dtfm = objective if isinstance(objective, DtfmObjective) else make_dtfm(cluster, model, req)
     start = time.perf_counter()
     result = search_plan(cluster, objective, dtfm, req.num_stages, req.num_replicas, req.search,
-                         progress)
+                         progress, start + (deadline - start) * (1 - POLISH_SHARE), act_orders)
     wall = time.perf_counter() - start
     polish = getattr(objective, "polish", None)  # the simulated objective refines its split
-    ours = polish(result.pipelines) if polish else objective.breakdown(result.pipelines)
+    ours = polish(result.pipelines, deadline=deadline) if polish else \
+        objective.breakdown(result.pipelines)
     plan = Plan(
-        cluster=cluster.name, cluster_sha256=cluster.sha256(), model=model.name,
+        cluster=cluster.name, cluster_sha256=digest, model=model.name,
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
         micro_batch_size=req.micro_batch_size, num_micro_batches=req.num_micro_batches,
         sync=req.sync,
-        predicted={"objective": ours.objective, "cost": round(ours.cost_s, 6),
-                   **{k: round(v, 6) for k, v in ours.parts.items()}},
+        predicted=predicted(ours),
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3),
                 "stopped_by": result.stopped_by,
@@ -249,32 +276,144 @@ def plan_cluster(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         simulate_plan(cluster, model, plan, req.sim, timeline=False)  # names the device
         raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
                         f"the devices of '{cluster.name}'")
-    how, baselines = score_baselines(cluster, objective, dtfm, req, ours.objective)
-    random_cost = baselines[f"best of {req.random_samples} random"].cost_s
-    index_cost = baselines["index order"].cost_s
-    return PlanOutcome(plan, ours, random_cost, index_cost, result.history,
-                       result.best_structured, baselines, how)
+    return ShapeResult(req, plan, ours, result, objective, dtfm)
+
+
+def predicted(cost: CostBreakdown) -> dict[str, float | str]:
+    """A plan's `predicted` block: objective, cost and its parts (s, rounded to the us)."""
+    return {"objective": cost.objective, "cost": round(cost.cost_s, 6),
+            **{k: round(v, 6) for k, v in cost.parts.items()}}
+
+
+def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                    progress: Callable[[int, float], None] | None = None,
+                    started: float | None = None) -> PlanOutcome:
+    """Search every candidate shape, keep the cheapest, score its baselines.
+
+    req.search.time_limit_s bounds all of it, counted from `started` (a time.perf_counter()
+    value; default: now), so that a caller can count what it did before (loading the
+    cluster): the shapes share what is left of it but BASELINE_SHARE and the finish reserve
+    (FINISH_SHARE, FINISH_MIN_S), the baselines of the chosen shape get what is left but the
+    finish reserve (at least one plan of each kind is scored). Every phase stops at its
+    deadline, so the call ends within the limit up to one objective evaluation (or one
+    uninterruptible set-up step, such as one matching of two big stage groups) past it."""
+    started = time.perf_counter() if started is None else started
+    limit = req.search.time_limit_s
+    end = started + limit - max(limit * FINISH_SHARE, min(FINISH_MIN_S, limit / 10))
+    search_end = end - limit * BASELINE_SHARE
+    check_scale(cluster, req)
+    shapes = candidate_shapes(cluster, model, req)
+    best, stops, skipped = search_shapes(cluster, model, req, shapes, search_end,
+                                         cluster.sha256(), progress)
+    best.plan.search["shapes_tried"] = [list(x) for x in shapes if x not in skipped]
+    if skipped:
+        best.plan.search["shapes_skipped"] = [list(x) for x in skipped]
+    # Reproducible only if no shape's search was cut by the wall limit.
+    best.plan.search["stopped_by"] = next(
+        (s for s in ("time", "budget") if s in stops), "converged")
+    return outcome_with_baselines(cluster, best, end)
+
+
+def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                  shapes: list[tuple[int, int]], deadline: float, digest: str,
+                  progress: Callable[[int, float], None] | None = None
+                  ) -> tuple[ShapeResult, set[str], list[tuple[int, int]]]:
+    """search_shape for each shape, sharing the time until `deadline`; the cheapest result,
+    what stopped each search, and the shapes skipped because the deadline had passed before
+    their turn (never the first). UserError when no shape works."""
+    best: ShapeResult | None = None
+    failures: list[str] = []
+    stops: set[str] = set()
+    skipped: list[tuple[int, int]] = []
+    act_orders: dict[float, list[np.ndarray]] = {}  # the same for every shape: made once
+    overrun = 0.0  # the most a shape ran past its end: expect the last one to do so too
+    for k, (s, r) in enumerate(shapes):
+        # each shape gets an equal share of the time left (a shape that cannot fit quits early)
+        now = time.perf_counter()
+        if best is not None and now >= deadline:
+            skipped.append((s, r))
+            stops.add("time")
+            continue
+        shape_end = now + max(deadline - overrun - now, 0.0) / (len(shapes) - k)
+        try:
+            found = search_shape(cluster, model, replace(req, num_stages=s, num_replicas=r),
+                                 shape_end, digest, progress, act_orders)
+        except UserError as e:
+            if len(shapes) == 1:
+                raise
+            failures.append(f"{s} x {r}: {e}")
+            continue
+        finally:
+            overrun = max(overrun, time.perf_counter() - shape_end)
+        stops.add(found.plan.search["stopped_by"])
+        if best is None or found.ours.cost_s < best.ours.cost_s:
+            best = found
+    if best is None:
+        raise UserError("no shape works:\n  " + "\n  ".join(failures))
+    return best, stops, skipped
+
+
+def outcome_with_baselines(cluster: Cluster, found: ShapeResult, deadline: float
+                           ) -> PlanOutcome:
+    """The PlanOutcome of a searched shape, its baselines scored before `deadline`. When the
+    clock cut the search short and a baseline plan is cheaper, that plan is the one returned
+    (plan.search says so: `taken_from`, and `search_cost`, what the search had found)."""
+    # Keep time for the three baseline rows' breakdowns, about one evaluation each.
+    per_eval = found.search.wall_s / max(found.search.evaluations, 1)
+    rows_s = min(3 * per_eval, max(deadline - time.perf_counter(), 0.0) / 2)
+    base = score_baselines(cluster, found.objective, found.dtfm, found.req,
+                           found.ours.objective, deadline - rows_s, found.search.pairs)
+    plan, ours = found.plan, found.ours
+    label = min(base.rows, key=lambda k: base.rows[k].cost_s)
+    if plan.search["stopped_by"] == "time" and base.rows[label].cost_s < ours.cost_s:
+        ours = base.rows[label]
+        plan = replace(plan, stages=list(ours.stages), pipelines=base.plans[label].tolist(),
+                       predicted=predicted(ours),
+                       search={**plan.search, "taken_from": label,
+                               "search_cost": round(found.ours.cost_s, 6)})
+    random_label = next(k for k in base.rows if k.startswith("best of"))
+    return PlanOutcome(plan, ours, base.rows[random_label].cost_s,
+                       base.rows["index order"].cost_s, found.search.history,
+                       found.search.best_structured, base.rows, base.how, base.random_scored)
+
+
+@dataclass
+class Baselines:
+    """The baseline plans of one shape, scored by the plan's objective."""
+
+    rows: dict[str, CostBreakdown]
+    """Cost with its parts, by row label: hand-structured (regions), best of N random, index
+    order."""
+    plans: dict[str, np.ndarray]
+    """The (R, S) plans, by the same labels."""
+    how: str
+    """How the hand-structured plan was built."""
+    random_scored: int
+    """Random plans scored (fewer than asked when the deadline ended it)."""
 
 
 def score_baselines(cluster: Cluster, objective: Objective, dtfm: DtfmObjective,
-                    req: PlanRequest, name: str) -> tuple[str, dict[str, CostBreakdown]]:
-    """The baselines scored by `objective` (called `name`), by row label: the best
-    hand-structured plan, the best of req.random_samples random plans, index order; and how
-    the hand-structured plan was built."""
+                    req: PlanRequest, name: str, deadline: float = math.inf,
+                    cache: PairCache | None = None) -> Baselines:
+    """The baselines scored by `objective` (called `name`): the best hand-structured plan, the
+    best of req.random_samples random plans, index order. The structured plans get half the
+    time left before `deadline`, the random ones the rest (`cache`: the search's matchings,
+    reused)."""
     devices = np.arange(cluster.num_devices)
-    how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.t_act, devices,
-                                        req.num_stages, req.num_replicas)
-    random_plan, _, _ = best_of_random(objective, devices, req.num_stages, req.num_replicas,
-                                       req.random_samples, seed=req.search.seed)
     index_plan = index_order_plan(devices, req.num_stages, req.num_replicas)
+    now = time.perf_counter()
+    how, hand_plan, _ = hand_structured(objective, cluster.regions(), dtfm.act, devices,
+                                        req.num_stages, req.num_replicas,
+                                        now + max(deadline - now, 0.0) / 2, cache)
+    random_plan, _, scored = best_of_random(objective, devices, req.num_stages,
+                                            req.num_replicas, req.random_samples,
+                                            seed=req.search.seed, deadline=deadline)
 
     def score(p: np.ndarray) -> CostBreakdown:
         if p.ndim != 2:  # no baseline plan of this kind could be scored (none fits)
             return CostBreakdown(name, float("inf"))
         return objective.breakdown(p)
 
-    return how, {
-        "hand-structured (regions)": score(hand_plan),
-        f"best of {req.random_samples} random": score(random_plan),
-        "index order": score(index_plan),
-    }
+    plans = {"hand-structured (regions)": hand_plan, f"best of {scored} random": random_plan,
+             "index order": index_plan}
+    return Baselines({label: score(p) for label, p in plans.items()}, plans, how, scored)

@@ -12,7 +12,9 @@ from collections.abc import Callable
 import numpy as np
 
 from formats.cluster import Cluster, Device
+from formats.compact import CompactLinks
 from formats.errors import UserError
+from formats.links import sorted_pairs
 
 # Published peak dense fp16/bf16 tensor-core TFLOP/s and memory (GB) of the GPUs we model.
 GPUS: dict[str, tuple[float, float]] = {
@@ -62,15 +64,10 @@ def _rng(seed: int) -> np.random.Generator:
     return np.random.default_rng([_STREAM, seed])
 
 
-def _assemble(name: str, regions: list[str], gpus: list[str], link: LinkFn,
-              seed: int) -> Cluster:
-    """Build a cluster from per-slot regions/GPUs and a (slot, slot) -> (ms, Gbps) function,
-    then shuffle ids with `seed`: slot k becomes device id perm[k]."""
+def _devices(regions: list[str], gpus: list[str], seed: int) -> tuple[list[Device], np.ndarray]:
+    """Devices from per-slot regions/GPUs, ids shuffled with `seed`: slot k becomes device id
+    perm[k]. Returns the devices by id and inv (inv[id] = slot)."""
     n = len(regions)
-    lat = np.zeros((n, n))
-    bw = np.full((n, n), np.inf)
-    for i, j in itertools.permutations(range(n), 2):
-        lat[i, j], bw[i, j] = link(i, j)
     perm = _rng(seed).permutation(n)
     inv = np.argsort(perm)  # inv[id] = slot
     counters: dict[str, int] = {}
@@ -83,10 +80,41 @@ def _assemble(name: str, regions: list[str], gpus: list[str], link: LinkFn,
         counters[region] = k + 1
         devices.append(Device(dev_id, f"{region.lower()}-{k}", region,
                               f"10.0.{dev_id // 250}.{dev_id % 250 + 1}", gpus[slot], tflops, mem))
-    devices.sort(key=lambda d: d.id)
+    return devices, inv
+
+
+def _assemble(name: str, regions: list[str], gpus: list[str], link: LinkFn,
+              seed: int) -> Cluster:
+    """Build a cluster from per-slot regions/GPUs and a (slot, slot) -> (ms, Gbps) function,
+    then shuffle ids with `seed`: slot k becomes device id perm[k]."""
+    n = len(regions)
+    lat = np.zeros((n, n))
+    bw = np.full((n, n), np.inf)
+    for i, j in itertools.permutations(range(n), 2):
+        lat[i, j], bw[i, j] = link(i, j)
+    devices, inv = _devices(regions, gpus, seed)
     # Reorder rows/cols from slot order to id order.
     lat, bw = lat[np.ix_(inv, inv)], bw[np.ix_(inv, inv)]
     return Cluster(f"{name}-seed{seed}", devices, lat, bw)
+
+
+def _assemble_by_region(name: str, regions: list[str], gpus: list[str],
+                        table: dict[tuple[str, str], tuple[float, float]], seed: int,
+                        compact: bool) -> Cluster:
+    """As _assemble for links that depend only on the two regions (`table`, both orders), in
+    O(N + regions^2): the compact form, or its N x N expansion (the same matrices)."""
+    devices, _ = _devices(regions, gpus, seed)
+    names = sorted(set(regions))
+    index = {g: k for k, g in enumerate(names)}
+    lat, bw = np.full((len(names), len(names)), np.nan), np.full((len(names), len(names)), np.nan)
+    for (a, b), (ms, gbps) in table.items():
+        if a in index and b in index:
+            lat[index[a], index[b]], bw[index[a], index[b]] = ms, gbps
+    n = len(devices)
+    links = CompactLinks(names, np.array([index[d.region] for d in devices]), lat, bw,
+                         np.zeros(n), np.full(n, np.inf), *sorted_pairs([], [], [], [], n))
+    cluster = Cluster(f"{name}-seed{seed}", devices, compact=links)
+    return cluster if compact else Cluster(cluster.name, devices, *links.classes().dense())
 
 
 def _sites(region_names: list[str], per_site: int) -> list[str]:
@@ -171,11 +199,13 @@ def lab(seed: int = 0) -> Cluster:
 
 
 def random_cluster(seed: int = 0, num_devices: int = 64, num_regions: int = 4,
-                   gpu_mix: tuple[str, ...] = ("A100-40GB", "V100-16GB", "T4-16GB")) -> Cluster:
+                   gpu_mix: tuple[str, ...] = ("A100-40GB", "V100-16GB", "T4-16GB"),
+                   compact: bool = False) -> Cluster:
     """`num_devices` GPUs spread over `num_regions` random regions.
 
     Inside a region: 1-5 ms, 1-10 Gbps; between regions: 10-150 ms, 0.2-1.5 Gbps (symmetric,
-    drawn once per region pair). GPUs drawn uniformly from `gpu_mix`.
+    drawn once per region pair). GPUs drawn uniformly from `gpu_mix`. `compact`: the compact
+    form (no N x N matrices: what 10,000 devices need); the same links either way.
     """
     if num_devices < 1 or num_regions < 1:
         raise UserError("random: num_devices and num_regions must be >= 1")
@@ -186,16 +216,12 @@ def random_cluster(seed: int = 0, num_devices: int = 64, num_regions: int = 4,
     region_of = rng.integers(0, num_regions, size=num_devices)
     regions = [f"region-{k}" for k in region_of]
     gpus = [gpu_mix[k] for k in rng.integers(0, len(gpu_mix), size=num_devices)]
-    inside = [(float(rng.uniform(1, 5)), float(rng.uniform(1, 10))) for _ in range(num_regions)]
-    across = {}
+    table = {(f"region-{k}", f"region-{k}"): (float(rng.uniform(1, 5)), float(rng.uniform(1, 10)))
+             for k in range(num_regions)}
     for a, b in itertools.combinations(range(num_regions), 2):
         link_ab = (float(rng.uniform(10, 150)), float(rng.uniform(0.2, 1.5)))
-        across[(a, b)] = across[(b, a)] = link_ab
-
-    def link(i: int, j: int) -> tuple[float, float]:
-        a, b = int(region_of[i]), int(region_of[j])
-        return inside[a] if a == b else across[(a, b)]
-    return _assemble(f"random{num_devices}", regions, gpus, link, seed)
+        table[(f"region-{a}", f"region-{b}")] = table[(f"region-{b}", f"region-{a}")] = link_ab
+    return _assemble_by_region(f"random{num_devices}", regions, gpus, table, seed, compact)
 
 
 SCENARIOS: dict[str, Callable[..., Cluster]] = {
@@ -211,7 +237,7 @@ SCENARIOS: dict[str, Callable[..., Cluster]] = {
 DTFM_SCENARIOS = ("datacenter", "spot", "universities", "regional", "worldwide")
 
 
-def make_scenario(name: str, seed: int = 0, **kwargs: int) -> Cluster:
+def make_scenario(name: str, seed: int = 0, **kwargs: int | bool) -> Cluster:
     """Build a named scenario with its ids shuffled by `seed`."""
     try:
         factory = SCENARIOS[name]

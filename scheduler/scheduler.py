@@ -11,11 +11,16 @@ User mistakes print `error: ...` and exit with status 2; nothing is written then
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from collections.abc import Callable
-from pathlib import Path
+import time
+
+STARTED = time.perf_counter()
+"""When this command started: `plan --time-limit` counts from here (imports included)."""
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 if __package__ in (None, ""):
     # Run as a script: this file shares the package's name, so put the repo root first.
@@ -24,7 +29,13 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from formats.atomic_io import check_output_path  # noqa: E402
-from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from formats.cluster import (  # noqa: E402
+    CLUSTER_FORMAT,
+    COMPACT_FORMAT,
+    Cluster,
+    load_cluster,
+    save_cluster,
+)
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import PRESETS, get_model  # noqa: E402
 from formats.plan import (  # noqa: E402
@@ -168,10 +179,16 @@ def cmd_scenario(args: argparse.Namespace) -> int:
         raise UserError(f"--devices/--regions apply to the random scenario only; "
                         f"'{args.name}' has a fixed layout")
     kwargs = {"num_devices": 64, "num_regions": 4, **given} if args.name == "random" else {}
+    if args.name == "random" and args.compact:
+        kwargs["compact"] = True  # built by region: never makes the N x N matrices
     cluster = make_scenario(args.name, args.seed, **kwargs)
+    if args.compact:
+        cluster = cluster.to_compact()
     save_cluster(cluster, args.out)
+    form = f"compact form ({COMPACT_FORMAT})" if cluster.is_compact else \
+        f"full form ({CLUSTER_FORMAT})"
     print(f"wrote {args.out}: {cluster.name}, {cluster.num_devices} devices in "
-          f"{len(set(cluster.regions()))} regions")
+          f"{len(set(cluster.regions()))} regions, {form}")
     return 0
 
 
@@ -182,6 +199,7 @@ def _progress(evaluations: int, best: float) -> None:
 
 def _plan_table(out: PlanOutcome) -> str:
     ours, p = out.ours, out.plan
+    taken = p.search.get("taken_from")  # a baseline beat a search cut short by the clock
     keys = list(ours.parts)
     head = f"  {'':28s} {'cost (s)':>10s}" + "".join(f" {k:>12s}" for k in keys) + \
         f" {'ours / it':>10s}"
@@ -194,7 +212,7 @@ def _plan_table(out: PlanOutcome) -> str:
         f"plan {p.model} on {p.cluster}: {p.num_stages} stages x {p.num_replicas} replicas, "
         f"objective {ours.objective}",
         head,
-        row("ours (evolutionary)", ours),
+        row(f"ours = {taken.split(' (')[0]}" if taken else "ours (evolutionary)", ours),
         *(row(label, b) for label, b in out.baselines.items()),
         f"  search: {p.search['evaluations']} evaluations in {p.search['wall_s']:.2f} s "
         f"(seed {p.search['seed']}, stopped by {p.search['stopped_by']}); best starting plan "
@@ -214,6 +232,7 @@ def _plan_json(out: PlanOutcome, path: str) -> dict:
                       for label, b in out.baselines.items()},
         "hand_structured": out.hand_structured,
         "random_cost": out.random_cost, "index_cost": out.index_cost,
+        "random_scored": out.random_scored,
         "best_structured_cost": out.best_structured[1],
         "ratio_vs_random": ours.cost_s / out.random_cost,
         "ratio_vs_index": ours.cost_s / out.index_cost,
@@ -247,13 +266,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
         random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
         sim=sim_config_from_args(args))
-    out = plan_best_shape(cluster, model, req, None if args.quiet else _progress)
+    out = plan_best_shape(cluster, model, req, None if args.quiet else _progress, STARTED)
     if not args.quiet:
         print(file=sys.stderr)
         if out.plan.search["stopped_by"] == "time":
             print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
                   f"may differ from run to run (raise --time-limit, or lower --budget, to "
                   f"reproduce it from --search-seed)", file=sys.stderr)
+        taken = out.plan.search.get("taken_from")
+        if taken:
+            print(f"note: the search, cut short by --time-limit, ended at "
+                  f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
+                  f"plan is the one written", file=sys.stderr)
+        skipped = out.plan.search.get("shapes_skipped")
+        if skipped:
+            print(f"note: the --time-limit ran out before shapes "
+                  f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
+                  f"more time, or --stages/--replicas)", file=sys.stderr)
+        if out.random_scored < args.random_samples:
+            print(f"note: the --time-limit left time to score {out.random_scored} of "
+                  f"{args.random_samples} random plans for the baseline", file=sys.stderr)
     if args.plot:  # first: a plot that fails leaves no plan file behind
         from scheduler.plots import plot_plan  # matplotlib only when asked
         plot_plan(cluster, out.plan, out.history, args.plot)
@@ -311,6 +343,10 @@ def add_scenario_command(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--seed", type=int, default=0, help="shuffles device ids (default 0)")
     sc.add_argument("--devices", type=int, help="random only: device count (default 64)")
     sc.add_argument("--regions", type=int, help="random only: region count (default 4)")
+    sc.add_argument("--compact", action="store_true",
+                    help=f"write the compact form ({COMPACT_FORMAT}: links per region pair, "
+                         f"other links as exact pair links) instead of N x N matrices; what "
+                         f"swarms of thousands of devices need")
     sc.add_argument("--out", required=True, help="cluster file to write")
     sc.set_defaults(func=cmd_scenario)
 
@@ -321,7 +357,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     src = pl.add_argument_group("cluster (one of)")
     src.add_argument("--scenario", choices=sorted(SCENARIOS))
     src.add_argument("--seed", type=int, help="scenario seed: shuffles device ids (default 0)")
-    src.add_argument("--cluster", help="cluster/1 JSON file")
+    src.add_argument("--cluster", help="cluster JSON file (cluster/1, or cluster/2: compact)")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
     pl.add_argument("--stages", type=int, default=0,
                     help="pipeline stages S (default: try every S x R = devices and keep the "
@@ -345,9 +381,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
                     help="max objective evaluations per searched shape (default: " +
                          ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
     pl.add_argument("--time-limit", type=float, default=60.0,
-                    help="wall limit in s of the whole search, shared among shapes (default "
-                         "60, a safety net); a run cut by it is not reproducible, one ended "
-                         "by the budget or convergence is")
+                    help="wall limit in s of the whole command (default 60, a safety net): "
+                         "loading the cluster, the search of every shape (sharing it), the "
+                         "baselines; not --plot. A search cut by it is not reproducible, one "
+                         "ended by the budget or convergence is")
     pl.add_argument("--search-seed", type=int, default=0, help="seed of the search (default 0)")
     pl.add_argument("--random-samples", type=int, default=1000,
                     help="random plans of the best-of-random baseline (default 1000)")
@@ -362,7 +399,8 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     """`evaluate --cluster FILE --plan FILE [--objective NAME] [--json]`."""
     ev = sub.add_parser("evaluate", help="cost of any plan file")
-    ev.add_argument("--cluster", required=True, help="cluster/1 JSON file")
+    ev.add_argument("--cluster", required=True,
+                    help="cluster JSON file (cluster/1, or cluster/2: compact)")
     ev.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
     ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model (default {DEFAULT_OBJECTIVE})")
@@ -396,7 +434,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     """`simulate --cluster FILE --plan FILE [--timeline out.png] [--json]`."""
     si = sub.add_parser("simulate", help="replay one step of a plan: step time and breakdown")
-    si.add_argument("--cluster", required=True, help="cluster/1 JSON file")
+    si.add_argument("--cluster", required=True,
+                    help="cluster JSON file (cluster/1, or cluster/2: compact)")
     si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
     si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
     si.add_argument("--json", action="store_true", help="one JSON object on stdout")

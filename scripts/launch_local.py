@@ -11,7 +11,11 @@ Ctrl+C (SIGINT, also when started in the background from a script), SIGTERM or S
 every child (SIGTERM to its process group, SIGKILL after --grace-s) and exits 128 + the signal
 number (130, 143, 129). On Linux every rank also gets SIGKILL from the kernel when the launcher
 dies (parent-death signal), so no rank outlives a launcher that was killed with SIGKILL.
-With --netns-map, rank R runs under `ip netns exec NS`.
+With --netns-map, rank R runs under `ip netns exec NS`. With --coordinator, the rendezvous store
+and membership leader run as their own process (scripts/coordinator.py, output prefixed
+`[coordinator]`) and the ranks get --coordinator instead of --dist-url: rank 0 is then an
+ordinary rank, and with --keep-going a DiLoCo run survives losing it. The coordinator's exit is
+reported, not acted on (if it dies, the ranks save and exit 1 on their own).
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.jsonfile import load_json  # noqa: E402
 from formats.plan import Plan, load_plan  # noqa: E402
 from modules.cli_config import from_args, runner_parser  # noqa: E402
-from modules.config import MAX_THREADS, RunConfig  # noqa: E402
+from modules.config import MAX_CUDA_DEVICE, MAX_THREADS, RunConfig  # noqa: E402
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread dies."""
 DIST_RUNNER = ROOT / "dist_runner.py"
-SET_BY_LAUNCHER = ("--plan", "--rank", "--world-size", "--dist-url", "--threads")
-"""dist_runner flags the launcher gives every rank itself (not allowed after --)."""
+SET_BY_LAUNCHER = ("--plan", "--rank", "--world-size", "--dist-url", "--coordinator",
+                   "--threads")
+"""dist_runner flags the launcher gives every rank itself (not allowed after --; with --gpus
+also --cuda-device)."""
 MAX_GRACE_S = 3600.0
 
 
@@ -140,11 +146,11 @@ def netns_name(value: object, where: str) -> str:
     return name
 
 
-def check_runner_args(rest: list[str], plan_path: str, plan: Plan) -> None:
+def check_runner_args(rest: list[str], plan_path: str, plan: Plan, gpus: int) -> None:
     """The dist_runner flags after `--`, checked as every rank would check them (UserError or
     argparse's exit 2 naming the flag), before any rank starts."""
     given = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
-    for flag in SET_BY_LAUNCHER:
+    for flag in (*SET_BY_LAUNCHER, *(["--cuda-device"] if gpus else [])):
         if flag in given:
             raise UserError(f"{flag} after --: the launcher sets it for every rank")
     args = runner_parser(prog="dist_runner.py (after --)").parse_args(
@@ -164,7 +170,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p = argparse.ArgumentParser(description="Run every rank of a plan on this machine; "
                                 "arguments after -- go to dist_runner.py.")
     p.add_argument("--plan", required=True, help="plan/1 JSON file")
-    p.add_argument("--host", default="127.0.0.1", help="rendezvous address (rank 0 listens)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="rendezvous address (rank 0, or the coordinator, listens)")
     p.add_argument("--port", type=argtypes.port(zero_ok=True), default=0,
                    help="rendezvous port (0: pick a free one)")
     p.add_argument("--threads-per-rank", type=argtypes.integer(0, MAX_THREADS), default=0,
@@ -174,9 +181,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
     p.add_argument("--grace-s", type=argtypes.number(0, MAX_GRACE_S), default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--gpus", type=argtypes.integer(0, MAX_CUDA_DEVICE + 1), default=0,
+                   help="CUDA devices on this host: the ranks take them round robin "
+                   "(--cuda-device i %% N for the i-th rank started; 0: pass none, each rank "
+                   "uses --device auto)")
     p.add_argument("--keep-going", action="store_true",
                    help="a rank that fails does not stop the others (DiLoCo drops its replica "
                    "and trains on); exit 0 if every rank of some replica finished")
+    p.add_argument("--coordinator", action="store_true",
+                   help="start scripts/coordinator.py as its own process to host the store and "
+                   "lead membership, so that no rank is special (DiLoCo then survives losing "
+                   "rank 0 too, with --keep-going)")
+    p.add_argument("--coordinator-timeout-s", type=argtypes.number(0, MAX_GRACE_S, lo_open=True),
+                   default=60.0,
+                   help="with --coordinator: how long to wait for it to listen, and for it to "
+                   "exit after the ranks (default 60)")
     p.add_argument("--runner", default=str(DIST_RUNNER), help=argparse.SUPPRESS)
     return p.parse_args(argv), rest
 
@@ -201,6 +220,53 @@ def stream(rank: int, proc: subprocess.Popen, progress: dict[int, str],
                 progress[rank] = (f"step {m.group(1)}/{m.group(2)} loss {m.group(3)} "
                                   f"tok/s {m.group(4)}")
             print(f"[rank {rank}] {line}", flush=True)
+
+
+def start_coordinator(plan: str, host: str, port: int, env: dict[str, str], timeout_s: float,
+                      lock: threading.Lock) -> tuple[subprocess.Popen, threading.Thread]:
+    """Start scripts/coordinator.py (own process group, dies with the launcher), stream its
+    output as `[coordinator] ...` and its exit status as a `launch:` line; returns the process
+    and that streaming thread once it listens (UserError if not within `timeout_s`)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "coordinator.py"), "--listen",
+           f"{host}:{port}", "--plan", plan]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, env=env, start_new_session=True,
+                            preexec_fn=parent_death_signal())
+    listening = threading.Event()
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n").removeprefix("coordinator: ")
+            if line.startswith("listening on port"):
+                listening.set()
+            with lock:
+                print(f"[coordinator] {line}", flush=True)
+        print(f"launch: the coordinator exited with status {proc.wait()}", flush=True)
+
+    reporter = threading.Thread(target=copy, daemon=True)
+    reporter.start()
+    print(f"launch: coordinator pid {proc.pid}", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not listening.wait(0.1):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _signal_group(proc, signal.SIGKILL)
+            raise UserError(f"--coordinator: scripts/coordinator.py did not listen on "
+                            f"{host}:{port} within {timeout_s:g} s (status {proc.poll()})")
+    return proc, reporter
+
+
+def finish_coordinator(proc: subprocess.Popen, reporter: threading.Thread,
+                       timeout_s: float) -> None:
+    """After the ranks: give the coordinator `timeout_s` to see them done and exit (its status
+    is reported); if it is still running it is stopped with the others."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"launch: the coordinator is still running {timeout_s:g} s after the ranks; "
+              "stopping it", flush=True)
+        return
+    reporter.join(timeout=5)
 
 
 def stop_all(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
@@ -240,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     netns = load_netns_map(args.netns_map, ranks)
     resolve(args.host, "--host")
     if Path(args.runner) == DIST_RUNNER:  # (tests start a stand-in with flags of its own)
-        check_runner_args(rest, args.plan, plan)
+        check_runner_args(rest, args.plan, plan, args.gpus)
     port = args.port or free_port(args.host if not netns else "127.0.0.1")
     url = f"tcp://{args.host}:{port}"
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))
@@ -248,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.gloo_ifname:
         env["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "
-          f"{plan.num_stages} stages), rendezvous {url}, {threads} thread(s) per rank",
-          flush=True)
+          f"{plan.num_stages} stages), rendezvous {url}"
+          f"{' (coordinator process)' if args.coordinator else ''}, {threads} thread(s) per "
+          "rank", flush=True)
     procs: dict[int, subprocess.Popen] = {}
+    coord: tuple[subprocess.Popen, threading.Thread] | None = None
     done: queue.Queue = queue.Queue()
     progress: dict[int, str] = {}
     lock = threading.Lock()
@@ -259,10 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     failed: dict[int, int] = {}
     try:
         install_stop_handlers()
-        for r in ranks:
+        if args.coordinator:
+            coord = start_coordinator(args.plan, args.host, port, env,
+                                      args.coordinator_timeout_s, lock)
+        for i, r in enumerate(ranks):
+            gpu = ["--cuda-device", str(i % args.gpus)] if args.gpus else []
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
-                   "--world-size", str(len(ranks)), "--dist-url", url,
-                   "--threads", str(threads), *rest]
+                   "--world-size", str(len(ranks)),
+                   "--coordinator" if args.coordinator else "--dist-url", url,
+                   "--threads", str(threads), *gpu, *rest]
             if r in netns:
                 cmd = ["ip", "netns", "exec", netns[r], *cmd]
             procs[r] = start_rank(r, cmd, env)
@@ -287,12 +360,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
         if failed:
             status = keep_going_status(plan.pipelines, failed)
+        if coord is not None and status == 0:
+            finish_coordinator(*coord, args.coordinator_timeout_s)
     except Stop as e:
         print(f"launch: {e}; stopping every rank", flush=True)
         status = 128 + e.signum
     finally:
         ignore_stop_signals()
-        stop_all(procs, args.grace_s)
+        stop_all({**procs, -1: coord[0]} if coord is not None else procs, args.grace_s)
     wall = time.monotonic() - t0
     for r in sorted(progress):
         print(f"launch: rank {r} last: {progress[r]}")

@@ -1,6 +1,8 @@
 """Start every rank of a plan as its own process, without a supervisor that stops the others
 when one fails (unlike scripts/launch_local.py), so tests and benchmarks can kill a rank and
-watch the rest. Every process gets a hard deadline; `stop` leaves no process behind.
+watch the rest; optionally with a coordinator process (scripts/coordinator.py) hosting the
+store, so that rank 0 can be killed too. Every process gets a hard deadline; `stop` leaves no
+process behind.
 """
 
 from __future__ import annotations
@@ -34,11 +36,53 @@ class Ranks:
     out_dir: Path
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     started: dict[int, float] = field(default_factory=dict)
+    coordinator: subprocess.Popen | None = None
+    """scripts/coordinator.py hosting the store at `url` (None: rank 0 hosts it)."""
+
+    def start_coordinator(self, timeout: float = 60) -> None:
+        """Start scripts/coordinator.py at `url` (output to out_dir/coordinator.log) and wait
+        until it listens; ranks started afterwards get --coordinator instead of --dist-url."""
+        host_port = self.url.removeprefix("tcp://")
+        cmd = [sys.executable, str(ROOT / "scripts" / "coordinator.py"), "--listen", host_port,
+               "--plan", str(self.plan)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.out_dir / "coordinator.log", "w")  # noqa: SIM115
+        self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            cwd=ROOT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while "listening on port" not in self.coordinator_output():
+            if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the coordinator did not start: "
+                                   + self.coordinator_output()[-2000:])
+            time.sleep(0.05)
+
+    def coordinator_output(self) -> str:
+        """Everything the coordinator printed so far."""
+        return (self.out_dir / "coordinator.log").read_text(errors="replace")
+
+    def wait_coordinator(self, timeout: float) -> int | None:
+        """The coordinator's exit status once it exits within `timeout` (None: still running,
+        or there is none)."""
+        if self.coordinator is None:
+            return None
+        try:
+            return self.coordinator.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill_coordinator(self) -> float:
+        """SIGKILL the coordinator; returns time.monotonic() of the kill."""
+        assert self.coordinator is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.coordinator.pid, signal.SIGKILL)
+        return time.monotonic()
 
     def start(self, rank: int, *args: str, world_size: int | None = None) -> None:
         """Start `dist_runner.py --rank rank` with `args`; output to out_dir/rank{R}.log."""
+        store_flag = "--dist-url" if self.coordinator is None else "--coordinator"
         cmd = [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(self.plan),
-               "--rank", str(rank), "--dist-url", self.url, "--threads", "1", *args]
+               "--rank", str(rank), store_flag, self.url, "--threads", "1", *args]
         if world_size is not None:
             cmd += ["--world-size", str(world_size)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -83,13 +127,18 @@ class Ranks:
 
 
     def stop(self) -> list[int]:
-        """SIGKILL every process (group) still running; returns the ranks that were running."""
+        """SIGKILL every process (group) still running, the coordinator's too; returns the
+        ranks that were running."""
         alive = [r for r, p in self.procs.items() if p.poll() is None]
         for r in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.procs[r].pid, signal.SIGKILL)
         for r in alive:
             self.procs[r].wait()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.coordinator.pid, signal.SIGKILL)
+            self.coordinator.wait()
         return alive
 
 
@@ -137,19 +186,26 @@ class TrialResult:
     """Kill -> each other rank's exit."""
     orphans: list[int]
     """Ranks still running at the deadline (killed by the harness)."""
+    coordinator_code: int | None = None
+    """The coordinator's exit status (None: none, or still running 10 s after the ranks)."""
+    coordinator_output: str = ""
 
 
 def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: int,
                kill_step: int, steps: int = 400, heartbeat_s: float = 2.0,
-               deadline_s: float = 90, extra: tuple[str, ...] = ()) -> TrialResult:
-    """Start a run, SIGKILL `kill_rank` once replica 0 logged step `kill_step`, wait for the
-    rest (at most `deadline_s`), and report exits, detection time and leftovers."""
+               deadline_s: float = 90, extra: tuple[str, ...] = (),
+               coordinator: bool = False) -> TrialResult:
+    """Start a run (with `coordinator`: behind a coordinator process), SIGKILL `kill_rank`
+    once replica 0 logged step `kill_step`, wait for the rest (at most `deadline_s`), and
+    report exits, detection time and leftovers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = write_trial_plan(out_dir / "plan.json", replicas, stages, mode)
     ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", out_dir)
     n = replicas * stages
     last0 = stages - 1  # replica 0's last stage logs progress
     try:
+        if coordinator:
+            ranks.start_coordinator()
         for r in range(n):
             ranks.start(r, "--fake-data", "--steps", str(steps), "--timeout-s", "30",
                         "--heartbeat-timeout-s", str(heartbeat_s), "--min-replicas", "1",
@@ -169,11 +225,13 @@ def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: 
                     exits[r] = now - t_kill
             time.sleep(0.05)
         ranks.procs[kill_rank].wait(timeout=10)
+        coord_code = ranks.wait_coordinator(10)
     finally:
         orphans = ranks.stop()
     codes = {r: p.returncode for r, p in ranks.procs.items()}
     return TrialResult(mode, kill_rank, kill_step, codes,
-                       {r: ranks.output(r) for r in ranks.procs}, detect, exits, orphans)
+                       {r: ranks.output(r) for r in ranks.procs}, detect, exits, orphans,
+                       coord_code, ranks.coordinator_output() if coordinator else "")
 
 
 def _detected(text: str, rank: int) -> bool:

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formats.errors import UserError
+from scheduler.link_costs import LinkCosts, as_link_costs
 from scheduler.objective import Objective
 from scheduler.search.islands import (
     Groups,
     leaf_orders,
+    stage_groups,
     structured_partitions,
 )
 from scheduler.search.matching import PairCache
@@ -83,6 +85,8 @@ class SearchResult:
     """What ended the search: `budget`, `time` (the wall limit: not reproducible from the
     seed), `converged` (no gain for `patience` evaluations, or the polish found nothing) or
     `infeasible` (no plan of the first population had a finite cost)."""
+    pairs: PairCache | None = None
+    """The group matchings the search made, for reuse on the same link costs (baselines)."""
 
 
 Key = tuple[float, float]
@@ -93,7 +97,7 @@ gives the search a slope to follow on the plateaus that bottleneck (max) costs c
 class _Scorer:
     """Decodes and scores candidates, counting evaluations and tracking the best."""
 
-    def __init__(self, objective: Objective, cache: PairCache, t_tie: np.ndarray, budget: int,
+    def __init__(self, objective: Objective, cache: PairCache, t_tie: LinkCosts, budget: int,
                  deadline: float) -> None:
         self.objective, self.cache, self.t_tie = objective, cache, t_tie
         self.budget, self.deadline = budget, deadline
@@ -121,10 +125,9 @@ class _Scorer:
         self.evaluations += 1
         chains = self.cache.chains(groups)
         cost = float(self.objective.cost(chains))
-        tie = float(self.cache.t_act[chains[:, :-1], chains[:, 1:]].mean()) if chains.shape[1] > 1 \
-            else 0.0
-        g = chains.T  # (S, R) stage groups
-        tie += float(self.t_tie[g[:, :, None], g[:, None, :]].mean())
+        tie = float(self.cache.costs.at(chains[:, :-1], chains[:, 1:]).mean()) \
+            if chains.shape[1] > 1 else 0.0
+        tie += self.t_tie.group_mean(chains.T)  # over the (S, R) stage groups
         key = (cost, tie)
         if key < self.best[0]:
             if cost < self.best[0][0] - 1e-12:
@@ -143,7 +146,7 @@ def _swap(groups: Groups, a: int, i: int, b: int, j: int) -> Groups:
 
 def _random_partition(devices: np.ndarray, s: int, r: int, rng: np.random.Generator) -> Groups:
     perm = rng.permutation(devices)[: s * r].reshape(s, r)
-    return [tuple(sorted(int(d) for d in row)) for row in perm]
+    return stage_groups(perm.T)
 
 
 def _crossover(p1: Groups, p2: Groups, rng: np.random.Generator) -> Groups:
@@ -226,26 +229,29 @@ def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
     return groups, cost
 
 
-def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.ndarray,
+def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, devices: np.ndarray,
                         num_stages: int, num_replicas: int, config: SearchConfig | None = None,
-                        extra_link_costs: list[np.ndarray] | None = None,
+                        extra_link_costs: list[np.ndarray | LinkCosts] | None = None,
                         progress: Callable[[int, float], None] | None = None,
-                        initial_plans: list[tuple[str, np.ndarray]] | None = None
-                        ) -> SearchResult:
+                        initial_plans: list[tuple[str, np.ndarray]] | None = None,
+                        seed_orders: list[np.ndarray] | None = None) -> SearchResult:
     """Search S x R plans over `devices` minimising `objective`.
 
     `t_act[i, j]` is the time to send one stage boundary's activations from i to j (it drives
-    the matching between groups); `extra_link_costs` are more (N, N) matrices whose clustering
-    seeds the population (e.g. the data-parallel gradient time); `initial_plans` are named
+    the matching between groups); `extra_link_costs` are more (N, N) link costs whose
+    clustering seeds the population (e.g. the data-parallel gradient time); both may be
+    LinkCosts (by link class for large swarms) instead of matrices; `initial_plans` are named
     (R, S) plans built elsewhere (e.g. from the cluster's regions): each is scored as given and
     its stage groups join the population, so the result is never worse than any of them.
+    `seed_orders`: the device orders cut into structured plans, if already made (default:
+    islands.leaf_orders of t_act and extra_link_costs).
     Cost: O(budget) evaluations, each O(S R^2) plus cached matchings.
     """
     config = config or SearchConfig()
     start = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     cache = PairCache(t_act)
-    t_tie = (extra_link_costs or [t_act])[0]
+    t_tie = as_link_costs((extra_link_costs or [t_act])[0])
     # The last fifth of the budget and of the time is kept for the final polish.
     scorer = _Scorer(objective, cache, t_tie, config.budget - config.budget // 5,
                      start + 0.8 * config.time_limit_s)
@@ -257,13 +263,16 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
     structured: list[tuple[str, Groups]] = []
     for name, plan in initial_plans or []:
         plan = np.asarray(plan, dtype=np.int64)
+        structured.append((name, stage_groups(plan)))
+        if given_history and time.perf_counter() > scorer.deadline:
+            scorer.timed_out = True  # out of time: its groups still join the population
+            continue
         scorer.evaluations += 1
         cost = float(objective.cost(plan))
         if cost < given[1]:
             given = (name, cost, plan)
             given_history.append((scorer.evaluations, cost))
-        structured.append((name, [tuple(sorted(int(d) for d in plan[:, k])) for k in range(s)]))
-    orders = leaf_orders([t_act, *(extra_link_costs or [])], devices)
+    orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
     structured += structured_partitions(orders, s, r)
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))
@@ -290,7 +299,8 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         # Nothing in a whole population fits (e.g. memory): every candidate costs inf, so the
         # search has no slope to follow; say so now instead of spending the budget on a plateau.
         return SearchResult(cache.chains(scorer.best[1]), float("inf"), scorer.evaluations,
-                            time.perf_counter() - start, [], best_structured, "infeasible")
+                            time.perf_counter() - start, [], best_structured, "infeasible",
+                            cache)
 
     last_report = 0.0
     epoch_start = scorer.evaluations
@@ -334,7 +344,7 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray, devices: np.nda
         progress(scorer.evaluations, best_cost)
     return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
                         _merge_history(given_history, scorer.history, chain_history),
-                        best_structured, scorer.stopped_by())
+                        best_structured, scorer.stopped_by(), cache)
 
 
 def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,

@@ -12,37 +12,72 @@ import numpy as np
 from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
 from scipy.spatial.distance import squareform
 
+from scheduler.link_costs import ClassCosts, LinkCosts, as_link_costs
+
 Groups = list[tuple[int, ...]]
 
 
-def leaf_orders(link_costs: list[np.ndarray], devices: np.ndarray) -> list[np.ndarray]:
-    """Device orders from average/complete/single linkage of each (N, N) link-cost matrix."""
+def leaf_orders(link_costs: list[np.ndarray | LinkCosts], devices: np.ndarray
+                ) -> list[np.ndarray]:
+    """Device orders from average/complete/single linkage of each link-cost matrix (or
+    LinkCosts). By link class (ClassCosts) the classes are clustered, each class standing for
+    its devices, which follow one another in id order."""
+    devices = np.asarray(devices)
     orders = [np.array(devices)]
-    sub = np.ix_(devices, devices)
     for cost in link_costs:
-        sym = cost[sub] + cost[sub].T
+        points, members, table = _points(as_link_costs(cost), devices)
+        if len(points) < 2:
+            continue
+        weights = np.array([len(m) for m in members], dtype=float) if members else \
+            np.ones(len(points))
+        sym = table + table.T
         sym = sym / max(float(sym.max()), 1e-30)
         np.fill_diagonal(sym, 0.0)
         condensed = squareform(sym, checks=False)
         for method in ("average", "complete", "single"):
             tree = linkage(condensed, method)
-            leaves = np.asarray(devices)[leaves_list(tree)]
-            orders.append(leaves)
-            orders.extend(_islands_by_size(tree, leaves, devices))
+            leaves = leaves_list(tree)
+            orders.append(_expand(leaves, points, members))
+            orders.extend(_expand(o, points, members)
+                          for o in _islands_by_size(tree, leaves, weights))
     return orders
 
 
-def _islands_by_size(tree: np.ndarray, leaves: np.ndarray, devices: np.ndarray,
+def _points(cost: LinkCosts, devices: np.ndarray
+            ) -> tuple[np.ndarray, list[np.ndarray] | None, np.ndarray]:
+    """What gets clustered: (points, the devices each stands for, (P, P) costs between them);
+    a point is a device (members None), or with ClassCosts a link class."""
+    if isinstance(cost, ClassCosts):
+        classes, table = cost.classes()
+        points, which = np.unique(classes[devices], return_inverse=True)
+        members = [devices[which.reshape(-1) == k] for k in range(len(points))]
+        return points, members, table[np.ix_(points, points)]
+    matrix = cost.dense()
+    if len(devices) == len(matrix) and (devices == np.arange(len(matrix))).all():
+        return devices, None, matrix  # all of them in id order: no copy of N^2 entries
+    return devices, None, matrix[np.ix_(devices, devices)]
+
+
+def _expand(order: np.ndarray, points: np.ndarray, members: list[np.ndarray] | None
+            ) -> np.ndarray:
+    """A device order from an order of point indices."""
+    if members is None:
+        return points[order]
+    return np.concatenate([members[k] for k in order])
+
+
+def _islands_by_size(tree: np.ndarray, leaves: np.ndarray, weights: np.ndarray,
                      cuts: int = 4) -> list[np.ndarray]:
-    """Leaf order regrouped so that bigger islands come first, at a few cut heights."""
+    """Leaf order (of point indices) regrouped so that bigger islands (more devices) come
+    first, at a few cut heights."""
     out = []
     heights = np.unique(tree[:, 2])
-    position = {int(d): k for k, d in enumerate(leaves)}
+    position = np.empty(len(leaves), dtype=np.int64)
+    position[leaves] = np.arange(len(leaves))
     for h in np.quantile(heights, np.linspace(0.1, 0.9, cuts)):
-        label = dict(zip((int(d) for d in devices), fcluster(tree, h, criterion="distance")))
-        size = {lab: sum(1 for v in label.values() if v == lab) for lab in set(label.values())}
-        out.append(np.array(sorted((int(d) for d in leaves),
-                                   key=lambda d: (-size[label[d]], label[d], position[d]))))
+        label = fcluster(tree, h, criterion="distance")
+        size = np.bincount(label, weights=weights)
+        out.append(np.lexsort((position, label, -size[label])))
     return out
 
 
@@ -66,7 +101,12 @@ def groups_from_blocks(order: np.ndarray, num_stages: int, num_replicas: int,
                        block: int) -> Groups:
     """The stage groups (sorted device tuples) of `chains_from_blocks`."""
     chains = chains_from_blocks(order, num_stages, num_replicas, block)
-    return [tuple(sorted(int(d) for d in chains[:, s])) for s in range(num_stages)]
+    return stage_groups(chains)
+
+
+def stage_groups(chains: np.ndarray) -> Groups:
+    """The stage groups (sorted device tuples) of (R, S) chains: column s is group s."""
+    return [tuple(col) for col in np.sort(np.asarray(chains), axis=0).T.tolist()]
 
 
 def structured_partitions(orders: list[np.ndarray], num_stages: int,

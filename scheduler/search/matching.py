@@ -13,8 +13,25 @@ from itertools import combinations
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
+
+from scheduler.link_costs import ClassCosts, LinkCosts, as_link_costs
+from scheduler.search.class_matching import ClassPlans
 
 _BIG = 1e18
+HOPCROFT_KARP_FROM = 64
+"""Groups bigger than this test for a perfect matching with Hopcroft-Karp, not an assignment."""
+
+
+def _perfect(allowed: np.ndarray) -> bool:
+    """Whether the boolean square matrix has a perfect matching on True entries: a linear
+    assignment for small ones, Hopcroft-Karp (O(E sqrt(R))) for big ones."""
+    if len(allowed) <= HOPCROFT_KARP_FROM:
+        rows, cols = linear_sum_assignment(~allowed)
+        return bool(allowed[rows, cols].all())
+    match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
+    return bool((match >= 0).all())
 
 
 def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
@@ -22,23 +39,20 @@ def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
 
     Returns (bottleneck, cols) with row i matched to cols[i]; among matchings with the optimal
     bottleneck it picks one of least total cost. Binary search over the distinct values, each
-    step a feasibility check by linear assignment: O(R^3 log R^2).
+    step a perfect-matching test, then one linear assignment: O(R^3) plus the tests.
     """
     # No matching can beat the largest row or column minimum, and on clustered networks that
-    # floor is usually feasible: try it first (one assignment instead of a binary search).
+    # floor is usually feasible: try it first (one test instead of a binary search).
     floor = max(cost.min(axis=1).max(), cost.min(axis=0).max())
     allowed = cost <= floor
-    rows, cols = linear_sum_assignment(~allowed)
-    if allowed[rows, cols].all():
+    if _perfect(allowed):
         rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
         return float(floor), cols
     values = np.unique(cost)
     lo, hi = int(np.searchsorted(values, floor)) + 1, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        allowed = cost <= values[mid]
-        rows, cols = linear_sum_assignment(~allowed)
-        if allowed[rows, cols].all():
+        if _perfect(cost <= values[mid]):
             hi = mid
         else:
             lo = mid + 1
@@ -109,33 +123,71 @@ def _two_opt_path(edge: np.ndarray) -> list[int]:
             nxt = min(left, key=lambda k: edge[path[-1], k])
             path.append(nxt)
             left.remove(nxt)
-        improved = True
-        while improved:
-            improved = False
-            for i in range(1, n - 1):
-                for j in range(i + 1, n):
-                    cand = path[:i] + path[i:j + 1][::-1] + path[j + 1:]
-                    if _path_cost(edge, cand) < _path_cost(edge, path) - 1e-12:
-                        path, improved = cand, True
+        path = _two_opt(edge, path)
         cost = _path_cost(edge, path)
         if cost < best_cost:
             best, best_cost = path, cost
     return best
 
 
+@lru_cache(maxsize=16)
+def _segment_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every segment [i, j] that 2-opt may reverse, 1 <= i < j <= n-1, in sweep order."""
+    i, j = np.triu_indices(n, 1)
+    keep = i >= 1
+    return i[keep], j[keep]
+
+
+def _two_opt(edge: np.ndarray, path: list[int]) -> list[int]:
+    """First-improvement 2-opt on an open path with symmetric costs: sweep the segments in
+    order, reverse the first one that shortens the path (only its two end edges change), go on
+    from the next segment; sweep again until a sweep finds nothing. Each step scores every
+    remaining segment at once."""
+    p = np.array(path)
+    n = len(p)
+    seg_i, seg_j = _segment_pairs(n)
+    improved = True
+    while improved:
+        improved = False
+        k = 0
+        while k < len(seg_i):
+            i, j = seg_i[k:], seg_j[k:]
+            after = np.minimum(j + 1, n - 1)
+            delta = edge[p[i - 1], p[j]] - edge[p[i - 1], p[i]] + np.where(
+                j + 1 < n, edge[p[i], p[after]] - edge[p[j], p[after]], 0.0)
+            hits = np.flatnonzero(delta < -1e-12)
+            if not len(hits):
+                break
+            k += int(hits[0])
+            a, b = int(seg_i[k]), int(seg_j[k])
+            p[a:b + 1] = p[a:b + 1][::-1].copy()
+            improved = True
+            k += 1
+    return [int(x) for x in p]
+
+
 class PairCache:
     """Bottleneck matchings between stage groups, cached by the groups' device sets.
 
-    `t_act` is the (N, N) time to send one boundary's activations from row to column. The cost
-    of putting group b after group a is the bottleneck over the matching of the round trip
-    t_act[a_i, b_j] + t_act[b_j, a_i] (forward activations plus backward gradients).
+    `t_act` gives the time to send one boundary's activations from row to column (an (N, N)
+    matrix or LinkCosts). The cost of putting group b after group a is the bottleneck over the
+    matching of the round trip t_act[a_i, b_j] + t_act[b_j, a_i] (forward activations plus
+    backward gradients). With ClassCosts (large swarms) the matching is a transport plan
+    between the groups' link-class counts (class_matching.py), cached by those counts.
     """
 
-    def __init__(self, t_act: np.ndarray, max_entries: int = 200_000) -> None:
-        self.t_act = t_act
-        self._round_trip = t_act + t_act.T  # forward activations + backward gradients
+    def __init__(self, t_act: np.ndarray | LinkCosts, max_entries: int = 200_000) -> None:
+        self.costs = as_link_costs(t_act)
+        self._round_trip = self.costs.round_trip()  # forward activations + backward gradients
         self.max_entries = max_entries
         self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, np.ndarray]] = {}
+        self._classes = ClassPlans(self._round_trip) \
+            if isinstance(self._round_trip, ClassCosts) else None
+
+    @property
+    def t_act(self) -> np.ndarray:
+        """The (N, N) activation times (built from classes when the costs are by class)."""
+        return self.costs.dense()
 
     def pair(self, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, np.ndarray]:
         """(cost, cols): a[i] feeds b[cols[i]]; `a` and `b` are sorted device tuples."""
@@ -143,8 +195,9 @@ class PairCache:
         key = (b, a) if flip else (a, b)
         hit = self._cache.get(key)
         if hit is None:
-            cost = self._round_trip[np.array(key[0])[:, None], np.array(key[1])]
-            hit = bottleneck_matching(cost)
+            rows, cols = np.array(key[0]), np.array(key[1])
+            hit = self._classes.match(rows, cols) if self._classes is not None else \
+                bottleneck_matching(self._round_trip.block(rows, cols))
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
             self._cache[key] = hit
@@ -154,13 +207,19 @@ class PairCache:
         inverse[hit[1]] = np.arange(len(hit[1]))
         return hit[0], inverse
 
+    def pair_cost(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+        """The bottleneck of `pair(a, b)` (by class: without matching the devices)."""
+        if self._classes is None or (a, b) in self._cache or (b, a) in self._cache:
+            return self.pair(a, b)[0]
+        return self._classes.bottleneck(np.array(a), np.array(b))
+
     def edge_matrix(self, groups: list[tuple[int, ...]]) -> np.ndarray:
         """(S, S) symmetric matrix of pair costs between all groups."""
         s = len(groups)
         edge = np.zeros((s, s))
         for i in range(s):
             for j in range(i + 1, s):
-                edge[i, j] = edge[j, i] = self.pair(groups[i], groups[j])[0]
+                edge[i, j] = edge[j, i] = self.pair_cost(groups[i], groups[j])
         return edge
 
     def chains(self, groups: list[tuple[int, ...]]) -> np.ndarray:

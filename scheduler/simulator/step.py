@@ -15,6 +15,7 @@ from scheduler.simulator.config import SimConfig
 from scheduler.simulator.events import TimelineBox, replay_events
 from scheduler.simulator.kernel import (
     LinkTables,
+    StepBreakdown,
     build_inputs,
     no_transfers,
     step_breakdown,
@@ -23,28 +24,10 @@ from scheduler.simulator.replay import replay_fast
 
 
 @dataclass
-class SimResult:
-    """What `simulate` prints: step time, its parts (as in kernel.StepBreakdown), throughput,
-    memory and the timeline."""
+class SimResult(StepBreakdown):
+    """What `simulate` prints: the step's breakdown (kernel.StepBreakdown's fields: step time,
+    its parts, throughput), the plan it is of, memory and the timeline."""
 
-    step_s: float
-    makespan_s: float
-    compute_s: float
-    """Forward + backward compute of the busiest device."""
-    bubble_s: float
-    """Pipeline idle time on the critical path with free transfers: makespan(no comm) - compute."""
-    pp_comm_s: float
-    """What pipeline transfers add: pipeline makespan - makespan(no comm)."""
-    tied_comm_s: float
-    """What the tied-embedding gradient sums add after the pipeline."""
-    dp_comm_s: float
-    """Exposed data-parallel sync per step (amortised over H with diloco)."""
-    dp_comm_round_s: float
-    """Exposed data-parallel sync per sync (per outer round with diloco)."""
-    dp_allreduce_s: list[float]
-    """Duration of each stage group's all-reduce."""
-    tokens_per_step: int
-    tokens_per_s: float
     sync: SyncConfig
     stages: list[tuple[int, int]]
     pipelines: list[list[int]]

@@ -1,0 +1,107 @@
+"""Generations: the membership record of a DiLoCo run in the rendezvous store, and the one
+writer that decides the next one.
+
+A generation (JSON: members, replicas, dropped, joined, reason, stop) sits under
+`ft/gen/{g}`; the counter `ft/gen` holds the newest g (keys: modules.protocol). Exactly one
+process writes them, the `Leader`: rank 0's heartbeat thread when rank 0 hosts the store (the
+default), or the coordinator process (modules.coordinator) when it does, so that no training
+host is special. Both call the same `Leader.decide`: when a watched rank is gone its whole
+replica is dropped; when every rank of a missing replica asked to join, it is added; below
+--min-replicas the generation says stop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from formats.plan import Plan
+from modules.dist import members_of
+from modules.protocol import GENERATION_COUNTER, generation_key, join_key
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the run: which replicas (and so which ranks) take part."""
+
+    gen: int
+    replicas: tuple[int, ...]
+    members: tuple[int, ...]
+    """Device ids (global ranks) of every live replica's every stage, ascending."""
+    dropped: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    reason: str = ""
+    stop: bool = False
+    """Fewer replicas than --min-replicas: every member checkpoints and exits."""
+
+    def to_json(self) -> str:
+        """Serialised for the store."""
+        return json.dumps({"gen": self.gen, "replicas": self.replicas, "members": self.members,
+                           "dropped": self.dropped, "joined": self.joined,
+                           "reason": self.reason, "stop": self.stop})
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Generation:
+        """Parse what to_json wrote."""
+        d = json.loads(text)
+        return Generation(int(d["gen"]), tuple(d["replicas"]), tuple(d["members"]),
+                          tuple(d["dropped"]), tuple(d["joined"]), d["reason"], bool(d["stop"]))
+
+
+def first_generation(plan: Plan, replicas: Sequence[int]) -> Generation:
+    """Generation 0 over the replicas that start now."""
+    start = tuple(sorted(replicas))
+    return Generation(0, start, members_of(plan, start), reason="start")
+
+
+def publish(store: dist.Store, g: Generation) -> None:
+    """Write generation g, then advance the counter that announces it."""
+    store.set(generation_key(g.gen), g.to_json())
+    store.set(GENERATION_COUNTER, str(g.gen))
+
+
+def read_generation(store: dist.Store, g: int) -> Generation:
+    """Generation g from the store."""
+    return Generation.from_json(store.get(generation_key(g)))
+
+
+def newest_generation(store: dist.Store) -> int:
+    """The newest published generation number (-1 when none is)."""
+    return int(store.get(GENERATION_COUNTER)) if store.check([GENERATION_COUNTER]) else -1
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Decides and publishes the generations of a DiLoCo run (see the module docstring)."""
+
+    plan: Plan
+    min_replicas: int
+    """Below this many live replicas the new generation says stop (--min-replicas)."""
+
+    def decide(self, store: dist.Store, current: Generation, gone: Sequence[int],
+               lost: Mapping[int, str]) -> Generation | None:
+        """The generation after `current` given the ranks newly found `gone` (`lost` describes
+        them) and the joiners waiting in the store; published, or None when nothing changed."""
+        plan = self.plan
+        replicas = set(current.replicas)
+        dropped = sorted({plan.stage_of(r)[0] for r in gone} & replicas)
+        joined = [k for k in range(plan.num_replicas) if k not in replicas and
+                  all(store.add(join_key(d), 0) > 0 for d in plan.pipelines[k])]
+        if not dropped and not joined:
+            return None
+        new = sorted((replicas - set(dropped)) | set(joined))
+        parts = []
+        if dropped:
+            parts.append("dropped replica(s) " + ", ".join(str(k) for k in dropped) + ": " +
+                         "; ".join(lost[r] for r in gone) + " gone")
+        if joined:
+            parts.append("replica(s) " + ", ".join(str(k) for k in joined) + " joined")
+        g = Generation(current.gen + 1, tuple(new), members_of(plan, new), tuple(dropped),
+                       tuple(joined), "; ".join(parts), stop=len(new) < self.min_replicas)
+        for d in members_of(plan, joined):
+            store.set(join_key(d), "0")  # consumed: a replica dropped later must ask again
+        publish(store, g)
+        return g

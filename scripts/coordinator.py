@@ -1,0 +1,85 @@
+"""The coordinator of a run: hosts the rendezvous store and leads membership, so that no
+training host is a single point of failure (modules/coordinator.py).
+
+    python scripts/coordinator.py --listen HOST:PORT --plan plan.json [--start-timeout-s S]
+    # then every rank: python dist_runner.py --plan plan.json --rank R \
+    #                      --coordinator tcp://HOST:PORT ...
+
+Run it on a host that trains nothing (e.g. the rendezvous host). torch's store listens on PORT
+on every interface; HOST is the address the ranks reach it at. It serves one launch and exits
+0 once every rank of the newest generation finished, 1 when the run stopped or every rank was
+lost (2 on bad input). If it dies, every rank saves a checkpoint and exits 1 naming it: start
+it again, then every rank with --resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from formats import argtypes  # noqa: E402
+from formats.addresses import host_port, resolve  # noqa: E402
+from formats.errors import run_main  # noqa: E402
+from formats.plan import load_plan  # noqa: E402
+
+MAX_START_TIMEOUT_S = 1e8
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (port 0: any free one) -> (host, port); UserError naming --listen when it
+    is not that or HOST does not resolve (the ranks must reach it)."""
+    host, port = host_port(text.removeprefix("tcp://"), "--listen", zero_ok=True)
+    resolve(host, "--listen")
+    return host, port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The coordinator's flags."""
+    p = argparse.ArgumentParser(description="Host the rendezvous store of a run and lead its "
+                                "membership, so that no training host is special.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address the ranks reach the store at (it listens on PORT on every "
+                   "interface); the ranks get --coordinator tcp://HOST:PORT")
+    p.add_argument("--plan", required=True, help="plan/1 JSON file (the ranks' plan)")
+    p.add_argument("--start-timeout-s", type=argtypes.number(0, MAX_START_TIMEOUT_S, lo_open=True),
+                   default=600.0,
+                   help="exit 1 when no rank started training this long after the first rank "
+                   "checked in (default 600)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Listen, wait for the ranks, lead the run; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    host, port = parse_listen(args.listen)
+    plan = load_plan(args.plan)
+    from modules.coordinator import Coordinator, CoordinatorConfig
+
+    log = lambda msg: print(f"coordinator: {msg}", flush=True)
+    coord = Coordinator(CoordinatorConfig(host, port, plan, args.plan, args.start_timeout_s,
+                                          log))
+    port = coord.listen()
+    log(f"listening on port {port} (every interface) for {args.plan} ({plan.num_replicas} "
+        f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank with "
+        f"--coordinator tcp://{host}:{port}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return coord.serve()
+    except SystemExit:
+        log("stopped by SIGTERM: every rank will save a checkpoint and exit 1 (restart the "
+            "coordinator, then the ranks with --resume)")
+        raise
+
+
+def entry() -> None:
+    """Console entry point (setup.py): run main() under run_main."""
+    run_main(main)
+
+
+if __name__ == "__main__":
+    entry()
