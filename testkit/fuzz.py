@@ -44,6 +44,7 @@ ENTRY_POINTS = {e.name: e for e in (
     EntryPoint("local_cluster", "scripts/local_cluster.py", "scripts.local_cluster"),
     EntryPoint("tc", "scripts/tc.py", "scripts.tc"),
     EntryPoint("cluster_ssh", "scripts/cluster_ssh.py", "scripts.cluster_ssh"),
+    EntryPoint("coordinator", "scripts/coordinator.py", "scripts.coordinator"),
     EntryPoint("delay_line", "scripts/delay_line.py", "scripts.delay_line"),
     EntryPoint("generate_tc", "scripts/generate_heterogeneous_tc.py",
                "scripts.generate_heterogeneous_tc"),
@@ -483,6 +484,7 @@ def dist_runner_cases() -> list[Case]:
                                "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000", "tcp://:29500",
                                "tcp://a..b:29500", "tcp://127.0.0.1:x"]),
         *s.flag("--cluster", ["missing.json", "dir"], ("--cluster", "missing.json", "dir")),
+        *s.flag("--coordinator", ["tcp://127.0.0.1:0", "http://x:1", "tcp://a..b:1"]),
         *s.flag("--debug-vanish", ["x", "1", "-1:2"]),
         s.argv_case(with_flag((*s.argv, "--resume"), "--ckpt-dir", None), ("--resume",),
                     "--resume without --ckpt-dir"),
@@ -620,6 +622,16 @@ def generate_tc_cases() -> list[Case]:
     ]
 
 
+def coordinator_cases() -> list[Case]:
+    """`scripts/coordinator.py`."""
+    s = Scenario("coordinator", ("--listen", "127.0.0.1:0", "--plan", "p.json",
+                                 "--start-timeout-s", "5"), _plan_files())
+    return [*s.flag("--listen", ["127.0.0.1", "127.0.0.1:70000", ":5", "a..b:5",
+                                 "127.0.0.1:-1", "127.0.0.1:" + "9" * 30, ""]),
+            *s.flag("--start-timeout-s", [*POSITIVE, "1e300"]),
+            *s.whole_file("p.json", "--plan")]
+
+
 def delay_line_cases() -> list[Case]:
     """`scripts/delay_line.py`."""
     s = Scenario("delay_line", ("--delays", '{"10.0.0.2": 20}', "--queue", "4213", "--tag",
@@ -685,7 +697,7 @@ def send_recv_cases() -> list[Case]:
 GENERATORS = (scheduler_cases, scheduler_plan_field_cases, scheduler_cluster_field_cases,
               dist_runner_cases, dist_runner_cluster_cases, launch_local_cases,
               local_cluster_cases, tc_cases, cluster_ssh_cases, generate_tc_cases,
-              delay_line_cases, rendezvous_cases, peer_cases, send_recv_cases)
+              coordinator_cases, delay_line_cases, rendezvous_cases, peer_cases, send_recv_cases)
 """Every systematic case generator."""
 
 

@@ -71,6 +71,7 @@ GUARDS: dict[str, tuple[str, ...]] = {
            "scripts.tc.reset_local"),
     "cluster_ssh": tuple(f"scripts.netemu.sshctl.{f}" for f in
                          ("accept_keys", "run", "start", "kill", "sync", "collect")),
+    "coordinator": ("modules.coordinator.Coordinator.listen",),
     "delay_line": ("scripts.delay_line.serve", "scripts.delay_line.cleanup"),
     "rendezvous_server": ("udp_hole_punching_test.rendezvous_server.RendezvousServer.serve",),
     "peer": ("udp_hole_punching_test.peer.Puncher.register",),
