@@ -52,10 +52,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread dies."""
 DIST_RUNNER = ROOT / "dist_runner.py"
-SET_BY_LAUNCHER = ("--plan", "--rank", "--world-size", "--dist-url", "--coordinator",
-                   "--threads")
-"""dist_runner flags the launcher gives every rank itself (not allowed after --; with --gpus
-also --cuda-device)."""
+SET_BY_LAUNCHER = ("--plan", "--rank", "--world-size", "--dist-url", "--coordinator")
+"""dist_runner flags the launcher gives each rank its own value of (not allowed after --;
+--threads and --cuda-device after -- override the launcher's on purpose)."""
 MAX_GRACE_S = 3600.0
 
 
@@ -146,11 +145,11 @@ def netns_name(value: object, where: str) -> str:
     return name
 
 
-def check_runner_args(rest: list[str], plan_path: str, plan: Plan, gpus: int) -> None:
+def check_runner_args(rest: list[str], plan_path: str, plan: Plan) -> None:
     """The dist_runner flags after `--`, checked as every rank would check them (UserError or
     argparse's exit 2 naming the flag), before any rank starts."""
     given = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
-    for flag in (*SET_BY_LAUNCHER, *(["--cuda-device"] if gpus else [])):
+    for flag in SET_BY_LAUNCHER:
         if flag in given:
             raise UserError(f"{flag} after --: the launcher sets it for every rank")
     args = runner_parser(prog="dist_runner.py (after --)").parse_args(
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     netns = load_netns_map(args.netns_map, ranks)
     resolve(args.host, "--host")
     if Path(args.runner) == DIST_RUNNER:  # (tests start a stand-in with flags of its own)
-        check_runner_args(rest, args.plan, plan, args.gpus)
+        check_runner_args(rest, args.plan, plan)
     port = args.port or free_port(args.host if not netns else "127.0.0.1")
     url = f"tcp://{args.host}:{port}"
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))
