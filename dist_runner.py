@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from formats.addresses import resolve, tcp_url  # noqa: E402
 from formats.errors import UserError  # noqa: E402
 from formats.plan import Plan, load_plan  # noqa: E402
 from modules.config import LaunchConfig, RunConfig  # noqa: E402
@@ -40,13 +41,9 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags: one per field of modules.config's LaunchConfig and RunConfig."""
-    from modules.cli_config import add_flags
+    from modules.cli_config import runner_parser
 
-    p = argparse.ArgumentParser(
-        description="Run one rank (= device id) of a plan: its pipeline stage of its replica.")
-    add_flags(p, LaunchConfig)
-    add_flags(p, RunConfig)
-    return p
+    return runner_parser()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, RunConfig]:
@@ -72,6 +69,9 @@ def resolve_launch(launch: LaunchConfig, num_devices: int) -> tuple[int, int, st
             raise UserError("--dist-url or --coordinator is required (or set MASTER_ADDR and "
                             "MASTER_PORT)")
         url = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    where = ("--coordinator" if launch.coordinator else "--dist-url" if launch.dist_url
+             else "$MASTER_ADDR:$MASTER_PORT")
+    resolve(tcp_url(url, where)[0], where)  # a name that does not resolve: exit 2 now
     agent_store = launch.dist_url is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return rank, world, url, agent_store or launch.coordinator is not None
 
@@ -156,6 +156,7 @@ def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
+    cfg.check_paths()
     plan, cluster = load_checked_plan(launch, cfg)
     where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints

@@ -101,3 +101,15 @@ def check_output_path(path: str | os.PathLike, flag: str, suffix: str = "") -> N
         raise UserError(f"{flag} {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK):
         raise UserError(f"{flag} {path}: cannot write in {parent}")
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> None:
+    """UserError now (before long work) if `path` cannot be used or created as a folder later."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {path}: exists and is not a directory")
+    parent = next((a for a in [p.absolute(), *p.absolute().parents] if a.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} {path}: cannot write in {parent}")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from formats import checks
 from formats.atomic_io import atomic_write_json
 from formats.compact import (
     COMPACT_FORMAT,
@@ -26,10 +26,16 @@ from formats.compact import (
     compact_links_from_matrices,
 )
 from formats.errors import UserError
+from formats.jsonfile import load_json
 from formats.links import LinkClasses, identity_classes
 
 CLUSTER_FORMAT = "cluster/1"
 FORMATS = (CLUSTER_FORMAT, COMPACT_FORMAT)
+MAX_CLUSTER_FILE_BYTES = 1 << 30
+"""Largest cluster file read: the full form of 4096 devices (MAX_DENSE_DEVICES) is about
+350 MB of text; larger swarms use the compact form."""
+MAX_LABEL_CHARS = 1024
+"""Longest name, region, host or GPU label."""
 DEVICE_KEYS = ("id", "name", "region", "host", "gpu", "tflops", "memory_gb")
 MAX_DENSE_DEVICES = 4096
 """Largest compact cluster whose N x N matrices are built on demand (2 x 134 MB at 4096)."""
@@ -200,9 +206,13 @@ def _require(obj: dict, key: str, where: str) -> Any:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{where}: expected a number, got {value!r}")
-    return float(value)
+    if not checks.is_number(value):
+        raise UserError(f"{where}: expected a number, got {checks.shown(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range
+        raise UserError(f"{where}: expected a finite number, got {checks.shown(value)}") \
+            from None
 
 
 def _parse_device(raw: Any, index: int) -> Device:
@@ -213,15 +223,17 @@ def _parse_device(raw: Any, index: int) -> Device:
         _require(raw, key, where)
     dev_id = raw["id"]
     if isinstance(dev_id, bool) or not isinstance(dev_id, int):
-        raise UserError(f"{where}.id: expected an integer, got {dev_id!r}")
-    tflops = _number(raw["tflops"], f"{where}.tflops")
-    memory_gb = _number(raw["memory_gb"], f"{where}.memory_gb")
-    if not (math.isfinite(tflops) and tflops > 0):
-        raise UserError(f"{where}.tflops: must be a positive number, got {raw['tflops']!r}")
-    if not (math.isfinite(memory_gb) and memory_gb > 0):
-        raise UserError(f"{where}.memory_gb: must be a positive number, got {raw['memory_gb']!r}")
-    return Device(dev_id, str(raw["name"]), str(raw["region"]), str(raw["host"]),
-                  str(raw["gpu"]), tflops, memory_gb)
+        raise UserError(f"{where}.id: expected an integer, got {checks.shown(dev_id)}")
+    tflops, memory_gb = (checks.as_finite(raw[k]) for k in ("tflops", "memory_gb"))
+    if tflops is None or tflops <= 0:
+        raise UserError(f"{where}.tflops: must be a positive number, got "
+                        f"{checks.shown(raw['tflops'])}")
+    if memory_gb is None or memory_gb <= 0:
+        raise UserError(f"{where}.memory_gb: must be a positive number, got "
+                        f"{checks.shown(raw['memory_gb'])}")
+    name, region, host, gpu = (checks.text(raw[k], f"{where}.{k}", MAX_LABEL_CHARS, empty=True)
+                               for k in ("name", "region", "host", "gpu"))
+    return Device(dev_id, name, region, host, gpu, tflops, memory_gb)
 
 
 def _parse_matrix(raw: Any, field: str, n: int) -> np.ndarray:
@@ -304,7 +316,7 @@ def cluster_from_dict(obj: Any) -> Cluster:
         raise UserError(f"cluster.format: expected '{CLUSTER_FORMAT}' (full) or "
                         f"'{COMPACT_FORMAT}' (compact), got {fmt!r}")
     devices = _parse_devices(obj)
-    name = str(obj.get("name", "cluster"))
+    name = checks.text(obj.get("name", "cluster"), "cluster.name", MAX_LABEL_CHARS, empty=True)
     if fmt == COMPACT_FORMAT:
         links = compact_links_from_dict(obj, [d.region for d in devices])
         return Cluster(name, devices, compact=links)
@@ -320,15 +332,7 @@ def cluster_from_dict(obj: Any) -> Cluster:
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a cluster file; raises UserError naming the problem."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"cannot read cluster file {path}: {e.strerror}") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    obj = load_json(path, "cluster file", MAX_CLUSTER_FILE_BYTES)
     try:
         return cluster_from_dict(obj)
     except UserError as e:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from formats import checks
 from formats.errors import UserError
 from formats.links import LinkClasses, sorted_pairs
 
@@ -135,11 +136,10 @@ def _pair_entries(links: CompactLinks) -> list[dict[str, Any]]:
 
 def _number(value: Any, where: str, positive: bool) -> float:
     """A finite number, > 0 (positive) or >= 0; UserError naming `where` otherwise."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    x = float(value) if ok else math.nan
-    if not (ok and math.isfinite(x) and (x > 0 if positive else x >= 0)):
+    x = checks.as_finite(value)  # None: not a number, NaN, infinite, or beyond the float range
+    if x is None or not (x > 0 if positive else x >= 0):
         need = "a positive finite number" if positive else "a finite number >= 0"
-        raise UserError(f"{where}: must be {need}, got {value!r}")
+        raise UserError(f"{where}: must be {need}, got {checks.shown(value)}")
     return x
 
 
@@ -188,8 +188,9 @@ def _parse_region_links(obj: dict, names: list[str], sizes: np.ndarray
     index = {name: k for k, name in enumerate(names)}
 
     def region(value: Any, where: str) -> int:
-        if value not in index:
-            raise UserError(f"{where}: unknown region {value!r}; the devices' regions are "
+        if not isinstance(value, str) or value not in index:
+            raise UserError(f"{where}: unknown region {checks.shown(value)}; the devices' "
+                            f"regions are "
                             f"{', '.join(names)}")
         return index[value]
 

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from formats import checks
 from formats.atomic_io import atomic_write_json
 from formats.cluster import Cluster
 from formats.errors import UserError
+from formats.jsonfile import load_json
 from formats.models import ModelSpec, get_model
 
 PLAN_FORMAT = "plan/1"
 SYNC_MODES = ("allreduce", "diloco")
 COMPRESSIONS = ("none", "fp16", "int8")
+MAX_BATCH_COUNT = 65_536
+"""Most sequences per micro-batch, and most micro-batches per step: far above real runs
+(DT-FM: 61 micro-batches of 1), and a bound on the simulator's and runtime's per-micro-batch
+work and allocations."""
+MAX_INNER_STEPS = 10 ** 9
+"""Most DiLoCo inner steps per outer step (the papers use 500)."""
+MAX_DEVICE_ID = 2 ** 31 - 1
+"""torch.distributed ranks are 32-bit."""
 
 
 @dataclass
@@ -40,17 +48,12 @@ class SyncConfig:
         if self.compression not in COMPRESSIONS:
             raise UserError(
                 f"sync.compression: {self.compression!r} is not one of {', '.join(COMPRESSIONS)}")
-        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) \
-                or self.inner_steps < 1:
-            raise UserError(f"sync.inner_steps: must be an integer >= 1, got {self.inner_steps!r}")
+        checks.integer(self.inner_steps, "sync.inner_steps", 1, MAX_INNER_STEPS)
         if self.mode == "allreduce" and self.inner_steps != 1:
             raise UserError(
                 f"sync.inner_steps: {self.inner_steps} only makes sense with mode 'diloco'")
-        lr, mom = self.outer_lr, self.outer_momentum
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-            raise UserError(f"sync.outer_lr: must be a number > 0, got {lr!r}")
-        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
-            raise UserError(f"sync.outer_momentum: must be a number in [0, 1), got {mom!r}")
+        checks.finite_number(self.outer_lr, "sync.outer_lr", 0, lo_open=True)
+        checks.finite_number(self.outer_momentum, "sync.outer_momentum", 0, 1, hi_open=True)
 
 
 @dataclass
@@ -131,16 +134,13 @@ def validate_plan(plan: Plan, cluster: Cluster | None = None,
     seen: dict[int, tuple[int, int]] = {}
     for r, chain in enumerate(plan.pipelines):
         for s, dev in enumerate(chain):
-            if isinstance(dev, bool) or not isinstance(dev, int):
-                raise UserError(f"pipelines[{r}][{s}]: expected a device id, got {dev!r}")
+            checks.integer(dev, f"pipelines[{r}][{s}]: device id", 0, MAX_DEVICE_ID)
             if dev in seen:
                 raise UserError(f"pipelines[{r}][{s}]: device {dev} appears twice "
                                 f"(also pipelines[{seen[dev][0]}][{seen[dev][1]}])")
             seen[dev] = (r, s)
     for name in ("micro_batch_size", "num_micro_batches"):
-        value = getattr(plan, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"plan.{name}: must be an integer >= 1, got {value!r}")
+        checks.integer(getattr(plan, name), f"plan.{name}", 1, MAX_BATCH_COUNT)
     plan.sync.validate()
     model = model or get_model(plan.model)
     _check_layers(plan.stages, model)
@@ -179,25 +179,44 @@ def _check_layers(stages: list[tuple[int, int]], model: ModelSpec) -> None:
                         f"{model.num_layers} layers")
 
 
+def _parse_stages(raw: Any) -> list[tuple[int, int]]:
+    """`[{"layers": [start, end]}, ...]` with integer bounds (not 2.0, "2" or true)."""
+    if not isinstance(raw, list):
+        raise UserError(f"plan.stages: expected a list of {{\"layers\": [start, end]}}, got "
+                        f"{checks.shown(raw)}")
+    stages = []
+    for s, stage in enumerate(raw):
+        layers = stage.get("layers") if isinstance(stage, dict) else None
+        if not isinstance(layers, list) or len(layers) != 2:
+            raise UserError(f"stages[{s}]: expected {{\"layers\": [start, end]}}, got "
+                            f"{checks.shown(stage)}")
+        a, b = (checks.integer(x, f"stages[{s}].layers", 0) for x in layers)
+        stages.append((a, b))
+    return stages
+
+
+def _optional_text(obj: dict, key: str) -> str:
+    value = obj.get(key, "")
+    return checks.text(value, f"plan.{key}", max_chars=4096, empty=True)
+
+
 def plan_from_dict(obj: Any) -> Plan:
     """Parse a `plan/1` object (structure only; call validate_plan for the full check)."""
     if not isinstance(obj, dict):
         raise UserError(f"plan: expected a JSON object, got {type(obj).__name__}")
     if obj.get("format") != PLAN_FORMAT:
-        raise UserError(f"plan.format: expected '{PLAN_FORMAT}', got {obj.get('format')!r}")
+        raise UserError(f"plan.format: expected '{PLAN_FORMAT}', got "
+                        f"{checks.shown(obj.get('format'))}")
     for key in ("model", "stages", "pipelines"):
         if key not in obj:
             raise UserError(f"plan: missing key '{key}'")
-    try:
-        stages = [(int(st["layers"][0]), int(st["layers"][1])) for st in obj["stages"]]
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise UserError("plan.stages: expected a list of {\"layers\": [start, end]}") from None
+    stages = _parse_stages(obj["stages"])
     if not isinstance(obj["pipelines"], list) or not all(
             isinstance(c, list) for c in obj["pipelines"]):
         raise UserError("plan.pipelines: expected a list of device-id lists (one per replica)")
     for key in ("predicted", "search"):
         if not isinstance(obj.get(key, {}), dict):
-            raise UserError(f"plan.{key}: expected an object, got {obj[key]!r}")
+            raise UserError(f"plan.{key}: expected an object, got {checks.shown(obj[key])}")
     sync_raw = obj.get("sync", {})
     if not isinstance(sync_raw, dict):
         raise UserError("plan.sync: expected an object")
@@ -206,9 +225,9 @@ def plan_from_dict(obj: Any) -> Plan:
     if unknown:
         raise UserError(f"plan.sync: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     plan = Plan(
-        cluster=str(obj.get("cluster", "")),
-        cluster_sha256=str(obj.get("cluster_sha256", "")),
-        model=str(obj["model"]),
+        cluster=_optional_text(obj, "cluster"),
+        cluster_sha256=_optional_text(obj, "cluster_sha256"),
+        model=checks.text(obj["model"], "plan.model", max_chars=256),
         stages=stages,
         pipelines=obj["pipelines"],
         micro_batch_size=obj.get("micro_batch_size", 1),
@@ -218,20 +237,16 @@ def plan_from_dict(obj: Any) -> Plan:
         search=dict(obj.get("search", {})),
     )
     for key, value in (("num_stages", plan.num_stages), ("num_replicas", plan.num_replicas)):
-        if key in obj and obj[key] != value:
-            raise UserError(f"plan.{key}: says {obj[key]!r} but the plan lists {value}")
+        if key in obj and (type(obj[key]) is not int or obj[key] != value):
+            raise UserError(f"plan.{key}: says {checks.shown(obj[key])} but the plan lists "
+                            f"{value}")
     return plan
 
 
 def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
     """Read and validate a plan file (against `cluster` when given)."""
     path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except OSError as e:
-        raise UserError(f"cannot read plan file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    obj = load_json(path, "plan file")
     try:
         plan = plan_from_dict(obj)
         validate_plan(plan, cluster)

@@ -12,13 +12,13 @@ import ast
 import dataclasses
 import functools
 import inspect
-import math
 import textwrap
 import types
 import typing
 from typing import Any, TypeVar
 
-from modules.config import flag_of
+from formats import argtypes
+from modules.config import LaunchConfig, RunConfig, flag_of
 
 T = TypeVar("T")
 
@@ -50,21 +50,6 @@ def _is_config(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def _number(kind: type):
-    """argparse type for int/float flags: finite numbers only, with a message naming the value."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of config class `cls` (and of the configs nested in it), in an
     argument group titled by the class's docstring."""
@@ -93,7 +78,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["choices"] = f.metadata["choices"]
         else:
             kwargs["metavar"] = f.name.upper()
-        group.add_argument(flag, type=_number(kind) if kind in (int, float) else kind, **kwargs)
+        number = argtypes.number() if kind is float else argtypes.integer() if kind is int \
+            else kind  # finite floats only; the fields' own checks give the ranges
+        group.add_argument(flag, type=number, **kwargs)
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
@@ -105,3 +92,14 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
         values[f.name] = (from_args(hint, args) if _is_config(hint)
                           else getattr(args, f"{cls.__name__}.{f.name}"))
     return cls(**values)
+
+
+def runner_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """dist_runner.py's parser: one flag per field of LaunchConfig and RunConfig (also used by
+    the launcher to check the flags it passes on before starting any rank)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run one rank (= device id) of a plan: its pipeline stage of its replica.")
+    add_flags(p, LaunchConfig)
+    add_flags(p, RunConfig)
+    return p

@@ -12,8 +12,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from formats.addresses import tcp_url
+from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
-from formats.plan import Plan
+from formats.plan import MAX_DEVICE_ID, Plan
+
+MAX_COUNT = 10 ** 9
+"""Upper bound of step counts, intervals and sizes: far beyond any run, and small enough that
+no arithmetic on them overflows (torch takes 64-bit integers, timedelta and sleep finite
+seconds)."""
+MAX_SEED = 2 ** 63 - 1
+"""torch.manual_seed takes a 64-bit seed."""
+MAX_SECONDS = 1e8
+"""Longest timeout (3 years): beyond it timedelta and the store's millisecond timeouts
+overflow."""
+MAX_THREADS = 1024
+MAX_CUDA_DEVICE = 1023
 
 
 def flag_of(cls: type, name: str) -> str:
@@ -29,13 +43,15 @@ def _check(cls: type, name: str, ok: bool, value: object, must: str) -> None:
         raise UserError(f"{flag_of(cls, name)}: must be {must}, got {value!r}")
 
 
-def _finite(cls: type, name: str, value: float, lo: float, strict: bool = True) -> None:
-    ok = math.isfinite(value) and (value > lo if strict else value >= lo)
-    _check(cls, name, ok, value, f"a finite number {'>' if strict else '>='} {lo:g}")
+def _finite(cls: type, name: str, value: float, lo: float, strict: bool = True,
+            hi: float = math.inf) -> None:
+    ok = math.isfinite(value) and (value > lo if strict else value >= lo) and value <= hi
+    upper = f" and <= {hi:g}" if hi < math.inf else ""
+    _check(cls, name, ok, value, f"a finite number {'>' if strict else '>='} {lo:g}{upper}")
 
 
-def _int_at_least(cls: type, name: str, value: int, lo: int) -> None:
-    _check(cls, name, value >= lo, value, f">= {lo}")
+def _int_at_least(cls: type, name: str, value: int, lo: int, hi: int = MAX_COUNT) -> None:
+    _check(cls, name, lo <= value <= hi, value, f">= {lo} and <= {hi}")
 
 
 def _one_of(cls: type, name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -67,7 +83,7 @@ class OptimConfig:
         _finite(OptimConfig, "weight_decay", self.weight_decay, 0.0, strict=False)
         _int_at_least(OptimConfig, "warmup_steps", self.warmup_steps, 0)
         _one_of(OptimConfig, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _finite(OptimConfig, "min_lr_ratio", self.min_lr_ratio, 0.0, strict=False)
+        _finite(OptimConfig, "min_lr_ratio", self.min_lr_ratio, 0.0, strict=False, hi=1.0)
 
 
 @dataclass
@@ -120,7 +136,8 @@ class ElasticConfig:
     """DiLoCo: wait (and log) for a missing peer at an outer step instead of failing"""
 
     def __post_init__(self) -> None:
-        _finite(ElasticConfig, "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0)
+        _finite(ElasticConfig, "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0,
+                hi=MAX_SECONDS)
         if self.replicas is not None:
             self._parse_replicas()
 
@@ -211,8 +228,8 @@ class DeviceConfig:
         _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
         _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.cuda_device is not None:
-            _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0)
-        _int_at_least(DeviceConfig, "threads", self.threads, 0)
+            _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0, MAX_CUDA_DEVICE)
+        _int_at_least(DeviceConfig, "threads", self.threads, 0, MAX_THREADS)
 
 
 def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
@@ -279,9 +296,17 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _int_at_least(RunConfig, "steps", self.steps, 1)
-        _int_at_least(RunConfig, "seed", self.seed, 0)
-        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0)
+        _int_at_least(RunConfig, "seed", self.seed, 0, MAX_SEED)
+        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0, hi=MAX_SECONDS)
         _int_at_least(RunConfig, "log_every", self.log_every, 1)
+
+    def check_paths(self) -> None:
+        """The checks that need the file system: the metrics file and the checkpoint folder
+        can be written (UserError naming the flag, before any rendezvous)."""
+        if self.metrics.metrics is not None:
+            check_output_path(self.metrics.metrics, "--metrics")
+        if self.ckpt.dir:
+            check_output_dir(self.ckpt.dir, "--ckpt-dir")
 
     def check_plan(self, plan: Plan) -> None:
         """The checks that need the plan (UserError naming the flag)."""
@@ -319,9 +344,12 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.rank is not None:
-            _int_at_least(LaunchConfig, "rank", self.rank, 0)
+            _int_at_least(LaunchConfig, "rank", self.rank, 0, MAX_DEVICE_ID)
         if self.world_size is not None:
-            _int_at_least(LaunchConfig, "world_size", self.world_size, 1)
+            _int_at_least(LaunchConfig, "world_size", self.world_size, 1, MAX_DEVICE_ID + 1)
         if self.coordinator is not None and self.dist_url is not None:
             raise UserError("--coordinator and --dist-url exclude each other: with a "
                             "coordinator every rank reaches the store at --coordinator")
+        for flag, url in (("--dist-url", self.dist_url), ("--coordinator", self.coordinator)):
+            if url is not None:
+                tcp_url(url, flag)

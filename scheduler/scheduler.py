@@ -28,10 +28,12 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from formats import argtypes  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402
 from formats.cluster import (  # noqa: E402
     CLUSTER_FORMAT,
     COMPACT_FORMAT,
+    MAX_DENSE_DEVICES,
     Cluster,
     load_cluster,
     save_cluster,
@@ -40,6 +42,8 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import PRESETS, get_model  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
+    MAX_BATCH_COUNT,
+    MAX_DEVICE_ID,
     SYNC_MODES,
     Plan,
     SyncConfig,
@@ -49,6 +53,7 @@ from formats.plan import (  # noqa: E402
 )
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
 from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
+from scheduler.memory import check_plan_memory  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
@@ -89,6 +94,16 @@ FLAG_OF_FIELD: dict[str, str] = {
     "SimConfig.outer_store_round_trips": "--outer-store-round-trips",
 }
 """The flag that sets each library field: the library's errors name fields, ours name flags."""
+
+
+MAX_SEED = 2 ** 63 - 1
+SEED = argtypes.integer(0, MAX_SEED)
+MAX_SCENARIO_DEVICES = 1_000_000
+"""Largest random scenario (compact form: 1M devices take about 30 s and 170 MB)."""
+MAX_TOKENS = 1e15
+MAX_COUNT = 10 ** 9
+"""Most evaluations or random samples a search may be given (far beyond any time limit)."""
+MAX_SECONDS = 1e7
 
 
 def in_flag_words(message: str) -> str:
@@ -178,6 +193,13 @@ def cmd_scenario(args: argparse.Namespace) -> int:
     if given and args.name != "random":
         raise UserError(f"--devices/--regions apply to the random scenario only; "
                         f"'{args.name}' has a fixed layout")
+    if args.devices is not None and args.devices > MAX_DENSE_DEVICES and not args.compact:
+        raise UserError(f"--devices {args.devices}: the full form holds {args.devices} x "
+                        f"{args.devices} link matrices; above {MAX_DENSE_DEVICES} devices give "
+                        "--compact")
+    if given.get("num_regions", 0) > given.get("num_devices", 64):
+        raise UserError(f"--regions {args.regions}: more regions than the "
+                        f"{given.get('num_devices', 64)} --devices")
     kwargs = {"num_devices": 64, "num_regions": 4, **given} if args.name == "random" else {}
     if args.name == "random" and args.compact:
         kwargs["compact"] = True  # built by region: never makes the N x N matrices
@@ -317,10 +339,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
     if args.objective == "simulated":
+        sim = sim_config_from_args(args, plan)
+        try:  # a plan that does not fit costs inf to the search; here it is the user's error
+            check_plan_memory(cluster, model, list(plan.stages), plan.pipelines,
+                              plan.micro_batch_size, plan.num_micro_batches,
+                              plan.sync.mode == "diloco", sim.memory())
+        except UserError as e:
+            raise UserError(f"{args.plan}: {e}") from None
         # Score the plan as written: its own layer split, not one the objective would choose.
         objective = SimulatedObjective(cluster, model, plan.sync, plan.micro_batch_size,
-                                       plan.num_micro_batches, sim_config_from_args(args, plan),
-                                       stages=list(plan.stages))
+                                       plan.num_micro_batches, sim, stages=list(plan.stages))
     else:
         req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
                           plan.num_micro_batches, args.objective, plan.sync)
@@ -340,9 +368,12 @@ def add_scenario_command(sub: argparse._SubParsersAction) -> None:
     """`scenario NAME --seed S --out FILE`."""
     sc = sub.add_parser("scenario", help="export a built-in cluster scenario")
     sc.add_argument("name", choices=sorted(SCENARIOS))
-    sc.add_argument("--seed", type=int, default=0, help="shuffles device ids (default 0)")
-    sc.add_argument("--devices", type=int, help="random only: device count (default 64)")
-    sc.add_argument("--regions", type=int, help="random only: region count (default 4)")
+    sc.add_argument("--seed", type=SEED, default=0, help="shuffles device ids (default 0)")
+    sc.add_argument("--devices", type=argtypes.integer(1, MAX_SCENARIO_DEVICES),
+                    help=f"random only: device count (default 64; above {MAX_DENSE_DEVICES} "
+                    "only with --compact)")
+    sc.add_argument("--regions", type=argtypes.integer(1, MAX_SCENARIO_DEVICES),
+                    help="random only: region count, at most --devices (default 4)")
     sc.add_argument("--compact", action="store_true",
                     help=f"write the compact form ({COMPACT_FORMAT}: links per region pair, "
                          f"other links as exact pair links) instead of N x N matrices; what "
@@ -356,37 +387,41 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("plan", help="search a plan for a cluster and model")
     src = pl.add_argument_group("cluster (one of)")
     src.add_argument("--scenario", choices=sorted(SCENARIOS))
-    src.add_argument("--seed", type=int, help="scenario seed: shuffles device ids (default 0)")
+    src.add_argument("--seed", type=SEED, help="scenario seed: shuffles device ids (default 0)")
     src.add_argument("--cluster", help="cluster JSON file (cluster/1, or cluster/2: compact)")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    pl.add_argument("--stages", type=int, default=0,
+    pl.add_argument("--stages", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
                     help="pipeline stages S (default: try every S x R = devices and keep the "
                          "cheapest)")
-    pl.add_argument("--replicas", type=int, default=0,
+    pl.add_argument("--replicas", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
                     help="data-parallel replicas R (S x R = devices; default: derived)")
     pl.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model to minimise (default {DEFAULT_OBJECTIVE})")
-    pl.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    pl.add_argument("--micro-batches", type=int, default=0,
+    pl.add_argument("--micro-batch-size", type=argtypes.integer(1, MAX_BATCH_COUNT), default=1,
+                    help="sequences per micro-batch")
+    pl.add_argument("--micro-batches", type=argtypes.integer(0, MAX_BATCH_COUNT), default=0,
                     help="micro-batches per replica per step (default: derived from "
                          "--tokens-per-replica: tokens / (seq_len x micro-batch size), i.e. 61 "
                          "for gpt3-xl)")
-    pl.add_argument("--tokens-per-replica", type=float, default=DTFM_TOKENS_PER_REPLICA,
+    pl.add_argument("--tokens-per-replica", type=argtypes.number(0, MAX_TOKENS, lo_open=True),
+                    default=DTFM_TOKENS_PER_REPLICA,
                     help="token budget per replica per step that sets the default micro-batch "
                          "count (default 1.25e5, the DT-FM setting)")
     pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
-    pl.add_argument("--inner-steps", type=int, default=1, help="DiLoCo H (with --sync diloco)")
+    pl.add_argument("--inner-steps", type=argtypes.integer(), default=1,  # SyncConfig checks
+                    help="DiLoCo H (with --sync diloco)")
     pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
-    pl.add_argument("--budget", type=int,
+    pl.add_argument("--budget", type=argtypes.integer(1, MAX_COUNT),
                     help="max objective evaluations per searched shape (default: " +
                          ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
-    pl.add_argument("--time-limit", type=float, default=60.0,
+    pl.add_argument("--time-limit", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                    default=60.0,
                     help="wall limit in s of the whole command (default 60, a safety net): "
                          "loading the cluster, the search of every shape (sharing it), the "
                          "baselines; not --plot. A search cut by it is not reproducible, one "
                          "ended by the budget or convergence is")
-    pl.add_argument("--search-seed", type=int, default=0, help="seed of the search (default 0)")
-    pl.add_argument("--random-samples", type=int, default=1000,
+    pl.add_argument("--search-seed", type=SEED, default=0, help="seed of the search (default 0)")
+    pl.add_argument("--random-samples", type=argtypes.integer(1, MAX_COUNT), default=1000,
                     help="random plans of the best-of-random baseline (default 1000)")
     pl.add_argument("--out", required=True, help="plan file to write (atomically)")
     pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")

@@ -27,9 +27,14 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from formats import argtypes, checks  # noqa: E402
+from formats.atomic_io import check_output_dir  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import sshctl  # noqa: E402
 from scripts.netemu.hostlist import load_host_list  # noqa: E402
+
+MAX_SECONDS = 86400.0
+MAX_PARALLEL = 1024
 
 
 def _command(parts: list[str]) -> str:
@@ -40,6 +45,24 @@ def _command(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else shlex.join(parts)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The subcommand's own flags, before connecting anywhere (UserError naming the flag)."""
+    if getattr(args, "name", None) is not None:
+        sshctl.check_name(args.name)
+    if hasattr(args, "run_dir"):
+        checks.text(args.run_dir, "--run-dir", max_chars=4096)
+    if args.cmd in ("run", "start"):
+        _command(args.command)
+    if args.cmd == "sync":
+        checks.text(args.dest, "--dest", max_chars=4096)
+        for path in args.paths:
+            if not path.exists():
+                raise UserError(f"sync: {path} does not exist")
+    if args.cmd == "collect":
+        checks.text(args.remote, "REMOTE", max_chars=4096)
+        check_output_dir(args.dest, "--dest")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -48,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", required=True, metavar="IP_LIST", help="host list file")
     p.add_argument("--known-hosts", default="known_hosts", help="known_hosts file (known_hosts)")
     p.add_argument("--key", help="private key file (default: ssh agent and ~/.ssh keys)")
-    p.add_argument("--timeout", type=float, default=10.0, help="connect timeout in s (10)")
-    p.add_argument("--parallel", type=int, default=32, help="hosts handled at once (32)")
+    p.add_argument("--timeout", type=argtypes.number(0, MAX_SECONDS, lo_open=True), default=10.0,
+                   help="connect timeout in s (10)")
+    p.add_argument("--parallel", type=argtypes.integer(1, MAX_PARALLEL), default=32,
+                   help="hosts handled at once (32)")
     sub = p.add_subparsers(dest="cmd", required=True)
     ak = sub.add_parser("accept-keys", help="record the hosts' keys in --known-hosts")
     ak.add_argument("--replace", action="store_true", help="replace a changed recorded key")
     r = sub.add_parser("run", help="run CMD on every host, wait, print prefixed output")
     r.add_argument("command", nargs=argparse.REMAINDER)
-    r.add_argument("--command-timeout", type=float, default=None,
+    r.add_argument("--command-timeout", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                   default=None,
                    help="give up on a host after this many s without output")
     s = sub.add_parser("start", help="start CMD in the background with a pid file")
     s.add_argument("--name", required=True, help="run name (pid/log file names)")
@@ -71,15 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     sy.add_argument("--dest", required=True, help="remote folder")
     co = sub.add_parser("collect", help="copy a remote file/folder back from every host")
     co.add_argument("remote")
-    co.add_argument("--dest", required=True, type=Path, help="local folder (one subfolder/host)")
+    co.add_argument("--dest", required=True, type=argtypes.name(4096),
+                    help="local folder (one subfolder/host)")
     args = p.parse_args(argv)
     hosts = load_host_list(args.hosts)
     opt = sshctl.SSHOptions(Path(args.known_hosts), args.key, args.timeout, args.parallel)
-    if args.key and not Path(args.key).exists():
-        raise UserError(f"--key: {args.key} does not exist")
-    if args.cmd != "accept-keys" and not opt.known_hosts.exists():
-        raise UserError(f"--known-hosts: {opt.known_hosts} does not exist; record the hosts' "
-                        f"keys first: cluster_ssh.py --hosts {args.hosts} accept-keys")
+    opt.check(args.cmd != "accept-keys", args.hosts)
+    check_args(args)
     if args.cmd == "accept-keys":
         results = sshctl.accept_keys(hosts, opt, args.replace)
     elif args.cmd == "run":
@@ -91,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "sync":
         results = sshctl.sync(hosts, opt, args.paths, args.dest)
     else:
-        results = sshctl.collect(hosts, opt, args.remote, args.dest)
+        results = sshctl.collect(hosts, opt, args.remote, Path(args.dest))
     return 0 if sshctl.print_results(results) else 1
 
 

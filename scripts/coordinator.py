@@ -22,18 +22,20 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from formats.errors import UserError, run_main  # noqa: E402
+from formats import argtypes  # noqa: E402
+from formats.addresses import host_port, resolve  # noqa: E402
+from formats.errors import run_main  # noqa: E402
 from formats.plan import load_plan  # noqa: E402
+
+MAX_START_TIMEOUT_S = 1e8
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT` -> (host, port); UserError naming --listen otherwise."""
-    host, _, port = text.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise UserError(f"--listen: expected HOST:PORT (port 0-65535, 0: any free one), got "
-                        f"{text!r}")
-    return host, int(port)
+    """`HOST:PORT` (port 0: any free one) -> (host, port); UserError naming --listen when it
+    is not that or HOST does not resolve (the ranks must reach it)."""
+    host, port = host_port(text.removeprefix("tcp://"), "--listen", zero_ok=True)
+    resolve(host, "--listen")
+    return host, port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the ranks reach the store at (it listens on PORT on every "
                    "interface); the ranks get --coordinator tcp://HOST:PORT")
     p.add_argument("--plan", required=True, help="plan/1 JSON file (the ranks' plan)")
-    p.add_argument("--start-timeout-s", type=float, default=600.0,
+    p.add_argument("--start-timeout-s", type=argtypes.number(0, MAX_START_TIMEOUT_S, lo_open=True),
+                   default=600.0,
                    help="exit 1 when no rank started training this long after the first rank "
                    "checked in (default 600)")
     return p
@@ -54,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     """Listen, wait for the ranks, lead the run; returns the exit status."""
     args = build_parser().parse_args(argv)
     host, port = parse_listen(args.listen)
-    if not args.start_timeout_s > 0:
-        raise UserError(f"--start-timeout-s: must be > 0, got {args.start_timeout_s!r}")
     plan = load_plan(args.plan)
     from modules.coordinator import Coordinator, CoordinatorConfig
 

@@ -21,6 +21,7 @@ import heapq
 import ipaddress
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -42,6 +43,9 @@ except ImportError:  # copied alone to a remote host by tc.py: stdlib + Netfilte
 DEFAULT_TAG = "scattered-delay-line"
 DEFAULT_QUEUE = 4213
 MAX_HELD = 200_000  # packets the kernel may hold for us (default 1024 drops at BDP > 1.5 MB)
+TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+"""An iptables comment that `cleanup` can find again in `iptables -S` output (no spaces or
+quotes)."""
 
 
 def _iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -76,10 +80,14 @@ def cleanup(tag: str) -> int:
 
 def parse_delays(text: str) -> dict[bytes, float]:
     """{source IPv4 as 4 bytes: delay seconds} from the JSON object `{addr: ms}`."""
+    # (stdlib only here: this file also runs alone on remote hosts, without formats/)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"--delays: not JSON ({e.msg})") from None
+    except (ValueError, RecursionError):  # a number of > 4300 digits; nesting too deep
+        raise UserError("--delays: not a usable JSON object {source address: delay ms}") \
+            from None
     if not isinstance(raw, dict):
         raise UserError("--delays: expected a JSON object {source address: delay ms}")
     out = {}
@@ -89,7 +97,7 @@ def parse_delays(text: str) -> dict[bytes, float]:
         except ValueError:
             raise UserError(f"--delays: {addr!r} is not an IPv4 address") from None
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 60_000:
-            raise UserError(f"--delays[{addr}]: delay must be 0..60000 ms, got {ms!r}")
+            raise UserError(f"--delays[{addr}]: delay must be 0..60000 ms, got {repr(ms)[:40]}")
         out[packed] = float(ms) / 1000.0
     return out
 
@@ -159,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=DEFAULT_TAG, help="iptables comment marking our rules")
     p.add_argument("--cleanup", action="store_true", help="remove leftover rules and exit")
     args = p.parse_args(argv)
+    if not 0 <= args.queue <= 65535:
+        raise UserError(f"--queue: must be an NFQUEUE number 0..65535, got {args.queue}")
+    if not TAG_RE.fullmatch(args.tag):
+        raise UserError(f"--tag: must be 1-64 letters, digits, '.', '_' or '-', got "
+                        f"{args.tag[:64]!r}")
     if args.cleanup:
         print(f"removed {cleanup(args.tag)} rule(s) tagged {args.tag}")
         return 0

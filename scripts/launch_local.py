@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import queue
 import re
@@ -40,13 +39,24 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:
     sys.path.insert(0, str(ROOT))
 
+from formats import argtypes, checks  # noqa: E402
+from formats.addresses import resolve  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.plan import load_plan  # noqa: E402
+from formats.jsonfile import load_json  # noqa: E402
+from formats.plan import Plan, load_plan  # noqa: E402
+from modules.cli_config import from_args, runner_parser  # noqa: E402
+from modules.config import MAX_CUDA_DEVICE, MAX_THREADS, RunConfig  # noqa: E402
 
 PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread dies."""
+DIST_RUNNER = ROOT / "dist_runner.py"
+SET_BY_LAUNCHER = ("--plan", "--rank", "--world-size", "--dist-url", "--coordinator",
+                   "--threads")
+"""dist_runner flags the launcher gives every rank itself (not allowed after --; with --gpus
+also --cuda-device)."""
+MAX_GRACE_S = 3600.0
 
 
 class Stop(Exception):
@@ -99,9 +109,13 @@ def parent_death_signal(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
 
 
 def free_port(host: str) -> int:
-    """A TCP port that is free on `host` right now."""
+    """A TCP port that is free on `host` right now (UserError when `host` is not an address
+    of this machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError as e:
+            raise UserError(f"--host {host}: cannot listen there ({e.strerror or e})") from None
         return s.getsockname()[1]
 
 
@@ -109,20 +123,41 @@ def load_netns_map(path: str | None, ranks: list[int]) -> dict[int, str]:
     """{rank: namespace} from a JSON object {"0": "ns0", ...}; every rank must be mapped."""
     if not path:
         return {}
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"--netns-map: cannot read {path}: {e}") from None
+    raw = load_json(path, "--netns-map")
     if not isinstance(raw, dict):
-        raise UserError('--netns-map: expected a JSON object {"RANK": "NAMESPACE", ...}')
-    try:
-        mapping = {int(k): str(v) for k, v in raw.items()}
-    except ValueError:
-        raise UserError("--netns-map: keys must be rank numbers") from None
+        raise UserError(f'--netns-map: expected a JSON object {{"RANK": "NAMESPACE", ...}} in '
+                        f'{path}, got {type(raw).__name__}')
+    mapping = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise UserError(f"--netns-map: key {checks.shown(key)} is not a rank number")
+        mapping[int(key)] = netns_name(value, f"--netns-map: rank {key}")
     missing = [r for r in ranks if r not in mapping]
     if missing:
         raise UserError(f"--netns-map: ranks {missing} have no namespace")
     return mapping
+
+
+def netns_name(value: object, where: str) -> str:
+    """A network namespace name: a file name under /run/netns (no '/', not '.' or '..')."""
+    name = checks.text(value, where, max_chars=255)
+    if "/" in name or name in (".", ".."):
+        raise UserError(f"{where}: {checks.shown(name)} is not a namespace name")
+    return name
+
+
+def check_runner_args(rest: list[str], plan_path: str, plan: Plan, gpus: int) -> None:
+    """The dist_runner flags after `--`, checked as every rank would check them (UserError or
+    argparse's exit 2 naming the flag), before any rank starts."""
+    given = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
+    for flag in (*SET_BY_LAUNCHER, *(["--cuda-device"] if gpus else [])):
+        if flag in given:
+            raise UserError(f"{flag} after --: the launcher sets it for every rank")
+    args = runner_parser(prog="dist_runner.py (after --)").parse_args(
+        ["--plan", plan_path, *rest])
+    cfg = from_args(RunConfig, args)
+    cfg.check_paths()
+    cfg.check_plan(plan)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -137,14 +172,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--plan", required=True, help="plan/1 JSON file")
     p.add_argument("--host", default="127.0.0.1",
                    help="rendezvous address (rank 0, or the coordinator, listens)")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
-    p.add_argument("--threads-per-rank", type=int, default=0,
+    p.add_argument("--port", type=argtypes.port(zero_ok=True), default=0,
+                   help="rendezvous port (0: pick a free one)")
+    p.add_argument("--threads-per-rank", type=argtypes.integer(0, MAX_THREADS), default=0,
                    help="OMP/torch threads per rank (0: cores / ranks, at least 1)")
     p.add_argument("--netns-map", help='JSON {"RANK": "NETNS"}: run rank under ip netns exec')
-    p.add_argument("--gloo-ifname", help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
-    p.add_argument("--grace-s", type=float, default=5.0,
+    p.add_argument("--gloo-ifname", type=argtypes.interface_name,
+                   help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
+    p.add_argument("--grace-s", type=argtypes.number(0, MAX_GRACE_S), default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
-    p.add_argument("--gpus", type=int, default=0,
+    p.add_argument("--gpus", type=argtypes.integer(0, MAX_CUDA_DEVICE + 1), default=0,
                    help="CUDA devices on this host: the ranks take them round robin "
                    "(--cuda-device i %% N for the i-th rank started; 0: pass none, each rank "
                    "uses --device auto)")
@@ -155,10 +192,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="start scripts/coordinator.py as its own process to host the store and "
                    "lead membership, so that no rank is special (DiLoCo then survives losing "
                    "rank 0 too, with --keep-going)")
-    p.add_argument("--coordinator-timeout-s", type=float, default=60.0,
+    p.add_argument("--coordinator-timeout-s", type=argtypes.number(0, MAX_GRACE_S, lo_open=True),
+                   default=60.0,
                    help="with --coordinator: how long to wait for it to listen, and for it to "
                    "exit after the ranks (default 60)")
-    p.add_argument("--runner", default=str(ROOT / "dist_runner.py"), help=argparse.SUPPRESS)
+    p.add_argument("--runner", default=str(DIST_RUNNER), help=argparse.SUPPRESS)
     return p.parse_args(argv), rest
 
 
@@ -263,11 +301,12 @@ def keep_going_status(pipelines: list[list[int]], failed: dict[int, int]) -> int
 def main(argv: list[str] | None = None) -> int:
     """Launch, supervise and stop the ranks; returns the exit status."""
     args, rest = parse_args(argv)
-    if args.gpus < 0:
-        raise UserError(f"--gpus: must be >= 0, got {args.gpus}")
     plan = load_plan(args.plan)
     ranks = sorted(plan.devices())
     netns = load_netns_map(args.netns_map, ranks)
+    resolve(args.host, "--host")
+    if Path(args.runner) == DIST_RUNNER:  # (tests start a stand-in with flags of its own)
+        check_runner_args(rest, args.plan, plan, args.gpus)
     port = args.port or free_port(args.host if not netns else "127.0.0.1")
     url = f"tcp://{args.host}:{port}"
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))

@@ -27,7 +27,13 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from formats.atomic_io import atomic_write_bytes, atomic_write_json  # noqa: E402
+from formats import argtypes  # noqa: E402
+from formats.atomic_io import (  # noqa: E402
+    atomic_write_bytes,
+    atomic_write_json,
+    check_output_dir,
+    check_output_path,
+)
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
@@ -38,6 +44,8 @@ from scripts.netemu.tcrules import build_host_rules, group_devices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NETNS_MAP_FORMAT = "netns-map/1"
+MAX_PROBE_SECONDS = 3600.0
+MAX_PINGS = 10_000
 
 
 def netns_map(st: netns.NetnsState) -> dict:
@@ -63,9 +71,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     n = args.hosts if args.hosts is not None else cluster.num_devices
     groups = group_devices(cluster, args.group_by, n)
     out_dir = Path(args.out_dir or ROOT / "out" / "local_cluster" / args.prefix)
+    check_output_dir(out_dir, "--out-dir")
     # Check the rules before creating anything (a rate above --link-gbps, too many classes).
     build_host_rules(cluster, groups, [netns.address(i) for i in range(len(groups))],
                      netns.IFACE, args.link_gbps)
+    require_root_tools(args.cmd)
     st = netns.create(args.prefix, len(groups))
     try:
         st.groups = [list(g) for g in groups]
@@ -94,8 +104,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def require_root_tools(cmd: str) -> None:
+    """UserError unless this runs as root with ip, tc and iptables (after the input checks,
+    so that a bad flag is named as such on any machine)."""
+    why = missing_root_tools(("ip", "tc", "iptables"))
+    if why:
+        raise UserError(f"local_cluster.py {cmd}: {why}")
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     """Remove everything of the prefix."""
+    require_root_tools(args.cmd)
     removed = netns.destroy(args.prefix)
     print(f"removed: {', '.join(removed)}" if removed else
           f"nothing of prefix {args.prefix!r} was left")
@@ -104,6 +123,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Show live rules vs the cluster; exit 1 on a mismatch."""
+    require_root_tools(args.cmd)
     st = netns.load_state(args.prefix)
     text, ok = show_local(st, load_cluster(st.cluster_file))
     print(f"local cluster {st.prefix}: {st.num_hosts} hosts, delay {st.delay_mode}")
@@ -114,6 +134,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     """Measure every ordered host pair; write measured.json."""
     from scripts.netemu.probe import probe_local
+    if args.out:
+        check_output_path(args.out, "--out")
+    require_root_tools(args.cmd)
     st = netns.load_state(args.prefix)
     out = Path(args.out or Path(st.out_dir) / "measured.json")
     text, _ = probe_local(st, load_cluster(st.cluster_file), out, args.seconds,
@@ -131,28 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create namespace hosts and shape their links")
     up.add_argument("--cluster", required=True, help="cluster/1 JSON file")
-    up.add_argument("--hosts", type=int, default=None,
+    up.add_argument("--hosts", type=argtypes.integer(1), default=None,
                     help="number of namespace hosts N (default: one per device)")
     up.add_argument("--group-by", choices=("modulo", "region"), default="modulo",
                     help="device -> host mapping (modulo: device i on host i %% N)")
-    up.add_argument("--link-gbps", type=float, default=100.0,
+    up.add_argument("--link-gbps", type=float, default=100.0,  # checked by tcrules.gbps_to_kbit
                     help="link capacity in Gbit/s; a class above it is an error (100)")
     up.add_argument("--delay", choices=DELAY_MODES, default="auto",
                     help="auto: netem if the kernel has it, else the NFQUEUE delay line")
     up.add_argument("--out-dir", help="where ip_list, netns_map.json, cluster.json go")
     probe = sub.add_parser("probe", help="measure bandwidth and RTT per host pair")
     probe.add_argument("--out", help="measured cluster file (default OUT_DIR/measured.json)")
-    probe.add_argument("--seconds", type=float, default=1.5, help="TCP stream per pair (1.5)")
-    probe.add_argument("--pings", type=int, default=10, help="TCP ping-pongs per pair (10)")
+    probe.add_argument("--seconds", type=argtypes.number(0, MAX_PROBE_SECONDS, lo_open=True),
+                       default=1.5, help="TCP stream per pair (1.5)")
+    probe.add_argument("--pings", type=argtypes.integer(1, MAX_PINGS), default=10,
+                       help="TCP ping-pongs per pair (10)")
     for name in ("down", "status"):
         sub.add_parser(name, help=f"{name} the local cluster")
     for sp in sub.choices.values():
         sp.add_argument("--prefix", default="stn", help="name prefix of the namespace hosts (stn)")
     args = p.parse_args(argv)
     netns.check_prefix(args.prefix)
-    why = missing_root_tools(("ip", "tc", "iptables"))
-    if why:
-        raise UserError(f"local_cluster.py {args.cmd}: {why}")
     return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "probe": cmd_probe}[args.cmd](
         args)
 

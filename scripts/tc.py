@@ -24,21 +24,27 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from formats import argtypes  # noqa: E402
+from formats.atomic_io import check_output_path  # noqa: E402
 from formats.cluster import load_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu import netns  # noqa: E402
 from scripts.netemu.cli import add_cluster_args, resolve  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, reset_local, show_local  # noqa: E402
 from scripts.netemu.shell import missing_root_tools  # noqa: E402
+from scripts.netemu.sshctl import SSHOptions  # noqa: E402
+from scripts.netemu.tcrules import build_host_rules  # noqa: E402
+
+MAX_SECONDS = 3600.0
 
 
 def run_local(args: argparse.Namespace) -> int:
     """The local namespace cluster `--local PREFIX`."""
+    cluster = load_cluster(args.cluster)
     why = missing_root_tools(("ip", "tc"))
     if why:
         raise UserError(f"tc.py --local: {why}")
     st = netns.load_state(args.local)
-    cluster = load_cluster(args.cluster)
     if cluster.num_devices != sum(len(g) for g in st.groups):
         raise UserError(f"{args.cluster}: {cluster.num_devices} devices, but local cluster "
                         f"{st.prefix} was built for {sum(len(g) for g in st.groups)}")
@@ -80,18 +86,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="known_hosts file written by cluster_ssh.py accept-keys (known_hosts)")
     p.add_argument("--key", help="private key file (default: ssh agent / ~/.ssh keys)")
     p.add_argument("--sudo", action="store_true", help="prefix remote tc/iptables with sudo -n")
-    p.add_argument("--timeout", type=float, default=20.0, help="SSH connect timeout s (20)")
-    p.add_argument("--remote-python", default="python3",
+    p.add_argument("--timeout", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                   default=20.0, help="SSH connect timeout s (20)")
+    p.add_argument("--remote-python", type=argtypes.name(), default="python3",
                    help="python on the hosts for the delay line and probe agent (python3)")
     p.add_argument("--out", default="measured.json", help="probe: measured cluster file")
-    p.add_argument("--seconds", type=float, default=1.5, help="probe: TCP stream per pair (1.5)")
+    p.add_argument("--seconds", type=argtypes.number(0, MAX_SECONDS, lo_open=True), default=1.5,
+                   help="probe: TCP stream per pair (1.5)")
     args = p.parse_args(argv)
-    if bool(args.local) == bool(args.hosts):
+    if (args.local is not None) == (args.hosts is not None):
         raise UserError("give exactly one of --hosts IP_LIST (SSH) or --local PREFIX")
-    if args.local:
+    if args.action == "probe":
+        check_output_path(args.out, "--out")
+    if args.local is not None:
+        netns.check_prefix(args.local, "--local")
         return run_local(args)
+    SSHOptions(Path(args.known_hosts), args.key).check(True, args.hosts)
+    r = resolve(args)
+    build_host_rules(r.cluster, r.groups, r.addresses, args.iface, args.link_gbps)
     from scripts.netemu.remote import run_remote
-    return run_remote(args, resolve(args))
+    return run_remote(args, r)
 
 
 

@@ -36,8 +36,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from formats.atomic_io import atomic_write_json  # noqa: E402
-from formats.errors import UserError  # noqa: E402
+from formats import argtypes  # noqa: E402
+from formats.addresses import resolve  # noqa: E402
+from formats.atomic_io import atomic_write_json, check_output_path  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
     ProtocolError,
     SessionKeys,
@@ -56,6 +58,8 @@ log = logging.getLogger("peer")
 Endpoint = tuple[str, int]
 EXIT_PUNCH_FAILED = 3
 EXIT_TUNNEL_FAILED = 4
+MAX_SECONDS = 1e6
+"""Longest timeout or hold time a flag may give (11 days)."""
 HANDSHAKE_TIMEOUT_S = 30.0
 """How long the WireGuard handshake through the hole may take: WireGuard retries every 5 s, and
 on a loaded machine the first tries can go out before the other side's interface listens."""
@@ -554,9 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         help="secret shared by the two peers (default: $PUNCH_TOKEN, which keeps it out of ps)",
     )
     ap.add_argument("--local-port", type=int, default=0, help="UDP port to punch from (0: any)")
-    ap.add_argument("--private-ip", default=None, help="LAN address to announce (default: auto)")
-    ap.add_argument("--register-timeout-s", type=float, default=30.0)
-    ap.add_argument("--punch-timeout-s", type=float, default=15.0)
+    ap.add_argument("--private-ip", type=argtypes.ipv4, default=None,
+                    help="LAN address to announce (default: auto)")
+    ap.add_argument("--register-timeout-s", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                    default=30.0)
+    ap.add_argument("--punch-timeout-s", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                    default=15.0)
     ap.add_argument(
         "--low-ttl",
         type=int,
@@ -570,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         help="if punching fails, tunnel through the server's relay (server: --relay-mbit-s)",
     )
     ap.add_argument("--no-wireguard", action="store_true", help="punch and report only")
-    ap.add_argument("--hold-s", type=float, default=0.0, help="tunnel lifetime (0: until signal)")
+    ap.add_argument("--hold-s", type=argtypes.number(0, MAX_SECONDS), default=0.0,
+                    help="tunnel lifetime (0: until signal)")
     ap.add_argument("--result-json", type=Path, default=None, help="also write the result here")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -615,13 +623,10 @@ def _config(args: argparse.Namespace) -> tuple[PeerConfig, SessionKeys]:
         raise UserError(f"--local-port {args.local_port} must be 0-65535")
     if not 0 <= args.low_ttl <= 255:
         raise UserError(f"--low-ttl {args.low_ttl} must be 0-255")
-    if args.register_timeout_s <= 0 or args.punch_timeout_s <= 0:
-        raise UserError("--register-timeout-s and --punch-timeout-s must be positive")
-    server = parse_hostport(args.server, "--server")
-    try:
-        server = (socket.gethostbyname(server[0]), server[1])
-    except OSError as exc:
-        raise UserError(f"--server host {server[0]!r} does not resolve: {exc}") from exc
+    if args.result_json is not None:
+        check_output_path(args.result_json, "--result-json")
+    host, port = parse_hostport(args.server, "--server")
+    server = (resolve(host, "--server"), port)
     try:
         keys = derive_keys(args.token, args.session)
     except ProtocolError as exc:
@@ -691,4 +696,4 @@ def _run(args: argparse.Namespace, cfg: PeerConfig, puncher: Puncher, keypair: A
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -37,7 +37,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from formats.errors import UserError  # noqa: E402
+from formats import argtypes  # noqa: E402
+from formats.addresses import host_port, resolve  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
     ProtocolError,
     RateLimiter,
@@ -55,12 +57,16 @@ RECV_BUFFER_BYTES = 4 << 20
 then takes longer to overflow it and crowd out a peer's datagram."""
 
 
+MAX_SECONDS = 1e6
+MAX_RATE = 1e9
+
+
 def parse_hostport(text: str, what: str) -> tuple[str, int]:
-    """Split 'HOST:PORT' and check the port; raise UserError naming `what` otherwise."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UserError(f"{what} {text!r} must be HOST:PORT with a port 1-65535")
-    return host.strip("[]"), int(port)
+    """Split 'HOST:PORT' (`[IPv6]:PORT`), check the port and that the host resolves; raise
+    UserError naming `what` otherwise."""
+    host, port = host_port(text, what)
+    resolve(host, what, socket.AF_INET6 if ":" in host else socket.AF_INET)
+    return host, port
 
 
 class RendezvousServer:
@@ -239,15 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         help="accept only sessions using this token (default: $PUNCH_TOKEN; unset: first "
         "registration of a session fixes its key)",
     )
-    ap.add_argument("--ttl-s", type=float, default=60.0, help="forget peers silent this long")
+    ap.add_argument("--ttl-s", type=argtypes.number(0, MAX_SECONDS, lo_open=True), default=60.0,
+                    help="forget peers silent this long")
     ap.add_argument(
         "--relay-mbit-s",
-        type=float,
+        type=argtypes.number(0, MAX_RATE),
         default=0.0,
         help="relay traffic between peers that cannot punch, on PORT+2, at most this many "
         "Mbit/s per source IP (0: no relay)",
     )
-    ap.add_argument("--rate-per-s", type=float, default=50.0,
+    ap.add_argument("--rate-per-s", type=argtypes.number(0, MAX_RATE, lo_open=True), default=50.0,
                     help="authenticated datagrams/s per session (burst: twice that); "
                     "unauthenticated datagrams are dropped without charging anyone")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every dropped datagram")
@@ -262,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--bind port must be below 65535 (PORT+1 is the probe port)")
         if port >= 65534 and args.relay_mbit_s > 0:
             raise UserError("--bind port must be below 65534 with a relay (PORT+2 is the relay)")
-        if args.ttl_s <= 0 or args.rate_per_s <= 0 or args.relay_mbit_s < 0:
-            raise UserError("--ttl-s and --rate-per-s must be positive, --relay-mbit-s >= 0")
         server = RendezvousServer(
             host, port, args.token, args.ttl_s, args.rate_per_s, args.relay_mbit_s
         )
@@ -291,4 +296,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -25,29 +25,41 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from formats import argtypes  # noqa: E402
+from formats.addresses import resolve, tcp_url  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
 
-from formats.errors import UserError  # noqa: E402
-from modules.comm import Communicator, CupyNcclCommunicator, GlooCommunicator  # noqa: E402
-from modules.comm.nccl import load_nccl  # noqa: E402
-from modules.dist import rendezvous  # noqa: E402
+if TYPE_CHECKING:  # torch is imported once the flags are checked: a bad flag fails fast
+    import torch
+
+    from modules.comm import Communicator
 
 LATENCY_BYTES = 4
+MAX_SIZE_MB = 65536.0
+"""Largest message (64 GB): each rank holds two of them."""
+MAX_ROUNDS = 10 ** 6
+MAX_SECONDS = 1e6
 
 
 def payload(size_bytes: int, seed: int) -> torch.Tensor:
     """The seeded byte pattern both ranks can regenerate."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (size_bytes,), dtype=torch.uint8, generator=gen)
 
 
 def require_cuda_nccl() -> None:
     """UserError saying what is missing when cupy's NCCL or a CUDA device is not there."""
+    import torch
+
+    from modules.comm.nccl import load_nccl
+
     try:
         load_nccl()
     except RuntimeError as exc:
@@ -61,6 +73,11 @@ def require_cuda_nccl() -> None:
 def open_communicator(args: argparse.Namespace) -> Communicator:
     """Rendezvous at --dist-url, then the pair's communicator (NCCL: its unique id goes through
     the rendezvous store)."""
+    import torch
+
+    from modules.comm import CupyNcclCommunicator, GlooCommunicator
+    from modules.dist import rendezvous
+
     store = rendezvous(args.dist_url, args.rank, args.world_size, args.timeout_s)
     if args.backend == "gloo":
         return GlooCommunicator(None, args.timeout_s)
@@ -72,6 +89,8 @@ def open_communicator(args: argparse.Namespace) -> Communicator:
 def round_trips(comm: Communicator, args: argparse.Namespace, expected: torch.Tensor,
                 ) -> tuple[list[float], list[float], bool]:
     """Timed round trips (latency-sized, then payload-sized) and whether rank 1 got every byte."""
+    import torch
+
     dev, rank = comm.device, args.rank
     ones = torch.ones(LATENCY_BYTES, dtype=torch.uint8)
     data = expected.to(dev) if rank == 0 else torch.zeros(expected.numel(), dtype=torch.uint8,
@@ -110,6 +129,9 @@ def round_trips(comm: Communicator, args: argparse.Namespace, expected: torch.Te
 
 def run(args: argparse.Namespace) -> dict | None:
     """Run the benchmark on this rank; rank 0 returns the results."""
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     if args.backend == "cupy_nccl":
         require_cuda_nccl()  # fail before waiting for the other rank
@@ -144,19 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rank", type=int, required=True, choices=[0, 1])
     ap.add_argument("--backend", choices=["gloo", "cupy_nccl"], default="gloo")
-    ap.add_argument("--size-mb", type=float, default=4.0, help="message size, MB (1e6 bytes)")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the payload pattern")
-    ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--size-mb", type=argtypes.number(0, MAX_SIZE_MB, lo_open=True), default=4.0,
+                    help="message size, MB (1e6 bytes)")
+    ap.add_argument("--iters", type=argtypes.integer(1, MAX_ROUNDS), default=5)
+    ap.add_argument("--warmup", type=argtypes.integer(0, MAX_ROUNDS), default=1)
+    ap.add_argument("--seed", type=argtypes.integer(0, 2 ** 63 - 1), default=0,
+                    help="seed of the payload pattern")
+    ap.add_argument("--timeout-s", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
+                    default=60.0)
     args = ap.parse_args(argv)
     try:
         if args.world_size != 2:
             raise UserError(f"--world-size {args.world_size}: this benchmark uses exactly 2")
-        if not args.dist_url.startswith("tcp://"):
-            raise UserError(f"--dist-url {args.dist_url!r} must look like tcp://HOST:PORT")
-        if args.size_mb <= 0 or args.iters < 1 or args.warmup < 0:
-            raise UserError("--size-mb must be > 0, --iters >= 1, --warmup >= 0")
+        resolve(tcp_url(args.dist_url, "--dist-url")[0], "--dist-url")
         result = run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -173,4 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from formats import checks
 from formats.errors import UserError
 from scheduler.memory import MemoryConfig
 
 RUNTIME_NAMES = ("cpu", "gpu")
 """The runtimes with a profile in RUNTIME_PROFILES."""
+MAX_INT8_BLOCK = 1 << 20
+"""Largest int8 block (values per scale): far above the 256 the codec uses."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
                     "outer_store_round_trips")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return checks.as_finite(value) is not None  # (an int beyond the float range is not)
 
 
 def _is_int(value: Any) -> bool:
@@ -32,23 +34,23 @@ def setting_problem(name: str, value: Any) -> str | None:
     dataclass, the CLI's flags, a calibration file, a plan's record) can name it its own way.
     """
     if name == "mfu" and not (_is_number(value) and 0.0 < value <= 1.0):
-        return f"must be in (0, 1], got {value!r}"
+        return f"must be in (0, 1], got {checks.shown(value)}"
     if name == "activation_bytes" and not (_is_int(value) and value in (1, 2, 4)):
-        return f"must be 1, 2 or 4, got {value!r}"
+        return f"must be 1, 2 or 4, got {checks.shown(value)}"
     if name == "recompute" and not isinstance(value, bool):
-        return f"must be true or false, got {value!r}"
+        return f"must be true or false, got {checks.shown(value)}"
     if name == "collective_latency_factor" and not (_is_number(value) and 1.0 <= value <= 10.0):
-        return f"must be in [1, 10], got {value!r}"
+        return f"must be in [1, 10], got {checks.shown(value)}"
     if name == "outer_store_round_trips" and not (_is_int(value) and 0 <= value <= 100):
-        return f"must be in [0, 100], got {value!r}"
+        return f"must be in [0, 100], got {checks.shown(value)}"
     if name == "reserved_gb" and not (_is_number(value) and value >= 0.0):
-        return f"must be a number >= 0, got {value!r}"
-    if name == "int8_block" and not (_is_int(value) and value >= 1):
-        return f"must be an integer >= 1, got {value!r}"
+        return f"must be a number >= 0, got {checks.shown(value)}"
+    if name == "int8_block" and not (_is_int(value) and 1 <= value <= MAX_INT8_BLOCK):
+        return f"must be an integer in [1, {MAX_INT8_BLOCK}], got {checks.shown(value)}"
     if name == "runtime" and value is not None and value not in RUNTIME_NAMES:
-        return f"unknown runtime {value!r}; known: {', '.join(RUNTIME_NAMES)}"
+        return f"unknown runtime {checks.shown(value)}; known: {', '.join(RUNTIME_NAMES)}"
     if name == "calibration" and value is not None and not isinstance(value, str):
-        return f"must be a file name, got {value!r}"
+        return f"must be a file name, got {checks.shown(value)}"
     return None
 
 

@@ -22,7 +22,6 @@ save_calibration() writes one; load_calibration() reads one, UserError naming th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 from formats.atomic_io import atomic_write_json
 from formats.errors import UserError
+from formats.jsonfile import load_json
 from scheduler.simulator.config import (
     RUNTIME_NAMES,
     RUNTIME_PROFILES,
@@ -86,12 +86,7 @@ def calibration_from_dict(obj: Any, source: str) -> Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration file; UserError naming the file and the key that is wrong."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"cannot read calibration file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    obj = load_json(path, "calibration file")
     return calibration_from_dict(obj, str(path))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from formats import argtypes
 from formats.cluster import Cluster, load_cluster
 from formats.errors import UserError
 from scripts.netemu.hostlist import HostEntry, ipv4_of, load_host_list
@@ -22,11 +23,12 @@ def add_cluster_args(p: argparse.ArgumentParser, host_list: bool = True) -> None
                    help="how devices map to hosts: host = one host per distinct device.host "
                         "(default without a host list), modulo = device i on host i %% N "
                         "(default with a host list), region = region k on host k %% N")
-    p.add_argument("--num-hosts", type=int, default=None,
+    p.add_argument("--num-hosts", type=argtypes.integer(1), default=None,
                    help="number of hosts N for --group-by modulo/region (default: the host "
                         "list's length)")
-    p.add_argument("--iface", default="eth0", help="egress interface on each host (eth0)")
-    p.add_argument("--link-gbps", type=float, default=100.0,
+    p.add_argument("--iface", type=argtypes.interface_name, default="eth0",
+                   help="egress interface on each host (eth0)")
+    p.add_argument("--link-gbps", type=float, default=100.0,  # checked by tcrules.gbps_to_kbit
                    help="link capacity in Gbit/s; a class above it is an error (100)")
 
 

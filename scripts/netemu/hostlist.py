@@ -6,7 +6,13 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from formats import checks
+from formats.addresses import check_host
 from formats.errors import UserError
+from formats.jsonfile import read_text
+
+MAX_USER_CHARS = 32
+"""Longest Linux user name (useradd's limit)."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,10 @@ def parse_host_line(line: str, where: str) -> HostEntry:
     if "@" not in text:
         raise UserError(f"{where}: expected user@host[:port], got {text!r} (the user is required)")
     user, _, hostport = text.partition("@")
-    if not user or any(c.isspace() for c in user):
-        raise UserError(f"{where}: bad user name in {text!r}")
+    if not user or any(c.isspace() or not c.isprintable() for c in user) \
+            or len(user) > MAX_USER_CHARS:
+        raise UserError(f"{where}: bad user name in {checks.shown(text)} (1-{MAX_USER_CHARS} "
+                        "printable characters, no spaces)")
     port = 22
     if hostport.startswith("["):
         host, sep, rest = hostport[1:].partition("]")
@@ -49,24 +57,22 @@ def parse_host_line(line: str, where: str) -> HostEntry:
         port = _port(p, where, text)
     else:
         host = hostport
-    if not host or any(c.isspace() for c in host):
-        raise UserError(f"{where}: empty or malformed host in {text!r}")
-    return HostEntry(user, host, port)
+    if not host or any(c.isspace() or not c.isprintable() for c in host):
+        raise UserError(f"{where}: empty or malformed host in {checks.shown(text)}")
+    return HostEntry(user, check_host(host, where), port)
 
 
 def _port(text: str, where: str, line: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise UserError(f"{where}: port must be 1..65535, got {text!r} in {line!r}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535):
+        raise UserError(f"{where}: port must be 1..65535, got {checks.shown(text)} in "
+                        f"{checks.shown(line)}")
     return int(text)
 
 
 def load_host_list(path: str | Path) -> list[HostEntry]:
     """Read an `ip_list` file; raises UserError naming the file and line of a bad entry."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"cannot read host list {path}: {e.strerror}") from None
+    lines = read_text(path, "host list").splitlines()
     hosts = []
     for n, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()

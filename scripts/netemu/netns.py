@@ -34,10 +34,10 @@ MAX_HOSTS = 250
 IFACE = "eth0"
 
 
-def check_prefix(prefix: str) -> str:
+def check_prefix(prefix: str, flag: str = "--prefix") -> str:
     """Validate a prefix: 1-10 lowercase letters/digits (interface names are <= 15 chars)."""
-    if not PREFIX_RE.match(prefix):
-        raise UserError(f"--prefix: {prefix!r} must be 1-10 lowercase letters/digits starting "
+    if not PREFIX_RE.fullmatch(prefix):
+        raise UserError(f"{flag}: {prefix!r} must be 1-10 lowercase letters/digits starting "
                         "with a letter (Linux interface names are limited to 15 characters)")
     return prefix
 

@@ -95,6 +95,19 @@ class SSHOptions:
     timeout_s: float = 10.0
     parallel: int = 32
 
+    def check(self, need_known_hosts: bool, hosts_flag: str = "IP_LIST") -> None:
+        """UserError naming the flag, before connecting anywhere: --key must be a file,
+        --known-hosts a file (and exist unless keys are being recorded)."""
+        if self.key_file is not None and not Path(self.key_file).is_file():
+            what = "is not a file" if Path(self.key_file).exists() else "does not exist"
+            raise UserError(f"--key: {self.key_file} {what}")
+        if self.known_hosts.exists() and not self.known_hosts.is_file():
+            raise UserError(f"--known-hosts: {self.known_hosts} is not a file")
+        if need_known_hosts and not self.known_hosts.exists():
+            raise UserError(f"--known-hosts: {self.known_hosts} does not exist; record the "
+                            f"hosts' keys first: cluster_ssh.py --hosts {hosts_flag} "
+                            "accept-keys")
+
 
 @dataclass
 class HostResult:
@@ -207,10 +220,15 @@ def _run_path(run_dir: str, name: str, h: HostEntry, ext: str) -> str:
     return posixpath.join(run_dir, f"{name}@{h.host}_{h.port}.{ext}")
 
 
+MAX_NAME_CHARS = 64
+
+
 def check_name(name: str) -> str:
     """A run name usable in file names."""
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
-        raise UserError(f"--name: {name!r} must be letters, digits, '-', '_', '.'")
+    if not name or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name) \
+            or name.startswith(".") or len(name) > MAX_NAME_CHARS:
+        raise UserError(f"--name: {name[:MAX_NAME_CHARS]!r} must be 1-{MAX_NAME_CHARS} letters, "
+                        "digits, '-', '_', '.' (not starting with '.')")
     return name
 
 
