@@ -302,7 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--warmup-steps", type=int, default=5,
                    help="steps left out of the measured time (rounded up to a multiple of H)")
-    p.add_argument("--plan-time-limit", type=float, default=5.0, help="planner search limit, s")
+    p.add_argument("--plan-time-limit", type=float, default=10.0,
+                   help="planner limit for the whole plan command, s (the search ends by budget "
+                   "well within it on the lab)")
     p.add_argument("--no-netns", action="store_true",
                    help="run on loopback without shaping even when root")
     args = p.parse_args(argv)

@@ -135,6 +135,12 @@ class SimulatedObjective:
                 best = (cost, stages, detail)
         return best
 
+    def least_stage_memory(self, num_stages: int) -> float:
+        """Bytes the fullest stage needs at least, over every split into `num_stages` stages:
+        more than every device's memory means that no plan of this many stages fits."""
+        need = np.broadcast_to(self.mem_need, (num_stages, *self.mem_need.shape))
+        return split_layers(need)[1]
+
     # ---------------------------------------------------------------- Objective protocol
 
     def cost(self, pipelines: np.ndarray) -> float:

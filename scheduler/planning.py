@@ -252,6 +252,7 @@ def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline:
             model, req.micro_batch_size, req.tokens_per_replica))
     check_shape(cluster, model, req)
     objective = OBJECTIVES[req.objective](cluster, model, req)
+    check_memory(cluster, model, req, objective)
     # DT-FM's link times drive matching and seeding (the objective itself when it is DT-FM).
     dtfm = objective if isinstance(objective, DtfmObjective) else make_dtfm(cluster, model, req)
     start = time.perf_counter()
@@ -283,6 +284,27 @@ def predicted(cost: CostBreakdown) -> dict[str, float | str]:
     """A plan's `predicted` block: objective, cost and its parts (s, rounded to the us)."""
     return {"objective": cost.objective, "cost": round(cost.cost_s, 6),
             **{k: round(v, 6) for k, v in cost.parts.items()}}
+
+
+def check_memory(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                 objective: Objective) -> None:
+    """UserError, before any search, when no plan of this shape can fit (objectives that model
+    memory only): the fullest stage of the best split needs more than any group of R devices
+    offers, i.e. than the R-th largest device memory."""
+    least = getattr(objective, "least_stage_memory", None)
+    if least is None:
+        return
+    need = least(req.num_stages)
+    best_group = sorted((d.memory_gb for d in cluster.devices), reverse=True)[
+        req.num_replicas - 1] * 1e9
+    if need > best_group:
+        raise UserError(f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits "
+                        f"the devices of '{cluster.name}': with {req.num_stages} stage(s) "
+                        f"some stage needs at least {need / 1e9:.2f} GB (parameters, optimizer "
+                        f"state, activations of {req.num_micro_batches} micro-batches) on each "
+                        f"of {req.num_replicas} devices, and only "
+                        f"{sum(d.memory_gb * 1e9 >= need for d in cluster.devices)} have that "
+                        f"much")
 
 
 def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,

@@ -14,6 +14,7 @@ from scipy.optimize import linear_sum_assignment
 from test_cluster_compact import BANDWIDTH, LATENCY, compact_dict
 
 from formats.cluster import cluster_from_dict, load_cluster
+from formats.errors import UserError
 from formats.models import get_model
 from scheduler import link_costs
 from scheduler.cost_dtfm import DtfmObjective
@@ -203,3 +204,16 @@ def test_with_no_time_left_one_shape_and_one_plan_of_each_baseline_are_still_mad
     dtfm = DtfmObjective(cluster, get_model("gpt3-xl"), *search["shapes_tried"][0])
     assert dtfm.cost(np.array(out.plan.pipelines)) == pytest.approx(out.ours.cost_s)
     assert out.plan.predicted["cost"] == pytest.approx(out.ours.cost_s)
+
+
+def test_a_shape_that_cannot_fit_is_refused_before_any_search():
+    cluster = make_scenario("random", seed=0, num_devices=64, num_regions=4)
+    req = PlanRequest(1, 64, objective="simulated", search=SearchConfig(budget=50))
+    start = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        plan_best_shape(cluster, get_model("gpt3-xl"), req)
+    assert time.perf_counter() - start < 2.0
+    a100s = sum(d.memory_gb >= 40 for d in cluster.devices)
+    assert ("no 1 x 64 plan of gpt3-xl fits the devices of 'random64-seed0': with 1 stage(s) "
+            "some stage needs at least 37.08 GB") in str(err.value)
+    assert str(err.value).endswith(f"on each of 64 devices, and only {a100s} have that much")
