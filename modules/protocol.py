@@ -21,6 +21,8 @@ Ranks are device ids of the plan. Keys by who writes them:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 # -- point-to-point tags (gloo matches a pair's messages by tag; NCCL by order) ----------------
 FWD_TAG = 0
@@ -117,3 +119,19 @@ def nccl_arrival_prefix(name: str, ranks: Sequence[int]) -> str:
     """Where the members of communicator `name` announce themselves before the NCCL init
     (`member_key(prefix, rank)`)."""
     return f"comm/{name}/{'-'.join(map(str, ranks))}/arrived"
+
+
+def wait_keys(store: Any, ranks: Sequence[int], keys: Sequence[str],
+              timeout_s: float) -> tuple[list[int] | None, str] | None:
+    """Wait until every rank's key is set in the store: None when all are, else (the ranks
+    whose key is missing, or None when the store itself stopped answering; the error's first
+    line) after `timeout_s`."""
+    try:
+        store.wait(list(keys), timedelta(seconds=timeout_s))
+        return None
+    except RuntimeError as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    try:
+        return [r for r, k in zip(ranks, keys) if not store.check([k])], why
+    except RuntimeError:
+        return None, why

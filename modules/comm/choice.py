@@ -15,15 +15,14 @@ import json
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from formats.errors import UserError
-from modules.comm.errors import CommError, PeerError, first_line
+from modules.comm.errors import CommError, PeerError
 from modules.comm.nccl import load_nccl
-from modules.protocol import device_key
+from modules.protocol import device_key, wait_keys
 
 REQUESTS = ("auto", "gloo", "nccl")
 
@@ -157,13 +156,9 @@ def read_devices(store: dist.Store, ranks: Sequence[int], timeout_s: float,
                  ) -> dict[int, DeviceInfo]:
     """The devices `ranks` announced; PeerError naming those that did not within the timeout."""
     keys = [device_key(r) for r in ranks]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        try:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        except RuntimeError:
-            missing = list(ranks)
-        raise PeerError(f"choosing the backends: rank(s) {missing} did not announce their "
-                        f"device within {timeout_s:g} s ({first_line(e)})") from None
+    late = wait_keys(store, ranks, keys, timeout_s)
+    if late is not None:
+        missing, why = late
+        raise PeerError(f"choosing the backends: rank(s) {missing or list(ranks)} did not "
+                        f"announce their device within {timeout_s:g} s ({why})")
     return {r: DeviceInfo.from_json(v) for r, v in zip(ranks, store.multi_get(keys))}

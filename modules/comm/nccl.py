@@ -22,7 +22,7 @@ import torch.distributed as dist
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.errors import CommError, first_line
 from modules.comm.watchdog import Watchdog
-from modules.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key
+from modules.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
 
 UNIQUE_ID_BYTES = 128
 
@@ -63,17 +63,11 @@ def meet(store: dist.Store, prefix: str, rank: int, ranks: Sequence[int],
     """Announce `rank` under `prefix` and wait for every one of `ranks`; CommError naming the
     ranks that did not come within the timeout."""
     store.set(member_key(prefix, rank), "1")
-    keys = [member_key(prefix, r) for r in ranks]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        try:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        except RuntimeError:
-            missing = [r for r in ranks if r != rank]
+    late = wait_keys(store, ranks, [member_key(prefix, r) for r in ranks], timeout_s)
+    if late is not None:
+        missing = late[0] or [r for r in ranks if r != rank]
         raise CommError(f"NCCL communicator {prefix!r}: rank(s) {missing} did not come within "
-                        f"{timeout_s:g} s ({first_line(e)})", op="NCCL init",
-                        peers=missing) from None
+                        f"{timeout_s:g} s ({late[1]})", op="NCCL init", peers=missing)
 
 
 def load_nccl():  # noqa: ANN201 - cupy.cuda.nccl; cupy may be absent
