@@ -428,8 +428,8 @@ class Trainer:
                                    resume_step=self.step if cfg.ckpt.resume else None)
         records = []
         try:
+            vanish_step, status = cfg.debug.vanish_at(topo.rank)  # tests' lost-peer hook
             while self.step < cfg.steps:
-                vanish_step, status = cfg.debug.vanish_at(topo.rank)
                 if self.step + 1 == vanish_step:
                     self.log(f"debug: vanishing before step {self.step + 1}")
                     os._exit(status)
