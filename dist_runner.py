@@ -117,11 +117,9 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
     """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
     from modules.dist import parse_dist_url, rendezvous
     from modules.fault import members_of
-    from modules.sync import check_compression
     from modules.trainer import Trainer
 
     rank, world, url, agent_store = where
-    check_compression(plan.sync.compression, plan.num_replicas)
     coordinator = launch.coordinator is not None
     store_addr = parse_dist_url(url, "--coordinator" if coordinator else "--dist-url")
     start, join = cfg.elastic.start_replicas(plan.num_replicas), cfg.elastic.join
@@ -165,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from modules.device import describe_device
     from modules.dist import topology
     from modules.placement import resolve_placement
 
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
-    log(f"device {placement.device}, precision {cfg.device.precision}, "
+    log(f"device {describe_device(placement.device)}, precision {cfg.device.precision}, "
         f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}")
     trainer = build_trainer(launch, cfg, plan, topo, where, placement, log)
     trainer.run()

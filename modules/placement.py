@@ -20,7 +20,6 @@ from modules.comm.choice import CommOptions
 from modules.compile import check_compile_available
 from modules.config import RunConfig
 from modules.device import resolve_device, use_device
-from modules.mfu import check_peak_tflops
 from modules.precision import Precision, make_precision
 
 
@@ -57,7 +56,6 @@ def resolve_placement(cfg: RunConfig, plan: Plan, replica: int,
     """Check the device flags on this host and make the rank's Placement (UserError naming the
     flag otherwise); selects the CUDA device for this process. Call before any rendezvous."""
     dev_cfg = cfg.device
-    check_peak_tflops(cfg.metrics.peak_tflops)
     device = resolve_device(dev_cfg.device, dev_cfg.cuda_device)
     precision = make_precision(dev_cfg.precision, device)
     if dev_cfg.comm == "nccl" and device.type != "cuda":

@@ -12,19 +12,10 @@ from collections.abc import Callable
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from formats.errors import UserError
 from modules.comm import Communicator
-from modules.quant import COMPRESSIONS
 
 GroupAverage = Callable[[torch.Tensor], int]
 """Averages a flat fp32 tensor in place over a stage group; returns the bytes it sent."""
-
-
-def check_compression(compression: str, group_size: int) -> None:
-    """UserError before any rendezvous when the plan asks for an unknown payload."""
-    if compression not in COMPRESSIONS:
-        raise UserError(f"sync.compression: {compression!r} is not one of "
-                        f"{', '.join(COMPRESSIONS)}")
 
 
 def no_average(tensor: torch.Tensor) -> int:
@@ -40,7 +31,6 @@ def make_group_average(comm: Communicator | None, compression: str, what: str) -
     """
     if comm is None or comm.size == 1:
         return no_average
-    check_compression(compression, comm.size)
     if compression != "none":
         return lambda tensor: comm.mean_all_reduce(tensor, compression, what)
 

@@ -131,6 +131,8 @@ class Trainer:
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
         self.mfu_values: list[float] = []
         """MFU of each measured step (empty without a peak)."""
+        self.flops_per_token = flops_per_token(self.spec)
+        """Training FLOPs per token of the whole model (the MFU's numerator per token)."""
         self.state_lock = threading.Lock()
         """Held by the training thread while it changes parameters / optimizer state."""
         self.ckpt: AsyncCheckpointer | None = (
@@ -477,7 +479,7 @@ class Trainer:
         if self.membership.monitor is not None and self.diloco is not None:
             rec["live_replicas"] = len(self.replicas)
         rec["comm"] = {c.group: c.backend for c in self.groups.choices} or {"all": "gloo"}
-        value = mfu(self.tokens_per_step / step_s, flops_per_token(self.spec),
+        value = mfu(self.tokens_per_step / step_s, self.flops_per_token,
                     self.placement.replica_peak_tflops)
         if value is not None:
             rec["mfu"] = round(value, 6)
