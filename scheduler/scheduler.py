@@ -113,11 +113,6 @@ def in_flag_words(message: str) -> str:
     return message
 
 
-def _check_seed(args: argparse.Namespace) -> None:
-    if args.seed is not None and args.seed < 0:
-        raise UserError(f"--seed: must be >= 0, got {args.seed}")
-
-
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.cluster and args.scenario:
         raise UserError("give either --cluster FILE or --scenario NAME, not both")
@@ -127,7 +122,6 @@ def _cluster_from_args(args: argparse.Namespace) -> Cluster:
                             "its own ids (leave --seed out)")
         return load_cluster(args.cluster)
     if args.scenario:
-        _check_seed(args)
         return make_scenario(args.scenario, args.seed or 0)
     raise UserError("which cluster? give --cluster FILE or --scenario NAME")
 
@@ -187,7 +181,6 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
 def cmd_scenario(args: argparse.Namespace) -> int:
     """Export a built-in scenario as a cluster file."""
     check_output_path(args.out, "--out")
-    _check_seed(args)
     given = {k: v for k, v in (("num_devices", args.devices), ("num_regions", args.regions))
              if v is not None}
     if given and args.name != "random":
@@ -269,18 +262,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
     budget = DEFAULT_BUDGETS[args.objective] if args.budget is None else args.budget
-    if budget < 1 or not 0 < args.time_limit < float("inf") or args.random_samples < 1:
-        raise UserError(f"--budget ({budget}) and --random-samples ({args.random_samples}) "
-                        f"must be >= 1 and --time-limit ({args.time_limit}) > 0")
-    if args.search_seed < 0:
-        raise UserError(f"--search-seed: must be >= 0, got {args.search_seed}")
-    if args.micro_batch_size < 1 or args.micro_batches < 0:
-        raise UserError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1 and "
-                        f"--micro-batches ({args.micro_batches}) >= 1 (0: derived)")
+    # argparse's bounded types, SyncConfig, SearchConfig and PlanRequest check every value
     sync = SyncConfig(args.sync, args.inner_steps, args.compression)
-    sync.validate()
-    if args.tokens_per_replica <= 0:
-        raise UserError(f"--tokens-per-replica: must be > 0, got {args.tokens_per_replica}")
     req = PlanRequest(
         num_stages=args.stages, num_replicas=args.replicas,
         micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches,
