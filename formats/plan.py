@@ -16,6 +16,10 @@ from formats.models import ModelSpec, get_model
 PLAN_FORMAT = "plan/1"
 SYNC_MODES = ("allreduce", "diloco")
 COMPRESSIONS = ("none", "fp16", "int8")
+PIPELINE_COMPRESSIONS = ("none", "bf16", "int8")
+"""How activations (forward) and activation gradients (backward) cross pipeline links."""
+MAX_FRAGMENTS = 1024
+"""Most Streaming-DiLoCo fragments per stage (the paper uses up to a few dozen)."""
 MAX_BATCH_COUNT = 65_536
 """Most sequences per micro-batch, and most micro-batches per step: far above real runs
 (DT-FM: 61 micro-batches of 1), and a bound on the simulator's and runtime's per-micro-batch
@@ -40,6 +44,12 @@ class SyncConfig:
     """DiLoCo outer SGD learning rate."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
+    overlap: bool = False
+    """DiLoCo: run each outer all-reduce in the background while the next round's inner
+    steps compute, and apply its averaged pseudo-gradient when it arrives (one round late)."""
+    fragments: int = 1
+    """DiLoCo: F contiguous parameter fragments (by layer) per stage, each synced at its own
+    offset in the round (Streaming DiLoCo), so the peak bandwidth need falls F times."""
 
     def validate(self) -> None:
         """Raise UserError on a bad field."""
@@ -54,6 +64,16 @@ class SyncConfig:
                 f"sync.inner_steps: {self.inner_steps} only makes sense with mode 'diloco'")
         checks.finite_number(self.outer_lr, "sync.outer_lr", 0, lo_open=True)
         checks.finite_number(self.outer_momentum, "sync.outer_momentum", 0, 1, hi_open=True)
+        if not isinstance(self.overlap, bool):
+            raise UserError(
+                f"sync.overlap: expected true or false, got {checks.shown(self.overlap)}")
+        checks.integer(self.fragments, "sync.fragments", 1, MAX_FRAGMENTS)
+        if self.mode != "diloco" and (self.overlap or self.fragments != 1):
+            raise UserError("sync.overlap and sync.fragments only apply to mode 'diloco' "
+                            f"(mode is {self.mode!r})")
+        if self.fragments > self.inner_steps:
+            raise UserError(f"sync.fragments: {self.fragments} fragments need at least as many "
+                            f"inner steps per round (sync.inner_steps is {self.inner_steps})")
 
 
 @dataclass
@@ -75,6 +95,9 @@ class Plan:
     num_micro_batches: int = 1
     """Micro-batches per replica per step (global batch = replicas x this x micro_batch_size)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
+    pipeline_compression: str = "none"
+    """How activations and activation gradients cross pipeline links: `none` (the compute
+    dtype), `bf16`, or `int8` with one scale per token row."""
     predicted: dict[str, Any] = field(default_factory=dict)
     """What the planner predicted: objective, cost (s) and its parts."""
     search: dict[str, Any] = field(default_factory=dict)
@@ -116,6 +139,7 @@ class Plan:
             "stages": [{"layers": [a, b]} for a, b in self.stages],
             "pipelines": [list(map(int, chain)) for chain in self.pipelines],
             "sync": asdict(self.sync),
+            "pipeline_compression": self.pipeline_compression,
             "predicted": self.predicted,
             "search": self.search,
         }
@@ -142,6 +166,9 @@ def validate_plan(plan: Plan, cluster: Cluster | None = None,
     for name in ("micro_batch_size", "num_micro_batches"):
         checks.integer(getattr(plan, name), f"plan.{name}", 1, MAX_BATCH_COUNT)
     plan.sync.validate()
+    if plan.pipeline_compression not in PIPELINE_COMPRESSIONS:
+        raise UserError(f"plan.pipeline_compression: {checks.shown(plan.pipeline_compression)} "
+                        f"is not one of {', '.join(PIPELINE_COMPRESSIONS)}")
     model = model or get_model(plan.model)
     _check_layers(plan.stages, model)
     if cluster is not None:
@@ -233,6 +260,7 @@ def plan_from_dict(obj: Any) -> Plan:
         micro_batch_size=obj.get("micro_batch_size", 1),
         num_micro_batches=obj.get("num_micro_batches", 1),
         sync=SyncConfig(**sync_raw),
+        pipeline_compression=obj.get("pipeline_compression", "none"),
         predicted=dict(obj.get("predicted", {})),
         search=dict(obj.get("search", {})),
     )

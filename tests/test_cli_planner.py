@@ -175,7 +175,9 @@ def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
     saved = json.loads(plan.read_text())
     assert saved["predicted"]["objective"] == "simulated"
     assert saved["sync"] == {"mode": "diloco", "inner_steps": 50, "compression": "int8",
-                             "outer_lr": 0.7, "outer_momentum": 0.9}
+                             "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False,
+                             "fragments": 1}
+    assert saved["pipeline_compression"] == "none"
     r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan), "--json",
                   "--timeline", str(png))
     assert r.returncode == 0, r.stderr
