@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,68 +29,17 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
-from scheduler.scenarios import make_scenario  # noqa: E402
+from testkit import lab  # noqa: E402
+from testkit.lab import PY, Network, Run, log, predict, sh  # noqa: E402
 
-PY = sys.executable
 PERF_MODEL = ["--runtime", "cpu"]
 """The planner's profile of the CPU runtime (scheduler/simulator/config.py RUNTIME_PROFILES):
 mfu 1 on the measured FLOP/s, fp32 activations, no recomputation, gloo collectives, the
 elastic DiLoCo outer step's store round trips; recorded in the plan, reused by `simulate`."""
-
-
-@dataclass
-class Run:
-    """One plan's run: what was predicted and what was measured."""
-
-    name: str
-    plan_path: Path
-    predicted_s: float = 0.0
-    measured_s: float = 0.0
-    tokens_per_s: float = 0.0
-    wire_bytes_per_step: float = 0.0
-    runtime_dp_bytes_per_step: float = 0.0
-    losses: list[tuple[float, float]] = field(default_factory=list)
-    """(seconds since the first step, loss) of replica 0."""
-
-    @property
-    def error(self) -> float:
-        """Relative prediction error."""
-        return (self.predicted_s - self.measured_s) / self.measured_s
-
-
-def log(msg: str) -> None:
-    """Progress on stdout, flushed (the demo runs for minutes)."""
-    print(f"e2e: {msg}", flush=True)
-
-
-def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    """Run a command; UserError with its stderr when it fails."""
-    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if p.returncode != 0:
-        raise UserError(f"{' '.join(cmd[:4])} ... failed ({p.returncode}):\n"
-                        f"{(p.stderr or p.stdout)[-3000:]}")
-    return p
-
-
-def calibrated_cluster(args: argparse.Namespace, out: Path) -> Path:
-    """The lab scenario with each device's tflops measured with all ranks training at once."""
-    from modules.calibrate import measure_train_flops_shared  # torch: only when measuring
-
-    cluster = make_scenario(args.scenario, args.seed)
-    log(f"measuring FLOP/s per rank: {cluster.num_devices} processes training {args.model} "
-        f"(micro-batch {args.micro_batch_size}) at once on {os.cpu_count()} cores")
-    flops = measure_train_flops_shared(get_model(args.model), args.micro_batch_size,
-                                       cluster.num_devices)
-    log(f"  {flops / 1e9:.1f} GFLOP/s per rank")
-    devices = [replace(d, tflops=flops / 1e12) for d in cluster.devices]
-    path = out / "cluster.json"
-    save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps), path)
-    return path
 
 
 def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
@@ -122,114 +68,10 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
             Run(f"ours (DiLoCo H={args.inner_steps}, int8)", out / "ours-diloco-int8.json")]
 
 
-def predict(run: Run, cluster_path: Path) -> None:
-    """Predicted step time by `scheduler.py simulate` (the plan's own performance model)."""
-    p = sh([PY, str(ROOT / "scheduler/scheduler.py"), "simulate", "--cluster", str(cluster_path),
-            "--plan", str(run.plan_path), "--json"])
-    run.predicted_s = json.loads(p.stdout)["step_s"]
-
-
-class Network:
-    """The namespace hosts of the cluster (or loopback when they cannot be made)."""
-
-    def __init__(self, cluster_path: Path, out: Path, use_netns: bool) -> None:
-        self.prefix = f"e2e{os.getpid() % 10000}"
-        self.dir = out / "net"
-        self.active = False
-        self.cluster_path = cluster_path
-        self.reason = _netns_unavailable() if use_netns else "--no-netns given"
-        """Why the network is not emulated ('' when it is)."""
-
-    def up(self) -> None:
-        """Create the hosts and apply the cluster's links (or log why not)."""
-        if self.reason:
-            log(f"NOT shaping the network ({self.reason}): all ranks on loopback, so the "
-                "measured times show compute only, not the emulated links")
-            return
-        log(f"bringing up {load_cluster(self.cluster_path).num_devices} namespace hosts "
-            f"({self.prefix}-*) with the cluster's rates and delays")
-        sh([PY, str(ROOT / "scripts/local_cluster.py"), "up", "--cluster", str(self.cluster_path),
-            "--prefix", self.prefix, "--out-dir", str(self.dir), "--link-gbps", "10"])
-        self.active = True
-        mode = json.loads((self.dir / "netns_map.json").read_text())["delay_mode"]
-        log(f"  delay applied by: {mode}")
-
-    def down(self) -> None:
-        """Remove every namespace, veth, bridge and delay line of this run."""
-        if self.active:
-            subprocess.run([PY, str(ROOT / "scripts/local_cluster.py"), "down", "--prefix",
-                            self.prefix], capture_output=True, text=True)
-            self.active = False
-            log(f"removed the namespace hosts {self.prefix}-*")
-
-    def launch_args(self) -> list[str]:
-        """launch_local.py flags that put each rank in its host."""
-        if not self.active:
-            return ["--host", "127.0.0.1"]
-        return ["--netns-map", str(self.dir / "rank_netns.json"), "--host", "198.18.0.1",
-                "--gloo-ifname", "eth0"]
-
-    def wire_bytes(self) -> int:
-        """Bytes every host has sent on its eth0 so far (tc root qdisc counters)."""
-        if not self.active:
-            return 0
-        hosts = json.loads((self.dir / "netns_map.json").read_text())["hosts"]
-        total = 0
-        for h in hosts:
-            p = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "-j", "qdisc", "show",
-                    "dev", h["iface"], "root"])
-            total += sum(int(q.get("bytes", 0)) for q in json.loads(p.stdout))
-        return total
-
-
-def _netns_unavailable() -> str:
-    """Why namespace hosts cannot be made here ('' when they can)."""
-    if os.geteuid() != 0:
-        return "not root"
-    missing = [t for t in ("ip", "tc", "iptables") if shutil.which(t) is None]
-    return f"missing {', '.join(missing)}" if missing else ""
-
-
 def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
     """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
-    run_dir = out / run.plan_path.stem
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    metrics = run_dir / "metrics.jsonl"
-    log(f"training {run.name}: {args.steps} steps (predicted {run.predicted_s:.3f} s/step)")
-    before = net.wire_bytes()
-    cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
-           *net.launch_args(), "--", "--steps", str(args.steps), "--threads", "1",
-           "--metrics", str(metrics), "--log-every", str(max(1, args.steps // 5)),
-           "--timeout-s", "120"]
-    with open(run_dir / "launch.log", "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            logf.write(line)
-            if " step " in line or (line.startswith("launch:") and " pid " not in line):
-                print(f"    {line.rstrip()}", flush=True)
-        if proc.wait() != 0:
-            raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
-                            f"see {run_dir / 'launch.log'}")
-    run.wire_bytes_per_step = (net.wire_bytes() - before) / args.steps
-    _read_metrics(run, metrics, args)
-
-
-def _read_metrics(run: Run, path: Path, args: argparse.Namespace) -> None:
-    """Measured step time over whole outer rounds after the warm-up, from replica 0's log."""
-    recs = [json.loads(line) for line in path.read_text().splitlines()]
-    first = args.warmup_steps
-    last = len(recs) - (len(recs) - first) % args.inner_steps  # whole DiLoCo rounds
-    if last - first < 1:
-        raise UserError(f"--steps {args.steps} leaves no measured steps after "
-                        f"--warmup-steps {first}")
-    wall = [r["wall_time"] for r in recs]
-    run.measured_s = (wall[last - 1] - wall[first - 1]) / (last - first)
-    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
-    run.tokens_per_s = tokens / (wall[last - 1] - wall[first - 1])
-    run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
-    start = wall[0] - recs[0]["step_s"]  # when the first step began
-    run.losses = [(r["wall_time"] - start, r["loss"]) for r in recs]
+    metrics = lab.train(run, net, args.steps, out)
+    lab.read_metrics(run, metrics, args.warmup_steps, args.inner_steps)
 
 
 def table(runs: list[Run], shaped: bool) -> str:
@@ -324,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    cluster_path = calibrated_cluster(args, out)
+    cluster_path = out / "cluster.json"
+    lab.calibrated_cluster(args.scenario, args.seed, args.model, args.micro_batch_size,
+                           cluster_path)
     runs = make_plans(args, cluster_path, out)
     for r in runs:
         predict(r, cluster_path)

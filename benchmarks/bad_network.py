@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Bad links: what hiding the outer sync and compressing pipeline traffic buy, row by row.
+
+    sudo .venv/bin/python benchmarks/bad_network.py --out-dir out/bad [--quick]
+
+On the demo's namespace lab (the DT-FM regional setting scaled to 8 CPU ranks in 4 regions)
+and, without --quick, a harsher variant with 20 Mbit/s between regions, it plans the cluster
+for all-reduce and trains the same assignment with, row by row:
+
+    allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
+
+and then the planner's own choice (`plan --sync auto`, its own assignment). Each row has the
+simulator's predicted s/step, the measured s/step, the bytes every host put on the wire per
+step (tc counters), tokens/s, and the validation loss after the same number of tokens relative
+to allreduce's (real text, the same seed). Writes OUT/results.json
+({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from formats.atomic_io import atomic_write_json  # noqa: E402
+from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
+from formats.errors import UserError, run_main  # noqa: E402
+from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
+from testkit import lab  # noqa: E402
+from testkit.lab import PY, Network, Run, predict, sh  # noqa: E402
+
+HARSH_GBPS = 0.02
+"""The harsh variant: every link between two regions capped at 20 Mbit/s."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration to train: a name and how it changes the all-reduce plan."""
+
+    name: str
+    sync: SyncConfig | None = None
+    """None: the plan's own sync (allreduce, or the auto plan's choice)."""
+    pipeline_compression: str = "none"
+
+
+def log(msg: str) -> None:
+    """Progress on stdout, flushed."""
+    lab.log(msg, "bad-network")
+
+
+def rows(h: int, fragments: int) -> list[Row]:
+    """The issue's ladder: each row adds one technique to the row before it."""
+    dil = SyncConfig("diloco", h, "int8")
+    ovl = replace(dil, overlap=True)
+    frag = replace(ovl, fragments=fragments)
+    return [Row("allreduce"), Row(f"DiLoCo H={h} + int8", dil), Row("+ overlap", ovl),
+            Row(f"+ {fragments} fragments", frag), Row("+ pipeline bf16", frag, "bf16"),
+            Row("+ pipeline int8", frag, "int8")]
+
+
+def harsh(cluster: Cluster) -> Cluster:
+    """The cluster with every inter-region link capped at HARSH_GBPS."""
+    regions = np.array([d.region for d in cluster.devices])
+    across = regions[:, None] != regions[None, :]
+    bw = np.where(across, np.minimum(cluster.bandwidth_gbps, HARSH_GBPS), cluster.bandwidth_gbps)
+    return Cluster(f"{cluster.name}-harsh", cluster.devices, cluster.latency_ms, bw)
+
+
+def plan_cmd(args: argparse.Namespace, cluster_path: Path, out: Path, *extra: str) -> list[str]:
+    """The planner command line for this cluster (CPU runtime profile, bounded time)."""
+    return [PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
+            "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
+            "--micro-batches", str(args.micro_batches), "--runtime", "cpu", "--time-limit",
+            str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(out),
+            "--quiet", *extra]
+
+
+def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
+    """The allreduce plan, the ladder on its assignment, and the planner's --sync auto plan."""
+    base_path = out / "allreduce.json"
+    log(f"planning {cluster_path.parent.name} for allreduce")
+    sh(plan_cmd(args, cluster_path, base_path))
+    base = load_plan(base_path)
+    log(f"  {base.num_stages} stages x {base.num_replicas} replicas, pipelines {base.pipelines}")
+    runs = []
+    for k, row in enumerate(rows(args.inner_steps, args.fragments)):
+        path = out / f"row{k}.json"
+        plan = base if row.sync is None else replace(
+            base, sync=row.sync, pipeline_compression=row.pipeline_compression, predicted={})
+        save_plan(plan, path)
+        runs.append(Run(row.name, path))
+    auto = out / "auto.json"
+    log("planning with --sync auto")
+    sh(plan_cmd(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
+                str(args.max_inner_steps), "--allow-pipeline-compression", "int8"))
+    runs.append(Run(f"planner --sync auto ({describe(load_plan(auto))})", auto))
+    return runs
+
+
+def describe(plan: Plan) -> str:
+    """A plan's shape and sync in a few words."""
+    s = plan.sync
+    sync = s.mode if s.mode == "allreduce" else (
+        f"DiLoCo H={s.inner_steps} {s.compression}" + (" overlap" if s.overlap else "")
+        + (f" F={s.fragments}" if s.fragments > 1 else ""))
+    return f"{plan.num_stages}x{plan.num_replicas}, {sync}, pipeline {plan.pipeline_compression}"
+
+
+def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out: Path) -> str:
+    """Predict and train every run on the emulated cluster; returns why it was not shaped."""
+    for r in runs:
+        predict(r, cluster_path)
+    net = Network(cluster_path, out, not args.no_netns)
+    try:
+        net.up()
+        for r in runs:
+            metrics = lab.train(r, net, args.steps, out, [
+                "--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed)])
+            h = load_plan(r.plan_path).sync.inner_steps  # measure whole outer rounds
+            lab.read_metrics(r, metrics, -(-args.warmup_steps // h) * h, h)
+    finally:
+        net.down()
+    return net.reason
+
+
+def result_rows(runs: list[Run]) -> list[dict]:
+    """The results.json rows (first: allreduce)."""
+    base = runs[0].final_val_loss
+    return [{"name": r.name, "predicted_s": r.predicted_s, "measured_s": r.measured_s,
+             "wire_mb_per_step": r.wire_bytes_per_step / 1e6, "tokens_per_s": r.tokens_per_s,
+             "loss_ratio_vs_allreduce": (r.final_val_loss / base
+                                         if base and r.final_val_loss else None),
+             "val_loss": r.final_val_loss, "prediction_error": r.error} for r in runs]
+
+
+def table(rows_: list[dict], shaped: bool) -> str:
+    """Markdown table of the rows, with ratios to the first (allreduce)."""
+    wire = "wire MB/step" if shaped else "wire MB/step (not shaped)"
+    lines = [f"| row | predicted s/step | measured s/step | error | {wire} | fewer bytes | "
+             "tokens/s | speed-up | loss ratio |", "|" + "---|" * 9]
+    b = rows_[0]
+    for r in rows_:
+        fewer = b["wire_mb_per_step"] / r["wire_mb_per_step"] if r["wire_mb_per_step"] else 0
+        loss = r["loss_ratio_vs_allreduce"]
+        lines.append(
+            f"| {r['name']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+            f"{r['prediction_error'] * 100:+.0f}% | {r['wire_mb_per_step']:.2f} | {fewer:.1f}x | "
+            f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+            f"{'-' if loss is None else f'{loss:.3f}'} |")
+    return "\n".join(lines)
+
+
+def targets(rows_: list[dict]) -> list[str]:
+    """The issue's targets on the lab, each with its measured value and verdict."""
+    b = rows_[0]
+    ok = [r for r in rows_[1:] if r["loss_ratio_vs_allreduce"] is not None
+          and r["loss_ratio_vs_allreduce"] <= 1.02]
+    best = max(ok, key=lambda r: r["tokens_per_s"], default=None)
+    out = []
+    if best is None:
+        out.append("MISS no row within loss ratio 1.02 of allreduce")
+    else:
+        fewer = b["wire_mb_per_step"] / max(best["wire_mb_per_step"], 1e-9)
+        speed = best["tokens_per_s"] / b["tokens_per_s"]
+        out.append(f"{'PASS' if fewer >= 6 else 'MISS'} best row ({best['name']}, loss ratio "
+                   f"{best['loss_ratio_vs_allreduce']:.3f}) sends {fewer:.1f}x fewer wire bytes "
+                   "than allreduce (target >= 6x)")
+        out.append(f"{'PASS' if speed >= 2 else 'MISS'} best row's tokens/s {speed:.2f}x "
+                   "allreduce's (target >= 2x)")
+    worst = max(rows_, key=lambda r: abs(r["prediction_error"]))
+    out.append(f"{'PASS' if abs(worst['prediction_error']) <= 0.15 else 'MISS'} every prediction "
+               f"within 15% (worst {worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out-dir", default=str(ROOT / "out/bad_network"), help="where it all goes")
+    p.add_argument("--quick", action="store_true",
+                   help="the lab only, fewer steps (within 6 minutes on 2 cores)")
+    p.add_argument("--seed", type=int, default=0, help="scenario, search and data seed")
+    p.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=5, help="DiLoCo H of the ladder's rows")
+    p.add_argument("--fragments", type=int, default=5, help="F of the '+ fragments' rows")
+    p.add_argument("--max-inner-steps", type=int, default=10,
+                   help="the bound on H given to plan --sync auto")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per row (default 20 with --quick, else 40)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps left out of the timing (default 5 quick, else 10)")
+    p.add_argument("--eval-sequences", type=int, default=32,
+                   help="validation sequences for the final loss")
+    p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
+    p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (20 if args.quick else 40)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (
+        5 if args.quick else 10)
+    if not 1 <= args.fragments <= args.inner_steps:
+        raise UserError(f"--fragments {args.fragments}: must be 1..--inner-steps "
+                        f"({args.inner_steps})")
+    if args.steps - args.warmup_steps < max(args.inner_steps, args.max_inner_steps):
+        raise UserError(f"--steps {args.steps}: need --warmup-steps {args.warmup_steps} + at "
+                        f"least one round of the largest H ({args.max_inner_steps})")
+    return args
+
+
+def run_variant(name: str, cluster: Cluster, args: argparse.Namespace, out: Path) -> list[dict]:
+    """Plan, predict, train and tabulate one cluster variant."""
+    vdir = out / name
+    vdir.mkdir(parents=True, exist_ok=True)
+    cluster_path = vdir / "cluster.json"
+    save_cluster(cluster, cluster_path)
+    runs = make_plans(args, cluster_path, vdir)
+    why_not = train_all(runs, args, cluster_path, vdir)
+    rows_ = result_rows(runs)
+    print(f"\n## {name}" + (f" (NOT shaped: {why_not})" if why_not else ""))
+    print(table(rows_, not why_not))
+    return rows_
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the variants; results.json and the tables."""
+    args = parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    lab_cluster = lab.calibrated_cluster("lab", args.seed, args.model, args.micro_batch_size,
+                                         out / "calibrated.json")
+    results = {"rows": run_variant("lab", lab_cluster, args, out)}
+    if not args.quick:
+        results["harsh_rows"] = run_variant("harsh", harsh(load_cluster(
+            out / "calibrated.json")), args, out)
+    print()
+    for line in targets(results["rows"]):
+        print(line)
+    atomic_write_json(out / "results.json", results)
+    print(f"\nwrote {out / 'results.json'} ({time.monotonic() - t0:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
