@@ -513,6 +513,7 @@ def test_peer_with_wrong_token_is_not_answered(server):
     [
         ("peer.py", ["--server", "nohost", "--session", "s", "--token", "t"], "--server"),
         ("peer.py", ["--server", "127.0.0.1:9", "--session", "a b", "--token", "t"], "session"),
+        ("peer.py", ["--server", "[::1]:9", "--session", "s", "--token", "t"], "IPv4 only"),
         ("rendezvous_server.py", ["--bind", "127.0.0.1:99999"], "--bind"),
         ("send_recv_test.py", ["--dist-url", "127.0.0.1:1", "--rank", "0"], "--dist-url"),
     ],

@@ -37,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
-from formats.addresses import resolve  # noqa: E402
+from formats.addresses import host_port, resolve  # noqa: E402
 from formats.atomic_io import atomic_write_json, check_output_path  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from udp_hole_punching_test.protocol import (  # noqa: E402
@@ -52,7 +52,6 @@ from udp_hole_punching_test.protocol import (  # noqa: E402
     wg_hash,
     wg_mac,
 )
-from udp_hole_punching_test.rendezvous_server import parse_hostport  # noqa: E402
 
 log = logging.getLogger("peer")
 Endpoint = tuple[str, int]
@@ -625,8 +624,11 @@ def _config(args: argparse.Namespace) -> tuple[PeerConfig, SessionKeys]:
         raise UserError(f"--low-ttl {args.low_ttl} must be 0-255")
     if args.result_json is not None:
         check_output_path(args.result_json, "--result-json")
-    host, port = parse_hostport(args.server, "--server")
-    server = (resolve(host, "--server"), port)
+    host, port = host_port(args.server, "--server")
+    if ":" in host:  # the peer's sockets, the hole and the tunnel are IPv4
+        raise UserError(f"--server {args.server}: the peer speaks IPv4 only; give the "
+                        "server's IPv4 address or a name with an A record")
+    server = (resolve(host, "--server"), port)  # resolved once: the address every probe uses
     try:
         keys = derive_keys(args.token, args.session)
     except ProtocolError as exc:
