@@ -63,12 +63,13 @@ def _in_ns(st, i: int, *argv: str) -> None:
     subprocess.run([*st.exec_prefix(i), *argv], check=True, capture_output=True)
 
 
-@pytest.fixture
-def ns_hosts(tmp_path):
+@pytest.fixture(scope="module")
+def ns_hosts(tmp_path_factory):
     """Four namespace hosts with sshd on port 22; 0<->1 shaped to SHAPED_MBIT each way by htb,
     2 -> 3 dropped by an iptables rule in host 3 (as a firewall/NAT would)."""
     if _REASON:
         pytest.skip(_REASON)
+    tmp_path = tmp_path_factory.mktemp("lab")
     prefix = f"m{os.getpid() % 100000}"
     servers = []
     try:
@@ -114,7 +115,6 @@ def test_measure_shaped_and_blocked_pairs_then_plan(ns_hosts) -> None:
     r = measure(f["hosts"], "--key", f["key"], "--out", str(out), "--remote-python",
                 sys.executable, "--port", str(PORT), "--seconds", "1", "--connect-timeout", "2",
                 "--bench-seconds", "0.5")
-    print(r.stdout)
     assert r.returncode == 1, r.stdout + r.stderr  # written, but a pair cannot connect
     assert "round 3/3" in r.stdout, r.stdout
     assert ("host 2 (198.18.0.3) -> host 3 (198.18.0.4) TCP port 47931: no answer within 2 s"
