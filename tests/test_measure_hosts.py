@@ -153,7 +153,7 @@ def test_measure_shaped_and_blocked_pairs_then_plan(ns_hosts) -> None:
 @pytest.mark.ssh
 @pytest.mark.netns
 @pytest.mark.timeout(120)
-def test_host_without_torch_is_named(ns_hosts) -> None:
+def test_host_without_torch_or_python_is_named(ns_hosts) -> None:
     f = ns_hosts
     r = measure(f["hosts"], "--key", f["key"], "--out", str(f["dir"] / "c.json"),
                 "--remote-python", "/usr/bin/python3", "--port", str(PORT))
@@ -161,3 +161,42 @@ def test_host_without_torch_is_named(ns_hosts) -> None:
     assert "4 of 4 host(s) could not be measured" in r.stderr
     assert "host 0 root@198.18.0.1:22: /usr/bin/python3 has no torch" in r.stderr, r.stderr
     assert "--remote-python" in r.stderr and not (f["dir"] / "c.json").exists()
+    r = measure(f["hosts"], "--key", f["key"], "--out", str(f["dir"] / "c.json"),
+                "--remote-python", "/nonexistent/python3", "--port", str(PORT))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "host 3 root@198.18.0.4:22: /nonexistent/python3 not found on the host" in r.stderr
+
+
+def test_cluster_from_results_gpus_and_blocked_pairs() -> None:
+    from scripts.netemu.fleet import (
+        INTRA_HOST_GBPS,
+        HostInfo,
+        blocked_pairs,
+        build_cluster,
+        fix_for,
+        parse_host,
+        parse_link,
+    )
+    from scripts.netemu.hostlist import HostEntry
+    hosts = [HostEntry("u", f"10.0.0.{k + 1}") for k in range(3)]
+    gpu = parse_host(json.dumps({"kind": "gpu", "flop_per_s": 4e14, "bench": "cuda bfloat16",
+                                 "devices": [{"name": "H100", "memory_bytes": 80e9}] * 2}),
+                     0, "", "host 0", "python3")
+    cpu = HostInfo("cpu", ["EPYC"], [64_000_000_000], 1e11, "cpu float32")
+    ok = '{"rtt_ms": 20.0, "bit_per_s": 1e8}'
+    links = [parse_link(ok, 0, 1, 0, ""), parse_link(ok, 1, 0, 0, ""),
+             parse_link(ok, 0, 2, 0, ""), parse_link(ok, 2, 0, 0, ""),
+             parse_link('{"error": "refused", "detail": "x"}', 1, 2, 3, ""),
+             parse_link(ok, 2, 1, 0, "")]
+    c = build_cluster("t", hosts, [gpu, cpu, cpu], links)
+    assert [d.host for d in c.devices] == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert c.devices[0].gpu == "H100" and c.devices[0].tflops == 400.0
+    assert c.devices[2].gpu == "cpu: EPYC" and c.devices[2].memory_gb == 64.0
+    assert c.bandwidth_gbps[0, 1] == INTRA_HOST_GBPS
+    assert c.bandwidth_gbps[1, 2] == 0.1 and c.latency_ms[2, 0] == 10.0
+    # one direction refused: the pair is unusable both ways
+    assert c.bandwidth_gbps[2, 3] == c.bandwidth_gbps[3, 2] == UNREACHABLE_GBPS
+    assert blocked_pairs(links) == [(1, 2)]
+    text = fix_for(links[4], hosts, 47913, 5.0)
+    assert "host 1 (10.0.0.2) -> host 2 (10.0.0.3) TCP port 47913: connection refused" in text
+    assert "open TCP port 47913 on 10.0.0.3 to 10.0.0.2" in text and "WireGuard" in text
