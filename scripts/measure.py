@@ -9,11 +9,13 @@ On every host (over SSH; host keys only from --known-hosts, filled by `cluster_s
 accept-keys`): the GPUs (name, memory) or the CPU model and RAM, and the FLOP/s of one layer of
 --model at its d_model/d_ff/seq_len shapes (host_agent.py; needs torch in --remote-python).
 Between every pair of hosts, both directions: can a TCP connection be made to --port at all
-(bounded by --connect-timeout), then the RTT (median of 10 TCP ping-pongs) and the bandwidth
-(one TCP stream for --seconds after a warm-up). Pairs run in rounds of disjoint pairs (circle
-method: N-1 rounds for even N, each host in one pair per round). A pair that cannot connect is
-reported with its fix and written as a 1 kbit/s, 1000 s link (scripts/netemu/fleet.py); the file
-is validated with the planner's loader, then written atomically.
+(the connect and every socket operation bounded by --connect-timeout, the whole direction by
+4 x --connect-timeout + 2 x --seconds + 30 s), then the RTT (median of 10 TCP ping-pongs) and
+the bandwidth (one TCP stream for --seconds after a warm-up). Pairs run in rounds of disjoint
+pairs (circle method: N-1 rounds for even N, each host in one pair per round). A pair that
+cannot connect is reported with its fix and written as a 1 kbit/s, 1000 s link
+(scripts/netemu/fleet.py); the file is validated with the planner's loader, then written
+atomically.
 
 Exit status: 0 when every pair connected; 1 when the file was written but some pairs could not
 connect (listed); 2 on bad input or a host that could not be used (named).
