@@ -22,6 +22,7 @@ setup(
         "st-netemu = scripts.local_cluster:entry",
         "st-tc = scripts.tc:entry",
         "st-ssh = scripts.cluster_ssh:entry",
+        "st-measure = scripts.measure:entry",
         "st-coord = scripts.coordinator:entry",
     ]},
     install_requires=[

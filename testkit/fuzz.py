@@ -44,6 +44,7 @@ ENTRY_POINTS = {e.name: e for e in (
     EntryPoint("local_cluster", "scripts/local_cluster.py", "scripts.local_cluster"),
     EntryPoint("tc", "scripts/tc.py", "scripts.tc"),
     EntryPoint("cluster_ssh", "scripts/cluster_ssh.py", "scripts.cluster_ssh"),
+    EntryPoint("measure", "scripts/measure.py", "scripts.measure"),
     EntryPoint("coordinator", "scripts/coordinator.py", "scripts.coordinator"),
     EntryPoint("delay_line", "scripts/delay_line.py", "scripts.delay_line"),
     EntryPoint("generate_tc", "scripts/generate_heterogeneous_tc.py",
@@ -608,6 +609,22 @@ def cluster_ssh_cases() -> list[Case]:
     ]
 
 
+
+def measure_cases() -> list[Case]:
+    """`scripts/measure.py`: every bad flag is refused before any host is contacted."""
+    files = {"ip_list": HOSTS, "kh": b"", "key": b"k", "dir": Folder()}
+    s = Scenario("measure", ("--hosts", "ip_list", "--known-hosts", "kh", "--model",
+                             "gpt-tiny", "--out", "c.json", "--timeout", "5"), files)
+    return [
+        *s.flag("--timeout", POSITIVE), *s.flag("--seconds", POSITIVE),
+        *s.flag("--connect-timeout", POSITIVE), *s.flag("--bench-seconds", POSITIVE),
+        *s.flag("--port", [*BAD_PORT, "0"]), *s.flag("--micro-batch-size", BAD_POSITIVE_COUNT),
+        *s.flag("--model", ["gpt-huge", ""]), *s.flag("--out", ["dir"]),
+        *s.flag("--key", ["missing", "dir"]), *s.flag("--known-hosts", ["missing", "dir"]),
+        *s.flag("--remote-python", ["", "a\nb"]),
+        *host_list_cases(s, "ip_list", "--hosts"),
+    ]
+
 def generate_tc_cases() -> list[Case]:
     """`scripts/generate_heterogeneous_tc.py` (prints; nothing runs)."""
     files = _plan_files({"ip_list": HOSTS})
@@ -696,7 +713,7 @@ def send_recv_cases() -> list[Case]:
 
 GENERATORS = (scheduler_cases, scheduler_plan_field_cases, scheduler_cluster_field_cases,
               dist_runner_cases, dist_runner_cluster_cases, launch_local_cases,
-              local_cluster_cases, tc_cases, cluster_ssh_cases, generate_tc_cases,
+              local_cluster_cases, tc_cases, cluster_ssh_cases, measure_cases, generate_tc_cases,
               coordinator_cases, delay_line_cases, rendezvous_cases, peer_cases, send_recv_cases)
 """Every systematic case generator."""
 

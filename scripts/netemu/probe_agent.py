@@ -3,6 +3,7 @@
 
     python3 probe_agent.py serve --bind ADDR --port P     # prints `ready`, serves until killed
     python3 probe_agent.py measure --to ADDR:P [--seconds 1.5] [--pings 10]   # prints JSON
+        [--connect-timeout S]   # then a failed connect prints {"error": KIND, ...}, exit 3
 
 Protocol per connection: the client sends one byte, `P` (ping-pong: echo 1-byte messages
 until EOF) or `B` + 12 ASCII bytes of warm-up seconds (bulk: the server counts bytes until EOF,
@@ -15,6 +16,7 @@ replies the same way).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import socket
 import statistics
@@ -76,9 +78,23 @@ def serve(bind: str, port: int) -> None:
         threading.Thread(target=_handle, args=(conn,), daemon=True).start()
 
 
-def measure(addr: str, port: int, seconds: float, pings: int) -> dict:
-    """RTT (median of TCP ping-pongs, ms) and bandwidth (bit/s) from here to addr:port."""
-    with socket.create_connection((addr, port), timeout=30) as s:
+def reach_error(e: OSError) -> str:
+    """Why a connect failed, as one word: `refused` (the host answered: nothing listens or a
+    REJECT rule), `timeout` (no answer: a DROP rule, a NAT, a security group), `unreachable`
+    (no route, ICMP host/net unreachable) or `error`."""
+    if isinstance(e, ConnectionRefusedError):
+        return "refused"
+    if isinstance(e, TimeoutError | socket.timeout):
+        return "timeout"
+    if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+        return "unreachable"
+    return "error"
+
+
+def measure(addr: str, port: int, seconds: float, pings: int, timeout_s: float = 30.0) -> dict:
+    """RTT (median of TCP ping-pongs, ms) and bandwidth (bit/s) from here to addr:port; every
+    connect and socket operation gives up after timeout_s."""
+    with socket.create_connection((addr, port), timeout=timeout_s) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(b"P")
         rtts = []
@@ -91,7 +107,7 @@ def measure(addr: str, port: int, seconds: float, pings: int) -> dict:
     # Slow start takes ~10 round trips to fill a long fat path: stream that long on top of
     # `seconds` and let the receiver count only after it.
     skip_s = max(0.25 * seconds, 10 * statistics.median(rtts) / 1000.0)
-    with socket.create_connection((addr, port), timeout=30) as s:
+    with socket.create_connection((addr, port), timeout=timeout_s) as s:
         s.sendall(b"B" + f"{skip_s:<12.4f}".encode())
         block = b"\0" * CHUNK
         end = time.monotonic() + seconds + skip_s
@@ -120,12 +136,21 @@ def main() -> int:
     m.add_argument("--to", required=True, help="ADDR:PORT")
     m.add_argument("--seconds", type=float, default=1.5)
     m.add_argument("--pings", type=int, default=10)
+    m.add_argument("--connect-timeout", type=float, default=None,
+                   help="seconds per connect/socket operation; a failure is reported as JSON")
     a = p.parse_args()
     if a.cmd == "serve":
         serve(a.bind, a.port)
         return 0
     host, _, port = a.to.rpartition(":")
-    print(json.dumps(measure(host, int(port), a.seconds, a.pings)))
+    if a.connect_timeout is None:
+        print(json.dumps(measure(host, int(port), a.seconds, a.pings)))
+        return 0
+    try:
+        print(json.dumps(measure(host, int(port), a.seconds, a.pings, a.connect_timeout)))
+    except OSError as e:
+        print(json.dumps({"error": reach_error(e), "detail": f"{type(e).__name__}: {e}"}))
+        return 3
     return 0
 
 
