@@ -55,7 +55,7 @@ from scripts.netemu.fleet import (  # noqa: E402
 from scripts.netemu.hostlist import HostEntry, load_host_list  # noqa: E402
 from scripts.netemu.probe import AGENT as PROBE_AGENT  # noqa: E402
 from scripts.netemu.probe import PORT  # noqa: E402
-from scripts.netemu.remote import REMOTE_DIR, _copy  # noqa: E402
+from scripts.netemu.remote import REMOTE_DIR, copy_files  # noqa: E402
 from scripts.netemu.rounds import estimate_s, pair_rounds  # noqa: E402
 from scripts.netemu.shaping import table  # noqa: E402
 from scripts.netemu.shell import READY_TIMEOUT_S  # noqa: E402
@@ -96,7 +96,7 @@ def setup_hosts(hosts: list[HostEntry], opt: sshctl.SSHOptions, args: argparse.N
     bench_timeout = args.bench_seconds * 20 + 120  # first CUDA init and torch import included
 
     def one(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
-        _copy(c, [HOST_AGENT, PROBE_AGENT])
+        copy_files(c, [HOST_AGENT, PROBE_AGENT])
         s, out, err = sshctl.exec_command(c, _remote(args, HOST_AGENT, *_bench_argv(spec, args)),
                                           bench_timeout)
         try:

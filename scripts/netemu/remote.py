@@ -57,7 +57,8 @@ def _runner(client: paramiko.SSHClient, sudo: bool, timeout_s: float):  # type: 
     return run
 
 
-def _copy(client: paramiko.SSHClient, files: list[Path]) -> None:
+def copy_files(client: paramiko.SSHClient, files: list[Path]) -> None:
+    """Copy `files` into the host's REMOTE_DIR (atomically: a unique temp name, then rename)."""
     with client.open_sftp() as sftp:
         sshctl._mkdirs(sftp, REMOTE_DIR)
         for f in files:
@@ -152,7 +153,7 @@ def run_remote(args: argparse.Namespace, r: Resolved) -> int:
             if s != 0:
                 return sshctl.HostResult(h, 1, "", f"{into}: {args.remote_python} has no "
                                          f"NetfilterQueue ({err.strip().splitlines()[-1:]})\n")
-            _copy(c, [DELAY_LINE])
+            copy_files(c, [DELAY_LINE])
             cmd = shlex.join([args.remote_python, DELAY_LINE_REMOTE, "--delays",
                               json.dumps(need[k])])
             # Wait for its `ready` (rules in, queue bound), as the local path does: a delay line
@@ -204,7 +205,7 @@ def probe_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
     applied = _delay_applied(r, rules, live, held)
 
     def setup(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
-        _copy(c, [AGENT])
+        copy_files(c, [AGENT])
         sshctl.exec_command(c, sshctl.kill_script(h, PROBE_RUN, REMOTE_DIR), t)
         cmd = shlex.join([args.remote_python, agent, "serve", "--bind", r.addresses[k], "--port",
                           str(PORT)])
