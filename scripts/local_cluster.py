@@ -40,6 +40,7 @@ from scripts.netemu import netns  # noqa: E402
 from scripts.netemu.hostlist import HostEntry, format_host_list  # noqa: E402
 from scripts.netemu.local import DELAY_MODES, apply_local, show_local  # noqa: E402
 from scripts.netemu.shell import missing_root_tools  # noqa: E402
+from scripts.netemu.sshd import sshd_missing, start_sshds  # noqa: E402
 from scripts.netemu.tcrules import build_host_rules, group_devices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Check the rules before creating anything (a rate above --link-gbps, too many classes).
     build_host_rules(cluster, groups, [netns.address(i) for i in range(len(groups))],
                      netns.IFACE, args.link_gbps)
+    if args.sshd and (sshd_missing() or not Path(args.sshd).is_file()):
+        raise UserError(f"--sshd {args.sshd}: " + (sshd_missing() or "no such file (give a "
+                        "public key, e.g. ~/.ssh/id_ed25519.pub, or an authorized_keys file)"))
     require_root_tools(args.cmd)
     st = netns.create(args.prefix, len(groups))
     try:
@@ -91,6 +95,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         atomic_write_json(out_dir / "rank_netns.json",
                           {r: v["netns"] for r, v in nm["ranks"].items()})
         save_cluster(local_cluster_file(cluster, st), out_dir / "cluster.json")
+        if args.sshd:
+            report += start_sshds(st, Path(args.sshd), out_dir / "sshd")
+            report.append(f"pin their host keys: python scripts/cluster_ssh.py --hosts "
+                          f"{out_dir}/ip_list --known-hosts {out_dir}/known_hosts accept-keys")
     except BaseException:
         netns.destroy(args.prefix)
         raise
@@ -163,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--delay", choices=DELAY_MODES, default="auto",
                     help="auto: netem if the kernel has it, else the NFQUEUE delay line")
     up.add_argument("--out-dir", help="where ip_list, netns_map.json, cluster.json go")
+    up.add_argument("--sshd", metavar="AUTHORIZED_KEYS",
+                    help="also run a real sshd on port 22 of every host, accepting root logins "
+                    "by the keys in this file (e.g. ~/.ssh/id_ed25519.pub): rehearse the "
+                    "SSH workflow for real hosts (measure.py, cluster_ssh.py) on one machine")
     probe = sub.add_parser("probe", help="measure bandwidth and RTT per host pair")
     probe.add_argument("--out", help="measured cluster file (default OUT_DIR/measured.json)")
     probe.add_argument("--seconds", type=argtypes.number(0, MAX_PROBE_SECONDS, lo_open=True),

@@ -215,3 +215,34 @@ def test_delay_none_is_reported_not_silent(tmp_path, prefix) -> None:
         "not-applied: --delay none")
     st = run_entry("scripts/local_cluster.py", "status", "--prefix", prefix)
     assert st.returncode == 1 and "NOT APPLIED" in st.stdout, st.stdout
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(120)
+def test_up_with_sshd_logs_in_by_key_and_down_stops_it(tmp_path, prefix) -> None:
+    from scripts.netemu.sshd import sshd_missing
+    if sshd_missing():
+        pytest.skip(sshd_missing())
+    key = tmp_path / "k"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    c = _cluster(tmp_path / "c.json", 0.0, [[1000, 1000], [1000, 1000]])
+    out = tmp_path / "out"
+    missing = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                        "--out-dir", str(out), "--sshd", str(tmp_path / "nokey.pub"))
+    assert missing.returncode == 2 and "--sshd" in missing.stderr and _leftovers(prefix) == []
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--out-dir", str(out), "--sshd", f"{key}.pub")
+    assert up.returncode == 0, up.stderr
+    assert "host 1: sshd on 198.18.0.2:22" in up.stdout
+    pids = netns.load_state(prefix).sshd_pids
+    assert len(pids) == 2
+    ssh = ["scripts/cluster_ssh.py", "--hosts", str(out / "ip_list"), "--known-hosts",
+           str(out / "known_hosts"), "--key", str(key)]
+    assert run_entry(*ssh, "accept-keys").returncode == 0
+    r = run_entry(*ssh, "run", "--", "ip -o -4 addr show dev eth0")
+    assert r.returncode == 0 and "198.18.0.2/24" in r.stdout, r.stdout + r.stderr
+    down = run_entry("scripts/local_cluster.py", "down", "--prefix", prefix)
+    assert down.returncode == 0 and "sshd" in down.stdout, down.stdout
+    for pid in pids.values():
+        assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(
+            f"/proc/{pid}/cmdline").read()

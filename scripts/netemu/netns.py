@@ -61,6 +61,8 @@ class NetnsState:
     namespaces: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     delay_pids: dict[str, int] = field(default_factory=dict)
+    sshd_pids: dict[str, int] = field(default_factory=dict)
+    """`up --sshd`: the sshd of each namespace (scripts/netemu/sshd.py)."""
     delay_mode: str = "none"
     """`netem`, `delay-line`, `none` (no latency asked) or `not-applied: REASON`."""
     cluster_file: str = ""
@@ -160,6 +162,17 @@ def stop_delay_lines(st: NetnsState, timeout_s: float = 5.0) -> list[str]:
     return notes
 
 
+def stop_sshds(st: NetnsState) -> list[str]:
+    """SIGTERM the recorded sshd pids (only if still sshd); returns what was stopped."""
+    stopped = []
+    for ns, pid in list(st.sshd_pids.items()):
+        if pid_alive(pid, "sshd"):
+            os.kill(pid, signal.SIGTERM)
+            stopped.append(f"sshd {pid} in {ns}")
+        st.sshd_pids.pop(ns)
+    return stopped
+
+
 def _reap(pid: int) -> None:
     # Not our child when an earlier command started it: then init reaps it.
     with contextlib.suppress(ChildProcessError):
@@ -181,7 +194,7 @@ def destroy(prefix: str) -> list[str]:
     if st is not None:
         # Every object is recorded before it is created: the state file is the whole list,
         # and a look-alike made by someone else (e.g. `PREFIX-7` by hand) is not ours.
-        removed += stop_delay_lines(st)
+        removed += stop_delay_lines(st) + stop_sshds(st)
         namespaces, links = set(st.namespaces), set(st.links)
     else:
         pat = re.compile(rf"^{re.escape(prefix)}-(\d+|br|v\d+)$")
