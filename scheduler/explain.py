@@ -227,7 +227,7 @@ def _flops_causes(rows: list[RankRow], config: SimConfig) -> list[Cause]:
             f"compute takes {g:.2f}x the predicted time on the median rank: the devices are "
             f"{word} than the cluster's tflops x mfu {config.mfu:g} says",
             f"measure this model's FLOP/s on the devices (modules/calibrate.py) and re-plan "
-            f"with --calibration FILE (or --mfu {min(1.0, config.mfu / g):.3g})"))
+            f"with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
     for x in rows:
         if _ratio(x) > STRAGGLER_FACTOR * g:
             excess = x.measured.compute_s - g * x.predicted.compute_s
@@ -239,6 +239,13 @@ def _flops_causes(rows: list[RankRow], config: SimConfig) -> list[Cause]:
                 f"re-measure device {x.rank}'s tflops and put it in the cluster file, or leave "
                 f"device {x.rank} out (drop it from the cluster file) and re-plan"))
     return out
+
+
+def _flops_flag(mfu: float, ratio: float) -> str:
+    """The quick fix: --mfu when the corrected value is a fraction, else faster tflops."""
+    if mfu <= 1.0:
+        return f"or --mfu {mfu:.3g}"
+    return f"or multiply every device's tflops in the cluster file by {1 / ratio:.2f}"
 
 
 def _link_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
@@ -291,8 +298,9 @@ def format_explanation(ex: Explanation) -> str:
                      f"{m.waiting_s:8.3f} / {p.waiting_s:6.3f}  "
                      f"{m.exposed_s:8.3f} / {p.exposed_s:6.3f}  "
                      f"{m.pp_s:8.3f} / {m.dp_s:7.3f}")
+    error = (ex.predicted_step_s / ex.measured_step_s - 1) * 100
     lines.append(f"step: measured {ex.measured_step_s:.3f} s, predicted {ex.predicted_step_s:.3f}"
-                 f" s ({(ex.predicted_step_s / ex.measured_step_s - 1) * 100:+.0f}%)")
+                 f" s (prediction error {error:+.0f}%)")
     if not ex.causes:
         lines.append("no single cause explains 10% of the step or more: the plan's model "
                      "matches this run")

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     run = load_run(args.run_dir)
     if not run.replicas:
-        raise UserError(f"RUN_DIR {args.run_dir}: no metrics.jsonl (only per-rank timing): "
-                        "was --tracker jsonl left out?")
+        raise UserError(f"RUN_DIR {args.run_dir}: no metrics.jsonl, only per-rank timing (the "
+                        "run's --metrics went elsewhere, or --tracker left jsonl out)")
     out = Path(args.out) if args.out else run.run_dir / "run.png"
     check_output_path(out, "--out", ".png")
     steps = max(len(v) for v in run.replicas.values())
