@@ -206,7 +206,8 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
 def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:
     """The causes that explain a significant share of the step, biggest first."""
     step = float(np.mean([x.measured.step_s for x in rows]))
-    found = [*_flops_causes(rows, config), *_link_causes(rows, plan), *_sync_causes(rows)]
+    found = [*_flops_causes(rows, config), *_link_causes(rows, plan),
+             *_sync_causes(rows, plan)]
     return sorted((c for c in found if c.seconds >= SIGNIFICANT_SHARE * step),
                   key=lambda c: -c.seconds)
 
@@ -266,7 +267,18 @@ def _link_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
     return out
 
 
-def _sync_causes(rows: list[RankRow]) -> list[Cause]:
+def _fewer_sync_bytes(plan: Plan) -> str:
+    """The sync settings the plan does not use yet that send fewer bytes per step."""
+    sync = plan.sync
+    out = [] if sync.compression == "int8" else ["--compression int8"]
+    if sync.mode != "diloco":
+        out.append("--sync diloco --inner-steps H")
+    else:
+        out.append(f"more --inner-steps than {sync.inner_steps}")
+    return ", ".join(out)
+
+
+def _sync_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
     """Stage groups whose every member exposes more data-parallel sync than predicted."""
     out = []
     for s in sorted({x.stage for x in rows}):
@@ -281,8 +293,7 @@ def _sync_causes(rows: list[RankRow]) -> list[Cause]:
                 f"every rank of stage {s} (devices {devices}) waits {seconds:.3f} s more on "
                 "the data-parallel sync than predicted",
                 f"re-measure the links between devices {devices} (`python scripts/tc.py probe "
-                "...`) and re-plan, or cut the sync's bytes: --compression int8, "
-                "--sync diloco --inner-steps H"))
+                f"...`) and re-plan, or cut the sync's bytes: {_fewer_sync_bytes(plan)}"))
     return out
 
 

@@ -40,12 +40,13 @@ def series(recs: list[dict[str, Any]], x_key: str, y_key: str) -> tuple[list[flo
     return xs, ys
 
 
-def replica_bytes(ranks: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int, float]]:
-    """{replica: {step: bytes sent by all its ranks}} from the per-rank timing records."""
+def replica_bytes(ranks: dict[int, list[dict[str, Any]]],
+                  key: str = "bytes_sent") -> dict[int, dict[int, float]]:
+    """{replica: {step: `key` bytes sent by all its ranks}} from the per-rank timing records."""
     out: dict[int, dict[int, float]] = {}
     for recs in ranks.values():
         for r in recs:
-            sent = number(r, "bytes_sent")
+            sent = number(r, key)
             if isinstance(r.get("replica"), int) and sent is not None:
                 per_step = out.setdefault(r["replica"], {})
                 per_step[r["step"]] = per_step.get(r["step"], 0.0) + sent
@@ -71,21 +72,25 @@ def plot_run(replicas: dict[int, list[dict[str, Any]]], out: Path, title: str,
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     for r, recs in sorted(replicas.items()):
-        recs = sorted(recs, key=lambda x: x["step"])
+        recs, color = sorted(recs, key=lambda x: x["step"]), f"C{r}"
         for ax, x_key in ((axes[0, 0], "tokens"), (axes[0, 1], "time")):
-            ax.plot(*series(recs, x_key, "loss"), label=f"replica {r} loss")
+            ax.plot(*series(recs, x_key, "loss"), color=color, label=f"replica {r} loss")
             vx, vy = series(recs, x_key, "val_loss")
             if vx:
-                ax.plot(vx, vy, "o--", label=f"replica {r} val_loss")
-        axes[1, 0].plot(*series(recs, "step", "tokens_per_s"), label=f"replica {r}")
+                ax.plot(vx, vy, "o--", color=color, label=f"replica {r} val_loss")
+        axes[1, 0].plot(*series(recs, "step", "tokens_per_s"), color=color, label=f"replica {r}")
         if not ranks:
-            axes[1, 1].plot(*series(recs, "step", "bytes_sent"), label=f"replica {r} all")
-        dx, dy = series(recs, "step", "dp_bytes_sent")
-        if any(dy):
-            axes[1, 1].plot(dx, dy, ":", label=f"replica {r} data-parallel")
-    for r, per_step in sorted(replica_bytes(ranks or {}).items()):
-        steps = sorted(per_step)
-        axes[1, 1].plot(steps, [per_step[k] for k in steps], label=f"replica {r} all")
+            axes[1, 1].plot(*series(recs, "step", "bytes_sent"), color=color,
+                            label=f"replica {r} all")
+            dx, dy = series(recs, "step", "dp_bytes_sent")
+            if any(dy):
+                axes[1, 1].plot(dx, dy, ":", color=color, label=f"replica {r} data-parallel")
+    for key, style, what in (("bytes_sent", "-", "all"), ("dp_bytes_sent", ":", "data-parallel")):
+        for r, per_step in sorted(replica_bytes(ranks or {}, key).items()):
+            steps = sorted(per_step)
+            if any(per_step.values()):
+                axes[1, 1].plot(steps, [per_step[k] for k in steps], style, color=f"C{r}",
+                                label=f"replica {r} {what}")
     for ax, *_ in panels:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

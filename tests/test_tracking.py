@@ -3,6 +3,7 @@ timing and the plan; scripts/plot_run.py draws a real run folder."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -120,7 +121,10 @@ def two_rank_run(tmp_path, *flags: str):
 
 @pytest.mark.timeout(200)
 def test_run_dir_and_plot_run_on_a_real_two_rank_run(tmp_path):
-    plan, run = two_rank_run(tmp_path)
+    has_tb = importlib.util.find_spec("tensorboard") is not None
+    plan, run = two_rank_run(tmp_path, *(["--tracker", "jsonl,tensorboard"] if has_tb else []))
+    if has_tb:  # the last stage of the one replica writes the event file
+        assert len(list((run / "tensorboard" / "replica0").glob("events.out.tfevents.*"))) == 1
     rec = load_run(run)
     assert sorted(rec.replicas) == [0] and [r["step"] for r in rec.replicas[0]] == [1, 2, 3, 4]
     assert [r["val_loss"] > 0 for r in rec.replicas[0] if "val_loss" in r] == [True, True]
