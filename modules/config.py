@@ -197,6 +197,8 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where per-step metrics can go (modules/tracking.py has one class per tracker)."""
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """The package each tracker needs (import name = pip name)."""
+TRACKER_EXTRAS = {"tensorboard": "track", "wandb": "wandb"}
+"""The setup.py extra that installs it (scripts/setup_env.sh installs `track`)."""
 
 
 def _installed(package: str) -> bool:
@@ -213,8 +215,8 @@ def missing_tracker_package(name: str) -> UserError:
     """The error of a tracker whose package is not installed: what to install."""
     pkg = TRACKER_PACKAGES[name]
     return UserError(f"--tracker {name}: the {pkg!r} package is not installed; install it with "
-                     f"`pip install {pkg}` (or `pip install -e .[track]`), or leave {name} out "
-                     "of --tracker")
+                     f"`pip install {pkg}` (or `pip install -e .[{TRACKER_EXTRAS[name]}]`), or "
+                     f"leave {name} out of --tracker")
 
 
 @dataclass
