@@ -192,7 +192,12 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
     if missing:
         raise UserError(f"--metrics: no timing records of ranks {missing} of the plan")
     pred = predict(plan, cluster, config)
-    meas = {d: mean_timing(ranks[d]) for d in plan.devices()}
+    try:
+        meas = {d: mean_timing(ranks[d]) for d in plan.devices()}
+    except UserError as e:
+        bad = [d for d in plan.devices() if not any(number(r, "step_s") is not None
+                                                     for r in ranks[d])]
+        raise UserError(f"--metrics: ranks {bad}: {e}") from None
     pipe = np.asarray(plan.pipelines, dtype=np.int64)
     compute_m = np.array([[meas[int(d)].compute_s for d in row] for row in pipe])
     free_m = free_makespan(pred.inputs, compute_m, config.backward_factor)
