@@ -14,7 +14,9 @@ Every rank's step splits the same way on both sides, so the columns compare:
 
 The diagnosis looks for the cause that explains the most seconds of the difference:
 a mis-estimated FLOP/s (every rank's compute off by the same factor), a straggler device (one
-rank's compute off by far more than the others'), a slow pipeline link (both ends of one link
+rank's compute off by far more than the others'), a slow stage (every rank of one stage off
+by far more than the other stages: its layers cost more than the model says), a slow pipeline
+link (both ends of one link
 expose more pipeline communication than predicted) or a slow data-parallel sync (every member
 of a stage group exposes more sync than predicted). Pure: no files, no printing.
 """
@@ -211,8 +213,9 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
 def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:
     """The causes that explain a significant share of the step, biggest first."""
     step = float(np.mean([x.measured.step_s for x in rows]))
-    found = [*_flops_causes(rows, config), *_link_causes(rows, plan),
-             *_sync_causes(rows, plan)]
+    slow_stages = _slow_stage_causes(rows, plan)
+    found = [*_flops_causes(rows, config, {c.stage for c in slow_stages}), *slow_stages,
+             *_link_causes(rows, plan), *_sync_causes(rows, plan)]
     return sorted((c for c in found if c.seconds >= SIGNIFICANT_SHARE * step),
                   key=lambda c: -c.seconds)
 
@@ -221,8 +224,41 @@ def _ratio(x: RankRow) -> float:
     return x.measured.compute_s / max(x.predicted.compute_s, 1e-12)
 
 
-def _flops_causes(rows: list[RankRow], config: SimConfig) -> list[Cause]:
-    """Mis-estimated FLOP/s (the median rank) and stragglers (beyond the median)."""
+@dataclass(frozen=True)
+class StageCause(Cause):
+    """A cause that is one stage's (all its ranks)."""
+
+    stage: int = 0
+
+
+def _slow_stage_causes(rows: list[RankRow], plan: Plan) -> list[StageCause]:
+    """Stages (of 2 replicas or more) whose every rank computes STRAGGLER_FACTOR x slower,
+    relative to the prediction, than the other stages' median: that stage's layers cost more
+    than the model's FLOPs say (not one slow device)."""
+    out = []
+    for s, (a, b) in enumerate(plan.stages):
+        mine = [_ratio(x) for x in rows if x.stage == s]
+        ref = [_ratio(x) for x in rows if x.stage != s]
+        if len(mine) < 2 or not ref:
+            continue
+        g = statistics.median(ref)
+        if min(mine) > STRAGGLER_FACTOR * g:
+            seconds = statistics.median(x.measured.compute_s - g * x.predicted.compute_s
+                                        for x in rows if x.stage == s)
+            out.append(StageCause(
+                f"slow stage {s}", seconds,
+                f"every rank of stage {s} (layers {a}-{b}) computes "
+                f"{statistics.median(mine) / g:.1f}x slower than the other stages relative to "
+                f"the prediction: the FLOPs the model preset gives these layers understate them",
+                f"give stage {s} fewer layers (edit the plan's stages, check it with `scheduler.py "
+                f"simulate`) and re-measure this model's FLOP/s per stage", stage=s))
+    return out
+
+
+def _flops_causes(rows: list[RankRow], config: SimConfig,
+                  slow_stages: set[int] | frozenset[int] = frozenset()) -> list[Cause]:
+    """Mis-estimated FLOP/s (the median rank) and stragglers (beyond the median; the ranks of
+    a slow stage are named with it instead)."""
     g = statistics.median(_ratio(x) for x in rows)
     out = []
     if not 1 / FLOPS_TOLERANCE <= g <= FLOPS_TOLERANCE:
@@ -235,7 +271,7 @@ def _flops_causes(rows: list[RankRow], config: SimConfig) -> list[Cause]:
             f"measure this model's FLOP/s on the devices (modules/calibrate.py) and re-plan "
             f"with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
     for x in rows:
-        if _ratio(x) > STRAGGLER_FACTOR * g:
+        if _ratio(x) > STRAGGLER_FACTOR * g and x.stage not in slow_stages:
             excess = x.measured.compute_s - g * x.predicted.compute_s
             out.append(Cause(
                 f"straggler device {x.rank}", excess,

@@ -80,6 +80,14 @@ def test_straggler_device_is_named():
     assert "leave device 3 out" in ex.causes[0].fix
 
 
+def test_slow_stage_is_named_not_its_devices():
+    c = cluster4()
+    plan = plan4(c)
+    ex = explain(plan, c, CPU, records(plan, c, {1: 2.5, 3: 2.5}))
+    assert names(ex)[0] == "slow stage 1"
+    assert not [n for n in names(ex) if n.startswith("straggler")]
+
+
 def test_slow_link_is_named():
     c = cluster4()
     plan = plan4(c)
