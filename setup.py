@@ -37,5 +37,8 @@ setup(
         "gpu": ["cupy-cuda12x>=13"],
         "netem": ["NetfilterQueue>=1.1"],
         "dev": ["pytest>=7", "pytest-timeout>=2.2", "ruff>=0.5"],
+        # --tracker tensorboard (setup_env.sh installs it); wandb: pip install -e .[wandb]
+        "track": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.16"],
     },
 )

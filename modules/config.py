@@ -9,13 +9,17 @@ raises UserError naming the flag; checks against the plan are in `RunConfig.chec
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from formats.addresses import tcp_url
 from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
 from formats.plan import MAX_DEVICE_ID, Plan
+from formats.run_metrics import METRICS_NAME
 
 MAX_COUNT = 10 ** 9
 """Upper bound of step counts, intervals and sizes: far beyond any run, and small enough that
@@ -189,19 +193,87 @@ class DataConfig:
         _int_at_least(DataConfig, "eval_sequences", self.eval_sequences, 0)
 
 
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+"""Where per-step metrics can go (modules/tracking.py has one class per tracker)."""
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""The package each tracker needs (import name = pip name)."""
+TRACKER_EXTRAS = {"tensorboard": "track", "wandb": "wandb"}
+"""The setup.py extra that installs it (scripts/setup_env.sh installs `track`)."""
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported (without importing it)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None  # None: blocked, as a test does
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_tracker_package(name: str) -> UserError:
+    """The error of a tracker whose package is not installed: what to install."""
+    pkg = TRACKER_PACKAGES[name]
+    return UserError(f"--tracker {name}: the {pkg!r} package is not installed; install it with "
+                     f"`pip install {pkg}` (or `pip install -e .[{TRACKER_EXTRAS[name]}]`), or "
+                     f"leave {name} out of --tracker")
+
+
 @dataclass
 class MetricsConfig:
-    """Per-step metrics records."""
+    """Per-step metrics records, the run folder and the trackers."""
 
     metrics: str | None = None
-    """metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl)"""
+    """metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl; default with --run-dir:
+    RUN_DIR/metrics.jsonl)"""
     peak_tflops: float | None = None
     """this device's peak TFLOP/s for the MFU figure (default: the plan's cluster entry when
     --cluster is given; no MFU otherwise)"""
+    run_dir: str | None = None
+    """folder for this run's records: metrics.jsonl per replica, ranks/rank{R}.jsonl (every
+    rank's compute and communication time per step, what `scheduler.py explain` reads), a copy
+    of the plan, and the tensorboard/ and wandb/ logs"""
+    tracker: str = "jsonl"
+    """comma-separated trackers of the per-step metrics: jsonl (the --metrics file),
+    tensorboard (RUN_DIR/tensorboard; needs the tensorboard package), wandb (RUN_DIR/wandb,
+    offline unless --wandb-mode or $WANDB_MODE says online; needs the wandb package)"""
+    wandb_mode: str | None = field(default=None, metadata=choices("offline", "online"))
+    """wandb: offline (default: nothing leaves the machine; `wandb sync` uploads later) or
+    online (default: $WANDB_MODE when set)"""
 
     def __post_init__(self) -> None:
         if self.peak_tflops is not None:
             _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
+        if self.wandb_mode is not None:
+            _one_of(MetricsConfig, "wandb_mode", self.wandb_mode, ("offline", "online"))
+        self.trackers()
+
+    def trackers(self) -> tuple[str, ...]:
+        """The --tracker names, checked (UserError naming the flag)."""
+        names = tuple(dict.fromkeys(t.strip() for t in self.tracker.split(",") if t.strip()))
+        bad = [t for t in names if t not in TRACKERS]
+        if bad or not names:
+            raise UserError(f"--tracker: expected comma-separated names out of "
+                            f"{', '.join(TRACKERS)}, got {self.tracker!r}")
+        if set(names) - {"jsonl"} and not self.run_dir:
+            raise UserError(f"--tracker {self.tracker}: tensorboard and wandb write into the "
+                            "run folder; give --run-dir DIR")
+        return names
+
+    def check_packages(self) -> None:
+        """UserError (exit 2) naming what to install when a tracker's package is missing."""
+        for name in self.trackers():
+            pkg = TRACKER_PACKAGES.get(name)
+            if pkg is not None and not _installed(pkg):
+                raise missing_tracker_package(name)
+
+    def metrics_path(self) -> str | None:
+        """The jsonl metrics file of replica 0 (None: no jsonl file)."""
+        if "jsonl" not in self.trackers():
+            return None
+        if self.metrics is None and self.run_dir:
+            return str(Path(self.run_dir) / METRICS_NAME)
+        return self.metrics
 
 
 @dataclass
@@ -301,10 +373,14 @@ class RunConfig:
         _int_at_least(RunConfig, "log_every", self.log_every, 1)
 
     def check_paths(self) -> None:
-        """The checks that need the file system: the metrics file and the checkpoint folder
-        can be written (UserError naming the flag, before any rendezvous)."""
+        """The checks that need the file system: the metrics file, the run folder and the
+        checkpoint folder can be written, the trackers' packages are installed (UserError
+        naming the flag, before any rendezvous)."""
         if self.metrics.metrics is not None:
             check_output_path(self.metrics.metrics, "--metrics")
+        if self.metrics.run_dir:
+            check_output_dir(self.metrics.run_dir, "--run-dir")
+        self.metrics.check_packages()
         if self.ckpt.dir:
             check_output_dir(self.ckpt.dir, "--ckpt-dir")
 

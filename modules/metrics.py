@@ -1,4 +1,5 @@
-"""metrics.jsonl (see README, File formats): one JSON object per step and replica."""
+"""metrics.jsonl (see README, File formats): one JSON object per step and replica; the run
+folder's per-rank timing files use the same writer (names: formats/run_metrics.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from formats.atomic_io import atomic_write_bytes
+from formats.run_metrics import rank_timing_path, replica_metrics_path
 
-
-def replica_metrics_path(path: str | Path, replica: int) -> Path:
-    """PATH for replica 0; PATH with `.r{r}` before the suffix for replica r > 0."""
-    path = Path(path)
-    if replica == 0:
-        return path
-    return path.with_name(f"{path.stem}.r{replica}{path.suffix}")
+__all__ = ["MetricsWriter", "rank_timing_path", "read_metrics", "replica_metrics_path"]
 
 
 class MetricsWriter:

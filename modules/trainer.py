@@ -40,13 +40,13 @@ from modules.diloco import DiLoCoOptimizer
 from modules.dist import Topology
 from modules.elastic import GenerationChange, Handover, Membership, MembershipSettings
 from modules.groups import GroupBuilder, Groups
-from modules.metrics import MetricsWriter, replica_metrics_path
 from modules.mfu import flops_per_token, mfu
 from modules.model import StageModel
 from modules.pipeline import PipelineStage
 from modules.placement import Placement
 from modules.precision import LossScaling
 from modules.sync import GroupAverage, average_grads, make_group_average, no_average, sum_tied_grads
+from modules.tracking import open_rank_timing, open_trackers
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -424,10 +424,9 @@ class Trainer:
         elif cfg.ckpt.resume:
             self.load()
             self.log(f"resumed from step {self.step}")
-        writer = None
-        if cfg.metrics.metrics and topo.is_last:
-            writer = MetricsWriter(replica_metrics_path(cfg.metrics.metrics, topo.replica),
-                                   resume_step=self.step if cfg.ckpt.resume else None)
+        resume = self.step if cfg.ckpt.resume else None
+        writer = open_trackers(cfg.metrics, topo.replica, resume) if topo.is_last else None
+        timing = open_rank_timing(cfg.metrics, topo.rank, self.plan, resume)
         records = []
         try:
             vanish_step, status = cfg.debug.vanish_at(topo.rank)  # tests' lost-peer hook
@@ -449,19 +448,23 @@ class Trainer:
                 if ckpt_every and (self.step % ckpt_every == 0 or last):
                     rec["ckpt_block_s"] = round(self.save(), 6)
                 if writer:
-                    writer.write(rec)
+                    writer.log(rec)
+                if timing:
+                    timing.log(rec)
             if self.ckpt:
                 self.ckpt.flush()
         finally:
-            if writer:
-                writer.close()
+            for w in (writer, timing):
+                if w:
+                    w.close()
         self.membership.finish()
         return records
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
-        dp0 = self.dp_bytes
+        dp0, pipe = self.dp_bytes, self.pipe.comm
+        pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
             loss = self.train_step()
         except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
@@ -475,7 +478,9 @@ class Trainer:
                "comm_s": round(comm_s, 6), "bytes_sent": self.stats.bytes_sent - bytes0,
                "dp_bytes_sent": self.dp_bytes - dp0, "outer_step": self.outer_count,
                "tokens_per_s": round(self.tokens_per_step * len(self.replicas) / step_s, 1),
-               "replica": self.topo.replica, "wall_time": round(time.time(), 3)}
+               "replica": self.topo.replica, "wall_time": round(time.time(), 3),
+               "rank": self.topo.rank, "stage": self.topo.stage,
+               "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
         if self.membership.monitor is not None and self.diloco is not None:
             rec["live_replicas"] = len(self.replicas)
         rec["comm"] = {c.group: c.backend for c in self.groups.choices} or {"all": "gloo"}

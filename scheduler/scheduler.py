@@ -5,6 +5,7 @@
         --stages 8 --replicas 8 --out plan.json
     python scheduler/scheduler.py evaluate --cluster cluster.json --plan plan.json
     python scheduler/scheduler.py simulate --cluster cluster.json --plan plan.json
+    python scheduler/scheduler.py explain --cluster cluster.json --plan plan.json --metrics RUN
 
 User mistakes print `error: ...` and exit with status 2; nothing is written then.
 """
@@ -461,8 +462,52 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     si.set_defaults(func=cmd_simulate)
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Measured time per stage and rank of a run beside the simulator's prediction."""
+    from formats.run_metrics import load_run
+    from scheduler.explain import explain, explanation_dict, format_explanation
+
+    run = load_run(args.metrics, "--metrics", need_ranks=True)
+    if args.cluster is None:
+        copy = run.run_dir / "cluster.json"
+        if not copy.is_file():
+            raise UserError(f"--cluster: not given and {copy} does not exist; give the cluster "
+                            "file the plan was made for")
+        args.cluster = str(copy)
+    cluster, plan = _load_cluster_and_plan(args)
+    if run.plan_path is not None and not same_run_plan(load_plan(run.plan_path), plan):
+        raise UserError(f"--plan {args.plan}: not the plan the run in {args.metrics} trained "
+                        f"(compare {run.plan_path}); give that plan")
+    result = explain(plan, cluster, sim_config_from_args(args, plan), run.ranks)
+    print(json.dumps(explanation_dict(result)) if args.json else format_explanation(result))
+    return 0
+
+
+def same_run_plan(a: Plan, b: Plan) -> bool:
+    """Whether two plans train the same run (model, split, placement, batch, sync)."""
+    def key(p: Plan) -> tuple:
+        return (p.model, [list(s) for s in p.stages], p.pipelines, p.micro_batch_size,
+                p.num_micro_batches, p.sync.mode, p.sync.inner_steps, p.sync.compression)
+    return key(a) == key(b)
+
+
+def add_explain_command(sub: argparse._SubParsersAction) -> None:
+    """`explain --plan FILE --metrics RUN_DIR [--cluster FILE] [--json]`."""
+    ex = sub.add_parser("explain", help="measured vs predicted time per stage and rank of a "
+                        "run, and the biggest difference")
+    ex.add_argument("--plan", required=True, help="plan/1 JSON file the run trained")
+    ex.add_argument("--metrics", required=True, metavar="RUN_DIR",
+                    help="the run's --run-dir (ranks/rank*.jsonl)")
+    ex.add_argument("--cluster", help="cluster file the plan was made for (default: "
+                    "RUN_DIR/cluster.json)")
+    ex.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_perf_model_args(ex)
+    ex.set_defaults(func=cmd_explain)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_scenario_command, add_plan_command, add_evaluate_command, add_simulate_command]
+    add_scenario_command, add_plan_command, add_evaluate_command, add_simulate_command,
+    add_explain_command]
 """Each adds one subcommand; a new one (e.g. `simulate`) appends its adder here."""
 
 

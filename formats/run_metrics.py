@@ -1,0 +1,122 @@
+"""The run folder (`dist_runner.py --run-dir DIR`) and the records in it, shared by the runtime
+that writes them (modules/metrics.py, modules/tracking.py) and the tools that read them
+(`scheduler.py explain`, scripts/plot_run.py).
+
+    DIR/metrics.jsonl          replica 0's per-step records (the last stage writes them);
+    DIR/metrics.r{r}.jsonl     replica r > 0's
+    DIR/ranks/rank{R}.jsonl    every rank's own timing per step (RANK_FIELDS)
+    DIR/plan.json              the plan the run trained (a copy)
+    DIR/tensorboard/, DIR/wandb/   the other trackers' logs (--tracker)
+
+Every file is JSON lines, one object per step; a line cut off by a crash is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from formats.errors import UserError
+
+METRICS_NAME = "metrics.jsonl"
+RANKS_DIR = "ranks"
+PLAN_NAME = "plan.json"
+RANK_FIELDS = ("step", "rank", "replica", "stage", "step_s", "compute_s", "comm_s", "pp_wait_s",
+               "bytes_sent", "dp_bytes_sent", "wall_time")
+"""What a per-rank timing record holds: seconds of the step, of compute (step_s - comm_s), of
+waiting on communication (comm_s) and of that the pipeline's share (pp_wait_s), bytes sent."""
+_REPLICA_FILE = re.compile(r"^(?P<stem>.+?)(?:\.r(?P<r>\d+))?\.jsonl$")
+_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+
+
+def replica_metrics_path(path: str | Path, replica: int) -> Path:
+    """PATH for replica 0; PATH with `.r{r}` before the suffix for replica r > 0."""
+    path = Path(path)
+    if replica == 0:
+        return path
+    return path.with_name(f"{path.stem}.r{replica}{path.suffix}")
+
+
+def rank_timing_path(run_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its timing records."""
+    return Path(run_dir) / RANKS_DIR / f"rank{rank}.jsonl"
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (a line cut off by a crash, or not an object, is
+    skipped); UserError when it cannot be read."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+@dataclass
+class RunRecords:
+    """What a run folder holds."""
+
+    run_dir: Path
+    replicas: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per replica, its per-step metrics records (from the replica's last stage)."""
+    ranks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per rank (device id), its timing records."""
+    plan_path: Path | None = None
+    """The plan copy, when the run wrote one."""
+
+
+def replica_files(run_dir: Path) -> dict[int, Path]:
+    """{replica: metrics file} of a run folder (metrics.jsonl, metrics.r{r}.jsonl)."""
+    out = {}
+    for p in sorted(run_dir.glob("metrics*.jsonl")):
+        m = _REPLICA_FILE.match(p.name)
+        if m and m["stem"] == "metrics":
+            out[int(m["r"] or 0)] = p
+    return out
+
+
+def load_run(run_dir: str | Path, flag: str = "RUN_DIR", need_ranks: bool = False) -> RunRecords:
+    """Read a run folder; UserError naming `flag` when it is missing or holds no records."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise UserError(f"{flag} {run_dir}: no such folder (give the --run-dir of a run)")
+    run = RunRecords(d)
+    for r, p in replica_files(d).items():
+        recs = [x for x in read_jsonl(p) if isinstance(x.get("step"), int)]
+        if recs:
+            run.replicas[r] = recs
+    rank_dir = d / RANKS_DIR
+    for p in sorted(rank_dir.glob("rank*.jsonl")) if rank_dir.is_dir() else []:
+        m = _RANK_FILE.match(p.name)
+        recs = [x for x in read_jsonl(p) if isinstance(x.get("step"), int)] if m else []
+        if recs:
+            run.ranks[int(m[1])] = recs
+    if not run.replicas and not run.ranks:
+        raise UserError(f"{flag} {run_dir}: no metrics records ({METRICS_NAME} or "
+                        f"{RANKS_DIR}/rank*.jsonl); was the run started with --run-dir?")
+    if need_ranks and not run.ranks:
+        raise UserError(f"{flag} {run_dir}: no per-rank timing ({RANKS_DIR}/rank*.jsonl); "
+                        "rerun with --run-dir, which writes them")
+    plan = d / PLAN_NAME
+    run.plan_path = plan if plan.is_file() else None
+    return run
+
+
+def number(rec: dict[str, Any], key: str) -> float | None:
+    """rec[key] as a float when it is a finite number, else None."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (
+            float("inf"), float("-inf")):
+        return None
+    return float(v)

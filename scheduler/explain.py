@@ -1,0 +1,375 @@
+"""Measured vs predicted, per stage and rank, and which difference matters most (`explain`).
+
+Every rank's step splits the same way on both sides, so the columns compare:
+
+    step = compute + waiting + exposed communication
+
+- compute: the rank's own forward/backward/optimizer seconds (measured: step_s - comm_s;
+  predicted: (t_fwd + t_bwd) x micro-batches of the simulator's kernel);
+- waiting: idle time that the ranks' compute alone explains, with free links (pipeline
+  bubble, a slower peer): the makespan of the GPipe replay with zero transfers minus the rank's
+  compute. Measured: the same replay run on the measured compute of every rank;
+- exposed communication: the rest of the time the rank waited on the network; `pp` the part
+  in pipeline transfers, `dp` in the data-parallel sync and the tied-embedding sum.
+
+The diagnosis looks for the cause that explains the most seconds of the difference:
+a mis-estimated FLOP/s (every rank's compute off by the same factor), a straggler device (one
+rank's compute off by far more than the others'), a slow stage (every rank of one stage off
+by far more than the other stages: its layers cost more than the model says), a slow pipeline
+link (both ends of one link
+expose more pipeline communication than predicted) or a slow data-parallel sync (every member
+of a stage group exposes more sync than predicted). Pure: no files, no printing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import Plan
+from formats.run_metrics import number
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.kernel import LinkTables, StepInputs, build_inputs, no_transfers
+from scheduler.simulator.replay import replay_fast
+
+FLOPS_TOLERANCE = 1.25
+"""A median compute ratio (measured / predicted) beyond this factor either way is a
+mis-estimated FLOP/s."""
+STRAGGLER_FACTOR = 1.5
+"""A rank whose compute ratio is this many times the median one is a straggler."""
+SIGNIFICANT_SHARE = 0.1
+"""A cause must explain at least this share of the measured step to be named."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One rank's step in seconds: compute + waiting + exposed communication (pp + dp)."""
+
+    compute_s: float
+    waiting_s: float
+    pp_s: float
+    """Exposed pipeline communication."""
+    dp_s: float
+    """Exposed data-parallel sync and tied-embedding sum."""
+
+    @property
+    def exposed_s(self) -> float:
+        """All exposed communication."""
+        return self.pp_s + self.dp_s
+
+    @property
+    def step_s(self) -> float:
+        """The whole step."""
+        return self.compute_s + self.waiting_s + self.exposed_s
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank: where it sits, measured and predicted."""
+
+    rank: int
+    replica: int
+    stage: int
+    steps: int
+    """Steps averaged (the first step is left out as warm-up when there are more)."""
+    measured: Split
+    predicted: Split
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A difference between measurement and prediction, and what would fix the plan."""
+
+    name: str
+    """e.g. `straggler device 3`, `slow link 1-2`, `mis-estimated FLOP/s`."""
+    seconds: float
+    """Seconds per step it explains."""
+    detail: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every rank's row and the causes found, biggest first."""
+
+    rows: list[RankRow]
+    causes: list[Cause]
+    measured_step_s: float
+    predicted_step_s: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A rank's mean timing over its steps."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    pp_wait_s: float
+    steps: int
+
+
+def mean_timing(records: list[dict[str, Any]]) -> Measured:
+    """Mean step, compute, communication wait and pipeline wait of a rank's records (the first
+    step left out as warm-up when there are more); UserError when none has the numbers."""
+    recs = [r for r in records if all(number(r, k) is not None
+                                      for k in ("step_s", "compute_s", "comm_s"))]
+    if len(recs) > 1:
+        recs = sorted(recs, key=lambda r: r["step"])[1:]
+    if not recs:
+        raise UserError("no timing records with step_s, compute_s and comm_s")
+
+    def mean(key: str) -> float:
+        return float(np.mean([number(r, key) or 0.0 for r in recs]))
+    return Measured(mean("step_s"), mean("compute_s"), mean("comm_s"), mean("pp_wait_s"),
+                    len(recs))
+
+
+def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
+    """UserError when the records are not of this plan (a rank outside it, or where it sits)."""
+    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe)}
+    for rank, recs in ranks.items():
+        if rank not in where:
+            raise UserError(f"--metrics: rank {rank} has records but is not in the plan "
+                            f"(devices {sorted(where)}): the run trained another plan")
+        r, s = where[rank]
+        seen = {(x.get("replica"), x.get("stage")) for x in recs}
+        if any(sr not in ((r, s), (r, None), (None, None)) for sr in seen):
+            raise UserError(f"--metrics: rank {rank} recorded replica/stage {sorted(seen)[0]}, "
+                            f"the plan puts it at replica {r} stage {s}: the run trained "
+                            "another plan")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The simulator's step of a plan, split per rank."""
+
+    inputs: StepInputs
+    step_s: float
+    ranks: dict[int, Split]
+    """Per device id: predicted compute, waiting and exposed communication."""
+
+
+def predict(plan: Plan, cluster: Cluster, config: SimConfig) -> Prediction:
+    """Replay one step of `plan` (the simulator's kernel) and split it per rank."""
+    pipe = np.asarray(plan.pipelines, dtype=np.int64)
+    inputs = build_inputs(LinkTables(cluster, config), get_model(plan.model), list(plan.stages),
+                          pipe, plan.sync, plan.micro_batch_size, plan.num_micro_batches, config)
+    times = replay_fast(inputs)
+    compute = (inputs.t_fwd + inputs.t_bwd) * inputs.num_micro_batches
+    free = replay_fast(no_transfers(inputs)).makespan_s
+    pp, dp = times.makespan_s - free, times.step_s - times.makespan_s
+    ranks = {int(d): Split(float(compute[r, s]), max(0.0, free - float(compute[r, s])), pp, dp)
+             for (r, s), d in np.ndenumerate(pipe)}
+    return Prediction(inputs, times.step_s, ranks)
+
+
+def free_makespan(inputs: StepInputs, compute_s: np.ndarray, backward_factor: float) -> float:
+    """Makespan of the step with free links when each device computes `compute_s` (R, S)."""
+    t_fwd = compute_s / inputs.num_micro_batches / (1.0 + backward_factor)
+    return replay_fast(replace(no_transfers(inputs), t_fwd=t_fwd,
+                               t_bwd=t_fwd * backward_factor)).makespan_s
+
+
+def measured_split(m: Measured, free_s: float) -> Split:
+    """A rank's measured step split like the prediction, given the free-link makespan of the
+    measured compute: waiting first, then the pipeline's share of the rest."""
+    waiting = min(m.comm_s, max(0.0, free_s - m.compute_s))
+    exposed = m.comm_s - waiting
+    pp = min(exposed, max(0.0, m.pp_wait_s - waiting))
+    return Split(m.compute_s, waiting, pp, exposed - pp)
+
+
+def explain(plan: Plan, cluster: Cluster, config: SimConfig,
+            ranks: dict[int, list[dict[str, Any]]]) -> Explanation:
+    """Rows per rank (measured vs the simulator's prediction of `plan`) and the causes."""
+    check_records(plan, ranks)
+    missing = sorted(set(plan.devices()) - set(ranks))
+    if missing:
+        raise UserError(f"--metrics: no timing records of ranks {missing} of the plan")
+    pred = predict(plan, cluster, config)
+    try:
+        meas = {d: mean_timing(ranks[d]) for d in plan.devices()}
+    except UserError as e:
+        bad = [d for d in plan.devices() if not any(number(r, "step_s") is not None
+                                                     for r in ranks[d])]
+        raise UserError(f"--metrics: ranks {bad}: {e}") from None
+    pipe = np.asarray(plan.pipelines, dtype=np.int64)
+    compute_m = np.array([[meas[int(d)].compute_s for d in row] for row in pipe])
+    free_m = free_makespan(pred.inputs, compute_m, config.backward_factor)
+    rows = sorted((RankRow(int(d), r, s, meas[int(d)].steps, measured_split(meas[int(d)], free_m),
+                           pred.ranks[int(d)]) for (r, s), d in np.ndenumerate(pipe)),
+                  key=lambda x: (x.stage, x.rank))
+    step_m = float(np.mean([m.step_s for m in meas.values()]))
+    return Explanation(rows, diagnose(rows, plan, config), step_m, pred.step_s)
+
+
+def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:
+    """The causes that explain a significant share of the step, biggest first."""
+    step = float(np.mean([x.measured.step_s for x in rows]))
+    slow_stages = _slow_stage_causes(rows, plan)
+    found = [*_flops_causes(rows, config, {c.stage for c in slow_stages}), *slow_stages,
+             *_link_causes(rows, plan), *_sync_causes(rows, plan)]
+    return sorted((c for c in found if c.seconds >= SIGNIFICANT_SHARE * step),
+                  key=lambda c: -c.seconds)
+
+
+def _ratio(x: RankRow) -> float:
+    return x.measured.compute_s / max(x.predicted.compute_s, 1e-12)
+
+
+@dataclass(frozen=True)
+class StageCause(Cause):
+    """A cause that is one stage's (all its ranks)."""
+
+    stage: int = 0
+
+
+def _slow_stage_causes(rows: list[RankRow], plan: Plan) -> list[StageCause]:
+    """Stages (of 2 replicas or more) whose every rank computes STRAGGLER_FACTOR x slower,
+    relative to the prediction, than the other stages' median: that stage's layers cost more
+    than the model's FLOPs say (not one slow device)."""
+    out = []
+    for s, (a, b) in enumerate(plan.stages):
+        mine = [_ratio(x) for x in rows if x.stage == s]
+        ref = [_ratio(x) for x in rows if x.stage != s]
+        if len(mine) < 2 or not ref:
+            continue
+        g = statistics.median(ref)
+        if min(mine) > STRAGGLER_FACTOR * g:
+            seconds = statistics.median(x.measured.compute_s - g * x.predicted.compute_s
+                                        for x in rows if x.stage == s)
+            out.append(StageCause(
+                f"slow stage {s}", seconds,
+                f"every rank of stage {s} (layers {a}-{b}) computes "
+                f"{statistics.median(mine) / g:.1f}x slower than the other stages relative to "
+                f"the prediction: the FLOPs the model preset gives these layers understate them",
+                f"give stage {s} fewer layers (edit the plan's stages, check it with `scheduler.py "
+                f"simulate`) and re-measure this model's FLOP/s per stage", stage=s))
+    return out
+
+
+def _flops_causes(rows: list[RankRow], config: SimConfig,
+                  slow_stages: set[int] | frozenset[int] = frozenset()) -> list[Cause]:
+    """Mis-estimated FLOP/s (the median rank) and stragglers (beyond the median; the ranks of
+    a slow stage are named with it instead)."""
+    g = statistics.median(_ratio(x) for x in rows)
+    out = []
+    if not 1 / FLOPS_TOLERANCE <= g <= FLOPS_TOLERANCE:
+        off = statistics.median(abs(x.measured.compute_s - x.predicted.compute_s) for x in rows)
+        word = "slower" if g > 1 else "faster"
+        out.append(Cause(
+            "mis-estimated FLOP/s", off,
+            f"compute takes {g:.2f}x the predicted time on the median rank: the devices are "
+            f"{word} than the cluster's tflops x mfu {config.mfu:g} says",
+            f"measure this model's FLOP/s on the devices (modules/calibrate.py) and re-plan "
+            f"with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
+    for x in rows:
+        if _ratio(x) > STRAGGLER_FACTOR * g and x.stage not in slow_stages:
+            excess = x.measured.compute_s - g * x.predicted.compute_s
+            out.append(Cause(
+                f"straggler device {x.rank}", excess,
+                f"rank {x.rank} (stage {x.stage}, replica {x.replica}) computes "
+                f"{_ratio(x) / g:.1f}x slower than the other ranks relative to the prediction "
+                f"({x.measured.compute_s:.3f} s vs {x.predicted.compute_s:.3f} s predicted)",
+                f"re-measure device {x.rank}'s tflops and put it in the cluster file, or leave "
+                f"device {x.rank} out (drop it from the cluster file) and re-plan"))
+    return out
+
+
+def _flops_flag(mfu: float, ratio: float) -> str:
+    """The quick fix: --mfu when the corrected value is a fraction, else faster tflops."""
+    if mfu <= 1.0:
+        return f"or --mfu {mfu:.3g}"
+    return f"or multiply every device's tflops in the cluster file by {1 / ratio:.2f}"
+
+
+def _link_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
+    """Pipeline links whose two ends both expose more pipeline communication than predicted."""
+    excess = {x.rank: x.measured.pp_s - x.predicted.pp_s for x in rows}
+    out = []
+    for r, pipe in enumerate(plan.pipelines):
+        for s, (a, b) in enumerate(zip(pipe, pipe[1:])):
+            seconds = min(excess[a], excess[b])
+            if seconds > 0:
+                out.append(Cause(
+                    f"slow link {a}-{b}", seconds,
+                    f"ranks {a} and {b} (replica {r}, stages {s}-{s + 1}) each wait "
+                    f"{seconds:.3f} s more on pipeline transfers than predicted",
+                    f"re-measure link {a}-{b} (`python scripts/tc.py probe --cluster "
+                    f"cluster.json --hosts ip_list --out measured.json`), put its latency_ms and "
+                    "bandwidth_gbps in the cluster file, and re-plan"))
+    return out
+
+
+def _fewer_sync_bytes(plan: Plan) -> str:
+    """The sync settings the plan does not use yet that send fewer bytes per step."""
+    sync = plan.sync
+    out = [] if sync.compression == "int8" else ["--compression int8"]
+    if sync.mode != "diloco":
+        out.append("--sync diloco --inner-steps H")
+    else:
+        out.append(f"more --inner-steps than {sync.inner_steps}")
+    return ", ".join(out)
+
+
+def _sync_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
+    """Stage groups whose every member exposes more data-parallel sync than predicted."""
+    out = []
+    for s in sorted({x.stage for x in rows}):
+        group = [x for x in rows if x.stage == s]
+        if len(group) < 2:
+            continue
+        seconds = min(x.measured.dp_s - x.predicted.dp_s for x in group)
+        if seconds > 0:
+            devices = [x.rank for x in group]
+            out.append(Cause(
+                f"slow data-parallel sync of stage {s}", seconds,
+                f"every rank of stage {s} (devices {devices}) waits {seconds:.3f} s more on "
+                "the data-parallel sync than predicted",
+                f"re-measure the links between devices {devices} (`python scripts/tc.py probe "
+                f"...`) and re-plan, or cut the sync's bytes: {_fewer_sync_bytes(plan)}"))
+    return out
+
+
+def format_explanation(ex: Explanation) -> str:
+    """The per-rank table and the causes, as `explain` prints them."""
+    head = (f"{'stage':>5} {'rank':>4} {'replica':>7}  {'compute s':>17}  {'waiting s':>17}  "
+            f"{'exposed comm s':>17}  {'(pp / dp measured)':>18}")
+    lines = ["measured / predicted seconds per step (mean over steps; the first left out)", head]
+    for x in ex.rows:
+        m, p = x.measured, x.predicted
+        lines.append(f"{x.stage:>5} {x.rank:>4} {x.replica:>7}  "
+                     f"{m.compute_s:8.3f} / {p.compute_s:6.3f}  "
+                     f"{m.waiting_s:8.3f} / {p.waiting_s:6.3f}  "
+                     f"{m.exposed_s:8.3f} / {p.exposed_s:6.3f}  "
+                     f"{m.pp_s:8.3f} / {m.dp_s:7.3f}")
+    error = (ex.predicted_step_s / ex.measured_step_s - 1) * 100
+    lines.append(f"step: measured {ex.measured_step_s:.3f} s, predicted {ex.predicted_step_s:.3f}"
+                 f" s (prediction error {error:+.0f}%)")
+    if not ex.causes:
+        lines.append("no single cause explains 10% of the step or more: the plan's model "
+                     "matches this run")
+    for i, c in enumerate(ex.causes):
+        lead = "biggest difference" if i == 0 else "also"
+        lines.append(f"{lead}: {c.name} ({c.seconds:.3f} s per step): {c.detail}")
+        lines.append(f"  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def explanation_dict(ex: Explanation) -> dict[str, Any]:
+    """JSON-ready form of an explanation."""
+    def split(s: Split) -> dict[str, float]:
+        return {"compute_s": round(s.compute_s, 6), "waiting_s": round(s.waiting_s, 6),
+                "pp_s": round(s.pp_s, 6), "dp_s": round(s.dp_s, 6)}
+    return {"measured_step_s": ex.measured_step_s, "predicted_step_s": ex.predicted_step_s,
+            "rows": [{"rank": x.rank, "replica": x.replica, "stage": x.stage, "steps": x.steps,
+                      "measured": split(x.measured), "predicted": split(x.predicted)}
+                     for x in ex.rows],
+            "causes": [vars(c) for c in ex.causes]}

@@ -1,0 +1,173 @@
+"""`scheduler.py explain`: measured vs predicted per stage and rank, and the named cause.
+
+Synthetic cases start from the simulator's own prediction of a 2 x 2 plan (so a run that
+matches the model names nothing) and change one thing: one device computes 3x slower, one
+link adds pipeline waiting to both its ends, every device computes 2x slower.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from formats.cluster import Cluster, Device, save_cluster
+from formats.errors import UserError
+from formats.plan import Plan, save_plan
+from scheduler.explain import explain, format_explanation, predict
+from scheduler.scheduler import main as scheduler_main
+from scheduler.simulator.config import RUNTIME_PROFILES
+from tests.conftest import run_entry
+from tests.test_tracking import two_rank_run
+
+CPU = RUNTIME_PROFILES["cpu"]
+
+
+def cluster4() -> Cluster:
+    devices = [Device(i, f"d{i}", "A", f"10.0.0.{i + 1}", "cpu", 0.05, 8.0) for i in range(4)]
+    lat = [[0 if i == j else 5.0 for j in range(4)] for i in range(4)]
+    bw = [[1.0] * 4 for _ in range(4)]
+    return Cluster("four", devices, lat, bw)
+
+
+def plan4(cluster: Cluster) -> Plan:
+    return Plan("four", cluster.sha256(), "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]],
+                micro_batch_size=2, num_micro_batches=4)
+
+
+def records(plan: Plan, cluster: Cluster, compute_factor=None, pp_extra=None, dp_extra=None,
+            steps: int = 3) -> dict[int, list[dict]]:
+    """Per-rank timing records as the prediction says, with the given changes (seconds added
+    to a rank's pipeline or data-parallel wait, factors on its compute)."""
+    pred = predict(plan, cluster, CPU)
+    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe)}
+    out = {}
+    for d, p in pred.ranks.items():
+        compute = p.compute_s * (compute_factor or {}).get(d, 1.0)
+        pp = p.waiting_s + p.pp_s + (pp_extra or {}).get(d, 0.0)
+        comm = pp + p.dp_s + (dp_extra or {}).get(d, 0.0)
+        out[d] = [{"step": k, "rank": d, "replica": where[d][0], "stage": where[d][1],
+                   "step_s": compute + comm, "compute_s": compute, "comm_s": comm,
+                   "pp_wait_s": pp} for k in range(1, steps + 1)]
+    return out
+
+
+def names(ex) -> list[str]:
+    return [c.name for c in ex.causes]
+
+
+def test_the_prediction_itself_names_nothing():
+    c = cluster4()
+    ex = explain(plan4(c), c, CPU, records(plan4(c), c))
+    assert names(ex) == []
+    assert ex.measured_step_s == pytest.approx(ex.predicted_step_s, rel=1e-9)
+    for row in ex.rows:
+        assert row.measured.compute_s == pytest.approx(row.predicted.compute_s)
+        assert row.measured.step_s == pytest.approx(row.predicted.step_s)
+
+
+def test_straggler_device_is_named():
+    c = cluster4()
+    plan = plan4(c)
+    pred = predict(plan, c, CPU)
+    slow = 3.0 * pred.ranks[3].compute_s
+    delay = slow - pred.ranks[3].compute_s  # the others wait for it
+    others = {d: delay for d in (0, 1, 2)}
+    ex = explain(plan, c, CPU, records(plan, c, {3: 3.0}, pp_extra=others))
+    assert names(ex)[0] == "straggler device 3"
+    assert "mis-estimated FLOP/s" not in names(ex)
+    assert not [n for n in names(ex) if n.startswith("slow link")]
+    assert "leave device 3 out" in ex.causes[0].fix
+
+
+def test_slow_stage_is_named_not_its_devices():
+    c = cluster4()
+    plan = plan4(c)
+    ex = explain(plan, c, CPU, records(plan, c, {1: 2.5, 3: 2.5}))
+    assert names(ex)[0] == "slow stage 1"
+    assert not [n for n in names(ex) if n.startswith("straggler")]
+
+
+def test_slow_link_is_named():
+    c = cluster4()
+    plan = plan4(c)
+    extra = 2.0 * predict(plan, c, CPU).step_s
+    # both ends of link 2-3 wait on pipeline transfers; replica 0 waits for it in the sync
+    ex = explain(plan, c, CPU, records(plan, c, pp_extra={2: extra, 3: extra},
+                                       dp_extra={0: extra, 1: extra}))
+    assert names(ex)[0] == "slow link 2-3"
+    assert ex.causes[0].seconds == pytest.approx(extra, rel=1e-6)
+    assert "slow link 0-1" not in names(ex)
+    assert not [n for n in names(ex) if n.startswith("straggler")]
+    assert "tc.py probe" in ex.causes[0].fix
+
+
+def test_slow_sync_is_named():
+    c = cluster4()
+    plan = plan4(c)
+    extra = predict(plan, c, CPU).step_s
+    ex = explain(plan, c, CPU, records(plan, c, dp_extra={0: extra, 2: extra}))
+    assert names(ex) == ["slow data-parallel sync of stage 0"]
+    assert "--compression int8" in ex.causes[0].fix
+
+
+def test_wrong_flops_is_named():
+    c = cluster4()
+    plan = plan4(c)
+    ex = explain(plan, c, CPU, records(plan, c, {d: 2.0 for d in range(4)}))
+    assert names(ex)[0] == "mis-estimated FLOP/s"
+    assert not [n for n in names(ex) if n.startswith(("straggler", "slow"))]
+    assert "--calibration" in ex.causes[0].fix and "--mfu 0.5" in ex.causes[0].fix
+    text = format_explanation(ex)
+    assert text.count("\n") >= 6 and "biggest difference: mis-estimated FLOP/s" in text
+
+
+def test_records_of_another_plan_are_refused():
+    c = cluster4()
+    plan = plan4(c)
+    recs = records(plan, c)
+    other = Plan("four", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 2], [1, 3]],
+                 micro_batch_size=2, num_micro_batches=4)
+    with pytest.raises(UserError, match="another plan"):
+        explain(other, c, CPU, recs)
+    del recs[3]
+    with pytest.raises(UserError, match=r"no timing records of ranks \[3\]"):
+        explain(plan, c, CPU, recs)
+
+
+@pytest.mark.timeout(200)
+def test_explain_on_a_real_run(tmp_path, capsys):
+    _, run = two_rank_run(tmp_path)
+    args = ["explain", "--plan", str(tmp_path / "plan.json"), "--metrics", str(run),
+            "--cluster", str(tmp_path / "cluster.json"), "--runtime", "cpu"]
+    p = run_entry("scheduler/scheduler.py", *args)  # once as a real process
+    assert p.returncode == 0, p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "1", "0"]]  # stage, rank, replica
+    assert scheduler_main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in out["rows"]] == [0, 1] and out["measured_step_s"] > 0
+    # bad inputs: exit 2 with the reason
+    other = tmp_path / "other.json"
+    save_plan(Plan("two", "", "gpt-tiny", [(0, 2), (2, 4)], [[1, 0]]), other)
+    bad = {"no such folder": ["--metrics", str(tmp_path / "nope")],
+           "no metrics records": ["--metrics", str(tmp_path)],
+           "not the plan the run": ["--plan", str(other)]}
+    for want, change in bad.items():
+        argv = list(args)
+        argv[argv.index(change[0]) + 1] = change[1]
+        assert scheduler_main(argv) == 2
+        assert want in capsys.readouterr().err
+    no_cluster = [a for a in args if a not in ("--cluster", str(tmp_path / "cluster.json"))]
+    assert scheduler_main(no_cluster) == 2
+    assert "--cluster: not given" in capsys.readouterr().err
+
+
+def test_explain_needs_per_rank_timing(tmp_path, capsys):
+    c = cluster4()
+    save_cluster(c, tmp_path / "c.json")
+    save_plan(plan4(c), tmp_path / "p.json")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    assert scheduler_main(["explain", "--plan", str(tmp_path / "p.json"), "--metrics",
+                           str(tmp_path), "--cluster", str(tmp_path / "c.json")]) == 2
+    assert "no per-rank timing" in capsys.readouterr().err
