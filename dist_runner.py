@@ -26,14 +26,15 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from formats.addresses import resolve, tcp_url  # noqa: E402
+from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError  # noqa: E402
 from formats.plan import Plan, load_plan  # noqa: E402
+from formats.run_metrics import CLUSTER_NAME  # noqa: E402
 from modules.config import LaunchConfig, RunConfig  # noqa: E402
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from formats.cluster import Cluster
     from modules.dist import Topology
     from modules.placement import Placement
     from modules.trainer import Trainer
@@ -90,13 +91,14 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Clust
     """The plan (and --cluster's cluster), checked against each other and the run's settings."""
     cluster = None
     if launch.cluster:
-        from formats.cluster import load_cluster
         cluster = load_cluster(launch.cluster)
     plan = load_plan(launch.plan, cluster)
     if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
         raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
                         f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
     cfg.check_plan(plan)
+    if cluster is not None and cfg.metrics.run_dir:  # what `scheduler.py explain` reads
+        save_cluster(cluster, Path(cfg.metrics.run_dir) / CLUSTER_NAME)
     return plan, cluster
 
 

@@ -6,6 +6,7 @@ that writes them (modules/metrics.py, modules/tracking.py) and the tools that re
     DIR/metrics.r{r}.jsonl     replica r > 0's
     DIR/ranks/rank{R}.jsonl    every rank's own timing per step (RANK_FIELDS)
     DIR/plan.json              the plan the run trained (a copy)
+    DIR/cluster.json           the --cluster file it was checked against (a copy, if given)
     DIR/tensorboard/, DIR/wandb/   the other trackers' logs (--tracker)
 
 Every file is JSON lines, one object per step; a line cut off by a crash is skipped.
@@ -24,6 +25,8 @@ from formats.errors import UserError
 METRICS_NAME = "metrics.jsonl"
 RANKS_DIR = "ranks"
 PLAN_NAME = "plan.json"
+CLUSTER_NAME = "cluster.json"
+"""The --cluster file of the run (a copy, when dist_runner was given one)."""
 RANK_FIELDS = ("step", "rank", "replica", "stage", "step_s", "compute_s", "comm_s", "pp_wait_s",
                "bytes_sent", "dp_bytes_sent", "wall_time")
 """What a per-rank timing record holds: seconds of the step, of compute (step_s - comm_s), of

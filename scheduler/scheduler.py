@@ -464,12 +464,12 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Measured time per stage and rank of a run beside the simulator's prediction."""
-    from formats.run_metrics import load_run
+    from formats.run_metrics import CLUSTER_NAME, load_run
     from scheduler.explain import explain, explanation_dict, format_explanation
 
     run = load_run(args.metrics, "--metrics", need_ranks=True)
     if args.cluster is None:
-        copy = run.run_dir / "cluster.json"
+        copy = run.run_dir / CLUSTER_NAME
         if not copy.is_file():
             raise UserError(f"--cluster: not given and {copy} does not exist; give the cluster "
                             "file the plan was made for")

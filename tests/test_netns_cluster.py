@@ -243,6 +243,5 @@ def test_up_with_sshd_logs_in_by_key_and_down_stops_it(tmp_path, prefix) -> None
     assert r.returncode == 0 and "198.18.0.2/24" in r.stdout, r.stdout + r.stderr
     down = run_entry("scripts/local_cluster.py", "down", "--prefix", prefix)
     assert down.returncode == 0 and "sshd" in down.stdout, down.stdout
-    for pid in pids.values():
-        assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(
-            f"/proc/{pid}/cmdline").read()
+    from scripts.netemu.shell import pid_alive
+    assert not any(pid_alive(pid, "sshd") for pid in pids.values())
