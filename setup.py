@@ -23,6 +23,7 @@ setup(
         "st-tc = scripts.tc:entry",
         "st-ssh = scripts.cluster_ssh:entry",
         "st-coord = scripts.coordinator:entry",
+        "st-train-tokenizer = scripts.train_tokenizer:entry",
     ]},
     install_requires=[
         "numpy>=1.24",
@@ -31,6 +32,8 @@ setup(
         "matplotlib>=3.7",
         "paramiko>=3.0",
         "torch>=2.2",
+        "pyarrow>=14",  # .parquet corpora (modules/corpus.py)
+        "tokenizers>=0.15",  # --tokenizer tokenizer.json, scripts/train_tokenizer.py
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
