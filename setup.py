@@ -24,6 +24,7 @@ setup(
         "st-ssh = scripts.cluster_ssh:entry",
         "st-coord = scripts.coordinator:entry",
         "st-train-tokenizer = scripts.train_tokenizer:entry",
+        "st-prepare-data = scripts.prepare_data:entry",
     ]},
     install_requires=[
         "numpy>=1.24",

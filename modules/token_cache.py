@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,12 @@ BATCH_BYTES = 1 << 22
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/scattered-train/tokens (default ~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError:  # no $HOME and no passwd entry
+            base = Path(tempfile.gettempdir()) / f"cache-{os.getuid()}"
     return Path(base) / "scattered-train" / "tokens"
 
 

@@ -21,7 +21,7 @@ from modules.corpus import PIECE_BYTES, ReadStats, corpus_files
 from modules.data import Sharder, TextData, load_data
 from modules.token_cache import open_tokens, token_stream
 from modules.tokenizer import BYTES_ID, ByteTokenizer, HFTokenizer, load_tokenizer
-from scripts import train_tokenizer
+from scripts import prepare_data, train_tokenizer
 from tests.conftest import run_entry
 
 TINY = get_model("gpt-tiny")
@@ -180,9 +180,22 @@ def test_model_vocab_follows_the_tokenizer(tmp_path, tok_path):
     assert byte_data.vocab_size == 32000  # bytes keep the preset's vocabulary
 
 
+def test_prepare_data_fills_the_cache_a_run_reuses(tmp_path, tok_path, capsys):
+    paths = _write(tmp_path, _docs(100))
+    cache = str(tmp_path / "cache")
+    assert prepare_data.main(["--data", str(paths["parquet"]), "--tokenizer", str(tok_path),
+                              "--token-cache", cache]) == 0
+    assert "tokenized in" in capsys.readouterr().out
+    lines: list[str] = []
+    load_data(DataConfig(data=str(paths["parquet"]), tokenizer=str(tok_path), token_cache=cache),
+              TINY, seed=0, log=lines.append)
+    assert lines[-1].endswith("(reused)"), lines
+
+
 # -- bad input -----------------------------------------------------------------------------
-def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
+def _bad_inputs(tmp_path, tok_path) -> dict[str, tuple[dict, str]]:
     """label -> (DataConfig fields, the error's text)."""
+    (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1") * 2000)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("too short")
     (tmp_path / "a.csv").write_text("a,b\n")
@@ -210,11 +223,13 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
         "tok_json": ({"data": ok, "tokenizer": str(tmp_path / "tok.txt")},
                      "not a Hugging Face tokenizers JSON file"),
         "tok_missing": ({"data": ok, "tokenizer": str(tmp_path / "no.json")}, "no such file"),
+        "utf8": ({"data": str(tmp_path / "latin1.txt"), "tokenizer": str(tok_path)},
+                 f"{tmp_path / 'latin1.txt'}: not UTF-8 text (byte 0xe9)"),
     }
 
 
-def test_bad_input_is_a_named_error(tmp_path):
-    for label, (fields, text) in _bad_inputs(tmp_path).items():
+def test_bad_input_is_a_named_error(tmp_path, tok_path):
+    for label, (fields, text) in _bad_inputs(tmp_path, tok_path).items():
         cfg = DataConfig(token_cache=str(tmp_path / "cache"), **fields)
         with pytest.raises(UserError, match=None) as e:
             load_data(cfg, TINY, seed=0, log=lambda _: None)
@@ -225,8 +240,8 @@ PLAN1 = Plan("local", "", "gpt-tiny", [(0, 4)], [[0]], micro_batch_size=1)
 
 
 @pytest.mark.parametrize("label", ["glob", "suffix", "empty", "json", "column", "tokenizer"])
-def test_bad_input_exits_2_through_dist_runner(tmp_path, label):
-    fields, text = _bad_inputs(tmp_path)[label]
+def test_bad_input_exits_2_through_dist_runner(tmp_path, tok_path, label):
+    fields, text = _bad_inputs(tmp_path, tok_path)[label]
     save_plan(PLAN1, tmp_path / "plan.json")
     args = [f"--{k.replace('_', '-')}={v}" for k, v in fields.items()]
     proc = run_entry("dist_runner.py", "--plan", str(tmp_path / "plan.json"), "--rank", "0",
