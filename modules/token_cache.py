@@ -32,7 +32,7 @@ from modules.corpus import ReadStats, documents, pieces
 from modules.tokenizer import Tokenizer
 
 CACHE_FORMAT = "tokens/1"
-BATCH_BYTES = 1 << 22
+BATCH_BYTES = 1 << 20
 """Text bytes encoded per tokenizer call (tokenizers parallelises over a batch's pieces)."""
 
 
