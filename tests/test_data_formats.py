@@ -269,7 +269,8 @@ def test_two_ranks_train_with_a_tokenizer_and_refuse_another_on_resume(tmp_path,
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     vocab = HFTokenizer(tok_path).ident.vocab_size
     assert f"model vocab {vocab} from --tokenizer" in run.stdout
-    assert len(list(cache.glob("*.uint16"))) == 1  # both ranks share one cache file
+    assert len(list(cache.glob("*.uint16"))) == 1  # both ranks share one cache file,
+    assert run.stdout.count("tokenized in") == 1 and run.stdout.count("(reused)") == 1  # built once
     for rank in (0, 1):
         assert complete_steps(ck, rank) == [2]
         state = load_checkpoint(step_path(ck, rank, 2), {})
