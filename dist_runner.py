@@ -1,7 +1,7 @@
 """One process per device: read the plan, join the group, run this rank's stage of the training.
 
     python dist_runner.py --plan plan.json --rank R (--dist-url | --coordinator) tcp://HOST:PORT \
-        [--world-size N] (--data PATH | --fake-data) --steps N \
+        [--world-size N] (--data PATH[,...] | --fake-data) [--tokenizer tokenizer.json] --steps N \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
@@ -102,16 +102,12 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Clust
     return plan, cluster
 
 
-def load_data(cfg: RunConfig, plan: Plan):  # noqa: ANN201 - TextData | FakeData (torch import)
-    """The training text (or seeded fake tokens) the run reads."""
+def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData | FakeData
+    """The training text (or seeded fake tokens) the run reads, tokenized (modules.data)."""
     from formats.models import get_model
-    from modules.data import DEFAULT_CORPUS, FakeData, TextData, load_tokens
+    from modules.data import load_data as load
 
-    spec = get_model(plan.model)
-    if cfg.data.fake_data:
-        return FakeData(spec.seq_len, spec.vocab_size, seed=cfg.seed)
-    return TextData(load_tokens(cfg.data.data or DEFAULT_CORPUS), spec.seq_len,
-                    spec.vocab_size, seed=cfg.seed)
+    return load(cfg.data, get_model(plan.model), cfg.seed, log)
 
 
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
@@ -128,7 +124,7 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
     if start is not None and not join and topo.replica not in start:
         raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
                         f"{cfg.elastic.replicas}; start it later with --join")
-    data = load_data(cfg, plan)
+    data = load_data(cfg, plan, log)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
     members = ((() if join else members_of(plan, start)) if start is not None or join

@@ -24,6 +24,8 @@ setup(
         "st-ssh = scripts.cluster_ssh:entry",
         "st-measure = scripts.measure:entry",
         "st-coord = scripts.coordinator:entry",
+        "st-train-tokenizer = scripts.train_tokenizer:entry",
+        "st-prepare-data = scripts.prepare_data:entry",
     ]},
     install_requires=[
         "numpy>=1.24",
@@ -32,6 +34,8 @@ setup(
         "matplotlib>=3.7",
         "paramiko>=3.0",
         "torch>=2.2",
+        "pyarrow>=14",  # .parquet corpora (modules/corpus.py)
+        "tokenizers>=0.15",  # --tokenizer tokenizer.json, scripts/train_tokenizer.py
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],

@@ -41,6 +41,9 @@ HEADER = struct.Struct("<8s32sQ")
 STEP_FILE = re.compile(r"^step(\d+)\.pt$")
 _RANK_NAME = re.compile(r"^rank(\d+)")
 _READ_CHUNK_BYTES = 1 << 20
+META_HINTS = {"tokenizer": "it was trained with another vocabulary: resume with the "
+              "--tokenizer it was written with (vocab_size and sha256 of the file must match)"}
+"""What to do when a meta field differs (default: another plan or rank)."""
 
 
 def checkpoint_path(ckpt_dir: str | Path, rank: int) -> Path:
@@ -303,8 +306,9 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
     for key, want in expect_meta.items():
         if meta.get(key) != want:
+            hint = META_HINTS.get(key, "it was written for another plan or rank")
             raise UserError(f"checkpoint {path}: {key} is {meta.get(key)!r} but this run has "
-                            f"{want!r}; it was written for another plan or rank")
+                            f"{want!r}; {hint}")
     bad = nonfinite_tensors(state)
     if bad:
         raise UserError(f"{where}: {bad[0]} holds non-finite values ({len(bad)} tensor(s) in "

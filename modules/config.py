@@ -178,7 +178,16 @@ class DataConfig:
     """Training text and validation."""
 
     data: str | None = None
-    """text file or folder (default: /usr/share/games/fortunes, Debian's fortunes packages)"""
+    """comma-separated text/.jsonl/.parquet files, folders or (quoted) globs (default:
+    /usr/share/games/fortunes, Debian's fortunes packages)"""
+    tokenizer: str = "bytes"
+    """`bytes` (vocab 256) or a local Hugging Face tokenizer.json (scripts/train_tokenizer.py
+    makes one); the model's embedding and head get its vocab_size"""
+    text_field: str = "text"
+    """the text field of .jsonl records and text column of .parquet files"""
+    token_cache: str | None = None
+    """folder of the tokenized-corpus cache, shared by runs and ranks (default:
+    ~/.cache/scattered-train/tokens)"""
     fake_data: bool = False
     """seeded random tokens instead of text (speed tests)"""
     eval_every: int = 0
@@ -189,6 +198,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.data is not None and self.fake_data:
             raise UserError("--data and --fake-data exclude each other: pick one")
+        if not self.tokenizer:
+            raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
+        if not self.text_field:
+            raise UserError("--text-field: must name a field, got ''")
         _int_at_least(DataConfig, "eval_every", self.eval_every, 0)
         _int_at_least(DataConfig, "eval_sequences", self.eval_sequences, 0)
 

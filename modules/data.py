@@ -1,11 +1,18 @@
-"""Training text: a byte-level tokenizer, a deterministic train/validation split and sharding.
+"""Training text: corpus files, a tokenizer, a token cache, a train/validation split, sharding.
 
 The default corpus is Debian's `fortunes` (+ `fortunes-min`), installed by the project's setup
-from the Debian archive: ~2.7 MB of English text under /usr/share/games/fortunes. Any text file
-or folder works with --data. Tokens are bytes (vocab 256), so no tokenizer has to be trained or
-downloaded.
+from the Debian archive: ~2.7 MB of English text under /usr/share/games/fortunes, read with the
+byte tokenizer (vocab 256), so nothing has to be trained or downloaded. --data takes files,
+folders and globs of .txt, .jsonl and .parquet (modules.corpus); --tokenizer a local
+tokenizer.json (modules.tokenizer). The corpus is tokenized once into a memory-mapped token
+cache (modules.token_cache) shared by the runs and ranks of a host; windows are slices of it,
+so no rank holds the corpus in memory.
 
-Windows of seq_len + 1 tokens (inputs and shifted targets) start every seq_len bytes; every
+The model's vocabulary follows the tokenizer: with a tokenizer file its embedding and head have
+the tokenizer's vocab_size rows (whatever the plan's preset says; the plan's memory and FLOPs
+figures assumed the preset's); with bytes they keep the preset's (>= 256; ids >= 256 unused).
+
+Windows of seq_len + 1 tokens (inputs and shifted targets) start every seq_len tokens; every
 `val_every`-th window is held out for validation. Step `k` of a run with R replicas, M
 micro-batches and micro-batch size b uses global samples [k*R*M*b, (k+1)*R*M*b) of a seeded
 permutation of the training windows (a new permutation each epoch); replica r takes the r-th
@@ -15,74 +22,88 @@ see, and the position in the data is a pure function of the step (checkpoints st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from formats.errors import UserError
+from formats.models import ModelSpec
+from modules.config import DataConfig
+from modules.corpus import DEFAULT_CORPUS, ReadStats, corpus_files
+from modules.token_cache import open_tokens, token_stream
+from modules.tokenizer import BYTES_ID, ByteTokenizer, TokenizerId, load_tokenizer
 
-DEFAULT_CORPUS = Path("/usr/share/games/fortunes")
-SKIP_SUFFIXES = (".dat", ".u8")  # strfile indexes and UTF-8 symlinks to the same text
-
-
-def corpus_files(path: str | Path) -> list[Path]:
-    """Text files of a corpus path (a file, or a folder's files without index duplicates)."""
-    path = Path(path)
-    if not path.exists():
-        hint = (" (install it with: apt-get install fortunes fortunes-min)"
-                if path == DEFAULT_CORPUS else "")
-        raise UserError(f"data: {path} does not exist{hint}; pass --data FILE|FOLDER with "
-                        "text, or --fake-data for random tokens")
-    if path.is_file():
-        return [path]
-    seen: set[Path] = set()
-    files = []
-    for f in sorted(path.rglob("*")):
-        if not f.is_file() or f.name.startswith(".") or f.suffix in SKIP_SUFFIXES:
-            continue
-        real = f.resolve()
-        if real not in seen:
-            seen.add(real)
-            files.append(f)
-    if not files:
-        raise UserError(f"data: no text files in {path}")
-    return files
+__all__ = ["DEFAULT_CORPUS", "FakeData", "Sharder", "TextData", "corpus_files", "load_data",
+           "load_tokens", "run_vocab"]
 
 
 def load_tokens(path: str | Path) -> np.ndarray:
-    """All bytes of the corpus as uint8 token ids (files in sorted order, joined by a newline)."""
-    chunks = []
-    for f in corpus_files(path):
-        try:
-            chunks.append(f.read_bytes())
-        except OSError as e:
-            raise UserError(f"data: cannot read {f}: {e.strerror}") from None
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+    """All bytes of a text corpus as uint8 token ids, in memory (files in order, joined by a
+    newline): the byte tokenizer's stream without the cache, for references and tests."""
+    chunks = token_stream(corpus_files(path), ByteTokenizer(), "text", ReadStats())
+    return np.concatenate([c.astype(np.uint8) for c in chunks] or [np.zeros(0, np.uint8)])
+
+
+def run_vocab(spec: ModelSpec, tok: TokenizerId) -> int:
+    """The model's vocab_size in this run: the tokenizer file's, or the preset's with bytes."""
+    return spec.vocab_size if tok == BYTES_ID else tok.vocab_size
+
+
+def load_data(cfg: DataConfig, spec: ModelSpec, seed: int,
+              log: Callable[[str], None] = print) -> TextData | FakeData:
+    """The run's data (--data/--tokenizer/--fake-data), saying what it read."""
+    tok = load_tokenizer(cfg.tokenizer)
+    vocab = run_vocab(spec, tok.ident)
+    if vocab != spec.vocab_size:
+        log(f"model vocab {vocab} from --tokenizer {cfg.tokenizer} (the preset {spec.name} "
+            f"has {spec.vocab_size}; the plan's memory and FLOPs figures assumed that)")
+    if cfg.fake_data:
+        return FakeData(spec.seq_len, vocab, seed=seed, tokenizer=tok.ident)
+    files = corpus_files(cfg.data or DEFAULT_CORPUS)
+    corpus = open_tokens(files, tok, cfg.text_field,
+                         Path(cfg.token_cache) if cfg.token_cache else None)
+    info = corpus.info
+    skipped = (f", {info['skipped']} record(s) without {cfg.text_field!r} skipped"
+               if info["skipped"] else "")
+    how = (f"tokenized in {corpus.built_s:.1f} s" if corpus.built_s is not None
+           else "reused")
+    log(f"data: {info['tokens']} tokens ({tok.ident.name}) from {len(files)} file(s), "
+        f"{info['documents']} document(s){skipped}; token cache {corpus.path} ({how})")
+    return TextData(corpus.tokens, spec.seq_len, vocab, seed=seed, tokenizer=tok.ident)
 
 
 class TextData:
-    """Fixed-length windows of a token array, split into train and validation."""
+    """Fixed-length windows of a token array (e.g. the cache's memmap, which stays on disk:
+    only the windows a step reads are copied), split into train and validation."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int,
-                 val_every: int = 20, seed: int = 0) -> None:
-        if vocab_size < 256:
-            raise UserError(f"data: the byte tokenizer needs vocab_size >= 256, model has "
-                            f"{vocab_size}")
+                 val_every: int = 20, seed: int = 0, tokenizer: TokenizerId = BYTES_ID) -> None:
+        """`vocab_size`: the model's (embedding rows); `tokenizer`: what made `tokens`."""
+        if vocab_size < tokenizer.vocab_size:
+            raise UserError(f"data: the {tokenizer.name} tokenizer needs vocab_size >= "
+                            f"{tokenizer.vocab_size}, model has {vocab_size}")
         n = (len(tokens) - 1) // seq_len
         if n < 2 * val_every:
             raise UserError(f"data: corpus too small ({len(tokens)} tokens) for sequences of "
-                            f"{seq_len}")
-        self.tokens = torch.from_numpy(tokens.astype(np.int64))
-        self.seq_len, self.seed = seq_len, seed
+                            f"{seq_len}: it needs {2 * val_every * seq_len + 1} tokens or more "
+                            f"({2 * val_every} windows, every {val_every}th held out)")
+        self.tokens = tokens
+        self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
+        self.tokenizer = tokenizer
+        """Identity of the tokenizer (checkpoint meta)."""
         starts = np.arange(n) * seq_len
         is_val = (np.arange(n) % val_every) == val_every - 1
         self.train_starts, self.val_starts = starts[~is_val], starts[is_val]
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)
-        w = self.tokens[idx]
+        t = self.seq_len + 1
+        w = np.empty((len(starts), t), dtype=np.int64)
+        for i, s in enumerate(starts):  # slices of the memmap: reads only these pages
+            w[i] = self.tokens[s:s + t]
+        w = torch.from_numpy(w)
         return w[:, :-1], w[:, 1:]
 
     def _train_start(self, g: int) -> int:
@@ -109,8 +130,11 @@ class TextData:
 class FakeData:
     """Seeded random tokens with the same interface as TextData, for speed tests."""
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, seq_len: int, vocab_size: int, seed: int = 0,
+                 tokenizer: TokenizerId = BYTES_ID) -> None:
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+        self.tokenizer = tokenizer
+        """Identity of the tokenizer whose vocabulary the model has (checkpoint meta)."""
 
     def _rand(self, keys: range) -> tuple[torch.Tensor, torch.Tensor]:
         # one generator per sample, so a sample does not depend on how batches are cut

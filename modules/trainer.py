@@ -5,6 +5,7 @@ trains with is the Trainer's `Membership` (modules.elastic).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -46,6 +47,7 @@ from modules.pipeline import PipelineStage
 from modules.placement import Placement
 from modules.precision import LossScaling
 from modules.sync import GroupAverage, average_grads, make_group_average, no_average, sum_tied_grads
+from modules.tokenizer import BYTES_ID, TokenizerId
 from modules.tracking import open_rank_timing, open_trackers
 
 
@@ -74,13 +76,16 @@ def set_lr(opt: torch.optim.Optimizer, step: int, cfg: RunConfig) -> None:
         group["lr"] = cfg.optim.lr * lr_factor(step, cfg)
 
 
-def checkpoint_meta(plan: Plan, topo: Topology, seed: int) -> dict[str, Any]:
-    """What a rank's checkpoint must match to be resumed (model, split, rank, sync, batch)."""
+def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
+                    tokenizer: TokenizerId = BYTES_ID) -> dict[str, Any]:
+    """What a rank's checkpoint must match to be resumed (model, split, rank, sync, batch,
+    tokenizer)."""
     return {"model": plan.model, "stages": [list(s) for s in plan.stages], "rank": topo.rank,
             "replica": topo.replica, "stage": topo.stage, "world_size": topo.world_size,
             "sync_mode": plan.sync.mode, "inner_steps": plan.sync.inner_steps,
             "micro_batch_size": plan.micro_batch_size,
-            "num_micro_batches": plan.num_micro_batches, "seed": seed}
+            "num_micro_batches": plan.num_micro_batches, "seed": seed,
+            "tokenizer": tokenizer.meta()}
 
 
 class TrainingDiverged(Exception):  # noqa: N818 - the name says what happened
@@ -103,7 +108,9 @@ class Trainer:
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
-        self.spec = get_model(plan.model)
+        # the vocabulary follows the tokenizer (modules.data.run_vocab)
+        self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
+        self.tokenizer = data.tokenizer
         start, end = plan.stages[topo.stage]
         # initialised on the CPU (the same weights on every device), then moved
         self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
@@ -291,7 +298,7 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return checkpoint_meta(self.plan, self.topo, self.cfg.seed)
+        return checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
 
     def state(self) -> dict[str, Any]:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
