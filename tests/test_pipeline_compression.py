@@ -96,6 +96,47 @@ def test_message_bytes_per_mode_and_precision():
         PipelineWire("fp8")
 
 
+def _cuda_ready() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and cupy (the gpu extra)")
+@pytest.mark.parametrize("shape", [(2, 1024, 2048), (3, 7, 100), (1, 1, 8192)])
+def test_cuda_rows_match_cpu_bit_for_bit(shape):
+    """int8.cu with one warp per token row writes the CPU path's message (scripts/gpu_check.py
+    also runs this comparison and times it)."""
+    from scripts.gpu_check import row_codec_mismatch
+
+    assert row_codec_mismatch("cuda", shape) == ""
+
+
+def test_the_gpu_checks_comparison_passes_on_the_cpu(monkeypatch):
+    """The comparison scripts/gpu_check.py runs on a GPU, run against the CPU itself: it finds
+    no difference, and it finds a corrupted message."""
+    from modules.quant import rows
+    from scripts import gpu_check
+
+    assert gpu_check.row_codec_mismatch("cpu", (2, 9, 64)) == ""
+    calls = []
+    real = rows.encode_rows
+
+    def corrupt_second(x):
+        calls.append(1)
+        msg = real(x)
+        if len(calls) == 2:  # the "device" path
+            msg[200] ^= 1
+        return msg
+
+    monkeypatch.setattr(rows, "encode_rows", corrupt_second)
+    assert gpu_check.row_codec_mismatch("cpu", (2, 9, 64)) == \
+        "1 of 1224 message bytes differ from the CPU path"
+
+
 # -- a 2-stage pipeline in two threads -------------------------------------------------------
 class ThreadComm:
     """The point-to-point part of a Communicator between threads of one process. Like gloo, a
@@ -227,6 +268,33 @@ def test_int8_with_bf16_compute_and_none_in_bf16():
     assert sent_i == [n + 4 * n // 128] * 2
     assert abs(loss_i[0] - loss_b[0]) / loss_b[0] < LOSS_REL
     assert rel(grads_i[0], grads_b[0]) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+def test_an_inf_activation_reaches_the_next_stage_as_non_finite(mode):
+    """Stage 0's output holds inf in one token: whatever the wire, stage 1's loss is not finite
+    and stage 0's gradients are NaN, so the trainer's check (or fp16's skip) sees it."""
+    boxes, lock = {}, threading.Lock()
+    stages = []
+    for rank, (a, b) in enumerate(PLAN.stages):
+        model = StageModel(SPEC, a, b, seed=0)
+        stages.append(PipelineStage(model, topology(PLAN, rank, 2), ThreadComm(rank, boxes, lock),
+                                    PLAN.micro_batch_size, compression=mode))
+    emb = next(p for n, p in stages[0].model.named_parameters() if "emb" in n)
+    with torch.no_grad():
+        emb[5] = float("inf")  # token 5's embedding
+    xs = [torch.full((PLAN.micro_batch_size, SPEC.seq_len), 5)] * PLAN.num_micro_batches
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(
+        r, stages[r].train_step(xs if r == 0 else None, xs if r == 1 else None,
+                                PLAN.num_micro_batches))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not torch.isfinite(torch.tensor(out[1]))
+    grads = [p.grad for n, p in stages[0].model.named_parameters() if "emb" not in n]
+    assert not all(torch.isfinite(g).all() for g in grads)
 
 
 # -- the runtime -----------------------------------------------------------------------------
