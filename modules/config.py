@@ -217,7 +217,8 @@ class DeviceConfig:
     gloo otherwise; gloo stages CUDA tensors through pinned host memory)"""
     precision: str = field(default="fp32", metadata=choices("fp32", "bf16", "fp16"))
     """compute precision of forward/backward (fp32 master weights and optimizer state;
-    fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it"""
+    fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it unless
+    --pipeline-compression says otherwise"""
     pipeline_compression: str | None = field(default=None,
                                              metadata=choices("none", "bf16", "int8"))
     """how activations and their gradients cross pipeline links: none (the --precision dtype),

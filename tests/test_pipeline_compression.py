@@ -299,18 +299,23 @@ def test_an_inf_activation_reaches_the_next_stage_as_non_finite(mode):
 
 # -- the runtime -----------------------------------------------------------------------------
 @pytest.mark.timeout(200)
-def test_runtime_int8_flag_overrides_the_plan_and_metrics_count_wire_bytes(tmp_path):
-    """dist_runner over gloo (posted receives of the encoded size): --pipeline-compression int8
-    on a plan that says none; the last stage's pp_bytes_sent is its int8 gradient messages."""
-    save_plan(PLAN, tmp_path / "plan.json")
+@pytest.mark.parametrize("plan_mode,flag,used", [("none", "int8", "int8"), ("bf16", None, "bf16")])
+def test_runtime_takes_the_flag_else_the_plan_and_metrics_count_wire_bytes(tmp_path, plan_mode,
+                                                                           flag, used):
+    """dist_runner over gloo (posted receives of the encoded size): --pipeline-compression
+    overrides the plan's value, else the plan's is used; the last stage's pp_bytes_sent is its
+    encoded gradient messages, and its bytes_sent holds them (plus the tied-embedding sum)."""
+    plan = Plan("local", "", "gpt-tiny", PLAN.stages, PLAN.pipelines, PLAN.micro_batch_size,
+                PLAN.num_micro_batches, pipeline_compression=plan_mode)
+    save_plan(plan, tmp_path / "plan.json")
     metrics = tmp_path / "m.jsonl"
     r = run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
                   "--threads-per-rank", "1", "--grace-s", "2", "--", "--metrics", str(metrics),
-                  "--timeout-s", "60", "--steps", "2", "--fake-data", "--pipeline-compression",
-                  "int8", timeout=180)
+                  "--timeout-s", "60", "--steps", "2", "--fake-data",
+                  *(["--pipeline-compression", flag] if flag else []), timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = read_metrics(metrics)
-    want = PLAN.num_micro_batches * row_message_bytes(SHAPE)
+    want = PLAN.num_micro_batches * message_bytes(used, SHAPE, 4)
     assert [rec["pp_bytes_sent"] for rec in recs] == [want, want]
     for rec in recs:  # the rank's total = pipeline messages + the tied-embedding sum (fp32)
         assert rec["bytes_sent"] - rec["pp_bytes_sent"] == 4 * SPEC.vocab_size * SPEC.d_model
