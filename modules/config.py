@@ -239,6 +239,10 @@ class DeviceConfig:
             _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0, MAX_CUDA_DEVICE)
         _int_at_least(DeviceConfig, "threads", self.threads, 0, MAX_THREADS)
 
+    def resolved_pipeline_compression(self, plan: Plan) -> str:
+        """--pipeline-compression, else the plan's pipeline_compression."""
+        return self.pipeline_compression or plan.pipeline_compression
+
 
 def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
     try:

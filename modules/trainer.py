@@ -117,7 +117,7 @@ class Trainer:
         """Bytes sent and seconds waited by every communicator of this rank."""
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
                                   self.placement.precision,
-                                  cfg.device.pipeline_compression or plan.pipeline_compression)
+                                  cfg.device.resolved_pipeline_compression(plan))
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)

@@ -314,6 +314,7 @@ def test_runtime_takes_the_flag_else_the_plan_and_metrics_count_wire_bytes(tmp_p
                   "--timeout-s", "60", "--steps", "2", "--fake-data",
                   *(["--pipeline-compression", flag] if flag else []), timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(f"pipeline compression {used}") == 2  # each rank says which it uses
     recs = read_metrics(metrics)
     want = PLAN.num_micro_batches * message_bytes(used, SHAPE, 4)
     assert [rec["pp_bytes_sent"] for rec in recs] == [want, want]
@@ -329,3 +330,16 @@ def test_bad_flag_value_exits_2_naming_the_flag(tmp_path, value):
                   "--steps", "1", "--pipeline-compression", value, timeout=60)
     assert r.returncode == 2
     assert "--pipeline-compression" in r.stderr and repr(value) in r.stderr
+
+
+def test_config_checks_the_value_and_falls_back_to_the_plan():
+    from formats.errors import UserError
+    from modules.config import DeviceConfig
+
+    with pytest.raises(UserError, match=r"--pipeline-compression: must be one of none, bf16, "
+                       r"int8, got 'fp8'"):
+        DeviceConfig(pipeline_compression="fp8")
+    plan = Plan("local", "", "gpt-tiny", PLAN.stages, PLAN.pipelines,
+                pipeline_compression="bf16")
+    assert DeviceConfig().resolved_pipeline_compression(plan) == "bf16"
+    assert DeviceConfig(pipeline_compression="none").resolved_pipeline_compression(plan) == "none"
