@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
     log(f"device {describe_device(placement.device)}, precision {cfg.device.precision}, "
-        f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}")
+        f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}, "
+        f"pipeline compression {cfg.device.resolved_pipeline_compression(plan)}")
     trainer = build_trainer(launch, cfg, plan, topo, where, placement, log)
     trainer.run()
     mfu = trainer.mfu_values

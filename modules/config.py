@@ -18,7 +18,7 @@ from pathlib import Path
 from formats.addresses import tcp_url
 from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
-from formats.plan import MAX_DEVICE_ID, Plan
+from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
 
 MAX_COUNT = 10 ** 9
@@ -302,7 +302,12 @@ class DeviceConfig:
     gloo otherwise; gloo stages CUDA tensors through pinned host memory)"""
     precision: str = field(default="fp32", metadata=choices("fp32", "bf16", "fp16"))
     """compute precision of forward/backward (fp32 master weights and optimizer state;
-    fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it"""
+    fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it unless
+    --pipeline-compression says otherwise"""
+    pipeline_compression: str | None = field(default=None,
+                                             metadata=choices("none", "bf16", "int8"))
+    """how activations and their gradients cross pipeline links: none (the --precision dtype),
+    bf16, or int8 with one fp32 scale per token row (default: the plan's pipeline_compression)"""
     compile: bool = False
     """torch.compile each stage's module"""
     threads: int = 0
@@ -312,9 +317,16 @@ class DeviceConfig:
         _one_of(DeviceConfig, "device", self.device, ("auto", "cpu", "cuda"))
         _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
         _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.pipeline_compression is not None:
+            _one_of(DeviceConfig, "pipeline_compression", self.pipeline_compression,
+                    PIPELINE_COMPRESSIONS)
         if self.cuda_device is not None:
             _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0, MAX_CUDA_DEVICE)
         _int_at_least(DeviceConfig, "threads", self.threads, 0, MAX_THREADS)
+
+    def resolved_pipeline_compression(self, plan: Plan) -> str:
+        """--pipeline-compression, else the plan's pipeline_compression."""
+        return self.pipeline_compression or plan.pipeline_compression
 
 
 def _rank_spec(text: str, flag: str, parts: int) -> list[int]:

@@ -10,11 +10,12 @@ Every receive of a step is posted when the step starts: gloo's point-to-point is
 costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB messages took
 0.87 s against 0.24 s pre-posted (measured between two namespace hosts).
 
-With --precision bf16/fp16 (modules.precision) a stage computes under autocast and activations
-and their gradients cross links in the compute dtype (half of fp32's bytes); a received buffer
-is turned back into fp32, so every stage's residual stream and backward input stay fp32. The
-last stage scales its loss with the step's loss scaling (fp16) before backward, so every
-stage's gradients carry the same scale.
+With --precision bf16/fp16 (modules.precision) a stage computes under autocast. Activations
+and their gradients cross links as the plan's pipeline_compression says (modules.pipeline_wire:
+the compute dtype, bf16, or int8 with one scale per token row); a received message is turned
+back into fp32, so every stage's residual stream and backward input stay fp32. The last stage
+scales its loss with the step's loss scaling (fp16) before backward, so every stage's gradients
+carry the same scale.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from modules.comm import Communicator, Posted
 from modules.dist import Topology
 from modules.model import StageModel
+from modules.pipeline_wire import PipelineWire
 from modules.precision import Precision
 from modules.protocol import BWD_TAG, FWD_TAG
 
@@ -37,7 +39,8 @@ class PipelineStage:
     """Runs this rank's stage of the pipeline for one step of micro-batches."""
 
     def __init__(self, model: StageModel, topo: Topology, comm: Communicator | None,
-                 micro_batch_size: int, precision: Precision | None = None) -> None:
+                 micro_batch_size: int, precision: Precision | None = None,
+                 compression: str = "none") -> None:
         self.model, self.topo = model, topo
         self.comm = comm
         """My pipeline's communicator (peers by device id; None with one stage). The Trainer
@@ -47,23 +50,28 @@ class PipelineStage:
         self.device = next(model.parameters()).device
         """Where activations and their gradients are received."""
         self.precision = precision or Precision("fp32", self.device)
+        self.wire = PipelineWire(compression, self.precision)
+        """How activations and their gradients are encoded on the pipeline's links."""
+        self.bytes_sent = 0
+        """Bytes of the messages this stage sent (activations and gradients, eval included)."""
 
     def _buffer(self) -> torch.Tensor:
-        """An empty receive buffer for one micro-batch's activations (in the wire dtype)."""
-        return torch.empty(self.act_shape, device=self.device, dtype=self.precision.wire_dtype)
+        """An empty receive buffer for one micro-batch's message (its encoded size)."""
+        return self.wire.buffer(self.act_shape, self.device)
 
     def _wait(self, posted: Posted, what: str) -> torch.Tensor:
         """The fp32 tensor a posted receive brought."""
-        return self.precision.from_wire(self.comm.wait(posted, what))
+        return self.wire.decode(self.comm.wait(posted, what), self.act_shape)
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> tuple[Posted, torch.Tensor]:
-        """Start sending `t` in the wire dtype; keep the returned tensor alive until the wait."""
-        wire = self.precision.to_wire(t.detach()).contiguous()
+        """Start sending `t` encoded; keep the returned message alive until the wait."""
+        wire = self.wire.encode(t)
+        self.bytes_sent += wire.numel() * wire.element_size()
         return self.comm.isend(wire, dst, tag), wire
 
     def _recv_act(self, m: int, what: str) -> torch.Tensor:
         buf = self.comm.recv(self._buffer(), self.topo.prev_rank, FWD_TAG + m, what)
-        return self.precision.from_wire(buf)
+        return self.wire.decode(buf, self.act_shape)
 
     def _post_recvs(self, src: int | None, tag: int, count: int) -> list[Posted]:
         """Post `count` receives from `src` (tags tag..tag+count-1) now; [] on a pipeline end."""

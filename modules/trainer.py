@@ -123,7 +123,8 @@ class Trainer:
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
-                                  self.placement.precision)
+                                  self.placement.precision,
+                                  cfg.device.resolved_pipeline_compression(plan))
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
@@ -470,7 +471,7 @@ class Trainer:
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
-        dp0, pipe = self.dp_bytes, self.pipe.comm
+        dp0, pipe, ppb0 = self.dp_bytes, self.pipe.comm, self.pipe.bytes_sent
         pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
             loss = self.train_step()
@@ -483,7 +484,8 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
                "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
                "comm_s": round(comm_s, 6), "bytes_sent": self.stats.bytes_sent - bytes0,
-               "dp_bytes_sent": self.dp_bytes - dp0, "outer_step": self.outer_count,
+               "dp_bytes_sent": self.dp_bytes - dp0, "pp_bytes_sent": self.pipe.bytes_sent - ppb0,
+               "outer_step": self.outer_count,
                "tokens_per_s": round(self.tokens_per_step * len(self.replicas) / step_s, 1),
                "replica": self.topo.replica, "wall_time": round(time.time(), 3),
                "rank": self.topo.rank, "stage": self.topo.stage,

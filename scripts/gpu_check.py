@@ -7,7 +7,8 @@ Every N: every module imports; the int8 kernel compiles to PTX for sm_80 and sm_
 (SKIP, said, when nvcc is missing: cupy compiles it with NVRTC at run time, so nvcc is not
 needed to train); dist_runner.py has the GPU flags this check uses (WARN without a GPU).
 N >= 1 adds: every `-m gpu` test; the int8 kernels' GB/s against the memory's peak
-(benchmarks/kernel_bandwidth.py, target >= 70%); a 2-stage gpt-small pipeline with both ranks
+(benchmarks/kernel_bandwidth.py, target >= 70%); the pipeline's per-row int8 on the GPU against
+the CPU path (same bytes); a 2-stage gpt-small pipeline with both ranks
 on GPU 0 over gloo, and a 1x2 DiLoCo run with int8 on the GPU, each against the same plan on
 CPU; bf16 and --compile against fp32 eager on the GPU. N >= 2 adds the NCCL all-reduce (1x2)
 and a 2-stage NCCL pipeline (torchrun, one GPU per rank), each against CPU.
@@ -234,6 +235,63 @@ def check_kernel_bandwidth(c: Checker) -> None:
           f"{rates}; peak {peak}")
 
 
+def row_codec_mismatch(device: str, shape: tuple[int, ...] = (2, 1024, 2048)) -> str:
+    """Empty when the pipeline's per-row int8 (modules.quant.rows) on `device` writes the same
+    message as on the CPU and decodes it to the same values, non-finite rows (-> NaN) included;
+    else what differs."""
+    import torch
+
+    from modules.quant.rows import decode_rows, encode_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 10
+    x[0, shape[1] // 2, 3 % shape[-1]], x[-1, -1, 0] = float("inf"), float("nan")
+    want, got = encode_rows(x), encode_rows(x.to(device))
+    if got.device.type != torch.device(device).type:
+        return f"the message was made on {got.device}, not {device}"
+    if not torch.equal(want, got.cpu()):
+        diff = int((want != got.cpu()).sum())
+        return f"{diff} of {want.numel()} message bytes differ from the CPU path"
+    a, b = decode_rows(want, shape), decode_rows(got, shape).cpu()
+    if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())):
+        return "decoded values differ from the CPU path"
+    bad = ~torch.isfinite(x).all(-1)
+    if not (a[bad].isnan().all() and a[~bad].isfinite().all()):
+        return "the rows holding inf/NaN did not (only) decode to NaN"
+    return ""
+
+
+def check_row_codec(c: Checker) -> None:
+    """The pipeline's per-row int8 on the GPU (int8.cu, one warp per token row) against the CPU
+    path: the same message bytes, and how long encoding a llama-1b activation takes."""
+    import torch
+
+    t0 = time.monotonic()
+    name = "pipeline int8 rows: CUDA = CPU"
+    try:
+        import cupy  # noqa: F401 - without it the CUDA tensors would take the torch path
+
+        why = row_codec_mismatch("cuda")
+        if why:
+            c.add(name, "FAIL", t0, why)
+            return
+        from modules.quant.rows import encode_rows
+
+        x = torch.randn(1, 2048, 2048, device="cuda")  # llama-1b: micro-batch 1, seq x d_model
+        encode_rows(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            encode_rows(x)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) / 20 * 1e3
+    except Exception as e:  # a missing cupy or a kernel that fails to build is a FAIL row
+        c.add(name, "FAIL", t0, f"{type(e).__name__}: {str(e)[:200]}")
+        return
+    c.add(name, "PASS", t0, f"same message bytes, inf/NaN rows -> NaN; encoding a "
+          f"(1, 2048, 2048) activation takes {ms:.3f} ms")
+
+
 @dataclass
 class Run:
     """What a training run left: losses per replica and its median tokens/s."""
@@ -398,6 +456,7 @@ def gpu_checks(c: Checker, args: argparse.Namespace, flags_ok: bool) -> None:
         return
     check_gpu_tests(c)
     check_kernel_bandwidth(c)
+    check_row_codec(c)
     if not flags_ok:
         c.add("training runs", "SKIP", time.monotonic(), "dist_runner.py lacks the GPU flags")
         return

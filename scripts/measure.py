@@ -60,6 +60,9 @@ from scripts.netemu.rounds import estimate_s, pair_rounds  # noqa: E402
 from scripts.netemu.shaping import table  # noqa: E402
 from scripts.netemu.shell import READY_TIMEOUT_S  # noqa: E402
 
+START_MARGIN_S = 20.0
+"""All-at-once benchmarks start timing this long after the command starts: time to connect,
+copy the agent and import torch on every host (a late host still runs, just not in step)."""
 HOST_AGENT = Path(__file__).resolve().parent / "netemu" / "host_agent.py"
 RUN_NAME = "measure-agent"
 MAX_SECONDS = 600.0
@@ -94,11 +97,14 @@ def setup_hosts(hosts: list[HostEntry], opt: sshctl.SSHOptions, args: argparse.N
     host that failed (after stopping the servers that did start)."""
     infos: dict[int, HostInfo] = {}
     bench_timeout = args.bench_seconds * 20 + 120  # first CUDA init and torch import included
+    # all at once: every host times the same window, so hosts that share a machine's cores
+    # (namespaces, containers) measure the share they will have while training together
+    start_at = [] if args.one_at_a_time else ["--start-at", f"{time.time() + START_MARGIN_S:.3f}"]
 
     def one(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
         copy_files(c, [HOST_AGENT, PROBE_AGENT])
-        s, out, err = sshctl.exec_command(c, _remote(args, HOST_AGENT, *_bench_argv(spec, args)),
-                                          bench_timeout)
+        s, out, err = sshctl.exec_command(
+            c, _remote(args, HOST_AGENT, *_bench_argv(spec, args), *start_at), bench_timeout)
         try:
             info = parse_host(out, s, err, f"host {k} {h.label}", args.remote_python)
         except UserError as e:
@@ -118,7 +124,6 @@ def setup_hosts(hosts: list[HostEntry], opt: sshctl.SSHOptions, args: argparse.N
             f"({info.bench}, {spec.name} layer)")
         return sshctl.HostResult(h, 0)
 
-    # hosts that share one machine's cores (a namespace lab) would slow each other's benchmark
     results = sshctl.for_all(hosts, replace(opt, parallel=1) if args.one_at_a_time else opt, one)
     bad = [r.error if r.error.startswith("host ") else f"host {k} {r.host.label}: {r.error}"
            for k, r in enumerate(results) if not r.ok]
@@ -237,8 +242,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=argtypes.integer(1, 4096), default=1,
                    help="sequences per benchmark step (1)")
     p.add_argument("--one-at-a-time", action="store_true",
-                   help="benchmark the hosts one after the other (hosts that share a machine's "
-                        "cores, e.g. namespace hosts); default: all at once")
+                   help="benchmark the hosts one after the other (each alone on its machine); "
+                        "default: all at once, timing the same window, as they will train")
     return p.parse_args(argv)
 
 

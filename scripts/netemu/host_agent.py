@@ -70,9 +70,13 @@ def bench(torch, a: argparse.Namespace) -> tuple[float, str]:  # type: ignore[no
         (h[:, :f] @ w_out).sum()
 
     times: list[float] = []
+    if a.start_at:  # every host of a measurement starts timing together (shared cores, if any)
+        time.sleep(max(0.0, a.start_at - time.time()))
     end = time.monotonic() + a.seconds
     with torch.no_grad():
-        while len(times) < 5 or (time.monotonic() < end and len(times) < 1000):
+        # for the whole window, not a number of repeats: a host that stopped early would hand
+        # its cores to the others still timing on the same machine
+        while len(times) < 5 or time.monotonic() < end:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -103,6 +107,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--start-at", type=float, default=0.0,
+                   help="wall-clock time (epoch s) to start timing at, after torch is loaded")
     a = p.parse_args()
     info = {"hostname": socket.gethostname(), "python": sys.version.split()[0]}
     try:
