@@ -7,8 +7,9 @@
 Prints one JSON line: the host name, the device (every CUDA GPU's name and memory, else the
 CPU model and RAM) and the FLOP/s of one transformer layer's forward matmuls at the model's
 shapes (QKV, attention scores and weighted sum, output projection, MLP), timed on GPU 0 in
-bf16 or on the CPU in fp32 (median of the repeats after two warm-ups). Without torch it prints
-`{"error": "no torch", ...}` and exits 3, so the caller can name the host.
+bf16 or on the CPU in fp32 (throughput over --seconds after two warm-ups, from --start-at).
+Without torch it prints `{"error": "no torch", ...}` and exits 3, so the caller can name the
+host.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import sys
 import time
 
@@ -69,23 +69,27 @@ def bench(torch, a: argparse.Namespace) -> tuple[float, str]:  # type: ignore[no
         h = o @ w_in
         (h[:, :f] @ w_out).sum()
 
-    times: list[float] = []
+    for _ in range(2):  # warm-ups (allocator, kernels)
+        layer()
     if a.start_at:  # every host of a measurement starts timing together (shared cores, if any)
         time.sleep(max(0.0, a.start_at - time.time()))
-    end = time.monotonic() + a.seconds
+    # Throughput over the whole window, not the median repeat, and for the whole window, not
+    # a number of repeats: on cores shared with other hosts (namespaces, containers) a repeat
+    # that ran inside one scheduler slice is as fast as an idle machine, and a host that
+    # stopped early would hand its cores to the others.
+    if cuda:
+        torch.cuda.synchronize()
+    done = 0
+    t0 = time.perf_counter()
     with torch.no_grad():
-        # for the whole window, not a number of repeats: a host that stopped early would hand
-        # its cores to the others still timing on the same machine
-        while len(times) < 5 or time.monotonic() < end:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        while done < 5 or time.perf_counter() - t0 < a.seconds:
             layer()
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    flops = layer_flops(d, f, a.ffn_mats, seq, batch * seq)
-    return flops / statistics.median(times[2:]), f"{dev} {str(dtype).split('.')[-1]}"
+            done += 1
+    elapsed = time.perf_counter() - t0
+    flops = layer_flops(d, f, a.ffn_mats, seq, batch * seq) * done
+    return flops / elapsed, f"{dev} {str(dtype).split('.')[-1]}"
 
 
 def describe(torch) -> dict:  # type: ignore[no-untyped-def]
