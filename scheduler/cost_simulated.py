@@ -25,7 +25,7 @@ import numpy as np
 from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
-from formats.plan import SyncConfig
+from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from scheduler.layer_split import even_split, flops_table, params_table, split_layers
 from scheduler.memory import memory_table
 from scheduler.objective import CostBreakdown
@@ -58,8 +58,10 @@ class SimulatedObjective:
     def __init__(self, cluster: Cluster, model: ModelSpec, sync: SyncConfig | None = None,
                  micro_batch_size: int = 1, num_micro_batches: int = 1,
                  config: SimConfig | None = None,
-                 stages: list[tuple[int, int]] | None = None) -> None:
-        """`stages` fixes the layer split (else it is chosen per candidate)."""
+                 stages: list[tuple[int, int]] | None = None,
+                 pipeline_compression: str = "none") -> None:
+        """`stages` fixes the layer split (else it is chosen per candidate);
+        `pipeline_compression` is how activations cross stage boundaries (Plan's field)."""
         self.cluster, self.model = cluster, model
         self.sync = sync or SyncConfig()
         self.sync.validate()
@@ -69,6 +71,10 @@ class SimulatedObjective:
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.config = config or SimConfig()
         self.fixed_stages = list(stages) if stages is not None else None
+        if pipeline_compression not in PIPELINE_COMPRESSIONS:
+            raise UserError(f"pipeline_compression: {pipeline_compression!r} is not one of "
+                            f"{', '.join(PIPELINE_COMPRESSIONS)}")
+        self.pipeline_compression = pipeline_compression
         self.tables = LinkTables(cluster, self.config)
         self.rings = RingTable(self.tables, model, self.sync.compression, self.config)
         self.diloco = self.sync.mode == "diloco"
@@ -86,7 +92,7 @@ class SimulatedObjective:
 
     def _candidate(self, pipelines: np.ndarray) -> PlanLinks:
         return plan_links(self.tables, self.model, pipelines, self.sync, self.micro_batch_size,
-                          self.config, self.rings)
+                          self.config, self.rings, self.pipeline_compression)
 
     def _dp_split(self, cand: PlanLinks) -> list[tuple[int, int]]:
         """The layer split of layer_split.split_layers for this candidate ([] if none fits)."""
@@ -112,7 +118,7 @@ class SimulatedObjective:
         if (self.mem_need[a, b] > cand.memory_bytes).any():
             return np.inf, None
         inputs = step_inputs(cand, self.flops[a, b], self.payload[a, b], self.config,
-                             self.num_micro_batches, self.inner_steps)
+                             self.num_micro_batches, self.sync)
         times = replay_fast(inputs)
         return times.step_s, (inputs, times)
 
@@ -205,7 +211,11 @@ class SimulatedObjective:
             "tied_comm_s": step.tied_comm_s,
             "dp_comm_s": step.dp_comm_s,
             "dp_comm_per_round_s": step.dp_comm_round_s,
+            "dp_hidden_s": step.dp_hidden_s,
+            "dp_sync_per_round_s": step.dp_sync_round_s,
             "dp_allreduce_max_s": max(step.dp_allreduce_s, default=0.0),
             "tokens_per_s": step.tokens_per_s,
+            "pp_bytes_per_step": step.pp_bytes_per_step,
+            "dp_bytes_per_step": step.dp_bytes_per_step,
         }
         return CostBreakdown(self.name, float(cost), parts, list(stages))
