@@ -17,6 +17,7 @@ Ring orders of stage groups are cached by group; one `cost` call on a 64-device,
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -63,30 +64,50 @@ class SimulatedObjective:
         """`stages` fixes the layer split (else it is chosen per candidate);
         `pipeline_compression` is how activations cross stage boundaries (Plan's field)."""
         self.cluster, self.model = cluster, model
-        self.sync = sync or SyncConfig()
-        self.sync.validate()
         if micro_batch_size < 1 or num_micro_batches < 1:
             raise UserError(f"micro_batch_size ({micro_batch_size}) and num_micro_batches "
                             f"({num_micro_batches}) must be >= 1")
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.config = config or SimConfig()
         self.fixed_stages = list(stages) if stages is not None else None
+        self.tables = LinkTables(cluster, self.config)
+        self.tokens = micro_batch_size * model.seq_len
+        self.flops = flops_table(model) * self.tokens  # forward FLOPs per micro-batch
+        # What depends on the sync configuration, by its key; shared with with_sync's copies.
+        self._rings: dict[str, RingTable] = {}
+        self._mem_need: dict[bool, np.ndarray] = {}
+        self._set_sync(sync or SyncConfig(), pipeline_compression)
+
+    def _set_sync(self, sync: SyncConfig, pipeline_compression: str) -> None:
+        sync.validate()
         if pipeline_compression not in PIPELINE_COMPRESSIONS:
             raise UserError(f"pipeline_compression: {pipeline_compression!r} is not one of "
                             f"{', '.join(PIPELINE_COMPRESSIONS)}")
-        self.pipeline_compression = pipeline_compression
-        self.tables = LinkTables(cluster, self.config)
-        self.rings = RingTable(self.tables, model, self.sync.compression, self.config)
-        self.diloco = self.sync.mode == "diloco"
-        self.inner_steps = self.sync.inner_steps if self.diloco else 1
-        self.tokens = micro_batch_size * model.seq_len
-        self.flops = flops_table(model) * self.tokens  # forward FLOPs per micro-batch
-        per_param = payload_bytes_per_param(self.sync.compression, self.config.int8_block)
-        self.payload = params_table(model) * per_param
+        self.sync, self.pipeline_compression = sync, pipeline_compression
+        if sync.compression not in self._rings:
+            self._rings[sync.compression] = RingTable(self.tables, self.model, sync.compression,
+                                                      self.config)
+        self.rings = self._rings[sync.compression]
+        self.diloco = sync.mode == "diloco"
+        self.inner_steps = sync.inner_steps if self.diloco else 1
+        per_param = payload_bytes_per_param(sync.compression, self.config.int8_block)
+        self.payload = params_table(self.model) * per_param
         values, index = np.unique(self.payload, return_inverse=True)
         self._payload_values, self._payload_index = values, index.reshape(self.payload.shape)
-        self.mem_need = memory_table(model, micro_batch_size, num_micro_batches, self.diloco,
-                                     self.config.memory())
+        if self.diloco not in self._mem_need:
+            self._mem_need[self.diloco] = memory_table(
+                self.model, self.micro_batch_size, self.num_micro_batches, self.diloco,
+                self.config.memory())
+        self.mem_need = self._mem_need[self.diloco]
+
+    def with_sync(self, sync: SyncConfig, pipeline_compression: str = "none"
+                  ) -> SimulatedObjective:
+        """The same objective under another sync configuration and pipeline compression; the
+        link tables, ring orders and memory tables are shared (the planner's sync search scores
+        hundreds of configurations)."""
+        other = copy.copy(self)
+        other._set_sync(sync, pipeline_compression)
+        return other
 
     # ---------------------------------------------------------------- per-candidate pieces
 
