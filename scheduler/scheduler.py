@@ -287,8 +287,9 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
                             f"{args.sync} give the setting itself")
     if args.sync != "diloco" and (args.overlap or args.fragments is not None):
         raise UserError(f"--overlap and --fragments apply to --sync diloco, not {args.sync}")
-    inner, fragments = args.inner_steps or 1, args.fragments or 1
-    if fragments > inner:
+    inner = 1 if args.inner_steps is None else args.inner_steps  # SyncConfig checks it
+    fragments = 1 if args.fragments is None else args.fragments
+    if args.fragments is not None and fragments > inner >= 1:
         raise UserError(f"--fragments {fragments}: needs at least as many --inner-steps "
                         f"(got {inner})")
     if args.inner_steps is not None and args.sync == "allreduce" and inner != 1:

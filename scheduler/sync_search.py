@@ -7,7 +7,7 @@ the pipeline compression) enter the search as an outer layer around the assignme
    search, the baselines) under one sync configuration: the most synchronous one allowed
    (allreduce) and the least (DiLoCo with the largest H, overlapped), both with the most
    compression allowed. The first finds assignments that keep the data-parallel rings short,
-   the second assignments tuned for the pipeline alone. Each gets ANCHOR_SHARE of the time.
+   the second assignments tuned for the pipeline alone. They share ANCHORS_SHARE of the time.
 2. Every allowed configuration (sync_choices: a few hundred at most) is scored on both anchors'
    assignments with the simulated objective (its own layer split each), the least risky first,
    until the deadline.
@@ -51,8 +51,8 @@ from scheduler.simulator.report import sync_label
 
 RISK_TOLERANCE = 0.02
 """A riskier configuration must predict a step more than this fraction shorter to be chosen."""
-ANCHOR_SHARE = 0.42
-"""Part of the time limit each of the two anchor searches gets (the rest: scoring, polish)."""
+ANCHORS_SHARE = 0.84
+"""Part of the time limit the anchor searches share equally (the rest: scoring, polish)."""
 FRAGMENT_OPTIONS = (1, 2, 4)
 """Streaming-DiLoCo fragment counts tried (at most H)."""
 POLISH_REPLAYS = 400
@@ -178,7 +178,7 @@ class AutoOutcome:
     """Configurations allowed by the bounds."""
 
 
-def _score_all(objectives: list[SimulatedObjective], pipelines: list[np.ndarray],
+def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarray],
                choices: list[SyncChoice], deadline: float) -> list[Scored]:
     """Each choice on each anchor's assignment, least risky first, until the deadline (the
     first choice always)."""
@@ -205,21 +205,23 @@ def _final_plan(base: Plan, objective: SimulatedObjective, found: Scored,
 
 def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds: SyncBounds,
                    progress: Callable[[int, float], None] | None = None,
-                   started: float | None = None) -> AutoOutcome:
+                   started: float | None = None, anchors: list[SyncChoice] | None = None,
+                   tolerance: float = RISK_TOLERANCE) -> AutoOutcome:
     """Search the assignment and the sync configuration within `bounds` (module docstring);
     req.search.time_limit_s bounds all of it from `started` (a time.perf_counter() value);
-    req.sync and req.pipeline_compression are replaced by the anchors'."""
+    req.sync and req.pipeline_compression are replaced by the anchors' (default
+    anchor_choices(bounds); benchmarks/sync_auto_search.py compares others)."""
     if req.objective != "simulated":
         raise UserError("PlanRequest.objective: choosing the sync configuration needs the "
                         f"simulated objective, not {req.objective!r}")
     started = time.perf_counter() if started is None else started
     limit = req.search.time_limit_s
     end = started + limit - max(limit * FINISH_SHARE, min(FINISH_MIN_S, limit / 10))
-    anchors = anchor_choices(bounds)
+    anchors = anchors or anchor_choices(bounds)
     outcomes: list[PlanOutcome] = []
     for k, anchor in enumerate(anchors):
         now = time.perf_counter()
-        anchor_end = started + limit * ANCHOR_SHARE * (k + 1)
+        anchor_end = started + limit * ANCHORS_SHARE * (k + 1) / len(anchors)
         if k and anchor_end - now < 0.05 * limit:
             break  # the first anchor overran: no time for a second search worth having
         sub = replace(req, sync=anchor.sync, pipeline_compression=anchor.pipeline_compression,
@@ -232,9 +234,9 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     pipelines = [np.asarray(o.plan.pipelines) for o in outcomes]
     choices = sync_choices(bounds)
     polish_end = time.perf_counter() + (end - time.perf_counter()) * 0.8
-    scored = _score_all(objectives, pipelines, choices, polish_end)
-    chosen = choose(scored)
-    allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"])
+    scored = score_choices(objectives, pipelines, choices, polish_end)
+    chosen = choose(scored, tolerance)
+    allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"], tolerance)
     if chosen is None or allreduce is None:
         raise UserError(f"no plan of {model.name} fits the devices of '{cluster.name}' under "
                         f"any sync configuration allowed")
@@ -247,7 +249,7 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     plan.search = {**plan.search, "sync_auto": {
         "anchors": [a.label() for a in anchors[:len(outcomes)]],
         "chosen_on_anchor": chosen.anchor, "configurations": len(choices),
-        "scored": len(scored), "risk_tolerance": RISK_TOLERANCE, "bounds": asdict(bounds),
+        "scored": len(scored), "risk_tolerance": tolerance, "bounds": asdict(bounds),
         "allreduce": {**allreduce.choice.to_dict(), "cost": round(ar_cost.cost_s, 6)}}}
     outcome = replace(outcomes[chosen.anchor], plan=plan, ours=cost)
     return AutoOutcome(outcome, ar_plan, ar_cost, [a.label() for a in anchors[:len(outcomes)]],

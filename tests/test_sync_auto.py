@@ -1,4 +1,4 @@
-"""`plan --sync auto`: the sync configuration chosen with the assignment, within the user's bounds."""
+"""`plan --sync auto`: the sync configuration chosen with the assignment, within the bounds."""
 
 from __future__ import annotations
 
