@@ -8,9 +8,10 @@ the pipeline compression) enter the search as an outer layer around the assignme
    (allreduce) and the least (DiLoCo with the largest H, overlapped), both with the most
    compression allowed. The first finds assignments that keep the data-parallel rings short,
    the second assignments tuned for the pipeline alone. They share ANCHORS_SHARE of the time.
-2. Every allowed configuration (sync_choices: a few hundred at most) is scored on both anchors'
-   assignments with the simulated objective (its own layer split each), the least risky first,
-   until the deadline.
+2. The allowed configurations (sync_choices: a few hundred at most) are scored on both anchors'
+   assignments with the simulated objective (its own layer split each), until the deadline:
+   first the most compressed one of each (mode, H, overlap, fragments), then the other
+   compressions of those that came near the fastest (score_choices).
 3. The choice: the least risky configuration (SyncChoice.risk) whose step is within
    RISK_TOLERANCE of the fastest; the best allreduce configuration is chosen the same way among
    allreduce ones, to show beside it. Both get the objective's split polish.
@@ -178,17 +179,47 @@ class AutoOutcome:
     """Configurations allowed by the bounds."""
 
 
+def skeleton(choice: SyncChoice) -> tuple[str, int, bool, int]:
+    """A configuration without its compressions: mode, H, overlap, fragments."""
+    s = choice.sync
+    return s.mode, s.inner_steps, s.overlap, s.fragments
+
+
 def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarray],
-               choices: list[SyncChoice], deadline: float) -> list[Scored]:
-    """Each choice on each anchor's assignment, least risky first, until the deadline (the
-    first choice always)."""
+                  choices: list[SyncChoice], deadline: float,
+                  tolerance: float = RISK_TOLERANCE) -> list[Scored]:
+    """Choices on each anchor's assignment, until the deadline. Compression never lengthens a
+    step (for a given split), so first the most compressed choice of every skeleton (the
+    fastest it can be), least risky skeleton first; then the other compressions of the
+    skeletons that came within `tolerance` of the fastest, and of allreduce (the plan shown
+    beside), least risky first. The allreduce skeleton is always scored in full."""
+    groups: dict[tuple[str, int, bool, int], list[SyncChoice]] = {}
+    for choice in choices:  # least risky first, so each group's last is its most compressed
+        groups.setdefault(skeleton(choice), []).append(choice)
     scored: list[Scored] = []
-    for choice in choices:
-        if scored and time.perf_counter() > deadline:
-            break
+
+    def score(choice: SyncChoice) -> float:
+        costs = []
         for k, (obj, pipe) in enumerate(zip(objectives, pipelines)):
-            cost = obj.with_sync(choice.sync, choice.pipeline_compression).breakdown(pipe)
-            scored.append(Scored(choice, cost, k))
+            cost = obj.with_sync(choice.sync, choice.pipeline_compression).cost(pipe)
+            scored.append(Scored(choice, CostBreakdown(obj.name, cost), k))
+            costs.append(cost)
+        return min(costs)
+
+    fastest: dict[tuple[str, int, bool, int], float] = {}
+    for key, group in groups.items():
+        if fastest and time.perf_counter() > deadline:
+            break
+        fastest[key] = score(group[-1])
+    best = min(fastest.values())
+    for key, group in groups.items():
+        if key not in fastest or (key[0] != "allreduce" and
+                                  fastest[key] > best * (1.0 + tolerance)):
+            continue
+        for choice in group[:-1]:
+            if key[0] != "allreduce" and time.perf_counter() > deadline:
+                return scored
+            score(choice)
     return scored
 
 
@@ -234,7 +265,7 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     pipelines = [np.asarray(o.plan.pipelines) for o in outcomes]
     choices = sync_choices(bounds)
     polish_end = time.perf_counter() + (end - time.perf_counter()) * 0.8
-    scored = score_choices(objectives, pipelines, choices, polish_end)
+    scored = score_choices(objectives, pipelines, choices, polish_end, tolerance)
     chosen = choose(scored, tolerance)
     allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"], tolerance)
     if chosen is None or allreduce is None:
