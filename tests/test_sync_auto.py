@@ -12,6 +12,7 @@ from formats.cluster import Cluster, Device, save_cluster
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import SyncConfig, load_plan
+from scheduler.cost_simulated import SimulatedObjective
 from scheduler.objective import CostBreakdown
 from scheduler.planning import PlanRequest
 from scheduler.scenarios import make_scenario
@@ -25,6 +26,7 @@ from scheduler.sync_search import (
     choose,
     inner_step_options,
     plan_sync_auto,
+    score_choices,
     sync_choices,
 )
 
@@ -193,3 +195,19 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys, args, flag):
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.02, 0.2])
+def test_pruned_scoring_chooses_what_scoring_everything_chooses(tolerance):
+    cluster, model = make_scenario("badlink", 1), get_model("gpt-tiny")
+    obj = SimulatedObjective(cluster, model, None, 1, 4, RUNTIME_PROFILES["cpu"])
+    rng = np.random.default_rng(0)
+    pipes = [rng.permutation(8).reshape(2, 4), rng.permutation(8).reshape(4, 2)]
+    choices = sync_choices(SyncBounds(32, "int8", "int8"))
+    pruned = score_choices([obj, obj], pipes, choices, float("inf"), tolerance)
+    everything = [Scored(c, CostBreakdown("simulated", obj.with_sync(
+        c.sync, c.pipeline_compression).cost(p)), k) for c in choices for k, p in enumerate(pipes)]
+    assert len(pruned) < len(everything)
+    best, full = choose(pruned, tolerance), choose(everything, tolerance)
+    assert (best.choice, best.anchor) == (full.choice, full.anchor)
+    assert best.cost.cost_s == full.cost.cost_s
