@@ -506,11 +506,11 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
         "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
         "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
         "--compression and each pipeline compression up to --allow-pipeline-compression; it "
-        "takes the least risky configuration within 2%% of the fastest predicted step and "
+        "takes the least risky configuration within 2% of the fastest predicted step and "
         "prints it beside the best allreduce plan. A shorter step is not a better model: a "
         "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
-        "(DiLoCo reports little loss up to H = 500 at 1B scale; int8 activations are "
-        "untested here): the bounds are how much of that risk you accept; the defaults "
+        "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
+        "bounds are how much of that risk you accept; the defaults "
         "accept none (allreduce, no compression).")
     sy.add_argument("--sync", default="allreduce", choices=(*SYNC_MODES, "auto"),
                     help="allreduce (default), diloco, or auto (see above)")
