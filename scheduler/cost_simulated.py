@@ -17,6 +17,7 @@ Ring orders of stage groups are cached by group; one `cost` call on a 64-device,
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -25,7 +26,7 @@ import numpy as np
 from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
-from formats.plan import SyncConfig
+from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from scheduler.layer_split import even_split, flops_table, params_table, split_layers
 from scheduler.memory import memory_table
 from scheduler.objective import CostBreakdown
@@ -58,11 +59,11 @@ class SimulatedObjective:
     def __init__(self, cluster: Cluster, model: ModelSpec, sync: SyncConfig | None = None,
                  micro_batch_size: int = 1, num_micro_batches: int = 1,
                  config: SimConfig | None = None,
-                 stages: list[tuple[int, int]] | None = None) -> None:
-        """`stages` fixes the layer split (else it is chosen per candidate)."""
+                 stages: list[tuple[int, int]] | None = None,
+                 pipeline_compression: str = "none") -> None:
+        """`stages` fixes the layer split (else it is chosen per candidate);
+        `pipeline_compression` is how activations cross stage boundaries (Plan's field)."""
         self.cluster, self.model = cluster, model
-        self.sync = sync or SyncConfig()
-        self.sync.validate()
         if micro_batch_size < 1 or num_micro_batches < 1:
             raise UserError(f"micro_batch_size ({micro_batch_size}) and num_micro_batches "
                             f"({num_micro_batches}) must be >= 1")
@@ -70,23 +71,49 @@ class SimulatedObjective:
         self.config = config or SimConfig()
         self.fixed_stages = list(stages) if stages is not None else None
         self.tables = LinkTables(cluster, self.config)
-        self.rings = RingTable(self.tables, model, self.sync.compression, self.config)
-        self.diloco = self.sync.mode == "diloco"
-        self.inner_steps = self.sync.inner_steps if self.diloco else 1
         self.tokens = micro_batch_size * model.seq_len
         self.flops = flops_table(model) * self.tokens  # forward FLOPs per micro-batch
-        per_param = payload_bytes_per_param(self.sync.compression, self.config.int8_block)
-        self.payload = params_table(model) * per_param
+        # What depends on the sync configuration, by its key; shared with with_sync's copies.
+        self._rings: dict[str, RingTable] = {}
+        self._mem_need: dict[bool, np.ndarray] = {}
+        self._set_sync(sync or SyncConfig(), pipeline_compression)
+
+    def _set_sync(self, sync: SyncConfig, pipeline_compression: str) -> None:
+        sync.validate()
+        if pipeline_compression not in PIPELINE_COMPRESSIONS:
+            raise UserError(f"pipeline_compression: {pipeline_compression!r} is not one of "
+                            f"{', '.join(PIPELINE_COMPRESSIONS)}")
+        self.sync, self.pipeline_compression = sync, pipeline_compression
+        if sync.compression not in self._rings:
+            self._rings[sync.compression] = RingTable(self.tables, self.model, sync.compression,
+                                                      self.config)
+        self.rings = self._rings[sync.compression]
+        self.diloco = sync.mode == "diloco"
+        self.inner_steps = sync.inner_steps if self.diloco else 1
+        per_param = payload_bytes_per_param(sync.compression, self.config.int8_block)
+        self.payload = params_table(self.model) * per_param
         values, index = np.unique(self.payload, return_inverse=True)
         self._payload_values, self._payload_index = values, index.reshape(self.payload.shape)
-        self.mem_need = memory_table(model, micro_batch_size, num_micro_batches, self.diloco,
-                                     self.config.memory())
+        if self.diloco not in self._mem_need:
+            self._mem_need[self.diloco] = memory_table(
+                self.model, self.micro_batch_size, self.num_micro_batches, self.diloco,
+                self.config.memory())
+        self.mem_need = self._mem_need[self.diloco]
+
+    def with_sync(self, sync: SyncConfig, pipeline_compression: str = "none"
+                  ) -> SimulatedObjective:
+        """The same objective under another sync configuration and pipeline compression; the
+        link tables, ring orders and memory tables are shared (the planner's sync search scores
+        hundreds of configurations)."""
+        other = copy.copy(self)
+        other._set_sync(sync, pipeline_compression)
+        return other
 
     # ---------------------------------------------------------------- per-candidate pieces
 
     def _candidate(self, pipelines: np.ndarray) -> PlanLinks:
         return plan_links(self.tables, self.model, pipelines, self.sync, self.micro_batch_size,
-                          self.config, self.rings)
+                          self.config, self.rings, self.pipeline_compression)
 
     def _dp_split(self, cand: PlanLinks) -> list[tuple[int, int]]:
         """The layer split of layer_split.split_layers for this candidate ([] if none fits)."""
@@ -112,7 +139,7 @@ class SimulatedObjective:
         if (self.mem_need[a, b] > cand.memory_bytes).any():
             return np.inf, None
         inputs = step_inputs(cand, self.flops[a, b], self.payload[a, b], self.config,
-                             self.num_micro_batches, self.inner_steps)
+                             self.num_micro_batches, self.sync)
         times = replay_fast(inputs)
         return times.step_s, (inputs, times)
 
@@ -205,7 +232,11 @@ class SimulatedObjective:
             "tied_comm_s": step.tied_comm_s,
             "dp_comm_s": step.dp_comm_s,
             "dp_comm_per_round_s": step.dp_comm_round_s,
+            "dp_hidden_s": step.dp_hidden_s,
+            "dp_sync_per_round_s": step.dp_sync_round_s,
             "dp_allreduce_max_s": max(step.dp_allreduce_s, default=0.0),
             "tokens_per_s": step.tokens_per_s,
+            "pp_bytes_per_step": step.pp_bytes_per_step,
+            "dp_bytes_per_step": step.dp_bytes_per_step,
         }
         return CostBreakdown(self.name, float(cost), parts, list(stages))

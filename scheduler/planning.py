@@ -15,7 +15,7 @@ import numpy as np
 from formats.cluster import MAX_DENSE_DEVICES, Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
-from formats.plan import Plan, SyncConfig
+from formats.plan import PIPELINE_COMPRESSIONS, Plan, SyncConfig
 from scheduler.baselines import (
     best_of_random,
     hand_structured,
@@ -66,6 +66,9 @@ class PlanRequest:
     sim: SimConfig = field(default_factory=SimConfig)
     """Performance model of the simulated objective (runtime profile, MFU, activation bytes,
     recompute, collective latency); recorded in the plan's search.sim_config."""
+    pipeline_compression: str = "none"
+    """How activations and their gradients cross pipeline links (Plan.pipeline_compression);
+    only the simulated objective models it."""
 
     def __post_init__(self) -> None:
         """UserError naming the first bad field."""
@@ -89,6 +92,12 @@ class PlanRequest:
             raise UserError(f"PlanRequest.tokens_per_replica: must be > 0, got "
                             f"{self.tokens_per_replica}")
         self.sync.validate()
+        if self.pipeline_compression not in PIPELINE_COMPRESSIONS:
+            raise UserError(f"PlanRequest.pipeline_compression: {self.pipeline_compression!r} "
+                            f"is not one of {', '.join(PIPELINE_COMPRESSIONS)}")
+        if self.pipeline_compression != "none" and self.objective != "simulated":
+            raise UserError(f"PlanRequest.pipeline_compression: the {self.objective} objective "
+                            f"does not model it; plan with objective 'simulated'")
 
 
 @dataclass
@@ -128,7 +137,8 @@ def make_dtfm(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> DtfmObjec
 def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> SimulatedObjective:
     """The simulator's predicted step time (compute, memory, bubbles, sync) for this request."""
     return SimulatedObjective(cluster, model, req.sync, req.micro_batch_size,
-                              req.num_micro_batches, req.sim)
+                              req.num_micro_batches, req.sim,
+                              pipeline_compression=req.pipeline_compression)
 
 
 OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
@@ -266,7 +276,7 @@ def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline:
         cluster=cluster.name, cluster_sha256=digest, model=model.name,
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
         micro_batch_size=req.micro_batch_size, num_micro_batches=req.num_micro_batches,
-        sync=req.sync,
+        sync=req.sync, pipeline_compression=req.pipeline_compression,
         predicted=predicted(ours),
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3),

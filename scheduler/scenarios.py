@@ -198,6 +198,18 @@ def lab(seed: int = 0) -> Cluster:
     return _assemble("lab", regions, ["CPU"] * 8, link, seed)
 
 
+BAD_LINK = (40.0, 0.02)
+"""`badlink`: latency (ms) and bandwidth (Gbit/s: 20 Mbit/s) of the link between its sites."""
+
+
+def badlink(seed: int = 0) -> Cluster:
+    """8 CPU ranks in two sites of 4 joined by one bad link: 2 ms / 200 Mbit/s inside a site,
+    40 ms / 20 Mbit/s across (issue 15: what overlap, fragments and compression are for)."""
+    regions = _sites(["site-a", "site-b"], 4)
+    link = _table_link(regions, {("site-a", "site-b"): BAD_LINK}, (2.0, 0.2))
+    return _assemble("badlink", regions, ["CPU"] * 8, link, seed)
+
+
 def random_cluster(seed: int = 0, num_devices: int = 64, num_regions: int = 4,
                    gpu_mix: tuple[str, ...] = ("A100-40GB", "V100-16GB", "T4-16GB"),
                    compact: bool = False) -> Cluster:
@@ -233,6 +245,7 @@ SCENARIOS: dict[str, Callable[..., Cluster]] = {
     "mixed": mixed,
     "random": random_cluster,
     "lab": lab,
+    "badlink": badlink,
 }
 DTFM_SCENARIOS = ("datacenter", "spot", "universities", "regional", "worldwide")
 

@@ -45,6 +45,9 @@ from formats.plan import (  # noqa: E402
     COMPRESSIONS,
     MAX_BATCH_COUNT,
     MAX_DEVICE_ID,
+    MAX_FRAGMENTS,
+    MAX_INNER_STEPS,
+    PIPELINE_COMPRESSIONS,
     SYNC_MODES,
     Plan,
     SyncConfig,
@@ -72,9 +75,10 @@ from scheduler.simulator.config import (  # noqa: E402
     SimConfig,
     sim_config_from_record,
 )
-from scheduler.simulator.report import format_sim_table  # noqa: E402
+from scheduler.simulator.report import format_sim_table, sync_label  # noqa: E402
 from scheduler.simulator.runtime import load_calibration, resolve_sim_config  # noqa: E402
 from scheduler.simulator.step import simulate_plan  # noqa: E402
+from scheduler.sync_search import AutoOutcome, SyncBounds, plan_sync_auto  # noqa: E402
 
 FLAG_OF_FIELD: dict[str, str] = {
     "PlanRequest.num_stages": "--stages",
@@ -93,6 +97,10 @@ FLAG_OF_FIELD: dict[str, str] = {
     "SimConfig.recompute": "--recompute",
     "SimConfig.collective_latency_factor": "--collective-latency-factor",
     "SimConfig.outer_store_round_trips": "--outer-store-round-trips",
+    "PlanRequest.pipeline_compression": "--pipeline-compression",
+    "SyncBounds.max_inner_steps": "--max-inner-steps",
+    "SyncBounds.max_compression": "--compression",
+    "SyncBounds.max_pipeline_compression": "--allow-pipeline-compression",
 }
 """The flag that sets each library field: the library's errors name fields, ours name flags."""
 
@@ -216,7 +224,7 @@ def _progress(evaluations: int, best: float) -> None:
 def _plan_table(out: PlanOutcome) -> str:
     ours, p = out.ours, out.plan
     taken = p.search.get("taken_from")  # a baseline beat a search cut short by the clock
-    keys = list(ours.parts)
+    keys = [k for k in ours.parts if not k.endswith("bytes_per_step")]
     head = f"  {'':28s} {'cost (s)':>10s}" + "".join(f" {k:>12s}" for k in keys) + \
         f" {'ours / it':>10s}"
 
@@ -255,24 +263,71 @@ def _plan_json(out: PlanOutcome, path: str) -> dict:
     }
 
 
+def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | None]:
+    """The fixed sync configuration, or (with --sync auto) the bounds of the choice; UserError
+    naming a flag that does not go with the --sync given."""
+    if args.sync == "auto":
+        for flag, value in (("--inner-steps", args.inner_steps), ("--fragments", args.fragments),
+                            ("--overlap", True if args.overlap else None),
+                            ("--pipeline-compression", args.pipeline_compression)):
+            if value is not None:
+                raise UserError(f"{flag}: --sync auto chooses it; bound the choice with "
+                                f"--max-inner-steps, --compression and "
+                                f"--allow-pipeline-compression instead")
+        if args.objective != "simulated":
+            raise UserError(f"--objective {args.objective}: --sync auto needs --objective "
+                            f"simulated (the only cost model of overlap, fragments and "
+                            f"pipeline compression)")
+        bounds = SyncBounds(args.max_inner_steps or 1, args.compression,
+                            args.allow_pipeline_compression or "none")
+        return SyncConfig(), bounds
+    for flag, value in (("--max-inner-steps", args.max_inner_steps),
+                        ("--allow-pipeline-compression", args.allow_pipeline_compression)):
+        if value is not None:
+            raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
+                            f"{args.sync} give the setting itself")
+    if args.sync != "diloco" and (args.overlap or args.fragments is not None):
+        raise UserError(f"--overlap and --fragments apply to --sync diloco, not {args.sync}")
+    inner = 1 if args.inner_steps is None else args.inner_steps  # SyncConfig checks it
+    fragments = 1 if args.fragments is None else args.fragments
+    if args.fragments is not None and fragments > inner >= 1:
+        raise UserError(f"--fragments {fragments}: needs at least as many --inner-steps "
+                        f"(got {inner})")
+    if args.inner_steps is not None and args.sync == "allreduce" and inner != 1:
+        raise UserError(f"--inner-steps {inner}: only with --sync diloco")
+    return SyncConfig(args.sync, inner, args.compression, overlap=args.overlap,
+                      fragments=fragments), None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Search a plan, print it beside the baselines, write it atomically."""
+    """Search a plan, print it beside the baselines (or, with --sync auto, beside the best
+    allreduce plan), write it atomically."""
     check_output_path(args.out, "--out")
     if args.plot:
         check_output_path(args.plot, "--plot", ".png")
+    if args.allreduce_out:
+        check_output_path(args.allreduce_out, "--allreduce-out")
+        if args.sync != "auto":
+            raise UserError("--allreduce-out: only with --sync auto")
+    sync, bounds = sync_from_args(args)
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
     budget = DEFAULT_BUDGETS[args.objective] if args.budget is None else args.budget
     # argparse's bounded types, SyncConfig, SearchConfig and PlanRequest check every value
-    sync = SyncConfig(args.sync, args.inner_steps, args.compression)
     req = PlanRequest(
         num_stages=args.stages, num_replicas=args.replicas,
         micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches,
         objective=args.objective, sync=sync,
         search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
         random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
-        sim=sim_config_from_args(args))
-    out = plan_best_shape(cluster, model, req, None if args.quiet else _progress, STARTED)
+        sim=sim_config_from_args(args), pipeline_compression=args.pipeline_compression or "none")
+    progress = None if args.quiet else _progress
+    auto = None
+    if bounds is not None:
+        auto = plan_sync_auto(cluster, model, req, bounds, progress, STARTED)
+        out = auto.outcome
+    else:
+        out = plan_best_shape(cluster, model, req, progress, STARTED)
     if not args.quiet:
         print(file=sys.stderr)
         if out.plan.search["stopped_by"] == "time":
@@ -296,12 +351,65 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from scheduler.plots import plot_plan  # matplotlib only when asked
         plot_plan(cluster, out.plan, out.history, args.plot)
     save_plan(out.plan, args.out)
+    if auto is not None and args.allreduce_out:
+        save_plan(auto.allreduce, args.allreduce_out)
     if args.json:
-        print(json.dumps(_plan_json(out, args.out)))
+        print(json.dumps(_auto_json(auto, args.out) if auto else _plan_json(out, args.out)))
     else:
-        print(_plan_table(out))
-        print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+        print(_auto_table(auto) if auto else _plan_table(out))
+        extra = [f for f in (args.allreduce_out if auto else None, args.plot) if f]
+        print(f"wrote {args.out}" + "".join(f" and {f}" for f in extra))
     return 0
+
+
+AUTO_ROWS = (("step time (s)", "step_s", 1.0), ("  compute (busiest device)", "compute_s", 1.0),
+             ("  pipeline bubble", "bubble_s", 1.0),
+             ("  exposed pipeline comm", "pp_comm_s", 1.0),
+             ("  tied-embedding sum", "tied_comm_s", 1.0),
+             ("  exposed DP / outer sync", "dp_comm_s", 1.0),
+             ("hidden DP / outer sync (s)", "dp_hidden_s", 1.0),
+             ("pipeline MB per step", "pp_bytes_per_step", 1e-6),
+             ("DP / outer MB per step", "dp_bytes_per_step", 1e-6),
+             ("tokens/s", "tokens_per_s", 1.0))
+"""The rows of the --sync auto table: label, part, scale."""
+
+
+def _auto_table(auto: AutoOutcome) -> str:
+    """The chosen plan's breakdown beside the best allreduce plan's."""
+    ours, p, ar, arp = auto.outcome.ours, auto.outcome.plan, auto.allreduce_cost, auto.allreduce
+    shape = lambda plan: f"{plan.num_stages} stages x {plan.num_replicas} replicas"  # noqa: E731
+    rows = [f"plan {p.model} on {p.cluster}: objective {ours.objective}, --sync auto "
+            f"({auto.choices} configurations within the bounds, {auto.scored} scored on "
+            f"{len(auto.anchors)} searched assignments)",
+            f"  chosen:    {sync_label(p.sync, p.pipeline_compression)}; {shape(p)}",
+            f"  allreduce: {sync_label(arp.sync, arp.pipeline_compression)}; {shape(arp)}",
+            f"  {'':32s} {'chosen':>12s} {'allreduce':>12s}"]
+    for label, key, scale in AUTO_ROWS:
+        rows.append(f"  {label:32s} {ours.parts.get(key, float('nan')) * scale:12.3f} "
+                    f"{ar.parts.get(key, float('nan')) * scale:12.3f}")
+    rows.append(f"  the chosen plan's step is {ar.cost_s / ours.cost_s:.2f}x shorter than the "
+                f"best allreduce plan's (predicted)")
+    if p.sync.mode == "diloco" or p.pipeline_compression != "none" or p.sync.compression != "none":
+        rows.append("  note: a shorter step is not a better model: DiLoCo's H, a stale "
+                    "(overlapped) outer step and lossy payloads can cost loss per step; "
+                    "--max-inner-steps, --compression and --allow-pipeline-compression bound "
+                    "that risk")
+    return "\n".join(rows)
+
+
+def _auto_json(auto: AutoOutcome, path: str) -> dict:
+    """--sync auto --json: the chosen plan and the best allreduce plan, each with its parts."""
+    ours, p, ar, arp = auto.outcome.ours, auto.outcome.plan, auto.allreduce_cost, auto.allreduce
+
+    def entry(plan: Plan, cost: CostBreakdown) -> dict:
+        return {"cost": cost.cost_s, "parts": cost.parts,
+                "sync": plan.to_dict()["sync"], "pipeline_compression": plan.pipeline_compression,
+                "num_stages": plan.num_stages, "num_replicas": plan.num_replicas}
+
+    return {"plan": path, "objective": ours.objective, "cost": ours.cost_s, "parts": ours.parts,
+            "predicted": p.predicted, "search": p.search, "chosen": entry(p, ours),
+            "allreduce": entry(arp, ar), "speedup_vs_allreduce": ar.cost_s / ours.cost_s,
+            "anchors": auto.anchors, "scored": auto.scored, "configurations": auto.choices}
 
 
 def _load_cluster_and_plan(args: argparse.Namespace) -> tuple[Cluster, Plan]:
@@ -332,7 +440,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise UserError(f"{args.plan}: {e}") from None
         # Score the plan as written: its own layer split, not one the objective would choose.
         objective = SimulatedObjective(cluster, model, plan.sync, plan.micro_batch_size,
-                                       plan.num_micro_batches, sim, stages=list(plan.stages))
+                                       plan.num_micro_batches, sim, stages=list(plan.stages),
+                                       pipeline_compression=plan.pipeline_compression)
     else:
         req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
                           plan.num_micro_batches, args.objective, plan.sync)
@@ -341,8 +450,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"objective": result.objective, "cost": result.cost_s, **result.parts}))
     else:
-        parts = ", ".join(f"{k} {v:.3f}" + ("" if k == "tokens_per_s" else " s")
-                          for k, v in result.parts.items())
+        unit = lambda k: "" if k == "tokens_per_s" else \
+            " B" if k.endswith("bytes_per_step") else " s"  # noqa: E731
+        parts = ", ".join(f"{k} {v:.3f}{unit(k)}" for k, v in result.parts.items())
         print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
               f"({parts})")
     return 0
@@ -391,10 +501,43 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
                     default=DTFM_TOKENS_PER_REPLICA,
                     help="token budget per replica per step that sets the default micro-batch "
                          "count (default 1.25e5, the DT-FM setting)")
-    pl.add_argument("--sync", default="allreduce", choices=SYNC_MODES)
-    pl.add_argument("--inner-steps", type=argtypes.integer(), default=1,  # SyncConfig checks
-                    help="DiLoCo H (with --sync diloco)")
-    pl.add_argument("--compression", default="none", choices=COMPRESSIONS)
+    sy = pl.add_argument_group(
+        "sync (how replicas of a stage stay in step, and how activations cross pipeline links)",
+        "--sync auto searches the sync configuration together with the assignment (objective "
+        "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
+        "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
+        "--compression and each pipeline compression up to --allow-pipeline-compression; it "
+        "takes the least risky configuration within 2% of the fastest predicted step and "
+        "prints it beside the best allreduce plan. A shorter step is not a better model: a "
+        "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
+        "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
+        "bounds are how much of that risk you accept; the defaults "
+        "accept none (allreduce, no compression).")
+    sy.add_argument("--sync", default="allreduce", choices=(*SYNC_MODES, "auto"),
+                    help="allreduce (default), diloco, or auto (see above)")
+    sy.add_argument("--inner-steps", type=argtypes.integer(),  # SyncConfig checks
+                    help="DiLoCo H (with --sync diloco; default 1)")
+    sy.add_argument("--overlap", action="store_true",
+                    help="--sync diloco: run each outer all-reduce behind the next round's "
+                         "inner steps, its average applied one round late")
+    sy.add_argument("--fragments", type=argtypes.integer(1, MAX_FRAGMENTS),
+                    help="--sync diloco: sync the stage's parameters in F fragments by layer, "
+                         "each at its own offset in the round (Streaming DiLoCo; F <= H)")
+    sy.add_argument("--compression", default="none", choices=COMPRESSIONS,
+                    help="data-parallel payload (default none = fp32); with --sync auto the "
+                         "most lossy one it may choose")
+    sy.add_argument("--pipeline-compression", choices=PIPELINE_COMPRESSIONS,
+                    help="how activations and their gradients cross pipeline links: none "
+                         "(compute dtype, default), bf16 (2 bytes per value), int8 (1 byte "
+                         "per value + one fp32 scale per token); objective simulated only")
+    sy.add_argument("--max-inner-steps", type=argtypes.integer(1, MAX_INNER_STEPS),
+                    help="--sync auto: largest DiLoCo H it may choose (default 1: allreduce "
+                         "only)")
+    sy.add_argument("--allow-pipeline-compression", choices=PIPELINE_COMPRESSIONS,
+                    help="--sync auto: most lossy pipeline compression it may choose (default "
+                         "none)")
+    sy.add_argument("--allreduce-out", metavar="FILE",
+                    help="--sync auto: also write the best allreduce plan there")
     pl.add_argument("--budget", type=argtypes.integer(1, MAX_COUNT),
                     help="max objective evaluations per searched shape (default: " +
                          ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")

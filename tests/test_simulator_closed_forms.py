@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -314,3 +316,115 @@ def test_diloco_outer_step_pays_store_round_trips_to_device_0_once_per_round():
                           SimConfig(outer_store_round_trips=5))
     assert every_step.step_s == pytest.approx(
         simulate(cluster, model, stages, pipe, SyncConfig(), 1, 1, SimConfig()).step_s)
+
+
+# --------------------------------------------------------------------------- bad links (issue 15)
+
+
+@pytest.mark.parametrize("h", [2, 5, 40])
+def test_overlap_hides_the_outer_sync_up_to_h_steps_of_compute(h):
+    # One stage, so the ring starts at the makespan; no store agreement.
+    r, m, tf, tb, ring_tx, ring_lat = 3, 2, 0.1, 0.2, 0.15, 0.05
+    blocking = inputs(r, 1, m, tf, tb, 0.0, 0.0, ring_tx=ring_tx, ring_lat=ring_lat, h=h)
+    overlapped = replace(blocking, overlap=True)
+    makespan = m * (tf + tb)
+    sync = 2 * (r - 1) * (ring_tx + ring_lat)  # 0.8 s: more than 2 steps, less than 5
+    expect_exposed = max(0.0, sync - h * makespan)
+    for times in (replay_fast(overlapped), replay_events(overlapped)[0]):
+        assert times.makespan_s == pytest.approx(makespan)
+        assert times.dp_exposed_round_s == pytest.approx(expect_exposed)
+        assert times.step_s == pytest.approx(makespan + expect_exposed / h)
+        assert times.dp_sync_round_s == pytest.approx(sync)
+        assert times.dp_hidden_round_s == pytest.approx(sync - expect_exposed)
+    assert replay_fast(blocking).dp_exposed_round_s == pytest.approx(sync)  # nothing hidden
+    if h * makespan >= sync:
+        assert replay_fast(overlapped).step_s == pytest.approx(makespan)
+
+
+def test_background_sync_gets_the_link_share_the_pipeline_leaves():
+    r, m, tf, tb, ring_tx = 2, 4, 0.1, 0.2, 0.5
+    base = replace(inputs(r, 1, m, tf, tb, 0.0, 0.0, ring_tx=ring_tx, h=1), overlap=True)
+    makespan = m * (tf + tb)  # 1.2 s
+    busy = [np.full(r, 0.3)]  # the pipeline keeps each ring link's shared link busy 0.3 s/step
+    slowed = replace(base, ring_pp_busy=busy)
+    share = 1 - 0.3 / makespan
+    assert replay_fast(slowed).dp_time_s[0] == pytest.approx(2 * (r - 1) * ring_tx / share)
+    assert replay_fast(base).dp_time_s[0] == pytest.approx(2 * (r - 1) * ring_tx)
+    full = replace(base, ring_pp_busy=[np.full(r, 5.0)])  # saturated: the floor share
+    assert replay_fast(full).dp_time_s[0] == pytest.approx(2 * (r - 1) * ring_tx / 0.05)
+
+
+def test_overlap_contention_comes_from_pipeline_traffic_into_the_same_region():
+    # 2 replicas x 2 stages, pipelines [0, 1] and [2, 3]; stage 0's ring link 0 -> 2 and
+    # device 0's activation send 0 -> 1 share a link only when 1 and 2 are in one region.
+    model = get_model("gpt-small")
+    c = uniform_cluster(4, lat_ms=10.0, gbps=0.02, tflops=0.5)
+    sync = SyncConfig("diloco", 4, overlap=True)
+    stages = even_split(model.num_layers, 2)
+
+    def run(regions: str, s: SyncConfig):
+        devs = [replace(d, region=regions[i]) for i, d in enumerate(c.devices)]
+        return simulate(Cluster("c", devs, c.latency_ms, c.bandwidth_gbps), model, stages,
+                        [[0, 1], [2, 3]], s, 1, 2, timeline=False)
+
+    alone = run("abcd", SyncConfig("diloco", 4))  # blocking: the pipeline is done
+    apart, shared = run("abcd", sync), run("abbb", sync)
+    assert apart.dp_allreduce_s == pytest.approx(alone.dp_allreduce_s)
+    assert shared.dp_allreduce_s[0] > alone.dp_allreduce_s[0] * 1.01
+    assert shared.makespan_s == pytest.approx(alone.makespan_s)  # the pipeline keeps its speed
+
+
+@pytest.mark.parametrize("f", [2, 4])
+def test_fragments_send_the_same_bytes_with_f_ring_starts(f):
+    n, lat_ms, gbps = 4, 20.0, 0.5
+    model = get_model("gpt-small")
+    c = uniform_cluster(n, lat_ms=lat_ms, gbps=gbps, tflops=1e6)
+    pipe = np.arange(n).reshape(n, 1)
+    stages = even_split(model.num_layers, 1)
+    one = simulate(c, model, stages, pipe, SyncConfig("diloco", 8), 1, 1, timeline=False)
+    many = simulate(c, model, stages, pipe, SyncConfig("diloco", 8, fragments=f), 1, 1,
+                    timeline=False)
+    assert many.dp_bytes_per_step == pytest.approx(one.dp_bytes_per_step)
+    starts = 2 * (n - 1) * lat_ms / 1e3  # latency of one ring all-reduce
+    transfer = one.dp_allreduce_s[0] - starts
+    assert many.dp_allreduce_s[0] == pytest.approx(transfer / f + starts)
+    # blocking fragments: F ring starts per round, the same bytes
+    assert many.dp_sync_round_s == pytest.approx(transfer + f * starts, rel=1e-6)
+    assert many.dp_comm_round_s == pytest.approx(one.dp_comm_round_s + (f - 1) * starts,
+                                                 rel=1e-6)
+    events = simulate(c, model, stages, pipe, SyncConfig("diloco", 8, fragments=f), 1, 1)
+    assert events.step_s == pytest.approx(many.step_s)
+
+
+@pytest.mark.parametrize("act_bytes", [4, 2])
+def test_pipeline_compression_bytes_per_boundary(act_bytes):
+    model = get_model("gpt-small")  # 128 tokens x 384 values per sequence
+    c = uniform_cluster(3, 10.0, 0.1, tflops=1e6)
+    pipe = np.arange(3).reshape(1, 3)
+    stages = even_split(model.num_layers, 3)
+    mbs, m = 2, 3
+    per_message = {"none": mbs * 128 * 384 * act_bytes, "bf16": mbs * 128 * 384 * 2,
+                   "int8": mbs * 128 * (384 + 4)}
+    for mode, msg in per_message.items():
+        res = simulate(c, model, stages, pipe, SyncConfig(), mbs, m,
+                       SimConfig(activation_bytes=act_bytes), timeline=False,
+                       pipeline_compression=mode)
+        # 2 boundaries, a message each way per micro-batch
+        assert res.pp_bytes_per_step == pytest.approx(2 * 2 * m * msg)
+        assert res.to_dict()["pipeline_compression"] == mode
+
+
+@pytest.mark.parametrize("sync", [SyncConfig(), SyncConfig("diloco", 8, "int8", overlap=True)])
+@pytest.mark.parametrize("act_bytes", [4, 2])
+def test_pipeline_compression_never_lengthens_the_step(sync, act_bytes):
+    cluster = make_scenario("mixed", 2)
+    model = get_model("gpt3-xl")
+    rng = np.random.default_rng(4)
+    config = SimConfig(activation_bytes=act_bytes)
+    for _ in range(3):
+        pipe = rng.permutation(cluster.num_devices)[:32].reshape(4, 8)
+        steps = [simulate(cluster, model, even_split(24, 8), pipe, sync, 1, 8, config,
+                          timeline=False, pipeline_compression=mode).step_s
+                 for mode in ("none", "bf16", "int8")]
+        assert steps[0] >= steps[1] - 1e-12 and steps[1] >= steps[2] - 1e-12
+        assert steps[2] < steps[0]

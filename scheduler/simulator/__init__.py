@@ -10,10 +10,13 @@ Model (every number in seconds, bytes, FLOP/s):
 - Pipeline transfers. The hidden state crossing a stage boundary is
   model.activation_bytes_per_sequence(SimConfig.activation_bytes) x micro_batch_size bytes
   (fp16/bf16 by default, fp32 on the CPU runtime); backward sends a gradient of the same size
-  from stage s+1 to s. A message on the directed link i -> j keeps the link busy for
-  bytes * 8 / bandwidth and arrives latency later; a link sends one message at a time, later
-  ones queue (FIFO). Sending does not stop the sender's compute (separate streams). Links are
-  the cluster's directed device pairs; two pairs never share capacity.
+  from stage s+1 to s. Plan.pipeline_compression changes the bytes per value: `bf16` 2 (never
+  more than the compute dtype), `int8` 1 plus one fp32 scale per token row of d_model values
+  (kernel.pipeline_message_bytes); the codec's compute is not modelled (no measured figure).
+  A message on the directed link i -> j keeps the link busy for bytes * 8 / bandwidth and
+  arrives latency later; a link sends one message at a time, later ones queue (FIFO). Sending
+  does not stop the sender's compute (separate streams). Links are the cluster's directed
+  device pairs; two pairs never share capacity (but see overlap).
 - Schedule: GPipe. Each device runs the forwards of micro-batches 0..m-1 in order, then the
   backwards in reverse order m-1..0 (as modules/pipeline.py does).
 - Data-parallel sync of stage group s (its R devices): a ring all-reduce over the devices in
@@ -35,8 +38,20 @@ Model (every number in seconds, bytes, FLOP/s):
 - Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With
   `diloco` the outer all-reduce runs once every H inner steps: its exposed time (the same overlap
   rule) is paid once per outer round and amortised as exposed / H per step.
-- Not modelled: the optimizer step's compute, contention between different links of one host,
-  stragglers and jitter.
+- Fragments (sync.fragments = F, Streaming DiLoCo): F syncs per round, each of 1/F of every
+  stage's payload, so the same bytes with F ring starts (2(R-1) latencies each) and F store
+  agreements. Blocking (no overlap), each exposes what runs past the step's end.
+- Overlap (sync.overlap): the round's F syncs run in the background of the next round's H
+  inner steps; only what exceeds H x makespan shows (plus the store agreements, which stay in
+  the foreground). Contention: a sender's traffic into one region shares one link (a host's
+  path into another site; the emulator's per-(rate, delay) htb class), so a background ring
+  link gets the share of its link that the sender's pipeline messages into the ring
+  successor's region leave free (1 - busy per step / makespan, at least 5 %); the pipeline
+  keeps its speed (it is favoured: an optimistic bound for it).
+- The breakdown (StepBreakdown) gives the exposed and the hidden sync time and the bytes per
+  step of the pipeline and of the data-parallel sync.
+- Not modelled: the optimizer step's compute, contention between different links of one host
+  (but for background syncs, above), stragglers and jitter.
 
 Modules:
 - config.py: SimConfig (the knobs) and RUNTIME_PROFILES (their values for the cpu and gpu

@@ -262,7 +262,7 @@ def replay_events(inputs: StepInputs, timeline: bool = True
     # A ring runs from the end of what it waited for (last backwards, tied sums) to its last step.
     dp_time = np.array([float(end[last].max() - end[first].max()) if last else 0.0
                         for first, last in spans])
-    times = step_times(b_done, dp_time, inputs.inner_steps, inputs.tied_s, inputs.agree_s)
+    times = step_times(b_done, dp_time, inputs)
     # step_times adds the tied sums arithmetically; the events must end at the same time.
     for tasks, when in ((pipeline_tasks, times.pipeline_s),
                         (pipeline_tasks + tied_tasks, times.makespan_s)):

@@ -10,14 +10,14 @@ events.py) turns them into StepTimes; step_breakdown() says where the step went.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
 
 from formats.cluster import Cluster
 from formats.models import ModelSpec
-from formats.plan import SyncConfig
+from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from scheduler.simulator.config import SimConfig
 
 RING_CACHE_LIMIT = 200_000
@@ -28,6 +28,9 @@ fewer (RING_STARTS^2 / n), so that a big group's ring costs about what a 64-devi
 (a 2,000-device group: 0.1 s instead of 15 s)."""
 RING_MIN_STARTS = 8
 """The fewest greedy rings tried in a big group."""
+MIN_LINK_SHARE = 0.05
+"""Least share of a link a background outer sync gets when the pipeline's traffic on the same
+shared link fills it (so that a saturated link slows the sync 20x rather than forever)."""
 
 
 class LinkTables:
@@ -44,6 +47,8 @@ class LinkTables:
         """Latency each all-reduce step pays on a link (gloo's rendezvous: 2 latencies)."""
         self.flops_per_s = np.array([d.tflops for d in cluster.devices]) * 1e12 * config.mfu
         self.memory_bytes = np.array([d.memory_gb for d in cluster.devices]) * 1e9
+        self.region_id = np.unique(np.array(cluster.regions()), return_inverse=True)[1]
+        """Region index of each device: a sender's traffic into one region shares a link."""
 
 
 # --------------------------------------------------------------------------- collectives
@@ -52,6 +57,21 @@ class LinkTables:
 def payload_bytes_per_param(compression: str, int8_block: int = 256) -> float:
     """Bytes per parameter of the data-parallel all-reduce payload."""
     return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / int8_block}[compression]
+
+
+def pipeline_message_bytes(model: ModelSpec, micro_batch_size: int, compression: str,
+                           activation_bytes: int) -> float:
+    """Bytes of one activation (or activation-gradient) message across a stage boundary:
+    `none` sends the compute dtype (`activation_bytes` per value), `bf16` 2 bytes per value
+    (never more than the compute dtype), `int8` 1 byte per value plus one fp32 scale per token
+    row of d_model values."""
+    if compression not in PIPELINE_COMPRESSIONS:
+        raise ValueError(f"unknown pipeline compression {compression!r}")
+    rows = model.seq_len * micro_batch_size
+    if compression == "int8":
+        return float(rows * (model.d_model + 4))
+    per_value = activation_bytes if compression == "none" else min(2, activation_bytes)
+    return float(rows * model.d_model * per_value)
 
 
 def ring_step_s(payload_bytes: np.ndarray | float, n: int,
@@ -210,23 +230,57 @@ class PlanLinks:
     """(R, 2) latency of those two links."""
     agree_s: float
     """DiLoCo: seconds each outer step spends agreeing on membership through the store."""
+    pp_msg_bytes: float = 0.0
+    """Bytes of one pipeline message (pipeline compression applied)."""
+    ring_pp_busy: np.ndarray | None = None
+    """(S, R) seconds per micro-batch that the pipeline keeps busy the shared link of ring link
+    i's sender: its messages into the region of the ring successor (see shared_pipeline_busy)."""
+
+
+def shared_pipeline_busy(pipe: np.ndarray, rings: np.ndarray, fwd_tx: np.ndarray,
+                         bwd_tx: np.ndarray, region_id: np.ndarray) -> np.ndarray:
+    """(S, R) busy seconds per micro-batch of the pipeline messages that share a link with ring
+    link i of stage group s (rings[s, i] -> rings[s, i+1]). Contention model: a sender's traffic
+    into one region shares one link (what a host's path into another site is, and what the
+    emulator's per-(rate, delay) htb class does), so the ring link and the sender's activation
+    send (to stage s+1) or gradient send (to stage s-1) share it when those go to the ring
+    successor's region."""
+    r_count, s_count = pipe.shape
+    busy = np.zeros((s_count, r_count))
+    for s in range(s_count):
+        replica = np.empty(int(pipe.max()) + 1, dtype=np.int64)
+        replica[pipe[:, s]] = np.arange(r_count)
+        sender = replica[rings[s]]  # replica of each ring link's sender
+        to_region = region_id[np.roll(rings[s], -1)]
+        if s < s_count - 1:
+            busy[s] += np.where(region_id[pipe[sender, s + 1]] == to_region, fwd_tx[sender, s], 0)
+        if s > 0:
+            busy[s] += np.where(region_id[pipe[sender, s - 1]] == to_region,
+                                bwd_tx[sender, s - 1], 0)
+    return busy
 
 
 def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync: SyncConfig,
-               micro_batch_size: int, config: SimConfig, rings: RingTable) -> PlanLinks:
+               micro_batch_size: int, config: SimConfig, rings: RingTable,
+               pipeline_compression: str = "none") -> PlanLinks:
     """The per-link arrays of candidate `pipelines` (rings from `rings`, cached there)."""
     pipe = np.asarray(pipelines, dtype=np.int64)
-    msg_bits = model.activation_bytes_per_sequence(config.activation_bytes) * micro_batch_size * 8.0
+    msg_bytes = pipeline_message_bytes(model, micro_batch_size, pipeline_compression,
+                                       config.activation_bytes)
+    msg_bits = msg_bytes * 8.0
     src, dst = pipe[:, :-1], pipe[:, 1:]
     per_stage = [rings.ring(pipe[:, s], pipe.shape[1]) for s in range(pipe.shape[1])]
     tied = tied_links(pipe, tables.collective_lat_s, tables.bits_per_s, model)
+    fwd_tx, bwd_tx = msg_bits / tables.bits_per_s[src, dst], msg_bits / tables.bits_per_s[dst, src]
+    ring_orders = np.array([r.order for r in per_stage])
+    background = sync.mode == "diloco" and sync.overlap
     return PlanLinks(
-        pipe, tables.flops_per_s[pipe],
-        msg_bits / tables.bits_per_s[src, dst], tables.lat_s[src, dst],
-        msg_bits / tables.bits_per_s[dst, src], tables.lat_s[dst, src],
-        np.array([r.order for r in per_stage]), np.array([r.lat_s for r in per_stage]),
+        pipe, tables.flops_per_s[pipe], fwd_tx, tables.lat_s[src, dst], bwd_tx,
+        tables.lat_s[dst, src], ring_orders, np.array([r.lat_s for r in per_stage]),
         np.array([r.sec_per_bit for r in per_stage]), tables.memory_bytes[pipe].min(axis=0),
-        *(tied or (None, None)), outer_agreement_time(pipe, tables.lat_s, sync, config))
+        *(tied or (None, None)), outer_agreement_time(pipe, tables.lat_s, sync, config),
+        msg_bytes, shared_pipeline_busy(pipe, ring_orders, fwd_tx, bwd_tx, tables.region_id)
+        if background else None)
 
 
 # --------------------------------------------------------------------------- one step
@@ -265,7 +319,20 @@ class StepInputs:
     tied_lat: np.ndarray | None = None
     """(R, 2) latency of those two links."""
     agree_s: float = 0.0
-    """DiLoCo: seconds each outer step spends agreeing on membership through the store."""
+    """DiLoCo: seconds each outer sync spends agreeing on membership through the store."""
+    overlap: bool = False
+    """DiLoCo: the outer syncs run in the background behind the next round's inner steps."""
+    fragments: int = 1
+    """DiLoCo: F outer syncs per round, each of 1/F of every stage's payload (ring_tx is one
+    fragment's)."""
+    ring_pp_busy: Sequence[np.ndarray] | None = None
+    """Overlap: per stage, (R,) seconds per step the pipeline keeps busy the link that ring link
+    i shares (kernel.shared_pipeline_busy x micro-batches); the background sync gets the rest."""
+    pp_bytes: float = 0.0
+    """Bytes the pipeline sends per step (every boundary, both directions, every replica)."""
+    dp_bytes_round: float = 0.0
+    """Bytes the data-parallel sync puts on the wire per sync round (every fragment, group and
+    ring link)."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
@@ -275,43 +342,59 @@ class StepInputs:
         return ring_allreduce_s(self.tied_tx, self.tied_lat, axis=1)
 
     def dp_times(self) -> np.ndarray:
-        """(S,) seconds of each stage group's all-reduce."""
+        """(S,) seconds of each stage group's all-reduce (of one fragment) on idle links."""
         return ring_allreduce_s(np.asarray(self.ring_tx), np.asarray(self.ring_lat))
+
+    def background_dp_times(self, step_s: float) -> np.ndarray:
+        """(S,) seconds of each stage group's all-reduce (of one fragment) in the background of
+        steps `step_s` long: each ring link gets the share of its link the pipeline leaves
+        (1 - busy / step, at least MIN_LINK_SHARE); the pipeline keeps its speed."""
+        tx = np.asarray(self.ring_tx)
+        if self.ring_pp_busy is not None and step_s > 0:
+            share = np.maximum(1.0 - np.asarray(self.ring_pp_busy) / step_s, MIN_LINK_SHARE)
+            tx = tx / share
+        return ring_allreduce_s(tx, np.asarray(self.ring_lat))
 
 
 def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: np.ndarray,
-                config: SimConfig, num_micro_batches: int, inner_steps: int) -> StepInputs:
+                config: SimConfig, num_micro_batches: int, sync: SyncConfig) -> StepInputs:
     """The step of `links` with a layer split: forward FLOPs per micro-batch (S,) and all-reduce
     payload bytes (S,) of each stage."""
     t_fwd = stage_flops[None, :] / links.flops_per_s
-    ring_tx = ring_step_s(stage_payload_bytes[:, None], links.pipelines.shape[0],
+    r_count, s_count = links.pipelines.shape
+    diloco = sync.mode == "diloco"
+    fragments = sync.fragments if diloco else 1
+    ring_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
                           links.ring_sec_per_bit)
+    busy = None if links.ring_pp_busy is None else links.ring_pp_busy * num_micro_batches
+    pp_bytes = 2.0 * r_count * (s_count - 1) * num_micro_batches * links.pp_msg_bytes
+    dp_bytes = 2.0 * (r_count - 1) * float(np.sum(stage_payload_bytes)) if r_count > 1 else 0.0
     return StepInputs(links.pipelines, t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
                       links.fwd_lat, links.bwd_tx, links.bwd_lat, links.rings, ring_tx,
-                      links.ring_lat, num_micro_batches, inner_steps, links.tied_tx,
-                      links.tied_lat, links.agree_s)
+                      links.ring_lat, num_micro_batches, sync.inner_steps if diloco else 1,
+                      links.tied_tx, links.tied_lat, links.agree_s, diloco and sync.overlap,
+                      fragments, busy, pp_bytes, dp_bytes)
 
 
 def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
                  pipelines: np.ndarray, sync: SyncConfig, micro_batch_size: int,
-                 num_micro_batches: int, config: SimConfig) -> StepInputs:
+                 num_micro_batches: int, config: SimConfig,
+                 pipeline_compression: str = "none") -> StepInputs:
     """Turn a plan into per-device and per-link seconds (its rings chosen here)."""
     links = plan_links(tables, model, pipelines, sync, micro_batch_size, config,
-                       RingTable(tables, model, sync.compression, config))
+                       RingTable(tables, model, sync.compression, config), pipeline_compression)
     tokens = micro_batch_size * model.seq_len
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
     payload = np.array([model.stage_params(a, b) * per_param for a, b in stages])
-    return step_inputs(links, flops, payload, config, num_micro_batches,
-                       sync.inner_steps if sync.mode == "diloco" else 1)
+    return step_inputs(links, flops, payload, config, num_micro_batches, sync)
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:
     """The same step with free pipeline transfers and tied sums (to measure what they expose)."""
     zero = np.zeros_like(inputs.fwd_tx)
-    return StepInputs(inputs.pipelines, inputs.t_fwd, inputs.t_bwd, zero, zero, zero, zero,
-                      inputs.rings, inputs.ring_tx, inputs.ring_lat, inputs.num_micro_batches,
-                      inputs.inner_steps, None, None, inputs.agree_s)
+    return replace(inputs, fwd_tx=zero, fwd_lat=zero, bwd_tx=zero, bwd_lat=zero, tied_tx=None,
+                   tied_lat=None)
 
 
 @dataclass
@@ -327,25 +410,48 @@ class StepTimes:
     dp_time_s: np.ndarray
     """(S,) duration of each group's all-reduce (per outer round with diloco)."""
     dp_exposed_round_s: float
-    """Time the sync adds after the makespan, per sync (= per outer round with diloco)."""
+    """Time the sync adds to the steps, per sync round (= per outer round with diloco)."""
     step_s: float
     """makespan + dp_exposed_round / inner_steps."""
+    dp_sync_round_s: float = 0.0
+    """The round's syncs back to back, each from its start to its slowest group's end (F
+    fragments, store agreement included): exposed + hidden."""
+
+    @property
+    def dp_hidden_round_s(self) -> float:
+        """Sync time per round hidden behind compute (backward of earlier stages; overlap: the
+        next round's inner steps)."""
+        return max(0.0, self.dp_sync_round_s - self.dp_exposed_round_s)
 
 
-def step_times(b_done: np.ndarray, dp_time: np.ndarray, inner_steps: int,
-               tied_s: np.ndarray | None = None, agree_s: float = 0.0) -> StepTimes:
+def step_times(b_done: np.ndarray, dp_time: np.ndarray, inputs: StepInputs) -> StepTimes:
     """Combine the pipeline's per-device end times with the tied-embedding sums, the stage
-    groups' all-reduces and (DiLoCo) the outer step's membership agreement `agree_s`."""
+    groups' all-reduces (`dp_time`: one fragment's, on idle links) and (DiLoCo) the outer
+    syncs' membership agreement. Per round there are F syncs (fragments). Blocking, each
+    exposes what runs past the makespan plus its agreement. Overlapped (background), each runs
+    on links the pipeline shares (background_dp_times) and the round's F syncs have the next
+    round's H inner steps (H x makespan) to finish in: only the excess shows, plus the
+    agreements (the membership protocol stays in the foreground)."""
     pipeline = float(b_done.max())
+    tied_s = inputs.tied_s
     if tied_s is not None and b_done.shape[1] > 1:
         b_done = b_done.copy()
         b_done[:, 0] = b_done[:, -1] = np.maximum(b_done[:, 0], b_done[:, -1]) + tied_s
     makespan = float(b_done.max())
     dp_start = b_done.max(axis=0)
+    if inputs.overlap:
+        dp_time = inputs.background_dp_times(makespan)
+    f, h, agree = inputs.fragments, inputs.inner_steps, inputs.agree_s
     dp_end = float((dp_start + dp_time).max()) if len(dp_time) else makespan
-    exposed = max(0.0, dp_end - makespan) + agree_s
-    return StepTimes(makespan, pipeline, dp_start, dp_time, exposed,
-                     makespan + exposed / inner_steps)
+    tail = max(0.0, dp_end - makespan)  # one sync's run past the step's end
+    if inputs.overlap:
+        exposed = max(0.0, f * tail - h * makespan) + f * agree
+    else:
+        exposed = f * (tail + agree)
+    started = float(dp_start.min()) if len(dp_time) else makespan
+    total = f * (max(0.0, dp_end - started) + agree)
+    return StepTimes(makespan, pipeline, dp_start, dp_time, exposed, makespan + exposed / h,
+                     max(total, exposed))
 
 
 # --------------------------------------------------------------------------- breakdown
@@ -371,9 +477,18 @@ class StepBreakdown:
     dp_comm_round_s: float
     """Exposed data-parallel sync per sync (per outer round with diloco)."""
     dp_allreduce_s: list[float]
-    """Duration of each stage group's all-reduce."""
+    """Duration of each stage group's all-reduce (of one fragment; overlap: in the background,
+    on links shared with the pipeline)."""
     tokens_per_step: int
     tokens_per_s: float
+    dp_sync_round_s: float = 0.0
+    """The round's outer syncs back to back (all fragments, store agreement): exposed + hidden."""
+    dp_hidden_s: float = 0.0
+    """Sync time per step hidden behind compute (amortised over H with diloco)."""
+    pp_bytes_per_step: float = 0.0
+    """Bytes the pipeline sends per step (activations forward, their gradients backward)."""
+    dp_bytes_per_step: float = 0.0
+    """Bytes the data-parallel sync puts on the wire per step (amortised over H)."""
 
 
 def step_breakdown(inputs: StepInputs, times: StepTimes, free_makespan_s: float,
@@ -387,4 +502,7 @@ def step_breakdown(inputs: StepInputs, times: StepTimes, free_makespan_s: float,
         tied_comm_s=times.makespan_s - times.pipeline_s,
         dp_comm_s=times.step_s - times.makespan_s, dp_comm_round_s=times.dp_exposed_round_s,
         dp_allreduce_s=[float(x) for x in times.dp_time_s], tokens_per_step=tokens_per_step,
-        tokens_per_s=tokens_per_step / times.step_s)
+        tokens_per_s=tokens_per_step / times.step_s, dp_sync_round_s=times.dp_sync_round_s,
+        dp_hidden_s=times.dp_hidden_round_s / inputs.inner_steps,
+        pp_bytes_per_step=inputs.pp_bytes,
+        dp_bytes_per_step=inputs.dp_bytes_round / inputs.inner_steps)

@@ -49,5 +49,4 @@ def replay_fast(inputs: StepInputs) -> StepTimes:
     """The step time of `inputs` by the vectorised recurrences."""
     _, b_done = fast_replay(inputs.t_fwd, inputs.t_bwd, inputs.fwd_tx, inputs.fwd_lat,
                             inputs.bwd_tx, inputs.bwd_lat, inputs.num_micro_batches)
-    return step_times(b_done, inputs.dp_times(), inputs.inner_steps, inputs.tied_s,
-                      inputs.agree_s)
+    return step_times(b_done, inputs.dp_times(), inputs)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from formats.plan import SyncConfig
 from scheduler.simulator.step import SimResult
+
+
+def sync_label(sync: SyncConfig, pipeline_compression: str = "none") -> str:
+    """`diloco H=64 overlap F=2, dp int8, pp bf16`: a sync configuration in one line."""
+    mode = sync.mode
+    if sync.mode == "diloco":
+        mode += f" H={sync.inner_steps}" + (" overlap" if sync.overlap else "") + \
+            (f" F={sync.fragments}" if sync.fragments > 1 else "")
+    return f"{mode}, dp {sync.compression}, pp {pipeline_compression}"
 
 
 def format_sim_table(result: SimResult) -> str:
     """Human-readable breakdown of a simulated step."""
     sync = result.sync
-    mode = sync.mode + (f", H={sync.inner_steps}" if sync.mode == "diloco" else "")
     rows = [
         ("step time", result.step_s),
         ("  compute (busiest device)", result.compute_s),
@@ -18,10 +27,15 @@ def format_sim_table(result: SimResult) -> str:
         ("  exposed data-parallel sync", result.dp_comm_s),
     ]
     lines = [f"{name:<32}{value:>12.3f} s" for name, value in rows]
+    lines.append(f"{'hidden data-parallel sync':<32}{result.dp_hidden_s:>12.3f} s  (per step)")
     if sync.mode == "diloco":
-        lines.append(f"{'  outer sync per round (exposed)':<32}{result.dp_comm_round_s:>12.3f} s")
+        lines.append(f"{'outer sync per round':<32}{result.dp_sync_round_s:>12.3f} s  "
+                     f"({result.dp_comm_round_s:.3f} exposed, "
+                     f"{result.dp_sync_round_s - result.dp_comm_round_s:.3f} hidden)")
     lines.append(f"{'slowest stage all-reduce':<32}{max(result.dp_allreduce_s, default=0):>12.3f}"
-                 f" s  ({mode}, {sync.compression})")
+                 f" s  ({sync_label(sync, result.pipeline_compression)})")
+    lines.append(f"{'pipeline bytes per step':<32}{result.pp_bytes_per_step / 1e6:>12.3f} MB")
+    lines.append(f"{'data-parallel bytes per step':<32}{result.dp_bytes_per_step / 1e6:>12.3f} MB")
     lines.append(f"{'tokens per step':<32}{result.tokens_per_step:>12d}")
     lines.append(f"{'tokens/s':<32}{result.tokens_per_s:>12.1f}")
     split = " ".join(str(b - a) for a, b in result.stages)

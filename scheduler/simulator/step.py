@@ -28,12 +28,14 @@ class SimResult(StepBreakdown):
     """What `simulate` prints: the step's breakdown (kernel.StepBreakdown's fields: step time,
     its parts, throughput), the plan it is of, memory and the timeline."""
 
-    sync: SyncConfig
-    stages: list[tuple[int, int]]
-    pipelines: list[list[int]]
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    stages: list[tuple[int, int]] = field(default_factory=list)
+    pipelines: list[list[int]] = field(default_factory=list)
     memory_gb: list[tuple[int, float, float]] = field(default_factory=list)
     """(device, needed GB, available GB) per device in the plan."""
     timeline: list[TimelineBox] = field(default_factory=list)
+    pipeline_compression: str = "none"
+    """How activations crossed the pipeline links (Plan.pipeline_compression)."""
 
     def parts(self) -> dict[str, float]:
         """The breakdown in seconds; compute + bubble + pp_comm + tied_comm + dp_comm = step."""
@@ -47,11 +49,17 @@ class SimResult(StepBreakdown):
         out.update({
             "makespan_s": round(self.makespan_s, 6),
             "dp_comm_per_round_s": round(self.dp_comm_round_s, 6),
+            "dp_hidden_s": round(self.dp_hidden_s, 6),
+            "dp_sync_per_round_s": round(self.dp_sync_round_s, 6),
             "dp_allreduce_s": [round(x, 6) for x in self.dp_allreduce_s],
+            "pp_bytes_per_step": self.pp_bytes_per_step,
+            "dp_bytes_per_step": self.dp_bytes_per_step,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": round(self.tokens_per_s, 3),
             "sync": {"mode": self.sync.mode, "inner_steps": self.sync.inner_steps,
-                     "compression": self.sync.compression},
+                     "compression": self.sync.compression, "overlap": self.sync.overlap,
+                     "fragments": self.sync.fragments},
+            "pipeline_compression": self.pipeline_compression,
             "stages": [list(st) for st in self.stages],
             "memory_gb": [{"device": d, "need": round(need, 3), "have": have}
                           for d, need, have in self.memory_gb],
@@ -74,7 +82,7 @@ def memory_use(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]]
 def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
              pipelines: np.ndarray | list[list[int]], sync: SyncConfig, micro_batch_size: int,
              num_micro_batches: int, config: SimConfig | None = None,
-             timeline: bool = True) -> SimResult:
+             timeline: bool = True, pipeline_compression: str = "none") -> SimResult:
     """Replay one step (memory checked first: UserError naming a device that overflows): by the
     event engine when a timeline is asked for, else by the vectorised replay (same numbers)."""
     config = config or SimConfig()
@@ -83,12 +91,13 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
     check_plan_memory(cluster, model, stages, pipe, micro_batch_size, num_micro_batches, diloco,
                       config.memory())
     inputs = build_inputs(LinkTables(cluster, config), model, stages, pipe, sync,
-                          micro_batch_size, num_micro_batches, config)
+                          micro_batch_size, num_micro_batches, config, pipeline_compression)
     times, boxes = replay_events(inputs) if timeline else (replay_fast(inputs), [])
     free = replay_fast(no_transfers(inputs)).makespan_s
     tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
     breakdown = step_breakdown(inputs, times, free, tokens)
     return SimResult(**vars(breakdown), sync=sync, stages=list(stages), pipelines=pipe.tolist(),
+                     pipeline_compression=pipeline_compression,
                      memory_gb=memory_use(cluster, model, stages, pipe, micro_batch_size,
                                           num_micro_batches, diloco, config),
                      timeline=boxes)
@@ -100,4 +109,5 @@ def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
     model = model or get_model(plan.model)
     validate_plan(plan, cluster, model)
     return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
-                    plan.micro_batch_size, plan.num_micro_batches, config, timeline)
+                    plan.micro_batch_size, plan.num_micro_batches, config, timeline,
+                    plan.pipeline_compression)
