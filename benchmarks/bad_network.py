@@ -99,7 +99,8 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     auto = out / "auto.json"
     log("planning with --sync auto")
     sh(plan_cmd(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
-                str(args.max_inner_steps), "--allow-pipeline-compression", "int8"))
+                str(args.max_inner_steps), "--compression", "int8",
+                "--allow-pipeline-compression", "int8"))
     runs.append(Run(f"planner --sync auto ({describe(load_plan(auto))})", auto))
     return runs
 
@@ -195,17 +196,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inner-steps", type=int, default=10,
                    help="the bound on H given to plan --sync auto")
     p.add_argument("--steps", type=int, default=None,
-                   help="training steps per row (default 20 with --quick, else 40)")
+                   help="training steps per row (default 30 with --quick, else 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps left out of the timing (default 5 quick, else 10)")
+                   help="steps left out of the timing, rounded up to whole rounds (10)")
     p.add_argument("--eval-sequences", type=int, default=32,
                    help="validation sequences for the final loss")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
     args = p.parse_args(argv)
-    args.steps = args.steps or (20 if args.quick else 40)
-    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (
-        5 if args.quick else 10)
+    args.steps = args.steps or (30 if args.quick else 60)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10
     if not 1 <= args.fragments <= args.inner_steps:
         raise UserError(f"--fragments {args.fragments}: must be 1..--inner-steps "
                         f"({args.inner_steps})")
