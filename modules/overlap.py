@@ -54,6 +54,7 @@ class OverlapSync:
     attempt: Attempt
     refresh: Callable[[], None]
     changed: Callable[[], bool] = lambda: False
+    log: Callable[[str], None] = print
     jobs: list[OuterJob] = field(default_factory=list)
     """Launched and not yet finished, in launch order."""
     wait_s: float = 0.0
@@ -110,6 +111,10 @@ class OverlapSync:
             if j.error is not None:
                 raise j.error
         self.refresh()
+        failed = sorted(j.index for j in self.jobs if not j.ok)
+        if failed:
+            self.log(f"outer sync(s) {failed} failed in the background (membership changed); "
+                     "redoing them with the live replicas")
         for j in sorted(self.jobs, key=lambda j: j.index):
             while not j.ok:
                 j.flat.copy_(j.keep)

@@ -124,7 +124,7 @@ class Trainer:
         self.outer_seen = (0, 0.0)
         """(background bytes, exposed wait s) already attributed to a step's record."""
         self.overlap: OverlapSync | None = (
-            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending)
+            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending, log)
             if overlapped else None)
         """sync.overlap: runs the outer all-reduces in the background (modules.overlap)."""
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,

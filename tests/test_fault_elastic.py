@@ -18,12 +18,13 @@ from testkit.fault_harness import Ranks, free_port, kill_trial, poll_exits, writ
 HB = 2.0  # heartbeat timeout of the trials (s)
 
 
-def _diloco_trial(tmp_path, seed: int, replicas: int = 3, stages: int = 1) -> None:
+def _diloco_trial(tmp_path, seed: int, replicas: int = 3, stages: int = 1,
+                  extra: tuple[str, ...] = ()) -> None:
     rng = random.Random(seed)
     n = replicas * stages
     victim = rng.randrange(1, n)  # not rank 0: it hosts the store (tested apart)
     res = kill_trial(tmp_path / f"t{seed}", "diloco", replicas, stages, victim,
-                     kill_step=rng.randrange(2, 40), steps=160, heartbeat_s=HB)
+                     kill_step=rng.randrange(2, 40), steps=160, heartbeat_s=HB, extra=extra)
     logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
     assert res.orphans == [], logs
     assert res.codes[victim] == -9, logs
@@ -70,6 +71,14 @@ def _allreduce_trial(tmp_path, seed: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_diloco_kill_drops_the_replica_and_finishes(tmp_path, seed):
     _diloco_trial(tmp_path, seed)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed,stages", [(0, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_diloco_kill_with_overlap_and_fragments(tmp_path, seed, stages):
+    """A replica lost while fragments are in flight in the background: the survivors redo
+    those rounds among themselves and finish."""
+    _diloco_trial(tmp_path, seed, stages=stages, extra=("--overlap", "on", "--fragments", "2"))
 
 
 @pytest.mark.slow
