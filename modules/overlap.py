@@ -13,9 +13,10 @@ store it and `--resume` re-runs the same all-reduce (modules.diloco).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,10 @@ class OuterJob:
     """Averaged in place (by the worker thread while in flight)."""
     keep: torch.Tensor
     """The pseudo-gradient as sent: what a checkpoint stores and a retry restarts from."""
-    future: Future | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set by the worker thread when the attempt is over (ok, failed or error)."""
+    ready: torch.cuda.Event | None = None
+    """CUDA: recorded on the training thread's stream after `flat` was written."""
     ok: bool = False
     """The average is in `flat` and every member committed it."""
     error: BaseException | None = None
@@ -61,29 +65,49 @@ class OverlapSync:
     """Seconds the training thread waited for results (the exposed part of the overlap)."""
 
     def __post_init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-all-reduce")
+        self.queue: queue.SimpleQueue[OuterJob | None] = queue.SimpleQueue()
+        # a daemon: a rank that exits on an error does not wait for a hung all-reduce
+        self.worker = threading.Thread(target=self._work, name="outer-all-reduce", daemon=True)
+        self.worker.start()
+        self.stream: torch.cuda.Stream | None = None
+        """CUDA: the worker's own stream (its all-reduces do not queue behind compute)."""
 
     def launch(self, flat: torch.Tensor, index: int) -> OuterJob:
         """Start averaging `flat` in the background (repairing earlier failures first)."""
-        if self.changed() or any(j.future.done() and not j.ok for j in self.jobs):
+        if self.changed() or any(j.done.is_set() and not j.ok for j in self.jobs):
             self._recover()
         job = OuterJob(index, flat, flat.clone())
-        job.future = self.pool.submit(self._run, job)
+        if flat.is_cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(flat.device)
         self.jobs.append(job)
+        self.queue.put(job)
         return job
 
-    def _run(self, job: OuterJob) -> None:
-        try:
-            job.ok = self.attempt(job.flat, job.index) is not None
-        except RuntimeError as e:  # PeerError, or the store's own error
-            job.error = e
+    def _work(self) -> None:
+        """The worker thread: one job at a time, in launch order, until `close`."""
+        while (job := self.queue.get()) is not None:
+            try:
+                if job.ready is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(job.ready)
+                        job.ok = self.attempt(job.flat, job.index) is not None
+                    self.stream.synchronize()  # the result is complete before `done`
+                else:
+                    job.ok = self.attempt(job.flat, job.index) is not None
+            except RuntimeError as e:  # PeerError, or the store's own error
+                job.error = e
+            finally:
+                job.done.set()
 
     def finish(self, job: OuterJob) -> None:
         """Block until `job.flat` holds the committed average (redone among the survivors if
         the membership changed meanwhile)."""
         t0 = time.perf_counter()
         try:
-            job.future.result()
+            job.done.wait()
             if job.error is not None:
                 raise job.error
             if not job.ok:
@@ -97,7 +121,7 @@ class OverlapSync:
         t0 = time.perf_counter()
         try:
             for j in list(self.jobs):
-                j.future.result()
+                j.done.wait()
             if any(not j.ok for j in self.jobs):
                 self._recover()
         finally:
@@ -106,7 +130,7 @@ class OverlapSync:
     def _recover(self) -> None:
         """Drain, take the new generation, re-run every failed round in order, synchronously."""
         for j in self.jobs:
-            j.future.result()
+            j.done.wait()
         for j in self.jobs:
             if j.error is not None:
                 raise j.error
@@ -123,5 +147,5 @@ class OverlapSync:
                     self.refresh()
 
     def close(self) -> None:
-        """Stop the worker thread (after `drain`)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker thread once the jobs queued are done (`drain` first)."""
+        self.queue.put(None)
