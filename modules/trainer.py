@@ -117,16 +117,7 @@ class Trainer:
                               self.device) if cfg.data.eval_sequences else [])
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
-        overlapped = plan.sync.mode == "diloco" and plan.sync.overlap
-        self.outer_stats: CommStats | None = CommStats() if overlapped else None
-        """sync.overlap: what the background outer all-reduces sent and waited (their own
-        communicator's; added to the step's record when counted)."""
-        self.outer_seen = (0, 0.0)
-        """(background bytes, exposed wait s) already attributed to a step's record."""
-        self.overlap: OverlapSync | None = (
-            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending, log)
-            if overlapped else None)
-        """sync.overlap: runs the outer all-reduces in the background (modules.overlap)."""
+        self._init_overlap()
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
                                   self.placement.precision)
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
@@ -159,10 +150,23 @@ class Trainer:
         """Live replicas of the current generation."""
         self.average: GroupAverage = no_average
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
-        self.outer_average: GroupAverage = no_average
-        """sync.overlap: the same over my stage group's background communicator."""
         if not cfg.elastic.join:
             self._apply(self.membership.first_generation())
+
+    def _init_overlap(self) -> None:
+        """sync.overlap: the background outer all-reduces and their own accounting."""
+        overlapped = self.plan.sync.mode == "diloco" and self.plan.sync.overlap
+        self.outer_stats: CommStats | None = CommStats() if overlapped else None
+        """What the background all-reduces sent and waited (their communicator's own; added
+        to a step's record when counted)."""
+        self.outer_seen = (0, 0.0)
+        """(background bytes, exposed wait s) already attributed to a step's record."""
+        self.overlap: OverlapSync | None = (
+            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending, self.log)
+            if overlapped else None)
+        """Runs the outer all-reduces in the background (modules.overlap)."""
+        self.outer_average: GroupAverage = no_average
+        """Averages a flat tensor over my stage group's background communicator."""
 
     def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
                          coordinator: bool) -> Membership:
