@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.checkpoint import load_checkpoint, step_path
-from modules.config import RunConfig
+from modules.config import ElasticConfig, OuterSyncConfig, RunConfig
 from modules.data import FakeData, Sharder
 from modules.diloco import DiLoCoOptimizer, fragment_bounds, sync_slots
 from modules.metrics import read_metrics, replica_metrics_path
@@ -113,6 +114,23 @@ def _reference(plan: Plan, steps: int, alpha: float) -> list[StageModel]:
                 for r in range(R):
                     _outer(f, bounds, glob[r], bufs[r], params[r], average, 0.0)
     return models
+
+
+def test_flags_override_the_plan_and_bad_values_name_the_flag():
+    plan = _plan(False, fragments=1)
+    got = OuterSyncConfig(fragments=4, overlap="on").apply(plan).sync
+    assert (got.fragments, got.overlap) == (4, True)
+    assert OuterSyncConfig().apply(plan) is plan
+    with pytest.raises(UserError, match=r"--fragments: must be between 1 and .* 4, got 5"):
+        OuterSyncConfig(fragments=5).apply(plan)
+    with pytest.raises(UserError, match="--overlap-alpha"):
+        OuterSyncConfig(overlap_alpha=1.5)
+    allreduce = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]])
+    with pytest.raises(UserError, match="only apply to sync mode diloco"):
+        OuterSyncConfig(overlap="on").apply(allreduce)
+    join = RunConfig(steps=1, elastic=ElasticConfig(join=True), outer=OuterSyncConfig(fragments=2))
+    with pytest.raises(UserError, match="--join: not supported with sync.overlap"):
+        join.check_plan(plan)
 
 
 def test_fragments_cover_every_parameter_once_and_balance_elements():

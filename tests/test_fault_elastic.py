@@ -113,10 +113,13 @@ def test_store_host_lost_every_diloco_rank_exits_with_that_diagnosis(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("overlap", [(), ("--overlap", "on", "--fragments", "2")],
+                         ids=["plain", "overlap"])
+def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path, overlap):
     ck = tmp_path / "m" / "ck"
     res = kill_trial(tmp_path / "m", "diloco", 2, 1, 1, kill_step=6, steps=400, heartbeat_s=HB,
-                     extra=("--min-replicas", "2", "--ckpt-dir", str(ck), "--ckpt-every", "4"))
+                     extra=("--min-replicas", "2", "--ckpt-dir", str(ck), "--ckpt-every", "4",
+                            *overlap))
     logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
     assert res.orphans == [], logs
     assert res.codes[0] == 1, logs
