@@ -245,6 +245,7 @@ class DiLoCoOptimizer:
                 outer.state[a]["momentum_buffer"] = state.momentum[off:off + k].view_as(a).clone()
             off += k
         self.outer_count = state.outer_count
+        self.syncs = state.outer_count * self.fragments  # handed over at a round's start
         self.inner_count = 0
 
     def state_dict(self) -> dict[str, Any]:
