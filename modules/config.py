@@ -9,6 +9,7 @@ raises UserError naming the flag; checks against the plan are in `RunConfig.chec
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -371,6 +372,43 @@ class DebugConfig:
 
 
 @dataclass
+class OuterSyncConfig:
+    """DiLoCo's outer sync: overrides of the plan's sync.fragments / sync.overlap."""
+
+    fragments: int | None = None
+    """DiLoCo: sync the stage's parameters in F contiguous fragments, each at its own step of
+    the round (Streaming DiLoCo; default: the plan's sync.fragments)"""
+    overlap: str = field(default="plan", metadata=choices("plan", "on", "off"))
+    """DiLoCo: run the outer all-reduces in the background while the next round computes
+    (on/off; default: the plan's sync.overlap)"""
+    overlap_alpha: float = 0.5
+    """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
+    average is applied (Streaming DiLoCo's mixing factor)"""
+
+    def __post_init__(self) -> None:
+        if self.fragments is not None:
+            _int_at_least(OuterSyncConfig, "fragments", self.fragments, 1)
+        _one_of(OuterSyncConfig, "overlap", self.overlap, ("plan", "on", "off"))
+        _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, strict=False, hi=1.0)
+
+    def apply(self, plan: Plan) -> Plan:
+        """The plan with these overrides in its sync config (checked like a plan's)."""
+        sync = plan.sync
+        fragments = sync.fragments if self.fragments is None else self.fragments
+        overlap = sync.overlap if self.overlap == "plan" else self.overlap == "on"
+        if (fragments, overlap) == (sync.fragments, sync.overlap):
+            return plan
+        if sync.mode != "diloco":
+            raise UserError(f"--fragments/--overlap: only apply to sync mode diloco (the plan's "
+                            f"is {sync.mode!r})")
+        if not 1 <= fragments <= sync.inner_steps:
+            raise UserError(f"--fragments: must be between 1 and the plan's sync.inner_steps "
+                            f"{sync.inner_steps}, got {fragments}")
+        return dataclasses.replace(plan, sync=dataclasses.replace(sync, fragments=fragments,
+                                                                  overlap=overlap))
+
+
+@dataclass
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
@@ -390,6 +428,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    outer: OuterSyncConfig = field(default_factory=OuterSyncConfig)
 
     def __post_init__(self) -> None:
         _int_at_least(RunConfig, "steps", self.steps, 1)
@@ -416,6 +455,11 @@ class RunConfig:
         if (el.join or start is not None) and plan.sync.mode != "diloco":
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
+        sync = self.outer.apply(plan).sync
+        if el.join and (sync.overlap or sync.fragments > 1):
+            raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
+                            "(a joiner would need the pending rounds); use --overlap off "
+                            "--fragments 1 on every rank")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         m = el.resolved_min_replicas(plan.num_replicas)

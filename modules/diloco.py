@@ -2,8 +2,8 @@
 
     pseudo_grad = anchor - params              (what the inner steps moved)
     pseudo_grad = average over workers         (the only communication, every H steps)
-    params      = anchor; outer SGD(Nesterov) step with pseudo_grad as the gradient
-    anchor      = params
+    anchor      = outer SGD(Nesterov) step of anchor with pseudo_grad as the gradient
+    params      = anchor
 
 as in DiLoCo (Douillard et al. 2023) and OpenDiLoCo (Jaghouar et al. 2024). Usable on its own:
 
@@ -11,19 +11,48 @@ as in DiLoCo (Douillard et al. 2023) and OpenDiLoCo (Jaghouar et al. 2024). Usab
     opt = DiLoCoOptimizer(model.parameters(), inner, inner_steps=50)  # averages over the
     ...                                                               # default torch.distributed
     loss.backward(); opt.step(); opt.zero_grad()                      # group when initialised
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512), two options:
+- `fragments` = F: the parameters are cut into F contiguous fragments (at parameter
+  boundaries, as equal in elements as they allow; `fragment_bounds`); fragment f syncs after
+  inner step floor((f+1) H / F) of each round, with its own anchor and outer momentum, so one
+  sync sends 1/F of the bytes and the peak bandwidth need falls F times.
+- `overlap`: a fragment's all-reduce runs in the background while the next round's inner
+  steps compute (overlap tau = H inner steps). At the fragment's next slot its averaged
+  pseudo-gradient (from the previous round) is applied with Streaming DiLoCo's overlapped
+  update: the outer step moves the global copy (the anchor) with the delayed average, and the
+  local fragment is merged as  params = alpha * params + (1 - alpha) * anchor  (alpha =
+  `overlap_alpha`; the paper's mixing factor, 0.5 here); the fragment's next pseudo-gradient,
+  anchor - params, is taken right after and sent. Without overlap alpha is 0 (plain DiLoCo).
+  Every pending round's pseudo-gradient (as sent) is in `state_dict()`, and `load_state_dict`
+  re-runs those all-reduces: a resumed run continues bit-identically.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from modules.overlap import OuterJob, OverlapSync
+
 AllReduceFn = Callable[[torch.Tensor], "int | None"]
 """Averages a flat fp32 tensor in place over the workers; may return the bytes it sent."""
+
+
+class Reducer(Protocol):
+    """Background all-reduces (modules.overlap.OverlapSync is one)."""
+
+    def launch(self, flat: torch.Tensor, index: int) -> OuterJob:
+        """Start averaging `flat` (sync number `index`) in the background."""
+        ...
+
+    def finish(self, job: OuterJob) -> None:
+        """Block until `job.flat` holds the average."""
+        ...
 
 
 def default_all_reduce(tensor: torch.Tensor) -> int:
@@ -33,6 +62,28 @@ def default_all_reduce(tensor: torch.Tensor) -> int:
     dist.all_reduce(tensor)
     tensor /= dist.get_world_size()
     return tensor.numel() * tensor.element_size()
+
+
+def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
+    """Cut parameters of `sizes` elements into `fragments` contiguous, non-empty ranges
+    [start, end) of parameter indices, each cut at the boundary nearest to an equal share."""
+    n = len(sizes)
+    if not 1 <= fragments <= n:
+        raise ValueError(f"fragments: {fragments} fragments of {n} parameters")
+    total, cum = sum(sizes), [0]
+    for s in sizes:
+        cum.append(cum[-1] + s)
+    cuts = [0]
+    for k in range(1, fragments):
+        lo, hi = cuts[-1] + 1, n - (fragments - k)  # leave one parameter for each fragment left
+        cuts.append(min(range(lo, hi + 1), key=lambda i: abs(cum[i] - k * total / fragments)))
+    cuts.append(n)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def sync_slots(inner_steps: int, fragments: int) -> list[int]:
+    """Inner step of the round (1..H) after which each fragment syncs: floor((f+1) H / F)."""
+    return [(f + 1) * inner_steps // fragments for f in range(fragments)]
 
 
 @dataclass
@@ -48,71 +99,133 @@ class OuterState:
 
 
 class DiLoCoOptimizer:
-    """Wraps an inner optimizer; every `inner_steps` calls of `step()` it runs the outer step."""
+    """Wraps an inner optimizer; every `inner_steps` calls of `step()` a round of outer steps
+    (one per fragment, at its slot; see the module docstring)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], inner_optimizer: torch.optim.Optimizer,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, inner_steps: int = 500,
-                 all_reduce_fn: AllReduceFn | None = None, nesterov: bool = True) -> None:
+                 all_reduce_fn: AllReduceFn | None = None, nesterov: bool = True,
+                 fragments: int = 1, overlap: bool = False, overlap_alpha: float = 0.5,
+                 reducer: Reducer | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        if not 1 <= fragments <= inner_steps:
+            raise ValueError(f"fragments must be between 1 and inner_steps, got {fragments}")
         self.inner = inner_optimizer
-        self.outer = torch.optim.SGD(self.params, lr=outer_lr, momentum=outer_momentum,
-                                     nesterov=nesterov and outer_momentum > 0)
         self.inner_steps = inner_steps
         self.all_reduce_fn = all_reduce_fn or default_all_reduce
         self.anchor = [p.detach().clone() for p in self.params]
+        """The global (outer) model; the outer optimizer steps it."""
+        self.bounds = fragment_bounds([p.numel() for p in self.params], fragments)
+        """Parameter index range [start, end) of each fragment."""
+        self.slots = sync_slots(inner_steps, fragments)
+        self.outers = [torch.optim.SGD(self.anchor[a:b], lr=outer_lr, momentum=outer_momentum,
+                                       nesterov=nesterov and outer_momentum > 0)
+                       for a, b in self.bounds]
+        """One outer optimizer per fragment (its own momentum)."""
+        self.overlap = overlap
+        self.alpha = overlap_alpha if overlap else 0.0
+        self.reducer: Reducer | None = None
+        if overlap:
+            self.reducer = reducer or OverlapSync(
+                lambda flat, index: int(self.all_reduce_fn(flat) or 0), lambda: None)
+        self.pending: dict[int, OuterJob] = {}
+        """Overlap: fragment -> its all-reduce launched last round, not yet applied."""
         self.inner_count = 0
-        """Inner steps since the last outer step."""
+        """Inner steps since the last round ended."""
         self.outer_count = 0
-        """Outer steps done."""
+        """Rounds done (every H inner steps; with one fragment and no overlap: outer steps)."""
+        self.syncs = 0
+        """Fragment syncs started (the number of the next one)."""
         self.bytes_sent = 0
         """Bytes handed to all_reduce_fn (its return value, or the fp32 payload size)."""
+
+    @property
+    def fragments(self) -> int:
+        """F: fragments of the parameters, each synced once per round."""
+        return len(self.bounds)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the inner gradients."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One inner step; the outer step (with communication) after every `inner_steps`."""
+        """One inner step; each fragment's outer step (with communication) at its slot."""
         result = self.inner.step(closure)
         self.inner_count += 1
+        for f, slot in enumerate(self.slots):
+            if slot == self.inner_count:
+                self.sync_fragment(f)
         if self.inner_count >= self.inner_steps:
-            self.outer_step()
+            self.inner_count = 0
+            self.outer_count += 1
         return result
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """Average the pseudo-gradient over workers and apply the outer Nesterov SGD step."""
-        pseudo = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(self.anchor, self.params)])
-        sent = self.all_reduce_fn(pseudo)  # the one communication of DiLoCo
-        self.bytes_sent += int(sent) if sent is not None else pseudo.numel() * 4
-        saved_grads = [p.grad for p in self.params]
-        offset = 0
-        for a, p in zip(self.anchor, self.params):
-            n = p.numel()
-            p.copy_(a)
-            p.grad = pseudo[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
-        self.outer.step()
-        for a, p, g in zip(self.anchor, self.params, saved_grads):
-            a.copy_(p)
-            p.grad = g
+        """Sync every fragment now and end the round (a joiner's first outer step)."""
+        for f in range(self.fragments):
+            self.sync_fragment(f)
         self.inner_count = 0
         self.outer_count += 1
+
+    @torch.no_grad()
+    def sync_fragment(self, f: int) -> None:
+        """Fragment f's outer step: average its pseudo-gradient and step; with overlap, apply
+        last round's average (waiting for it if late) and launch this round's."""
+        if not self.overlap:
+            pseudo = self._pseudo(f)
+            sent = self.all_reduce_fn(pseudo)  # the one communication of DiLoCo
+            self.bytes_sent += int(sent) if sent is not None else pseudo.numel() * 4
+            self.syncs += 1
+            self._outer_update(f, pseudo)
+            return
+        job = self.pending.pop(f, None)
+        if job is not None:
+            self.reducer.finish(job)
+            self._outer_update(f, job.flat)
+        self.pending[f] = self.reducer.launch(self._pseudo(f), self.syncs)
+        self.syncs += 1
+
+    def _pseudo(self, f: int) -> torch.Tensor:
+        a, b = self.bounds[f]
+        return torch.cat([(x - p.detach()).reshape(-1)
+                          for x, p in zip(self.anchor[a:b], self.params[a:b])])
+
+    @torch.no_grad()
+    def _outer_update(self, f: int, average: torch.Tensor) -> None:
+        """Outer step of fragment f's anchor with `average`, then merge the parameters:
+        params = alpha * params + (1 - alpha) * anchor (alpha 0 without overlap: a copy)."""
+        a, b = self.bounds[f]
+        off = 0
+        for x in self.anchor[a:b]:
+            n = x.numel()
+            x.grad = average[off:off + n].view_as(x).to(x.dtype)
+            off += n
+        self.outers[f].step()
+        for x, p in zip(self.anchor[a:b], self.params[a:b]):
+            x.grad = None
+            if self.alpha:
+                p.mul_(self.alpha).add_(x, alpha=1 - self.alpha)
+            else:
+                p.copy_(x)
 
     @torch.no_grad()
     def outer_state(self) -> OuterState:
         """The outer model, momentum and count, flat (copies: safe to send while training)."""
         anchor = torch.cat([a.reshape(-1) for a in self.anchor])
-        if not self.outer.state:
+        if not any(o.state for o in self.outers):
             return OuterState(anchor, None, self.outer_count)
-        momentum = torch.cat([self._momentum(p).reshape(-1) for p in self.params])
+        momentum = torch.cat([self._momentum(a).reshape(-1) for a in self.anchor])
         return OuterState(anchor, momentum, self.outer_count)
 
-    def _momentum(self, p: torch.nn.Parameter) -> torch.Tensor:
-        buf = self.outer.state.get(p, {}).get("momentum_buffer")
-        return buf if buf is not None else torch.zeros_like(p)
+    def _momentum(self, a: torch.Tensor) -> torch.Tensor:
+        for o in self.outers:
+            buf = o.state.get(a, {}).get("momentum_buffer")
+            if buf is not None:
+                return buf
+        return torch.zeros_like(a)
 
     @torch.no_grad()
     def load_outer_state(self, state: OuterState) -> None:
@@ -122,27 +235,38 @@ class DiLoCoOptimizer:
         if state.anchor.numel() != n:
             raise ValueError(f"outer state: {state.anchor.numel()} values for {n} parameters")
         off = 0
-        for a, p in zip(self.anchor, self.params):
+        for i, (a, p) in enumerate(zip(self.anchor, self.params)):
             k = p.numel()
             a.copy_(state.anchor[off:off + k].view_as(a))
             p.copy_(a)
             if state.momentum is not None:
-                self.outer.state[p]["momentum_buffer"] = \
-                    state.momentum[off:off + k].view_as(p).clone()
+                outer = self.outers[next(f for f, (lo, hi) in enumerate(self.bounds)
+                                         if lo <= i < hi)]
+                outer.state[a]["momentum_buffer"] = state.momentum[off:off + k].view_as(a).clone()
             off += k
         self.outer_count = state.outer_count
+        self.syncs = state.outer_count * self.fragments  # handed over at a round's start
         self.inner_count = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner and outer optimizer state, anchor parameters and counters (tensors + ints)."""
-        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
+        """Inner and outer optimizer state, anchor parameters, counters, and the pseudo-
+        gradients of the rounds still pending (as sent; tensors + ints)."""
+        pending = [(f, j.index, j.keep.clone())
+                   for f, j in sorted(self.pending.items(), key=lambda kv: kv[1].index)]
+        return {"inner": self.inner.state_dict(), "outer": [o.state_dict() for o in self.outers],
                 "anchor": [a.clone() for a in self.anchor], "inner_count": self.inner_count,
-                "outer_count": self.outer_count, "bytes_sent": self.bytes_sent}
+                "outer_count": self.outer_count, "bytes_sent": self.bytes_sent,
+                "syncs": self.syncs, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict saved."""
+        """Restore what state_dict saved, and re-launch the pending all-reduces in order."""
         self.inner.load_state_dict(state["inner"])
-        self.outer.load_state_dict(state["outer"])
+        outer = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]
+        if len(outer) != len(self.outers):
+            raise ValueError(f"DiLoCo state: {len(outer)} fragments, this run has "
+                             f"{len(self.outers)}")
+        for o, s in zip(self.outers, outer):
+            o.load_state_dict(s)
         if len(state["anchor"]) != len(self.anchor):
             raise ValueError("DiLoCo state: number of parameters differs")
         for a, s in zip(self.anchor, state["anchor"]):
@@ -150,3 +274,10 @@ class DiLoCoOptimizer:
         self.inner_count = int(state["inner_count"])
         self.outer_count = int(state["outer_count"])
         self.bytes_sent = int(state["bytes_sent"])
+        self.syncs = int(state.get("syncs", self.outer_count))
+        pending = state.get("pending", [])
+        if pending and not self.overlap:
+            raise ValueError("DiLoCo state: has overlapped all-reduces pending; run with overlap")
+        for f, index, keep in pending:
+            self.pending[int(f)] = self.reducer.launch(keep.to(self.anchor[0].device).clone(),
+                                                       int(index))

@@ -305,18 +305,22 @@ class Membership:
         return state
 
     # -- DiLoCo's outer step -----------------------------------------------------------------
-    def outer_round(self, flat: torch.Tensor, average: GroupAverage, outer: int) -> int | None:
-        """One attempt at averaging outer step `outer + 1`'s pseudo-gradient `flat` over the
+    def outer_round(self, flat: torch.Tensor, average: GroupAverage, outer: int,
+                    stats: CommStats | None = None) -> int | None:
+        """One attempt at averaging outer sync `outer + 1`'s pseudo-gradient `flat` over the
         live replicas of my stage: wait for every member, average, and commit only if every
         rank of every stage got its average. Returns the bytes sent, or None when the
         membership changed first: `poll`, apply the change, restore `flat` and call again
         (every stage then re-forms at the same outer step, so no pipeline waits on a partner
-        in another group). A joiner contributes zeros and the mean is over the others."""
+        in another group). A joiner contributes zeros and the mean is over the others.
+        `stats`: where the arrival wait counts (default the rank's; the background thread of
+        an overlapped run passes its own). With fragments, `outer` numbers every fragment
+        sync of the run (the same on every stage), so each has its own keys and commit."""
         stage, ranks = self.topo.stage, self.stage_ranks()
         what = f"DiLoCo outer step {outer + 1} of stage {stage}"
         if self.monitor is None:  # no heartbeat: fixed groups, nothing to commit
             if len(ranks) > 1:
-                self._timed_wait(outer_arrival_prefix(stage, outer), ranks, what, None)
+                self._timed_wait(outer_arrival_prefix(stage, outer), ranks, what, None, stats)
             return average(flat)
         if self.topo.replica not in self.active:
             flat.zero_()
@@ -325,7 +329,7 @@ class Membership:
             gen = self.gen
             abandon = lambda: self.monitor.gen > gen
             if not self._timed_wait(outer_arrival_prefix(stage, outer, gen), ranks, what,
-                                    abandon):
+                                    abandon, stats):
                 return None
             try:
                 sent = average(flat)
@@ -347,14 +351,14 @@ class Membership:
         return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
 
     def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
-                    abandon: Callable[[], bool] | None) -> bool:
+                    abandon: Callable[[], bool] | None, stats: CommStats | None = None) -> bool:
         """Wait for every member's arrival (counted as communication time)."""
         t0 = time.perf_counter()
         try:
             return wait_for_peers(self.store, prefix, self.topo.rank, ranks, self.cfg.timeout_s,
                                   self.cfg.wait_for_peers, self.log, what, abandon=abandon)
         finally:
-            self.stats.wait_s += time.perf_counter() - t0
+            (stats or self.stats).wait_s += time.perf_counter() - t0
 
     def _await_generation(self, gen: int) -> bool:
         """Wait (heartbeat timeout + 5 s) for a generation newer than `gen`; True if one came."""

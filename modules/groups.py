@@ -53,10 +53,15 @@ class Groups:
     without tied embeddings or with one stage)."""
     choices: tuple[BackendChoice, ...] = ()
     """The backend of each group of more than one rank that I am in, and why."""
+    outer: Communicator | None = None
+    """A second communicator of my stage group, only for DiLoCo's background (overlapped)
+    outer all-reduces, so they never interleave with the training thread's messages; None
+    without sync.overlap or where the group has one member."""
 
     def close(self) -> None:
         """Release every communicator (before a new generation replaces them)."""
-        for comm in {id(c): c for c in (self.world, self.pipeline, self.stage, self.tied)
+        for comm in {id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
+                                        self.outer)
                      if c is not None}.values():
             comm.close()
 
@@ -67,8 +72,13 @@ class GroupBuilder:
 
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store, tie_embeddings: bool,
                  timeout_s: float, stats: CommStats, options: CommOptions | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, outer_stats: CommStats | None = None,
+                 ) -> None:
+        """`outer_stats`: build each stage group's background communicator (sync.overlap),
+        counting into these stats (the background thread's own: the training thread's are
+        not touched from two threads)."""
         self.plan, self.topo, self.store = plan, topo, store
+        self.outer_stats = outer_stats
         self.tie_embeddings = tie_embeddings
         self.timeout_s = timeout_s
         self.stats = stats
@@ -110,7 +120,21 @@ class GroupBuilder:
         return Groups(world=world, pipeline=pipeline,
                       stage=comms.get(stage.ranks) if stage else None,
                       tied=comms.get(tied.ranks) if tied else None,
-                      choices=tuple(mine.values()))
+                      choices=tuple(mine.values()), outer=self._outer(gen, choices, stage, members))
+
+    def _outer(self, gen: int, choices: list[BackendChoice],
+               stage: BackendChoice | None, members: tuple[int, ...]) -> Communicator | None:
+        """Every stage group's background communicator (same backend as the group), made on
+        every member after the others (the same calls in the same order everywhere)."""
+        if self.outer_stats is None:
+            return None
+        groups = [c for c in choices if c.group.startswith("stage")]
+        comms = build_communicators([c.ranks for c in groups], self.topo.rank,
+                                    [c.backend for c in groups], self.store, self.device,
+                                    f"g{gen}/outer", self.timeout_s,
+                                    {d: i for i, d in enumerate(members)},
+                                    self.outer_stats)
+        return comms.get(stage.ranks) if stage else None
 
     def _named_groups(self, replicas: list[int]) -> list[tuple[str, tuple[int, ...]]]:
         """Every group of the generation with more than one rank, in one fixed order."""

@@ -43,6 +43,7 @@ from modules.elastic import GenerationChange, Handover, Membership, MembershipSe
 from modules.groups import GroupBuilder, Groups
 from modules.mfu import flops_per_token, mfu
 from modules.model import StageModel
+from modules.overlap import OverlapSync
 from modules.pipeline import PipelineStage
 from modules.placement import Placement
 from modules.precision import LossScaling
@@ -105,6 +106,7 @@ class Trainer:
         `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
         connection (None: no heartbeat, e.g. single-process tests); `coordinator`: a
         coordinator process hosts that store and leads membership (no rank does)."""
+        plan = cfg.outer.apply(plan)  # --fragments / --overlap override the plan's
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
@@ -122,6 +124,7 @@ class Trainer:
                               self.device) if cfg.data.eval_sequences else [])
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
+        self._init_overlap()
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
                                   self.placement.precision,
                                   cfg.device.resolved_pipeline_compression(plan))
@@ -158,12 +161,27 @@ class Trainer:
         if not cfg.elastic.join:
             self._apply(self.membership.first_generation())
 
+    def _init_overlap(self) -> None:
+        """sync.overlap: the background outer all-reduces and their own accounting."""
+        overlapped = self.plan.sync.mode == "diloco" and self.plan.sync.overlap
+        self.outer_stats: CommStats | None = CommStats() if overlapped else None
+        """What the background all-reduces sent and waited (their communicator's own; added
+        to a step's record when counted)."""
+        self.outer_seen = (0, 0.0)
+        """(background bytes, exposed wait s) already attributed to a step's record."""
+        self.overlap: OverlapSync | None = (
+            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending, self.log)
+            if overlapped else None)
+        """Runs the outer all-reduces in the background (modules.overlap)."""
+        self.outer_average: GroupAverage = no_average
+        """Averages a flat tensor over my stage group's background communicator."""
+
     def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
                          coordinator: bool) -> Membership:
         """Who this rank trains with; its groups are built with the placement's backend."""
         plan, cfg = self.plan, self.cfg
         builder = GroupBuilder(plan, self.topo, store, self.spec.tie_embeddings, cfg.timeout_s,
-                               self.stats, self.placement.comm, self.log)
+                               self.stats, self.placement.comm, self.log, self.outer_stats)
         settings = MembershipSettings.of(cfg, plan.num_replicas, store_addr, coordinator)
         return Membership(store, plan, self.topo, settings, builder, self.stats, self.log)
 
@@ -173,9 +191,19 @@ class Trainer:
         sync = self.plan.sync
         if sync.mode != "diloco":
             return None
-        return DiLoCoOptimizer(self.params, self.inner, outer_lr=sync.outer_lr,
+        if sync.fragments > len(self.params):
+            raise UserError(f"sync.fragments: {sync.fragments} fragments, but stage "
+                            f"{self.topo.stage} has only {len(self.params)} parameters")
+        # the tied embedding copies first: with fragments they then sync in the same slot on
+        # the first and the last stage, so the copies stay equal
+        tied = {id(p) for p in self.model.tied_pair()} if sync.fragments > 1 else set()
+        params = ([p for p in self.params if id(p) in tied]
+                  + [p for p in self.params if id(p) not in tied])
+        return DiLoCoOptimizer(params, self.inner, outer_lr=sync.outer_lr,
                                outer_momentum=sync.outer_momentum,
-                               inner_steps=sync.inner_steps, all_reduce_fn=self._outer_all_reduce)
+                               inner_steps=sync.inner_steps, all_reduce_fn=self._outer_all_reduce,
+                               fragments=sync.fragments, overlap=sync.overlap,
+                               overlap_alpha=self.cfg.outer.overlap_alpha, reducer=self.overlap)
 
     def _apply(self, change: GenerationChange) -> None:
         """Take a generation: its groups and live replicas and, on a joiner, the outer state
@@ -184,6 +212,9 @@ class Trainer:
         self.pipe.comm = change.groups.pipeline
         self.average = make_group_average(change.groups.stage, self.plan.sync.compression,
                                           f"all-reduce of stage {self.topo.stage}")
+        self.outer_average = make_group_average(change.groups.outer, self.plan.sync.compression,
+                                                f"background all-reduce of stage "
+                                                f"{self.topo.stage}")
         if change.handover is not None:
             assert self.diloco is not None
             with self.state_lock:
@@ -220,11 +251,26 @@ class Trainer:
             change = self.membership.poll(self._handover)
             if change is not None:
                 self._apply(change)
-            sent = self.membership.outer_round(flat, self.average, self.diloco.outer_count)
+            sent = self.membership.outer_round(flat, self.average, self.diloco.syncs)
             if sent is not None:
                 self.dp_bytes += sent
                 return sent
             flat.copy_(keep)
+
+    def _outer_attempt(self, flat: torch.Tensor, index: int) -> int | None:
+        """sync.overlap: one outer round on the background communicator (any thread)."""
+        return self.membership.outer_round(flat, self.outer_average, index, self.outer_stats)
+
+    def _refresh(self) -> None:
+        """Take a newer generation if the leader published one (nothing in flight)."""
+        change = self.membership.poll(self._handover)
+        if change is not None:
+            self._apply(change)
+
+    def _generation_pending(self) -> bool:
+        """The leader published a generation this rank has not taken yet."""
+        mon = self.membership.monitor
+        return mon is not None and mon.gen > self.membership.gen
 
     def _handover(self) -> Handover:
         """What this rank would hand a joiner of its stage: the step after this outer step's
@@ -386,7 +432,11 @@ class Trainer:
             self.scaling.step(self.opt, self.inner, overflow)
             self.step += 1
             self.tokens += self.tokens_per_step
-        if self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
+        if self.outer_count != outer0 and self.overlap is not None:
+            self.log(f"outer_step {self.outer_count}: {plan.sync.fragments} fragment "
+                     f"all-reduce(s) running in the background on stage group "
+                     f"{list(self._stage_ranks())} (stage {topo.stage})")
+        elif self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
             # it sent, spelt like the metrics field (benchmarks/end_to_end.py echoes " step ")
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
@@ -459,12 +509,17 @@ class Trainer:
                     writer.log(rec)
                 if timing:
                     timing.log(rec)
+            if self.overlap is not None:  # the last rounds' all-reduces: every member
+                self.overlap.drain()       # finishes them (their inputs are checkpointed)
+                self._background_share()  # their bytes count in this rank's total
             if self.ckpt:
                 self.ckpt.flush()
         finally:
             for w in (writer, timing):
                 if w:
                     w.close()
+            if self.overlap is not None:
+                self.overlap.close()
         self.membership.finish()
         return records
 
@@ -480,10 +535,12 @@ class Trainer:
         except TrainingDiverged as e:
             raise TrainingDiverged(self.save_diverged(e)) from None
         step_s = time.perf_counter() - t0
-        comm_s = self.stats.wait_s - wait0
+        bg_bytes, exposed_s = self._background_share()
+        comm_s = self.stats.wait_s - wait0 + exposed_s
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
                "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
-               "comm_s": round(comm_s, 6), "bytes_sent": self.stats.bytes_sent - bytes0,
+               "comm_s": round(comm_s, 6),
+               "bytes_sent": self.stats.bytes_sent - bytes0 + bg_bytes,
                "dp_bytes_sent": self.dp_bytes - dp0, "pp_bytes_sent": self.pipe.bytes_sent - ppb0,
                "outer_step": self.outer_count,
                "tokens_per_s": round(self.tokens_per_step * len(self.replicas) / step_s, 1),
@@ -492,6 +549,8 @@ class Trainer:
                "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
         if self.membership.monitor is not None and self.diloco is not None:
             rec["live_replicas"] = len(self.replicas)
+        if self.overlap is not None:  # the part of the background sync the step waited for
+            rec["outer_wait_s"] = round(exposed_s, 6)
         rec["comm"] = {c.group: c.backend for c in self.groups.choices} or {"all": "gloo"}
         value = mfu(self.tokens_per_step / step_s, self.flops_per_token,
                     self.placement.replica_peak_tflops)
@@ -499,6 +558,17 @@ class Trainer:
             rec["mfu"] = round(value, 6)
             self.mfu_values.append(value)
         return rec
+
+    def _background_share(self) -> tuple[int, float]:
+        """sync.overlap: background bytes sent and exposed wait since the last call; the bytes
+        are added to the data-parallel count (the step they were counted in sent them)."""
+        if self.overlap is None or self.outer_stats is None:
+            return 0, 0.0
+        sent, waited = self.outer_stats.bytes_sent, self.overlap.wait_s
+        bg, exposed = sent - self.outer_seen[0], waited - self.outer_seen[1]
+        self.outer_seen = (sent, waited)
+        self.dp_bytes += bg
+        return bg, exposed
 
     def _peer_failure(self, e: RuntimeError) -> PeerError:
         """The error to end the run with after a failed step: the heartbeat first gets time

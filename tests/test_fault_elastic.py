@@ -18,12 +18,13 @@ from testkit.fault_harness import Ranks, free_port, kill_trial, poll_exits, writ
 HB = 2.0  # heartbeat timeout of the trials (s)
 
 
-def _diloco_trial(tmp_path, seed: int, replicas: int = 3, stages: int = 1) -> None:
+def _diloco_trial(tmp_path, seed: int, replicas: int = 3, stages: int = 1,
+                  extra: tuple[str, ...] = ()) -> None:
     rng = random.Random(seed)
     n = replicas * stages
     victim = rng.randrange(1, n)  # not rank 0: it hosts the store (tested apart)
     res = kill_trial(tmp_path / f"t{seed}", "diloco", replicas, stages, victim,
-                     kill_step=rng.randrange(2, 40), steps=160, heartbeat_s=HB)
+                     kill_step=rng.randrange(2, 40), steps=160, heartbeat_s=HB, extra=extra)
     logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
     assert res.orphans == [], logs
     assert res.codes[victim] == -9, logs
@@ -72,6 +73,14 @@ def test_diloco_kill_drops_the_replica_and_finishes(tmp_path, seed):
     _diloco_trial(tmp_path, seed)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed,stages", [(0, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_diloco_kill_with_overlap_and_fragments(tmp_path, seed, stages):
+    """A replica lost while fragments are in flight in the background: the survivors redo
+    those rounds among themselves and finish."""
+    _diloco_trial(tmp_path, seed, stages=stages, extra=("--overlap", "on", "--fragments", "2"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_diloco_kill_trials(tmp_path):
@@ -104,10 +113,13 @@ def test_store_host_lost_every_diloco_rank_exits_with_that_diagnosis(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("overlap", [(), ("--overlap", "on", "--fragments", "2")],
+                         ids=["plain", "overlap"])
+def test_diloco_below_min_replicas_stops_with_a_clear_message(tmp_path, overlap):
     ck = tmp_path / "m" / "ck"
     res = kill_trial(tmp_path / "m", "diloco", 2, 1, 1, kill_step=6, steps=400, heartbeat_s=HB,
-                     extra=("--min-replicas", "2", "--ckpt-dir", str(ck), "--ckpt-every", "4"))
+                     extra=("--min-replicas", "2", "--ckpt-dir", str(ck), "--ckpt-every", "4",
+                            *overlap))
     logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
     assert res.orphans == [], logs
     assert res.codes[0] == 1, logs

@@ -18,12 +18,13 @@ from modules.config import (
     LaunchConfig,
     MetricsConfig,
     OptimConfig,
+    OuterSyncConfig,
     RunConfig,
 )
 from tests.conftest import run_entry
 
 CONFIGS = (LaunchConfig, RunConfig, OptimConfig, CheckpointConfig, ElasticConfig, DataConfig,
-           MetricsConfig, DeviceConfig, DebugConfig)
+           MetricsConfig, DeviceConfig, DebugConfig, OuterSyncConfig)
 
 # every flag dist_runner had before the configs generated them: none may disappear
 OLD_FLAGS = [
