@@ -110,18 +110,7 @@ class Trainer:
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
-        # the vocabulary follows the tokenizer (modules.data.run_vocab)
-        self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
-        self.tokenizer = data.tokenizer
-        start, end = plan.stages[topo.stage]
-        # initialised on the CPU (the same weights on every device), then moved
-        self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
-                                   .to(self.device), self.placement.compile)
-        self.params = list(self.model.parameters())
-        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
-                               plan.micro_batch_size)
-        self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
-                              self.device) if cfg.data.eval_sequences else [])
+        self._init_model_and_data(data)
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
         self._init_overlap()
@@ -160,6 +149,22 @@ class Trainer:
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
         if not cfg.elastic.join:
             self._apply(self.membership.first_generation())
+
+    def _init_model_and_data(self, data: TextData | FakeData) -> None:
+        """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
+        plan, cfg = self.plan, self.cfg
+        # the vocabulary follows the tokenizer (modules.data.run_vocab)
+        self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
+        self.tokenizer = data.tokenizer
+        start, end = plan.stages[self.topo.stage]
+        # initialised on the CPU (the same weights on every device), then moved
+        self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
+                                   .to(self.device), self.placement.compile)
+        self.params = list(self.model.parameters())
+        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
+                               plan.micro_batch_size)
+        self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
+                              self.device) if cfg.data.eval_sequences else [])
 
     def _init_overlap(self) -> None:
         """sync.overlap: the background outer all-reduces and their own accounting."""
