@@ -341,6 +341,20 @@ def test_overlap_hides_the_outer_sync_up_to_h_steps_of_compute(h):
         assert replay_fast(overlapped).step_s == pytest.approx(makespan)
 
 
+@pytest.mark.parametrize("f", [1, 3])
+def test_overlapped_syncs_hide_their_store_agreement_too(f):
+    # The runtime's background worker runs the whole outer round (arrivals, all-reduce,
+    # commit), so with overlap the agreement hides behind compute like the ring does.
+    r, m, tf, tb, ring_tx, agree = 3, 2, 0.1, 0.2, 0.05, 0.3
+    blocking = replace(inputs(r, 1, m, tf, tb, 0.0, 0.0, ring_tx=ring_tx, h=2), agree_s=agree,
+                       fragments=f)
+    makespan, ring = m * (tf + tb), 2 * (r - 1) * ring_tx
+    assert replay_fast(blocking).dp_exposed_round_s == pytest.approx(f * (ring + agree))
+    overlapped = replace(blocking, overlap=True)
+    expect = max(0.0, f * (ring + agree) - 2 * makespan)  # 0 for f=1, 0.3 s for f=3
+    assert replay_fast(overlapped).dp_exposed_round_s == pytest.approx(expect)
+
+
 def test_background_sync_gets_the_link_share_the_pipeline_leaves():
     r, m, tf, tb, ring_tx = 2, 4, 0.1, 0.2, 0.5
     base = replace(inputs(r, 1, m, tf, tb, 0.0, 0.0, ring_tx=ring_tx, h=1), overlap=True)

@@ -429,9 +429,10 @@ def step_times(b_done: np.ndarray, dp_time: np.ndarray, inputs: StepInputs) -> S
     groups' all-reduces (`dp_time`: one fragment's, on idle links) and (DiLoCo) the outer
     syncs' membership agreement. Per round there are F syncs (fragments). Blocking, each
     exposes what runs past the makespan plus its agreement. Overlapped (background), each runs
-    on links the pipeline shares (background_dp_times) and the round's F syncs have the next
-    round's H inner steps (H x makespan) to finish in: only the excess shows, plus the
-    agreements (the membership protocol stays in the foreground)."""
+    on links the pipeline shares (background_dp_times) and the round's F syncs, each with its
+    agreement (the runtime's background worker runs the whole outer round: arrivals, all-reduce,
+    commit), have the next round's H inner steps (H x makespan) to finish in: only the excess
+    shows."""
     pipeline = float(b_done.max())
     tied_s = inputs.tied_s
     if tied_s is not None and b_done.shape[1] > 1:
@@ -445,7 +446,7 @@ def step_times(b_done: np.ndarray, dp_time: np.ndarray, inputs: StepInputs) -> S
     dp_end = float((dp_start + dp_time).max()) if len(dp_time) else makespan
     tail = max(0.0, dp_end - makespan)  # one sync's run past the step's end
     if inputs.overlap:
-        exposed = max(0.0, f * tail - h * makespan) + f * agree
+        exposed = max(0.0, f * (tail + agree) - h * makespan)
     else:
         exposed = f * (tail + agree)
     started = float(dp_start.min()) if len(dp_time) else makespan
