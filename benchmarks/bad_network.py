@@ -9,7 +9,8 @@ for all-reduce and trains the same assignment with, row by row:
 
     allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
 
-and then the planner's own choice (`plan --sync auto`, its own assignment). Each row has the
+and then the planner's own choice (`plan --sync auto`, its own assignment; the least risky
+configuration within 2% of the fastest), and that plan with every payload at int8. Each row has the
 simulator's predicted s/step, the measured s/step, the bytes every host put on the wire per
 step (tc counters), tokens/s, and the validation loss after the same number of tokens relative
 to allreduce's (real text, the same seed). Writes OUT/results.json
@@ -101,7 +102,13 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     sh(plan_cmd(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
                 str(args.max_inner_steps), "--compression", "int8",
                 "--allow-pipeline-compression", "int8"))
-    runs.append(Run(f"planner --sync auto ({describe(load_plan(auto))})", auto))
+    auto_plan = load_plan(auto)
+    runs.append(Run(f"planner --sync auto ({describe(auto_plan)})", auto))
+    if auto_plan.sync.mode == "diloco":  # the planner picks the least risky within 2%:
+        squeezed = out / "auto-int8.json"  # its plan with every payload at int8, for bytes
+        save_plan(replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
+                          pipeline_compression="int8", predicted={}), squeezed)
+        runs.append(Run("+ int8 DP and pipeline", squeezed))
     return runs
 
 
