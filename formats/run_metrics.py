@@ -50,8 +50,8 @@ def rank_timing_path(run_dir: str | Path, rank: int) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file (a line cut off by a crash, or not an object, is
-    skipped); UserError when it cannot be read."""
+    """The JSON objects of a JSON-lines file (a line cut off by a crash, nested too deep, or
+    not an object, is skipped); UserError when it cannot be read."""
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
@@ -60,7 +60,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             continue
         if isinstance(rec, dict):
             out.append(rec)
