@@ -139,11 +139,13 @@ def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
             raise UserError(f"--metrics: rank {rank} has records but is not in the plan "
                             f"(devices {sorted(where)}): the run trained another plan")
         r, s = where[rank]
-        seen = {(x.get("replica"), x.get("stage")) for x in recs}
-        if any(sr not in ((r, s), (r, None), (None, None)) for sr in seen):
-            raise UserError(f"--metrics: rank {rank} recorded replica/stage {sorted(seen)[0]}, "
-                            f"the plan puts it at replica {r} stage {s}: the run trained "
-                            "another plan")
+        # compared with ==, not hashed or sorted: a damaged record may hold a list or a None
+        bad = next((sr for sr in ((x.get("replica"), x.get("stage")) for x in recs)
+                    if sr not in ((r, s), (r, None), (None, None))), None)
+        if bad is not None:
+            raise UserError(f"--metrics: rank {rank} recorded replica/stage {bad[0]!r}/"
+                            f"{bad[1]!r}, the plan puts it at replica {r} stage {s}: the run "
+                            "trained another plan")
 
 
 @dataclass(frozen=True)
