@@ -182,3 +182,13 @@ def test_records_at_another_place_are_refused_whatever_they_hold(places):
                for k, (r, s) in enumerate(places)]
     with pytest.raises(UserError, match="rank 0 recorded replica/stage .* another plan"):
         explain(plan, c, CPU, recs)
+
+
+@pytest.mark.parametrize("key", ["step_s", "compute_s", "comm_s"])
+def test_negative_seconds_are_no_timing(key):
+    c = cluster4()
+    plan = plan4(c)
+    recs = records(plan, c)
+    recs[2] = [{**r, key: -0.5} for r in recs[2]]
+    with pytest.raises(UserError, match=r"ranks \[2\]: no timing records .* >= 0"):
+        explain(plan, c, CPU, recs)
