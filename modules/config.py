@@ -263,11 +263,12 @@ class MetricsConfig:
 
     def trackers(self) -> tuple[str, ...]:
         """The --tracker names, checked (UserError naming the flag)."""
-        names = tuple(dict.fromkeys(t.strip() for t in self.tracker.split(",") if t.strip()))
+        items = [t.strip() for t in self.tracker.split(",")]
+        names = tuple(dict.fromkeys(items))
         bad = [t for t in names if t not in TRACKERS]
-        if bad or not names:
+        if bad or len(names) < len(items):  # an unknown, empty or repeated name: a typo
             raise UserError(f"--tracker: expected comma-separated names out of "
-                            f"{', '.join(TRACKERS)}, got {self.tracker!r}")
+                            f"{', '.join(TRACKERS)}, each once, got {self.tracker!r}")
         if set(names) - {"jsonl"} and not self.run_dir:
             raise UserError(f"--tracker {self.tracker}: tensorboard and wandb write into the "
                             "run folder; give --run-dir DIR")

@@ -50,8 +50,11 @@ def test_jsonl_and_tensorboard_write_every_scalar(tmp_path):
 
 
 def test_tracker_flag_checks():
-    with pytest.raises(UserError, match="--tracker: expected"):
-        MetricsConfig(tracker="jsonl,mlflow")
+    for bad in ("jsonl,mlflow", "", ",", "jsonl,,tensorboard", "jsonl,jsonl", "jsonl,"):
+        with pytest.raises(UserError, match="--tracker: expected .* each once"):
+            MetricsConfig(tracker=bad, run_dir="r")
+    assert MetricsConfig(tracker=" jsonl , tensorboard", run_dir="r").trackers() == (
+        "jsonl", "tensorboard")
     with pytest.raises(UserError, match="give --run-dir"):
         MetricsConfig(tracker="tensorboard")
     assert MetricsConfig(tracker="jsonl").metrics_path() is None  # no file asked for
