@@ -255,6 +255,9 @@ class MetricsConfig:
     online (default: $WANDB_MODE when set)"""
 
     def __post_init__(self) -> None:
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise UserError(f"--run-dir: must name a folder, got {self.run_dir!r}; leave it out "
+                            "for no run folder")
         if self.peak_tflops is not None:
             _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
         if self.wandb_mode is not None:
