@@ -198,6 +198,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.data is not None and self.fake_data:
             raise UserError("--data and --fake-data exclude each other: pick one")
+        if self.data is not None and not self.data.strip(" ,"):
+            raise UserError(f"--data: names no file, folder or glob, got {self.data!r}; leave "
+                            "--data out for the default corpus")
         if not self.tokenizer:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
