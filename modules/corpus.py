@@ -168,6 +168,9 @@ def _jsonl_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[b
                     rec = json.loads(raw)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                     raise UserError(f"data: {path}:{lineno}: not JSON ({e})") from None
+                except RecursionError:
+                    raise UserError(f"data: {path}:{lineno}: JSON nested too deep; a record "
+                                    "is one object per line") from None
                 text = rec.get(field) if isinstance(rec, dict) else None
                 if text is None:
                     stats.skipped += 1

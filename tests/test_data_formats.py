@@ -202,6 +202,7 @@ def _bad_inputs(tmp_path, tok_path) -> dict[str, tuple[dict, str]]:
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + "[" * 100_000 + "\n")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     (tmp_path / "tok.json").write_text('{"model": "nope"}')
@@ -216,6 +217,8 @@ def _bad_inputs(tmp_path, tok_path) -> dict[str, tuple[dict, str]]:
         "json": ({"data": str(tmp_path / "bad.jsonl")}, f"{tmp_path / 'bad.jsonl'}:2: not JSON"),
         "field": ({"data": str(tmp_path / "notext.jsonl")}, "1 record(s) had no 'text' field"),
         "type": ({"data": str(tmp_path / "num.jsonl")}, "field 'text' is int, not a string"),
+        "deep": ({"data": str(tmp_path / "deep.jsonl")},
+                 f"{tmp_path / 'deep.jsonl'}:2: JSON nested too deep"),
         "column": ({"data": str(tmp_path / "nocol.parquet")}, "no column 'text' (columns: body)"),
         "parquet": ({"data": str(tmp_path / "junk.parquet")}, "not a readable parquet file"),
         "tokenizer": ({"data": ok, "tokenizer": str(tmp_path / "tok.json")},
