@@ -121,6 +121,15 @@ def test_cache_is_a_memmap_reused_and_keyed_by_the_files(tmp_path, tok_path):
     assert not list(cache.glob(".*.tmp"))  # temp files renamed or removed
 
 
+@pytest.mark.parametrize("name, content", [("e.txt", ""), ("e.jsonl", '{"body": "x"}\n\n')])
+def test_a_corpus_without_text_leaves_no_cache_file(tmp_path, name, content):
+    (tmp_path / name).write_text(content)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match="holds no text"):
+        open_tokens(corpus_files(tmp_path / name), ByteTokenizer(), "text", cache)
+    assert [p.suffix for p in cache.iterdir()] == [".lock"]  # no ids, no sidecar, no temp
+
+
 def test_windows_read_slices_of_the_memmap_not_the_whole_corpus(tmp_path):
     n = 40_000_000  # 80 MB of uint16 ids in a sparse file, never read whole
     tokens = np.memmap(tmp_path / "big.uint16", dtype=np.uint16, mode="w+", shape=(n,))
