@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if not run.replicas:
         raise UserError(f"RUN_DIR {args.run_dir}: no metrics.jsonl, only per-rank timing (the "
                         "run's --metrics went elsewhere, or --tracker left jsonl out)")
+    if not any(series(recs, "step", "loss")[0] for recs in run.replicas.values()):
+        raise UserError(f"RUN_DIR {args.run_dir}: no metrics record has a finite loss (damaged "
+                        "metrics*.jsonl files?); nothing to plot")
     out = Path(args.out) if args.out else run.run_dir / "run.png"
     check_output_path(out, "--out", ".png")
     steps = max(len(v) for v in run.replicas.values())

@@ -153,3 +153,14 @@ def test_plot_run_bad_inputs(tmp_path):
     assert p.returncode == 2 and "no such folder" in p.stderr
     p = run_entry("scripts/plot_run.py", str(tmp_path))
     assert p.returncode == 2 and "no metrics records" in p.stderr
+
+
+@pytest.mark.parametrize("loss", ['"x"', "NaN", "1" + "0" * 400, None])
+def test_plot_run_refuses_records_without_a_finite_loss(tmp_path, loss):
+    lines = [{**r, "loss": "@"} if loss is not None else
+             {k: v for k, v in r.items() if k != "loss"} for r in RECORDS]
+    text = "".join(json.dumps(r).replace('"@"', str(loss)) + "\n" for r in lines)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    p = run_entry("scripts/plot_run.py", str(tmp_path), "--out", str(tmp_path / "run.png"))
+    assert p.returncode == 2 and "no metrics record has a finite loss" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "run.png").exists()
