@@ -296,3 +296,19 @@ def test_two_ranks_train_with_a_tokenizer_and_refuse_another_on_resume(tmp_path,
         assert again.returncode == 2, again.stdout[-3000:]
         assert "tokenizer is {'vocab_size'" in again.stdout
         assert "resume with the --tokenizer it was written with" in again.stdout
+
+
+@pytest.mark.parametrize("files, flags, text", [
+    ({"e.txt": ""}, [], "holds no text (1 document(s))"),
+    ({"b.jsonl": '{"body": "x"}\n'}, [], "1 record(s) had no 'text' field (pick the field with "
+                                         "--text-field)"),
+    ({"a.txt": "some text\n"}, ["--text-field", ""], "--text-field: must name a field"),
+])
+def test_train_tokenizer_refuses_a_corpus_without_text(tmp_path, files, flags, text):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    out = tmp_path / "tok.json"
+    with pytest.raises(UserError) as e:
+        train_tokenizer.main(["--data", str(tmp_path / next(iter(files))), "--out", str(out),
+                              *flags])
+    assert text in str(e.value) and not out.exists()
