@@ -312,3 +312,13 @@ def test_train_tokenizer_refuses_a_corpus_without_text(tmp_path, files, flags, t
         train_tokenizer.main(["--data", str(tmp_path / next(iter(files))), "--out", str(out),
                               *flags])
     assert text in str(e.value) and not out.exists()
+
+
+@pytest.mark.parametrize("flags, text", [(["--text-field", ""], "--text-field: must name"),
+                                         (["--tokenizer", ""], "--tokenizer: must be")])
+def test_prepare_data_checks_its_flags_as_the_runner_does(tmp_path, flags, text):
+    (tmp_path / "a.txt").write_text("some text\n" * 100)
+    with pytest.raises(UserError, match=text):
+        prepare_data.main(["--data", str(tmp_path / "a.txt"), "--token-cache",
+                           str(tmp_path / "cache"), *flags])
+    assert not (tmp_path / "cache").exists()
