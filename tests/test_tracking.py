@@ -164,3 +164,13 @@ def test_plot_run_refuses_records_without_a_finite_loss(tmp_path, loss):
     p = run_entry("scripts/plot_run.py", str(tmp_path), "--out", str(tmp_path / "run.png"))
     assert p.returncode == 2 and "no metrics record has a finite loss" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "run.png").exists()
+
+
+def test_plot_run_names_damaged_metrics_files_as_damaged(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "lo\n' + b"[" * 100_000 + b"\n")
+    rank = rank_timing_path(tmp_path, 0)
+    rank.parent.mkdir()
+    rank.write_text(json.dumps({"step": 1, "rank": 0, "step_s": 1.0}) + "\n")
+    p = run_entry("scripts/plot_run.py", str(tmp_path), "--out", str(tmp_path / "run.png"))
+    assert p.returncode == 2, p.stderr
+    assert "metrics.jsonl hold no readable record" in p.stderr and "Traceback" not in p.stderr
