@@ -15,6 +15,7 @@ Every file is JSON lines, one object per step; a line cut off by a crash is skip
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +50,8 @@ def rank_timing_path(run_dir: str | Path, rank: int) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file (a line cut off by a crash, or not an object, is
-    skipped); UserError when it cannot be read."""
+    """The JSON objects of a JSON-lines file (a line cut off by a crash, nested too deep, or
+    not an object, is skipped); UserError when it cannot be read."""
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
@@ -59,7 +60,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -117,9 +118,13 @@ def load_run(run_dir: str | Path, flag: str = "RUN_DIR", need_ranks: bool = Fals
 
 
 def number(rec: dict[str, Any], key: str) -> float | None:
-    """rec[key] as a float when it is a finite number, else None."""
+    """rec[key] as a float when it is a finite number, else None (also for a JSON integer
+    beyond the float range)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (
-            float("inf"), float("-inf")):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return float(v)
+    try:
+        v = float(v)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None

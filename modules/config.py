@@ -199,6 +199,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.data is not None and self.fake_data:
             raise UserError("--data and --fake-data exclude each other: pick one")
+        if self.data is not None and not self.data.strip(" ,"):
+            raise UserError(f"--data: names no file, folder or glob, got {self.data!r}; leave "
+                            "--data out for the default corpus")
         if not self.tokenizer:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
@@ -256,6 +259,9 @@ class MetricsConfig:
     online (default: $WANDB_MODE when set)"""
 
     def __post_init__(self) -> None:
+        if self.run_dir is not None and not self.run_dir.strip():
+            raise UserError(f"--run-dir: must name a folder, got {self.run_dir!r}; leave it out "
+                            "for no run folder")
         if self.peak_tflops is not None:
             _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
         if self.wandb_mode is not None:
@@ -264,11 +270,12 @@ class MetricsConfig:
 
     def trackers(self) -> tuple[str, ...]:
         """The --tracker names, checked (UserError naming the flag)."""
-        names = tuple(dict.fromkeys(t.strip() for t in self.tracker.split(",") if t.strip()))
+        items = [t.strip() for t in self.tracker.split(",")]
+        names = tuple(dict.fromkeys(items))
         bad = [t for t in names if t not in TRACKERS]
-        if bad or not names:
+        if bad or len(names) < len(items):  # an unknown, empty or repeated name: a typo
             raise UserError(f"--tracker: expected comma-separated names out of "
-                            f"{', '.join(TRACKERS)}, got {self.tracker!r}")
+                            f"{', '.join(TRACKERS)}, each once, got {self.tracker!r}")
         if set(names) - {"jsonl"} and not self.run_dir:
             raise UserError(f"--tracker {self.tracker}: tensorboard and wandb write into the "
                             "run folder; give --run-dir DIR")

@@ -95,9 +95,13 @@ def data_items(value: str | Path) -> list[str]:
 
 def corpus_files(value: str | Path) -> list[Path]:
     """The files of --data (items in order, each folder/glob sorted), each file once."""
+    items = data_items(value)
+    if not items or items == [""]:  # Path("") is the current folder: never what was meant
+        raise UserError(f"data: --data {str(value)!r} names no file, folder or glob; pass "
+                        "--data FILE|FOLDER|GLOB[,...]")
     seen: set[Path] = set()
     out = []
-    for item in data_items(value):
+    for item in items:
         for f in _expand(item):
             real = f.resolve()
             if real not in seen:
@@ -164,6 +168,9 @@ def _jsonl_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[b
                     rec = json.loads(raw)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                     raise UserError(f"data: {path}:{lineno}: not JSON ({e})") from None
+                except RecursionError:
+                    raise UserError(f"data: {path}:{lineno}: JSON nested too deep; a record "
+                                    "is one object per line") from None
                 text = rec.get(field) if isinstance(rec, dict) else None
                 if text is None:
                     stats.skipped += 1

@@ -137,6 +137,8 @@ def _build(files: list[Path], tok: Tokenizer, field: str, data: Path, meta: Path
                                 f"{vocab}")
             f.write(ids.astype(dtype, copy=False).tobytes())
             count += len(ids)
+        if count == 0:  # raised inside the write: no cache file is left for it
+            raise _no_text(files, stats.skipped, field)
 
     atomic_write_with(data, write)
     info = {"format": CACHE_FORMAT, "tokens": count, "documents": stats.documents,
@@ -164,12 +166,16 @@ def open_tokens(files: list[Path], tok: Tokenizer, field: str,
     except OSError as e:
         raise UserError(f"--token-cache {folder}: cannot write the token cache there "
                         f"({e.strerror or e}); pass a writable folder") from None
-    if info["tokens"] == 0:
-        raise UserError(f"data: the corpus ({_names(files)}) holds no text"
-                        + (f"; {info['skipped']} record(s) had no {field!r} field (pick the "
-                           "field with --text-field)" if info["skipped"] else ""))
+    if info["tokens"] == 0:  # an empty cache written before empty corpora were refused
+        raise _no_text(files, info["skipped"], field)
     tokens = np.memmap(data, dtype=dtype, mode="r", shape=(info["tokens"],))
     return CorpusTokens(tokens, data, info, built_s)
+
+
+def _no_text(files: list[Path], skipped: int, field: str) -> UserError:
+    return UserError(f"data: the corpus ({_names(files)}) holds no text"
+                     + (f"; {skipped} record(s) had no {field!r} field (pick the field with "
+                        "--text-field)" if skipped else ""))
 
 
 def _names(files: list[Path]) -> str:

@@ -118,17 +118,23 @@ class Measured:
 def mean_timing(records: list[dict[str, Any]]) -> Measured:
     """Mean step, compute, communication wait and pipeline wait of a rank's records (the first
     step left out as warm-up when there are more); UserError when none has the numbers."""
-    recs = [r for r in records if all(number(r, k) is not None
-                                      for k in ("step_s", "compute_s", "comm_s"))]
+    recs = [r for r in records if _timed(r)]
     if len(recs) > 1:
         recs = sorted(recs, key=lambda r: r["step"])[1:]
     if not recs:
-        raise UserError("no timing records with step_s, compute_s and comm_s")
+        raise UserError("no timing records with step_s, compute_s and comm_s (seconds, "
+                        "finite and >= 0)")
 
     def mean(key: str) -> float:
         return float(np.mean([number(r, key) or 0.0 for r in recs]))
     return Measured(mean("step_s"), mean("compute_s"), mean("comm_s"), mean("pp_wait_s"),
                     len(recs))
+
+
+def _timed(rec: dict[str, Any]) -> bool:
+    """Whether a record has the seconds a step splits into (a negative one is damage)."""
+    return all((v := number(rec, k)) is not None and v >= 0
+               for k in ("step_s", "compute_s", "comm_s"))
 
 
 def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
@@ -139,11 +145,13 @@ def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
             raise UserError(f"--metrics: rank {rank} has records but is not in the plan "
                             f"(devices {sorted(where)}): the run trained another plan")
         r, s = where[rank]
-        seen = {(x.get("replica"), x.get("stage")) for x in recs}
-        if any(sr not in ((r, s), (r, None), (None, None)) for sr in seen):
-            raise UserError(f"--metrics: rank {rank} recorded replica/stage {sorted(seen)[0]}, "
-                            f"the plan puts it at replica {r} stage {s}: the run trained "
-                            "another plan")
+        # compared with ==, not hashed or sorted: a damaged record may hold a list or a None
+        bad = next((sr for sr in ((x.get("replica"), x.get("stage")) for x in recs)
+                    if sr not in ((r, s), (r, None), (None, None))), None)
+        if bad is not None:
+            raise UserError(f"--metrics: rank {rank} recorded replica/stage {bad[0]!r}/"
+                            f"{bad[1]!r}, the plan puts it at replica {r} stage {s}: the run "
+                            "trained another plan")
 
 
 @dataclass(frozen=True)
@@ -197,8 +205,7 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
     try:
         meas = {d: mean_timing(ranks[d]) for d in plan.devices()}
     except UserError as e:
-        bad = [d for d in plan.devices() if not any(number(r, "step_s") is not None
-                                                     for r in ranks[d])]
+        bad = [d for d in plan.devices() if not any(_timed(r) for r in ranks[d])]
         raise UserError(f"--metrics: ranks {bad}: {e}") from None
     pipe = np.asarray(plan.pipelines, dtype=np.int64)
     compute_m = np.array([[meas[int(d)].compute_s for d in row] for row in pipe])

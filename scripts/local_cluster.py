@@ -76,7 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Check the rules before creating anything (a rate above --link-gbps, too many classes).
     build_host_rules(cluster, groups, [netns.address(i) for i in range(len(groups))],
                      netns.IFACE, args.link_gbps)
-    if args.sshd and (sshd_missing() or not Path(args.sshd).is_file()):
+    if args.sshd is not None and (sshd_missing() or not Path(args.sshd).is_file()):
         raise UserError(f"--sshd {args.sshd}: " + (sshd_missing() or "no such file (give a "
                         "public key, e.g. ~/.ssh/id_ed25519.pub, or an authorized_keys file)"))
     require_root_tools(args.cmd)

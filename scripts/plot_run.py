@@ -20,7 +20,7 @@ if not __package__:
 
 from formats.atomic_io import atomic_write_with, check_output_path  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.run_metrics import load_run, number  # noqa: E402
+from formats.run_metrics import load_run, number, replica_files  # noqa: E402
 
 
 def series(recs: list[dict[str, Any]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
@@ -109,9 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="PNG to write (default RUN_DIR/run.png)")
     args = p.parse_args(argv)
     run = load_run(args.run_dir)
+    damaged = sorted(p.name for p in replica_files(run.run_dir).values())
+    if not run.replicas and damaged:
+        raise UserError(f"RUN_DIR {args.run_dir}: {', '.join(damaged)} hold no readable "
+                        "record with an integer step (damaged, or not a run's metrics)")
     if not run.replicas:
         raise UserError(f"RUN_DIR {args.run_dir}: no metrics.jsonl, only per-rank timing (the "
                         "run's --metrics went elsewhere, or --tracker left jsonl out)")
+    if not any(series(recs, "step", "loss")[0] for recs in run.replicas.values()):
+        raise UserError(f"RUN_DIR {args.run_dir}: no metrics record has a finite loss (damaged "
+                        "metrics*.jsonl files?); nothing to plot")
     out = Path(args.out) if args.out else run.run_dir / "run.png"
     check_output_path(out, "--out", ".png")
     steps = max(len(v) for v in run.replicas.values())

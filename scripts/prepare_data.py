@@ -19,6 +19,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats.errors import run_main  # noqa: E402
+from modules.config import DataConfig  # noqa: E402
 from modules.corpus import corpus_files  # noqa: E402
 from modules.token_cache import open_tokens  # noqa: E402
 from modules.tokenizer import load_tokenizer  # noqa: E402
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-cache", default=None,
                    help="cache folder (default ~/.cache/scattered-train/tokens)")
     args = p.parse_args(argv)
+    DataConfig(data=args.data, tokenizer=args.tokenizer, text_field=args.text_field,
+               token_cache=args.token_cache)  # the runner's checks of these flags
     tok = load_tokenizer(args.tokenizer)
     files = corpus_files(args.data)
     corpus = open_tokens(files, tok, args.text_field,

@@ -51,10 +51,19 @@ def train(files: list[Path], vocab_size: int, field: str = "text") -> tuple[obje
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    stats = ReadStats()
-    tok.train_from_iterator(texts(files, field, stats), trainer=trainer)
-    if stats.documents == 0:
-        raise UserError("--data: the corpus holds no documents")
+    stats, chars = ReadStats(), 0
+
+    def counted() -> Iterator[str]:
+        nonlocal chars
+        for text in texts(files, field, stats):
+            chars += len(text)
+            yield text
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if chars == 0:  # empty files, or records without the field: nothing was learnt
+        raise UserError(f"--data: the corpus holds no text ({stats.documents} document(s))"
+                        + (f"; {stats.skipped} record(s) had no {field!r} field (pick the "
+                           "field with --text-field)" if stats.skipped else ""))
     return tok, stats
 
 
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="text field of .jsonl records / column of .parquet files")
     p.add_argument("--out", required=True, help="tokenizer.json to write")
     args = p.parse_args(argv)
+    if not args.text_field:
+        raise UserError("--text-field: must name a field, got ''")
     check_output_path(args.out, "--out", ".json")
     files = corpus_files(args.data)
     t0 = time.perf_counter()

@@ -49,6 +49,9 @@ ENTRY_POINTS = {e.name: e for e in (
     EntryPoint("delay_line", "scripts/delay_line.py", "scripts.delay_line"),
     EntryPoint("generate_tc", "scripts/generate_heterogeneous_tc.py",
                "scripts.generate_heterogeneous_tc"),
+    EntryPoint("train_tokenizer", "scripts/train_tokenizer.py", "scripts.train_tokenizer"),
+    EntryPoint("prepare_data", "scripts/prepare_data.py", "scripts.prepare_data"),
+    EntryPoint("plot_run", "scripts/plot_run.py", "scripts.plot_run"),
     EntryPoint("rendezvous_server", "udp_hole_punching_test/rendezvous_server.py",
                "udp_hole_punching_test.rendezvous_server"),
     EntryPoint("peer", "udp_hole_punching_test/peer.py", "udp_hole_punching_test.peer"),
@@ -85,6 +88,9 @@ class Case:
     """The error message must contain one of these (the flag, field or file at fault)."""
     label: str = ""
     """What is wrong, for reports."""
+    may_write: tuple[str, ...] = ()
+    """fnmatch patterns of paths the case may leave behind (shared bookkeeping such as a lock
+    file, never an output; testkit/fuzz_runs.py says which and why)."""
 
     @property
     def id(self) -> str:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from formats.errors import UserError
+from modules.config import DataConfig
 from modules.data import DEFAULT_CORPUS, FakeData, Sharder, TextData, corpus_files, load_tokens
 
 
@@ -29,6 +30,15 @@ def test_folder_skips_indexes_and_duplicates(tmp_path):
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="does not exist.*--data FILE"):
         load_tokens(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("value", ["", ",", " , ,"])
+def test_data_naming_nothing_is_an_error_not_the_current_folder(value, tmp_path, monkeypatch):
+    monkeypatch.chdir(_corpus(tmp_path))  # a readable folder: "" must not read it
+    with pytest.raises(UserError, match="--data .* names no file"):
+        corpus_files(value)
+    with pytest.raises(UserError, match="--data: names no file"):
+        DataConfig(data=value)
 
 
 def test_split_is_disjoint_and_deterministic(tmp_path):

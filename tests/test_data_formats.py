@@ -121,6 +121,15 @@ def test_cache_is_a_memmap_reused_and_keyed_by_the_files(tmp_path, tok_path):
     assert not list(cache.glob(".*.tmp"))  # temp files renamed or removed
 
 
+@pytest.mark.parametrize("name, content", [("e.txt", ""), ("e.jsonl", '{"body": "x"}\n\n')])
+def test_a_corpus_without_text_leaves_no_cache_file(tmp_path, name, content):
+    (tmp_path / name).write_text(content)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match="holds no text"):
+        open_tokens(corpus_files(tmp_path / name), ByteTokenizer(), "text", cache)
+    assert [p.suffix for p in cache.iterdir()] == [".lock"]  # no ids, no sidecar, no temp
+
+
 def test_windows_read_slices_of_the_memmap_not_the_whole_corpus(tmp_path):
     n = 40_000_000  # 80 MB of uint16 ids in a sparse file, never read whole
     tokens = np.memmap(tmp_path / "big.uint16", dtype=np.uint16, mode="w+", shape=(n,))
@@ -202,6 +211,7 @@ def _bad_inputs(tmp_path, tok_path) -> dict[str, tuple[dict, str]]:
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + "[" * 100_000 + "\n")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     (tmp_path / "tok.json").write_text('{"model": "nope"}')
@@ -216,6 +226,8 @@ def _bad_inputs(tmp_path, tok_path) -> dict[str, tuple[dict, str]]:
         "json": ({"data": str(tmp_path / "bad.jsonl")}, f"{tmp_path / 'bad.jsonl'}:2: not JSON"),
         "field": ({"data": str(tmp_path / "notext.jsonl")}, "1 record(s) had no 'text' field"),
         "type": ({"data": str(tmp_path / "num.jsonl")}, "field 'text' is int, not a string"),
+        "deep": ({"data": str(tmp_path / "deep.jsonl")},
+                 f"{tmp_path / 'deep.jsonl'}:2: JSON nested too deep"),
         "column": ({"data": str(tmp_path / "nocol.parquet")}, "no column 'text' (columns: body)"),
         "parquet": ({"data": str(tmp_path / "junk.parquet")}, "not a readable parquet file"),
         "tokenizer": ({"data": ok, "tokenizer": str(tmp_path / "tok.json")},
@@ -284,3 +296,29 @@ def test_two_ranks_train_with_a_tokenizer_and_refuse_another_on_resume(tmp_path,
         assert again.returncode == 2, again.stdout[-3000:]
         assert "tokenizer is {'vocab_size'" in again.stdout
         assert "resume with the --tokenizer it was written with" in again.stdout
+
+
+@pytest.mark.parametrize("files, flags, text", [
+    ({"e.txt": ""}, [], "holds no text (1 document(s))"),
+    ({"b.jsonl": '{"body": "x"}\n'}, [], "1 record(s) had no 'text' field (pick the field with "
+                                         "--text-field)"),
+    ({"a.txt": "some text\n"}, ["--text-field", ""], "--text-field: must name a field"),
+])
+def test_train_tokenizer_refuses_a_corpus_without_text(tmp_path, files, flags, text):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    out = tmp_path / "tok.json"
+    with pytest.raises(UserError) as e:
+        train_tokenizer.main(["--data", str(tmp_path / next(iter(files))), "--out", str(out),
+                              *flags])
+    assert text in str(e.value) and not out.exists()
+
+
+@pytest.mark.parametrize("flags, text", [(["--text-field", ""], "--text-field: must name"),
+                                         (["--tokenizer", ""], "--tokenizer: must be")])
+def test_prepare_data_checks_its_flags_as_the_runner_does(tmp_path, flags, text):
+    (tmp_path / "a.txt").write_text("some text\n" * 100)
+    with pytest.raises(UserError, match=text):
+        prepare_data.main(["--data", str(tmp_path / "a.txt"), "--token-cache",
+                           str(tmp_path / "cache"), *flags])
+    assert not (tmp_path / "cache").exists()

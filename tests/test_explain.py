@@ -171,3 +171,24 @@ def test_explain_needs_per_rank_timing(tmp_path, capsys):
     assert scheduler_main(["explain", "--plan", str(tmp_path / "p.json"), "--metrics",
                            str(tmp_path), "--cluster", str(tmp_path / "c.json")]) == 2
     assert "no per-rank timing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("places", [[(1, 0), (1, None)], [([], 0)], [(0, {})], [("0", 0)]])
+def test_records_at_another_place_are_refused_whatever_they_hold(places):
+    c = cluster4()
+    plan = plan4(c)
+    recs = records(plan, c)
+    recs[0] = [{**recs[0][0], "step": k + 1, "replica": r, "stage": s}
+               for k, (r, s) in enumerate(places)]
+    with pytest.raises(UserError, match="rank 0 recorded replica/stage .* another plan"):
+        explain(plan, c, CPU, recs)
+
+
+@pytest.mark.parametrize("key", ["step_s", "compute_s", "comm_s"])
+def test_negative_seconds_are_no_timing(key):
+    c = cluster4()
+    plan = plan4(c)
+    recs = records(plan, c)
+    recs[2] = [{**r, key: -0.5} for r in recs[2]]
+    with pytest.raises(UserError, match=r"ranks \[2\]: no timing records .* >= 0"):
+        explain(plan, c, CPU, recs)

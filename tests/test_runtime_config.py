@@ -81,6 +81,7 @@ def test_nested_values_reach_their_component() -> None:
     (["--debug-vanish", "1"], "--debug-vanish"),
     (["--cuda-device", "-1"], "--cuda-device"),
     (["--peak-tflops", "0"], "--peak-tflops"),
+    (["--run-dir", ""], "--run-dir"),
 ])
 def test_bad_values_name_the_flag(argv: list[str], flag: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,8 +50,11 @@ def test_jsonl_and_tensorboard_write_every_scalar(tmp_path):
 
 
 def test_tracker_flag_checks():
-    with pytest.raises(UserError, match="--tracker: expected"):
-        MetricsConfig(tracker="jsonl,mlflow")
+    for bad in ("jsonl,mlflow", "", ",", "jsonl,,tensorboard", "jsonl,jsonl", "jsonl,"):
+        with pytest.raises(UserError, match="--tracker: expected .* each once"):
+            MetricsConfig(tracker=bad, run_dir="r")
+    assert MetricsConfig(tracker=" jsonl , tensorboard", run_dir="r").trackers() == (
+        "jsonl", "tensorboard")
     with pytest.raises(UserError, match="give --run-dir"):
         MetricsConfig(tracker="tensorboard")
     assert MetricsConfig(tracker="jsonl").metrics_path() is None  # no file asked for
@@ -150,3 +153,24 @@ def test_plot_run_bad_inputs(tmp_path):
     assert p.returncode == 2 and "no such folder" in p.stderr
     p = run_entry("scripts/plot_run.py", str(tmp_path))
     assert p.returncode == 2 and "no metrics records" in p.stderr
+
+
+@pytest.mark.parametrize("loss", ['"x"', "NaN", "1" + "0" * 400, None])
+def test_plot_run_refuses_records_without_a_finite_loss(tmp_path, loss):
+    lines = [{**r, "loss": "@"} if loss is not None else
+             {k: v for k, v in r.items() if k != "loss"} for r in RECORDS]
+    text = "".join(json.dumps(r).replace('"@"', str(loss)) + "\n" for r in lines)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    p = run_entry("scripts/plot_run.py", str(tmp_path), "--out", str(tmp_path / "run.png"))
+    assert p.returncode == 2 and "no metrics record has a finite loss" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "run.png").exists()
+
+
+def test_plot_run_names_damaged_metrics_files_as_damaged(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "lo\n' + b"[" * 100_000 + b"\n")
+    rank = rank_timing_path(tmp_path, 0)
+    rank.parent.mkdir()
+    rank.write_text(json.dumps({"step": 1, "rank": 0, "step_s": 1.0}) + "\n")
+    p = run_entry("scripts/plot_run.py", str(tmp_path), "--out", str(tmp_path / "run.png"))
+    assert p.returncode == 2, p.stderr
+    assert "metrics.jsonl hold no readable record" in p.stderr and "Traceback" not in p.stderr

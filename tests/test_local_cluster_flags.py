@@ -1,0 +1,28 @@
+"""scripts/local_cluster.py refuses bad flags before it creates anything (no root needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from formats.errors import run_main
+from scripts import local_cluster
+from testkit.fuzz import cluster_dict
+
+
+@pytest.mark.parametrize("keys", ["", "missing.pub", "."])
+def test_up_sshd_without_a_key_file_exits_2_before_any_namespace(keys, tmp_path, monkeypatch,
+                                                                   capsys):
+    def create(*args: object) -> None:
+        raise AssertionError("a namespace was created")
+
+    monkeypatch.setattr("scripts.netemu.netns.create", create)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(cluster_dict()))
+    with pytest.raises(SystemExit) as exit_:
+        run_main(local_cluster.main, ["up", "--cluster", "c.json", "--hosts", "2", "--out-dir",
+                                      "od", "--prefix", "fz", "--sshd", keys])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: --sshd {keys}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
