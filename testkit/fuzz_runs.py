@@ -165,7 +165,8 @@ def dist_runner_run_dir_base() -> Scenario:
 
 
 def dist_runner_run_dir_cases() -> list[Case]:
-    """`dist_runner.py` --run-dir, --tracker, --wandb-mode, --pipeline-compression."""
+    """`dist_runner.py` --run-dir, --tracker, --wandb-mode, --pipeline-compression and the
+    DiLoCo schedule's overrides (--fragments, --overlap, --overlap-alpha)."""
     s = dist_runner_run_dir_base()
     no_run_dir = with_flag(s.argv, "--run-dir", None)
     return [
@@ -176,6 +177,9 @@ def dist_runner_run_dir_cases() -> list[Case]:
                     ("--tracker", "--run-dir"), "--tracker tensorboard without --run-dir"),
         *s.flag("--wandb-mode", ["", "OFFLINE", "disabled"]),
         *s.flag("--pipeline-compression", ["", "int4", "INT8", "fp16"]),
+        *s.flag("--fragments", ["0", "-1", "x", "", "1.5", str(BIG_INT)]),
+        *s.flag("--overlap", ["maybe", "", "ON"]),
+        *s.flag("--overlap-alpha", ["1.5", "-0.1", "nan", "inf", ""]),
         s.argv_case((*s.argv, "--cluster", "c.json", "--run-dir", "afile"), ("--run-dir",),
                     "--cluster with --run-dir a file (no cluster copy written)"),
     ]
