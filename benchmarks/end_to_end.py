@@ -6,7 +6,8 @@
 1. builds the `lab` scenario (the DT-FM regional setting scaled to 8 CPU ranks in 4 regions)
    and measures this machine's FLOP/s per rank with every rank training at once;
 2. plans it with our planner (simulated objective, CPU performance model) and takes a random
-   plan of the same shape for contrast, plus our plan with DiLoCo + int8;
+   plan of the same shape for contrast, plus our plan with DiLoCo + int8, and the planner's own
+   sync choice (`--sync auto`: H, overlap, fragments, payloads, with its own assignment);
 3. brings up one network-namespace host per device with the cluster's rates and delays (root;
    otherwise it runs on loopback without shaping and says so);
 4. runs each plan with dist_runner.py (scripts/launch_local.py) on real text;
@@ -65,13 +66,36 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     diloco = replace(plan, sync=SyncConfig("diloco", args.inner_steps, "int8"), predicted={})
     save_plan(diloco, out / "ours-diloco-int8.json")
     return [Run("ours (allreduce)", ours), Run("random (allreduce)", out / "random.json"),
-            Run(f"ours (DiLoCo H={args.inner_steps}, int8)", out / "ours-diloco-int8.json")]
+            Run(f"ours (DiLoCo H={args.inner_steps}, int8)", out / "ours-diloco-int8.json"),
+            auto_plan(args, cluster_path, out)]
+
+
+def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
+    """The planner's own sync choice (`--sync auto`, H <= --inner-steps, int8 allowed for the
+    data-parallel and pipeline payloads): the bad-links row of benchmarks/bad_network.py."""
+    path = out / "auto.json"
+    log("planning with --sync auto")
+    sh([PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
+        "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
+        "--micro-batches", str(args.micro_batches), *PERF_MODEL, "--time-limit",
+        str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(path),
+        "--quiet", "--sync", "auto", "--max-inner-steps", str(args.inner_steps),
+        "--compression", "int8", "--allow-pipeline-compression", "int8"])
+    plan = load_plan(path)
+    s = plan.sync
+    what = ("allreduce" if s.mode == "allreduce" else
+            f"DiLoCo H={s.inner_steps} {s.compression}{' overlap' if s.overlap else ''}")
+    log(f"  auto: {plan.num_stages} stages x {plan.num_replicas} replicas, {what}, "
+        f"pipeline {plan.pipeline_compression}")
+    return Run(f"planner --sync auto ({plan.num_stages}x{plan.num_replicas}, {what}, "
+               f"pipeline {plan.pipeline_compression})", path)
 
 
 def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
     """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
     metrics = lab.train(run, net, args.steps, out)
-    lab.read_metrics(run, metrics, args.warmup_steps, args.inner_steps)
+    h = load_plan(run.plan_path).sync.inner_steps  # measure whole outer rounds
+    lab.read_metrics(run, metrics, -(-args.warmup_steps // h) * h, h)
 
 
 def table(runs: list[Run], shaped: bool) -> str:
@@ -90,7 +114,7 @@ def table(runs: list[Run], shaped: bool) -> str:
 
 def targets(runs: list[Run], shaped: bool) -> list[str]:
     """The issue's targets, each with its measured value and verdict."""
-    ours, rnd, dil = runs
+    ours, rnd, dil, auto = runs
     out = []
     for r in runs:
         ok = abs(r.error) <= 0.20
@@ -104,6 +128,9 @@ def targets(runs: list[Run], shaped: bool) -> list[str]:
         out.append(f"info DiLoCo+int8 vs allreduce on our plan: wire bytes "
                    f"{ours.wire_bytes_per_step / max(dil.wire_bytes_per_step, 1):.1f}x fewer, "
                    f"step time {ours.measured_s / dil.measured_s:.2f}x faster")
+        out.append(f"info planner --sync auto vs allreduce on our plan: wire bytes "
+                   f"{ours.wire_bytes_per_step / max(auto.wire_bytes_per_step, 1):.1f}x fewer, "
+                   f"tokens/s {auto.tokens_per_s / ours.tokens_per_s:.2f}x")
     return out
 
 

@@ -18,7 +18,7 @@ if _REASON:
 
 
 @pytest.mark.timeout(600)
-def test_demo_trains_three_plans_on_the_emulated_network_and_tears_it_down(tmp_path):
+def test_demo_trains_four_plans_on_the_emulated_network_and_tears_it_down(tmp_path):
     out = tmp_path / "e2e"
     r = run_entry("benchmarks/end_to_end.py", "--out-dir", str(out), "--steps", "6",
                   "--inner-steps", "2", "--warmup-steps", "2", "--plan-time-limit", "2",
@@ -26,7 +26,7 @@ def test_demo_trains_three_plans_on_the_emulated_network_and_tears_it_down(tmp_p
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert res["shaped"] is True, res["why_not_shaped"]
-    ours, rnd, dil = res["runs"]
+    ours, rnd, dil, auto = res["runs"]
     for run in res["runs"]:
         assert run["measured_s"] > 0 and run["predicted_s"] > 0
         assert run["wire_bytes_per_step"] > 0  # tc counters of the namespace hosts moved
@@ -37,6 +37,9 @@ def test_demo_trains_three_plans_on_the_emulated_network_and_tears_it_down(tmp_p
     assert len(plans[0]["pipelines"]) == len(plans[1]["pipelines"])
     # DiLoCo + int8 sends far fewer data-parallel bytes than allreduce on the same plan
     assert dil["runtime_dp_bytes_per_step"] < ours["runtime_dp_bytes_per_step"] / 4
+    # the planner's own sync choice stays within the bounds the demo gave it
+    chosen = json.loads((out / "auto.json").read_text())
+    assert chosen["sync"]["inner_steps"] <= 2 and auto["name"].startswith("planner --sync auto")
     assert "removed the namespace hosts" in r.stdout
     assert (out / "end_to_end.png").stat().st_size > 10_000
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
