@@ -346,11 +346,20 @@ def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     return outcome_with_baselines(cluster, best, end)
 
 
+def per_replica_cost(cost_s: float, num_replicas: int) -> float:
+    """A step's cost divided by its replicas: what ranks plans of different widths. The batch
+    per replica is fixed (M x b sequences), so a plan with R replicas trains R x M x b
+    sequences per step; cost / R is its time per sequence up to that constant. (Ranking by
+    the step alone would prefer narrow, deep plans that simply train less per step.)"""
+    return cost_s / num_replicas
+
+
 def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                   shapes: list[tuple[int, int]], deadline: float, digest: str,
                   progress: Callable[[int, float], None] | None = None
                   ) -> tuple[ShapeResult, set[str], list[tuple[int, int]]]:
-    """search_shape for each shape, sharing the time until `deadline`; the cheapest result,
+    """search_shape for each shape, sharing the time until `deadline`; the cheapest result
+    per sequence (per_replica_cost),
     what stopped each search, and the shapes skipped because the deadline had passed before
     their turn (never the first). UserError when no shape works."""
     best: ShapeResult | None = None
@@ -378,7 +387,8 @@ def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         finally:
             overrun = max(overrun, time.perf_counter() - shape_end)
         stops.add(found.plan.search["stopped_by"])
-        if best is None or found.ours.cost_s < best.ours.cost_s:
+        if best is None or (per_replica_cost(found.ours.cost_s, r) <
+                            per_replica_cost(best.ours.cost_s, best.plan.num_replicas)):
             best = found
     if best is None:
         raise UserError("no shape works:\n  " + "\n  ".join(failures))

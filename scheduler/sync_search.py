@@ -45,6 +45,7 @@ from scheduler.planning import (
     FINISH_SHARE,
     PlanOutcome,
     PlanRequest,
+    per_replica_cost,
     plan_best_shape,
     predicted,
 )
@@ -148,6 +149,14 @@ class Scored:
     cost: CostBreakdown
     anchor: int
     """Index of the anchor whose assignment it was scored on."""
+    replicas: int = 1
+    """R of that assignment: configurations on assignments of different widths are ranked
+    by cost / R (planning.per_replica_cost), the step time per sequence trained."""
+
+    @property
+    def rank_cost(self) -> float:
+        """What `choose` compares: the step per replica."""
+        return per_replica_cost(self.cost.cost_s, self.replicas)
 
 
 def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE) -> Scored | None:
@@ -156,9 +165,9 @@ def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE) -> Scored | 
     finite = [s for s in scored if np.isfinite(s.cost.cost_s)]
     if not finite:
         return None
-    best = min(s.cost.cost_s for s in finite)
-    near = [s for s in finite if s.cost.cost_s <= best * (1.0 + tolerance)]
-    return min(near, key=lambda s: (s.choice.risk(), s.cost.cost_s))
+    best = min(s.rank_cost for s in finite)
+    near = [s for s in finite if s.rank_cost <= best * (1.0 + tolerance)]
+    return min(near, key=lambda s: (s.choice.risk(), s.rank_cost))
 
 
 @dataclass
@@ -202,8 +211,8 @@ def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarr
         costs = []
         for k, (obj, pipe) in enumerate(zip(objectives, pipelines)):
             cost = obj.with_sync(choice.sync, choice.pipeline_compression).cost(pipe)
-            scored.append(Scored(choice, CostBreakdown(obj.name, cost), k))
-            costs.append(cost)
+            scored.append(Scored(choice, CostBreakdown(obj.name, cost), k, pipe.shape[0]))
+            costs.append(scored[-1].rank_cost)
         return min(costs)
 
     fastest: dict[tuple[str, int, bool, int], float] = {}
