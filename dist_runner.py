@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from modules.dist import Topology
     from modules.placement import Placement
+    from modules.tokenizer import TokenizerId
     from modules.trainer import Trainer
 
 
@@ -130,20 +131,23 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: on_store(s, launch, cfg, plan, topo))
+                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer))
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
     return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
                    store_addr=store_addr, coordinator=coordinator)
 
 
 def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
-             topo: Topology) -> None:
-    """As soon as the store answers: record who this rank is (named in failure messages) and,
-    with --coordinator, check this rank's plan and settings against the coordinator's."""
+             topo: Topology, tokenizer: TokenizerId) -> None:
+    """As soon as the store answers: record who this rank is (named in failure messages), check
+    that every rank tokenizes alike and, with --coordinator, this rank's plan and settings
+    against the coordinator's."""
     from modules.coordinator import RunSettings, check_in
     from modules.fault import register
+    from modules.tokenizer import agree
 
     register(store, topo.rank, topo.replica, topo.stage)
+    agree(store, tokenizer, topo.rank)
     if launch.coordinator is not None:
         check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,
                  launch.coordinator, cfg.timeout_s)

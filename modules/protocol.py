@@ -39,6 +39,9 @@ COORDINATOR_INFO = "coord/info"
 """JSON of the coordinator process: host, pid and the pipelines of its plan."""
 RUN_SETTINGS = "coord/run"
 """JSON of the run settings the coordinator leads by (set once, by the first rank to arrive)."""
+RUN_TOKENIZER = "run/tokenizer"
+"""JSON of the tokenizer identity (vocab size, sha256) of the run: set once, by the first rank
+whose store answers; every other rank must have the same (modules.tokenizer.agree)."""
 
 
 def info_key(rank: int) -> str:

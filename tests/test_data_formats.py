@@ -322,3 +322,31 @@ def test_prepare_data_checks_its_flags_as_the_runner_does(tmp_path, flags, text)
         prepare_data.main(["--data", str(tmp_path / "a.txt"), "--token-cache",
                            str(tmp_path / "cache"), *flags])
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_tokenizers_are_refused_at_the_rendezvous(tmp_path, tok_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.test_ssh_helpers import free_port
+
+    paths = _write(tmp_path, _docs(200))
+    plan_path = tmp_path / "plan.json"
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=2),
+              plan_path)
+    url = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(plan_path), "--rank",
+         str(r), "--world-size", "2", "--dist-url", url, "--data", str(paths["jsonl"]),
+         "--token-cache", str(tmp_path / "cache"), "--tokenizer", tok, "--steps", "2",
+         "--threads", "1", "--timeout-s", "20"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for r, tok in ((0, "bytes"), (1, str(tok_path)))]
+    outs = [p.communicate(timeout=100) for p in procs]
+    codes = [p.returncode for p in procs]
+    refused = [err for code, (_, err) in zip(codes, outs) if code == 2]
+    assert refused and "--tokenizer: rank" in refused[0], (codes, outs)
+    assert "give every rank the same --tokenizer file" in refused[0]
+    assert "Traceback" not in "".join(err for _, err in outs)
+    assert all(code != 0 for code in codes)  # nobody trains on half a run
