@@ -140,14 +140,19 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
 def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
              topo: Topology, tokenizer: TokenizerId) -> None:
     """As soon as the store answers: record who this rank is (named in failure messages), check
-    that every rank tokenizes alike and, with --coordinator, this rank's plan and settings
-    against the coordinator's."""
+    that every rank has the same tokenizer, pipeline payload and DiLoCo schedule and, with
+    --coordinator, this rank's plan and settings against the coordinator's."""
+    from modules.agreement import agree
     from modules.coordinator import RunSettings, check_in
     from modules.fault import register
-    from modules.tokenizer import agree
 
     register(store, topo.rank, topo.replica, topo.stage)
-    agree(store, tokenizer, topo.rank)
+    sync = cfg.outer.apply(plan).sync  # the plan with this rank's --fragments / --overlap
+    agree(store, {"--tokenizer": tokenizer.meta(),
+                  "--pipeline-compression": cfg.device.resolved_pipeline_compression(plan),
+                  "--fragments": sync.fragments, "--overlap": sync.overlap,
+                  "--overlap-alpha": cfg.outer.overlap_alpha if sync.overlap else None},
+          topo.rank)
     if launch.coordinator is not None:
         check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,
                  launch.coordinator, cfg.timeout_s)

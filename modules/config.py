@@ -390,13 +390,14 @@ class OuterSyncConfig:
     (on/off; default: the plan's sync.overlap)"""
     overlap_alpha: float = 0.5
     """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
-    average is applied (Streaming DiLoCo's mixing factor)"""
+    average is applied (Streaming DiLoCo's mixing factor; > 0: the next pseudo-gradient is
+    taken after the merge, so alpha 0 would send zeros)"""
 
     def __post_init__(self) -> None:
         if self.fragments is not None:
             _int_at_least(OuterSyncConfig, "fragments", self.fragments, 1)
         _one_of(OuterSyncConfig, "overlap", self.overlap, ("plan", "on", "off"))
-        _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, strict=False, hi=1.0)
+        _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, hi=1.0)
 
     def apply(self, plan: Plan) -> Plan:
         """The plan with these overrides in its sync config (checked like a plan's)."""

@@ -23,7 +23,9 @@ Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512), two options:
   update: the outer step moves the global copy (the anchor) with the delayed average, and the
   local fragment is merged as  params = alpha * params + (1 - alpha) * anchor  (alpha =
   `overlap_alpha`; the paper's mixing factor, 0.5 here); the fragment's next pseudo-gradient,
-  anchor - params, is taken right after and sent. Without overlap alpha is 0 (plain DiLoCo).
+  anchor - params, is taken right after and sent (so it is alpha x the local drift: with tau = H
+  the merge and the next send fall on the same step; alpha must be > 0). Without overlap alpha
+  is 0 (plain DiLoCo).
   Every pending round's pseudo-gradient (as sent) is in `state_dict()`, and `load_state_dict`
   re-runs those all-reduces: a resumed run continues bit-identically.
 """
@@ -112,6 +114,14 @@ class DiLoCoOptimizer:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         if not 1 <= fragments <= inner_steps:
             raise ValueError(f"fragments must be between 1 and inner_steps, got {fragments}")
+        if overlap and not 0 < overlap_alpha <= 1:
+            # the next pseudo-gradient is anchor - params right after the merge: alpha x the
+            # local drift, so alpha 0 would send zeros and stop learning
+            raise ValueError(f"overlap_alpha must be in (0, 1], got {overlap_alpha}")
+        if overlap and reducer is None and all_reduce_fn is None:
+            # the default group belongs to the training thread's collectives
+            raise ValueError("overlap needs an all_reduce_fn on a communicator of its own (or a "
+                             "reducer): the background thread must not share the default group")
         self.inner = inner_optimizer
         self.inner_steps = inner_steps
         self.all_reduce_fn = all_reduce_fn or default_all_reduce

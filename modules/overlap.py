@@ -51,13 +51,11 @@ class OverlapSync:
     """Runs outer all-reduces in the background and repairs the ones a membership change broke.
 
     `attempt` runs one outer round (modules.elastic.Membership.outer_round on the background
-    communicator); `refresh` takes a newer generation if there is one (groups re-formed);
-    `changed` says whether the leader published one this rank has not taken yet.
+    communicator); `refresh` takes a newer generation if there is one (groups re-formed).
     """
 
     attempt: Attempt
     refresh: Callable[[], None]
-    changed: Callable[[], bool] = lambda: False
     log: Callable[[str], None] = print
     jobs: list[OuterJob] = field(default_factory=list)
     """Launched and not yet finished, in launch order."""
@@ -73,9 +71,10 @@ class OverlapSync:
         """CUDA: the worker's own stream (its all-reduces do not queue behind compute)."""
 
     def launch(self, flat: torch.Tensor, index: int) -> OuterJob:
-        """Start averaging `flat` in the background (repairing earlier failures first)."""
-        if self.changed() or any(j.done.is_set() and not j.ok for j in self.jobs):
-            self._recover()
+        """Start averaging `flat` in the background. No repair here: whether a generation
+        changed is seen at different times by different ranks, and taking it re-forms groups
+        with every member; a round launched on stale groups abandons (outer_round sees the new
+        generation) and is redone in `finish`, which every member reaches at the same step."""
         job = OuterJob(index, flat, flat.clone())
         if flat.is_cuda:
             job.ready = torch.cuda.Event()

@@ -39,9 +39,10 @@ COORDINATOR_INFO = "coord/info"
 """JSON of the coordinator process: host, pid and the pipelines of its plan."""
 RUN_SETTINGS = "coord/run"
 """JSON of the run settings the coordinator leads by (set once, by the first rank to arrive)."""
-RUN_TOKENIZER = "run/tokenizer"
-"""JSON of the tokenizer identity (vocab size, sha256) of the run: set once, by the first rank
-whose store answers; every other rank must have the same (modules.tokenizer.agree)."""
+RUN_AGREED = "run/agreed"
+"""JSON of the per-rank settings every rank must share (tokenizer identity, pipeline payload,
+the DiLoCo schedule's overrides): set once, by the first rank whose store answers
+(modules.agreement)."""
 
 
 def info_key(rank: int) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from formats.errors import UserError
-from modules.protocol import RUN_TOKENIZER
 
 BYTES = "bytes"
 """--tokenizer value of the byte tokenizer."""
@@ -122,18 +120,3 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == BYTES:
         return ByteTokenizer()
     return HFTokenizer(Path(spec))
-
-
-def agree(store: Any, mine: TokenizerId, rank: int) -> None:
-    """Every rank of a run tokenizes alike: the first rank to reach the store records its
-    tokenizer's identity, the others compare theirs (a different --tokenizer would otherwise
-    fail later, on a collective's tensor size). UserError naming the flag when they differ."""
-    offer = json.dumps(mine.meta(), sort_keys=True)
-    run = store.compare_set(RUN_TOKENIZER, "", offer)
-    run = run.decode() if isinstance(run, bytes) else run
-    if run != offer:
-        theirs = json.loads(run)
-        raise UserError(f"--tokenizer: rank {rank} has {mine.name} (vocab {mine.vocab_size}, "
-                        f"sha256 {mine.sha256[:12]}) but the run's other ranks tokenize with "
-                        f"vocab {theirs['vocab_size']}, sha256 {theirs['sha256'][:12]}; give "
-                        "every rank the same --tokenizer file")

@@ -175,7 +175,7 @@ class Trainer:
         self.outer_seen = (0, 0.0)
         """(background bytes, exposed wait s) already attributed to a step's record."""
         self.overlap: OverlapSync | None = (
-            OverlapSync(self._outer_attempt, self._refresh, self._generation_pending, self.log)
+            OverlapSync(self._outer_attempt, self._refresh, self.log)
             if overlapped else None)
         """Runs the outer all-reduces in the background (modules.overlap)."""
         self.outer_average: GroupAverage = no_average
@@ -271,11 +271,6 @@ class Trainer:
         change = self.membership.poll(self._handover)
         if change is not None:
             self._apply(change)
-
-    def _generation_pending(self) -> bool:
-        """The leader published a generation this rank has not taken yet."""
-        mon = self.membership.monitor
-        return mon is not None and mon.gen > self.membership.gen
 
     def _handover(self) -> Handover:
         """What this rank would hand a joiner of its stage: the step after this outer step's
@@ -446,8 +441,10 @@ class Trainer:
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
-            if self.ckpt is not None:  # taken here, on the only thread that changes the state
-                self.outer_snapshot = (self.step, self.outer_count, snapshot(self.state()))
+        if self.outer_count != outer0 and self.ckpt is not None:
+            # taken here, on the only thread that changes the state, at the same round's end on
+            # every rank; with overlap the rounds in flight are in it as sent (resume redoes them)
+            self.outer_snapshot = (self.step, self.outer_count, snapshot(self.state()))
         return loss
 
     def _check_finite(self, loss: float | None) -> None:
@@ -489,7 +486,9 @@ class Trainer:
             self.log(f"resumed from step {self.step}")
         resume = self.step if cfg.ckpt.resume else None
         writer = open_trackers(cfg.metrics, topo.replica, resume) if topo.is_last else None
-        timing = open_rank_timing(cfg.metrics, topo.rank, self.plan, resume)
+        # the plan as this rank runs it (--pipeline-compression too): what explain replays
+        ran = dataclasses.replace(self.plan, pipeline_compression=self.pipe.wire.compression)
+        timing = open_rank_timing(cfg.metrics, topo.rank, ran, resume)
         records = []
         try:
             vanish_step, status = cfg.debug.vanish_at(topo.rank)  # tests' lost-peer hook

@@ -168,7 +168,8 @@ def predict(plan: Plan, cluster: Cluster, config: SimConfig) -> Prediction:
     """Replay one step of `plan` (the simulator's kernel) and split it per rank."""
     pipe = np.asarray(plan.pipelines, dtype=np.int64)
     inputs = build_inputs(LinkTables(cluster, config), get_model(plan.model), list(plan.stages),
-                          pipe, plan.sync, plan.micro_batch_size, plan.num_micro_batches, config)
+                          pipe, plan.sync, plan.micro_batch_size, plan.num_micro_batches, config,
+                          pipeline_compression=plan.pipeline_compression)
     times = replay_fast(inputs)
     compute = (inputs.t_fwd + inputs.t_bwd) * inputs.num_micro_batches
     free = replay_fast(no_transfers(inputs)).makespan_s

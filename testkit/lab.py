@@ -179,11 +179,12 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, round_steps: int) -> N
     if last - first < 1:
         raise UserError(f"{len(recs)} steps leave no measured steps after {first} warm-up steps")
     wall = [r["wall_time"] for r in recs]
-    run.measured_s = (wall[last - 1] - wall[first - 1]) / (last - first)
-    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
-    run.tokens_per_s = tokens / (wall[last - 1] - wall[first - 1])
-    run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
     start = wall[0] - recs[0]["step_s"]  # when the first step began
+    begin = wall[first - 1] if first else start  # the end of the warm-up
+    run.measured_s = (wall[last - 1] - begin) / (last - first)
+    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
+    run.tokens_per_s = tokens / (wall[last - 1] - begin)
+    run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
     run.losses = [(r["wall_time"] - start, r["loss"]) for r in recs]
     vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     run.final_val_loss = vals[-1] if vals else None

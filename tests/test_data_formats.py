@@ -347,6 +347,6 @@ def test_ranks_with_different_tokenizers_are_refused_at_the_rendezvous(tmp_path,
     codes = [p.returncode for p in procs]
     refused = [err for code, (_, err) in zip(codes, outs) if code == 2]
     assert refused and "--tokenizer: rank" in refused[0], (codes, outs)
-    assert "give every rank the same --tokenizer file" in refused[0]
+    assert "give every rank the same --tokenizer" in refused[0]
     assert "Traceback" not in "".join(err for _, err in outs)
     assert all(code != 0 for code in codes)  # nobody trains on half a run

@@ -41,6 +41,10 @@ def _ram_bytes() -> int:
         return 0
 
 
+MAX_START_WAIT_S = 60.0
+"""Longest wait for --start-at (the caller starts it about 20 s ahead)."""
+
+
 def layer_flops(d: int, f: int, ffn_mats: int, seq: int, tokens: int) -> float:
     """Forward FLOPs of one layer for `tokens` tokens (formats/models.py's count)."""
     return tokens * (2.0 * (4 * d * d + ffn_mats * d * f) + 4.0 * seq * d)
@@ -72,7 +76,8 @@ def bench(torch, a: argparse.Namespace) -> tuple[float, str]:  # type: ignore[no
     for _ in range(2):  # warm-ups (allocator, kernels)
         layer()
     if a.start_at:  # every host of a measurement starts timing together (shared cores, if any)
-        time.sleep(max(0.0, a.start_at - time.time()))
+        # capped: a host whose clock runs behind must not sleep past the caller's timeout
+        time.sleep(min(max(0.0, a.start_at - time.time()), MAX_START_WAIT_S))
     # Throughput over the whole window, not the median repeat, and for the whole window, not
     # a number of repeats: on cores shared with other hosts (namespaces, containers) a repeat
     # that ran inside one scheduler slice is as fast as an idle machine, and a host that

@@ -78,10 +78,39 @@ def serve(bind: str, port: int) -> None:
         threading.Thread(target=_handle, args=(conn,), daemon=True).start()
 
 
+def _pings(s: socket.socket, pings: int) -> list[float]:
+    """Round trips of one byte each way, ms (the first left out: connection warm-up)."""
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"P")
+    rtts = []
+    for _ in range(pings + 1):
+        t = time.perf_counter()
+        s.sendall(b"x")
+        _recv_exact(s, 1)
+        rtts.append((time.perf_counter() - t) * 1000.0)
+    return rtts[1:]
+
+
+def _stream(s: socket.socket, seconds: float, skip_s: float) -> bytes:
+    """Send zeros for skip_s + seconds, then the receiver's JSON count."""
+    s.sendall(b"B" + f"{skip_s:<12.4f}".encode())
+    block = b"\0" * CHUNK
+    end = time.monotonic() + seconds + skip_s
+    while time.monotonic() < end:
+        s.sendall(block)
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while part := s.recv(4096):
+        reply += part
+    return reply
+
+
 def reach_error(e: OSError) -> str:
     """Why a connect failed, as one word: `refused` (the host answered: nothing listens or a
     REJECT rule), `timeout` (no answer: a DROP rule, a NAT, a security group), `unreachable`
     (no route, ICMP host/net unreachable) or `error`."""
+    if isinstance(e, TransferError):
+        return "error"
     if isinstance(e, ConnectionRefusedError):
         return "refused"
     if isinstance(e, TimeoutError | socket.timeout):
@@ -91,35 +120,30 @@ def reach_error(e: OSError) -> str:
     return "error"
 
 
+class TransferError(OSError):
+    """The pair connected, then a transfer failed: not a reachability problem."""
+
+
 def measure(addr: str, port: int, seconds: float, pings: int, timeout_s: float = 30.0) -> dict:
     """RTT (median of TCP ping-pongs, ms) and bandwidth (bit/s) from here to addr:port; every
-    connect and socket operation gives up after timeout_s."""
+    connect gives up after timeout_s, every transfer after max(timeout_s, seconds + 60) (a
+    slow link drains MBs of send buffer: that is a measurement, not a blocked pair)."""
+    transfer_s = max(timeout_s, seconds + 60.0)
     with socket.create_connection((addr, port), timeout=timeout_s) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(b"P")
-        rtts = []
-        for _ in range(pings + 1):
-            t = time.perf_counter()
-            s.sendall(b"x")
-            _recv_exact(s, 1)
-            rtts.append((time.perf_counter() - t) * 1000.0)
-        rtts = rtts[1:]  # the first exchange may include connection warm-up
+        s.settimeout(transfer_s)
+        try:
+            rtts = _pings(s, pings)
+        except OSError as e:
+            raise TransferError(f"ping-pong after connecting: {type(e).__name__}: {e}") from e
     # Slow start takes ~10 round trips to fill a long fat path: stream that long on top of
     # `seconds` and let the receiver count only after it.
     skip_s = max(0.25 * seconds, 10 * statistics.median(rtts) / 1000.0)
     with socket.create_connection((addr, port), timeout=timeout_s) as s:
-        s.sendall(b"B" + f"{skip_s:<12.4f}".encode())
-        block = b"\0" * CHUNK
-        end = time.monotonic() + seconds + skip_s
-        while time.monotonic() < end:
-            s.sendall(block)
-        s.shutdown(socket.SHUT_WR)
-        reply = b""
-        while True:
-            part = s.recv(4096)
-            if not part:
-                break
-            reply += part
+        s.settimeout(transfer_s + skip_s)
+        try:
+            reply = _stream(s, seconds, skip_s)
+        except OSError as e:
+            raise TransferError(f"stream after connecting: {type(e).__name__}: {e}") from e
     bulk = json.loads(reply)
     return {"rtt_ms": statistics.median(rtts), "rtt_min_ms": min(rtts),
             "bit_per_s": bulk["bit_per_s"], "bytes": bulk["bytes"]}

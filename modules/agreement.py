@@ -1,0 +1,36 @@
+"""Settings each rank resolves on its own but all must share, agreed through the store.
+
+A rank's tokenizer, pipeline payload and DiLoCo schedule come from its own flags; one rank
+started with another value would fail much later (a collective of the wrong size, store keys
+nobody else writes) or, worse, drift silently (another --overlap-alpha). The first rank whose
+store answers records its values; every other rank compares and stops (exit 2) naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from formats.errors import UserError
+from modules.protocol import RUN_AGREED
+
+
+def agree(store: Any, mine: dict[str, Any], rank: int) -> None:
+    """Record `mine` ({flag: value}) as the run's, or check it against the recorded one."""
+    offer = json.dumps(mine, sort_keys=True)
+    run = store.compare_set(RUN_AGREED, "", offer)
+    run = run.decode() if isinstance(run, bytes) else run
+    if run == offer:
+        return
+    theirs = json.loads(run)
+    flag = next((f for f in sorted(mine) if mine[f] != theirs.get(f)), sorted(mine)[0])
+    raise UserError(f"{flag}: rank {rank} has {_shown(mine.get(flag))} but the run's other ranks "
+                    f"have {_shown(theirs.get(flag))} (set by the first rank to reach the "
+                    f"store); give every rank the same {flag}")
+
+
+def _shown(value: Any) -> str:
+    """A value for the message (a tokenizer identity as vocab and digest prefix)."""
+    if isinstance(value, dict) and "sha256" in value:
+        return f"vocab {value['vocab_size']}, sha256 {str(value['sha256'])[:12]}"
+    return repr(value)
