@@ -35,7 +35,7 @@ from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
 from testkit import lab  # noqa: E402
-from testkit.lab import PY, Network, Run, predict, sh  # noqa: E402
+from testkit.lab import Network, Run, predict, sh  # noqa: E402
 
 HARSH_GBPS = 0.02
 """The harsh variant: every link between two regions capped at 20 Mbit/s."""
@@ -74,20 +74,11 @@ def harsh(cluster: Cluster) -> Cluster:
     return Cluster(f"{cluster.name}-harsh", cluster.devices, cluster.latency_ms, bw)
 
 
-def plan_cmd(args: argparse.Namespace, cluster_path: Path, out: Path, *extra: str) -> list[str]:
-    """The planner command line for this cluster (CPU runtime profile, bounded time)."""
-    return [PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
-            "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
-            "--micro-batches", str(args.micro_batches), "--runtime", "cpu", "--time-limit",
-            str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(out),
-            "--quiet", *extra]
-
-
 def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
     """The allreduce plan, the ladder on its assignment, and the planner's --sync auto plan."""
     base_path = out / "allreduce.json"
     log(f"planning {cluster_path.parent.name} for allreduce")
-    sh(plan_cmd(args, cluster_path, base_path))
+    sh(lab.plan_command(args, cluster_path, base_path))
     base = load_plan(base_path)
     log(f"  {base.num_stages} stages x {base.num_replicas} replicas, pipelines {base.pipelines}")
     runs = []
@@ -99,7 +90,7 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
         runs.append(Run(row.name, path))
     auto = out / "auto.json"
     log("planning with --sync auto")
-    sh(plan_cmd(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
+    sh(lab.plan_command(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
                 str(args.max_inner_steps), "--compression", "int8",
                 "--allow-pipeline-compression", "int8"))
     auto_plan = load_plan(auto)
@@ -131,8 +122,7 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
         for r in runs:
             metrics = lab.train(r, net, args.steps, out, [
                 "--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed)])
-            h = load_plan(r.plan_path).sync.inner_steps  # measure whole outer rounds
-            lab.read_metrics(r, metrics, -(-args.warmup_steps // h) * h, h)
+            lab.read_metrics(r, metrics, args.warmup_steps)
     finally:
         net.down()
     return net.reason

@@ -35,23 +35,14 @@ from formats.models import get_model  # noqa: E402
 from formats.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
 from testkit import lab  # noqa: E402
-from testkit.lab import PY, Network, Run, log, predict, sh  # noqa: E402
-
-PERF_MODEL = ["--runtime", "cpu"]
-"""The planner's profile of the CPU runtime (scheduler/simulator/config.py RUNTIME_PROFILES):
-mfu 1 on the measured FLOP/s, fp32 activations, no recomputation, gloo collectives, the
-elastic DiLoCo outer step's store round trips; recorded in the plan, reused by `simulate`."""
+from testkit.lab import Network, Run, log, predict, sh  # noqa: E402
 
 
 def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
     """Our plan (planner CLI), a random plan of the same shape, ours with DiLoCo + int8."""
     ours = out / "ours.json"
     log("planning with scheduler.py plan (simulated objective)")
-    sh([PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
-        "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
-        "--micro-batches", str(args.micro_batches), *PERF_MODEL, "--time-limit",
-        str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(ours),
-        "--plot", str(out / "ours-plan.png"), "--quiet"])
+    sh(lab.plan_command(args, cluster_path, ours, "--plot", str(out / "ours-plan.png")))
     plan = load_plan(ours)
     log(f"  ours: {plan.num_stages} stages x {plan.num_replicas} replicas, "
         f"pipelines {plan.pipelines}, layers {[list(s) for s in plan.stages]}")
@@ -75,12 +66,9 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
     data-parallel and pipeline payloads): the bad-links row of benchmarks/bad_network.py."""
     path = out / "auto.json"
     log("planning with --sync auto")
-    sh([PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
-        "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
-        "--micro-batches", str(args.micro_batches), *PERF_MODEL, "--time-limit",
-        str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(path),
-        "--quiet", "--sync", "auto", "--max-inner-steps", str(args.inner_steps),
-        "--compression", "int8", "--allow-pipeline-compression", "int8"])
+    sh(lab.plan_command(args, cluster_path, path, "--sync", "auto", "--max-inner-steps",
+                        str(args.inner_steps), "--compression", "int8",
+                        "--allow-pipeline-compression", "int8"))
     plan = load_plan(path)
     s = plan.sync
     what = ("allreduce" if s.mode == "allreduce" else
@@ -93,9 +81,7 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
 
 def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
     """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
-    metrics = lab.train(run, net, args.steps, out)
-    h = load_plan(run.plan_path).sync.inner_steps  # measure whole outer rounds
-    lab.read_metrics(run, metrics, -(-args.warmup_steps // h) * h, h)
+    lab.read_metrics(run, lab.train(run, net, args.steps, out), args.warmup_steps)
 
 
 def table(runs: list[Run], shaped: bool) -> str:

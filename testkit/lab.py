@@ -11,12 +11,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from formats.cluster import Cluster, load_cluster, save_cluster
 from formats.errors import UserError
 from formats.models import get_model
+from formats.plan import load_plan
 from scheduler.scenarios import make_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +75,19 @@ def calibrated_cluster(scenario: str, seed: int, model: str, micro_batch_size: i
     calibrated = Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps)
     save_cluster(calibrated, path)
     return calibrated
+
+
+def plan_command(args: Any, cluster_path: Path, out: Path, *extra: str) -> list[str]:
+    """`scheduler.py plan` for a benchmark's cluster: the CPU runtime profile (`--runtime cpu`:
+    mfu 1 on the measured FLOP/s, fp32 activations, gloo collectives, the elastic DiLoCo outer
+    step's store round trips; recorded in the plan, reused by `simulate`), the benchmark's
+    model, batch, seed and time limit (args: .model, .micro_batch_size, .micro_batches,
+    .plan_time_limit, .seed), `extra` flags after them."""
+    return [PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
+            "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
+            "--micro-batches", str(args.micro_batches), "--runtime", "cpu", "--time-limit",
+            str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(out),
+            "--quiet", *extra]
 
 
 def predict(run: Run, cluster_path: Path) -> None:
@@ -169,12 +184,14 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) 
     return metrics
 
 
-def read_metrics(run: Run, path: Path, warmup_steps: int, round_steps: int) -> None:
-    """Measured step time and tokens/s over whole rounds of `round_steps` after the warm-up,
-    DP bytes, losses and the final validation loss, from replica 0's metrics."""
+def read_metrics(run: Run, path: Path, warmup_steps: int) -> None:
+    """Measured step time and tokens/s over whole outer rounds of the run's plan after the
+    warm-up (rounded up to a round), DP bytes, losses and the final validation loss, from
+    replica 0's metrics."""
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     recs = [r for r in recs if "step_s" in r]  # step records (not the summary)
-    first = warmup_steps
+    round_steps = load_plan(run.plan_path).sync.inner_steps
+    first = -(-warmup_steps // round_steps) * round_steps
     last = len(recs) - (len(recs) - first) % round_steps  # whole DiLoCo rounds
     if last - first < 1:
         raise UserError(f"{len(recs)} steps leave no measured steps after {first} warm-up steps")
