@@ -35,10 +35,10 @@ from modules.config import LaunchConfig, RunConfig  # noqa: E402
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from modules.dist import Topology
-    from modules.placement import Placement
-    from modules.tokenizer import TokenizerId
-    from modules.trainer import Trainer
+    from modules.control.dist import Topology
+    from modules.data.tokenizer import TokenizerId
+    from modules.device.placement import Placement
+    from modules.train.trainer import Trainer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +104,9 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Clust
 
 
 def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData | FakeData
-    """The training text (or seeded fake tokens) the run reads, tokenized (modules.data)."""
+    """The training text (or seeded fake tokens) the run reads, tokenized (modules.data.dataset)."""
     from formats.models import get_model
-    from modules.data import load_data as load
+    from modules.data.dataset import load_data as load
 
     return load(cfg.data, get_model(plan.model), cfg.seed, log)
 
@@ -114,9 +114,9 @@ def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
                   where: tuple[int, int, str, bool], placement: Placement, log) -> Trainer:
     """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
-    from modules.dist import parse_dist_url, rendezvous
-    from modules.fault import members_of
-    from modules.trainer import Trainer
+    from modules.control.dist import parse_dist_url, rendezvous
+    from modules.control.fault import members_of
+    from modules.train.trainer import Trainer
 
     rank, world, url, agent_store = where
     coordinator = launch.coordinator is not None
@@ -142,9 +142,9 @@ def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan
     """As soon as the store answers: record who this rank is (named in failure messages), check
     that every rank has the same tokenizer, pipeline payload and DiLoCo schedule and, with
     --coordinator, this rank's plan and settings against the coordinator's."""
-    from modules.agreement import agree
-    from modules.coordinator import RunSettings, check_in
-    from modules.fault import register
+    from modules.control.agreement import agree
+    from modules.control.coordinator import RunSettings, check_in
+    from modules.control.fault import register
 
     register(store, topo.rank, topo.replica, topo.stage)
     sync = cfg.outer.apply(plan).sync  # the plan with this rank's --fragments / --overlap
@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from modules.device import describe_device
-    from modules.dist import topology
-    from modules.placement import resolve_placement
+    from modules.control.dist import topology
+    from modules.device.placement import resolve_placement
+    from modules.device.select import describe_device
 
     topo = topology(plan, where[0], where[1])  # rank not in plan / world size mismatch: exit 2
     placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
@@ -201,8 +201,8 @@ def entry() -> None:
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # a lost peer or a diverged run: exit 1; anything else is a bug
-        from modules.dist import PeerError
-        from modules.trainer import TrainingDiverged
+        from modules.control.dist import PeerError
+        from modules.train.trainer import TrainingDiverged
         if not isinstance(e, PeerError | TrainingDiverged):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -34,7 +34,7 @@ setup(
         "matplotlib>=3.7",
         "paramiko>=3.0",
         "torch>=2.2",
-        "pyarrow>=14",  # .parquet corpora (modules/corpus.py)
+        "pyarrow>=14",  # .parquet corpora (modules/data/corpus.py)
         "tokenizers>=0.15",  # --tokenizer tokenizer.json, scripts/train_tokenizer.py
     ],
     extras_require={

@@ -29,8 +29,8 @@ if not __package__:
 
 from formats.models import get_model  # noqa: E402
 from formats.plan import PIPELINE_COMPRESSIONS, Plan, save_plan  # noqa: E402
-from modules.metrics import read_metrics  # noqa: E402
-from modules.pipeline_wire import message_bytes  # noqa: E402
+from modules.pipeline.wire import message_bytes  # noqa: E402
+from modules.train.metrics import read_metrics  # noqa: E402
 
 
 def run(mode: str, seed: int, plan_path: Path, args: argparse.Namespace, tmp: Path) -> dict:

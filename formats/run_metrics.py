@@ -1,5 +1,5 @@
 """The run folder (`dist_runner.py --run-dir DIR`) and the records in it, shared by the runtime
-that writes them (modules/metrics.py, modules/tracking.py) and the tools that read them
+that writes them (modules/train/metrics.py, modules/train/tracking.py) and the tools that read them
 (`scheduler.py explain`, scripts/plot_run.py).
 
     DIR/metrics.jsonl          replica 0's per-step records (the last stage writes them);

@@ -211,7 +211,7 @@ class DataConfig:
 
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
-"""Where per-step metrics can go (modules/tracking.py has one class per tracker)."""
+"""Where per-step metrics can go (modules/train/tracking.py has one class per tracker)."""
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """The package each tracker needs (import name = pip name)."""
 TRACKER_EXTRAS = {"tensorboard": "track", "wandb": "wandb"}

@@ -276,7 +276,7 @@ def _flops_causes(rows: list[RankRow], config: SimConfig,
             "mis-estimated FLOP/s", off,
             f"compute takes {g:.2f}x the predicted time on the median rank: the devices are "
             f"{word} than the cluster's tflops x mfu {config.mfu:g} says",
-            f"measure this model's FLOP/s on the devices (modules/calibrate.py) and re-plan "
+            f"measure this model's FLOP/s on the devices (modules/device/calibrate.py) and re-plan "
             f"with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
     for x in rows:
         if _ratio(x) > STRAGGLER_FACTOR * g and x.stage not in slow_stages:

@@ -1,5 +1,5 @@
 """The coordinator of a run: hosts the rendezvous store and leads membership, so that no
-training host is a single point of failure (modules/coordinator.py).
+training host is a single point of failure (modules/control/coordinator.py).
 
     python scripts/coordinator.py --listen HOST:PORT --plan plan.json [--start-timeout-s S]
     # then every rank: python dist_runner.py --plan plan.json --rank R \
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     host, port = parse_listen(args.listen)
     plan = load_plan(args.plan)
-    from modules.coordinator import Coordinator, CoordinatorConfig
+    from modules.control.coordinator import Coordinator, CoordinatorConfig
 
     log = lambda msg: print(f"coordinator: {msg}", flush=True)
     coord = Coordinator(CoordinatorConfig(host, port, plan, args.plan, args.start_timeout_s,

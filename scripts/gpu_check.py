@@ -39,9 +39,9 @@ if not __package__:
 from formats.errors import run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
-from modules.data import DEFAULT_CORPUS  # noqa: E402
-from modules.metrics import read_metrics, replica_metrics_path  # noqa: E402
-from modules.mfu import check_peak_tflops, flops_per_token, mfu  # noqa: E402
+from modules.data.dataset import DEFAULT_CORPUS  # noqa: E402
+from modules.device.mfu import check_peak_tflops, flops_per_token, mfu  # noqa: E402
+from modules.train.metrics import read_metrics, replica_metrics_path  # noqa: E402
 
 PACKAGES = ("formats", "scheduler", "modules", "testkit", "scripts", "udp_hole_punching_test")
 GPU_FLAGS = ("--device", "--cuda-device", "--comm", "--precision", "--compile", "--peak-tflops")

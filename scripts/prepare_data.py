@@ -5,7 +5,7 @@
 
 Run it on each host (or once on a shared --token-cache folder) before a launch whose corpus
 takes longer to tokenize than the ranks' rendezvous --timeout-s; the ranks then find the
-cache and reuse it (same flags as dist_runner.py's data flags; modules/token_cache.py).
+cache and reuse it (same flags as dist_runner.py's data flags; modules/data/token_cache.py).
 Exit 2 on bad input.
 """
 
@@ -20,9 +20,9 @@ if not __package__:
 
 from formats.errors import run_main  # noqa: E402
 from modules.config import DataConfig  # noqa: E402
-from modules.corpus import corpus_files  # noqa: E402
-from modules.token_cache import open_tokens  # noqa: E402
-from modules.tokenizer import load_tokenizer  # noqa: E402
+from modules.data.corpus import corpus_files  # noqa: E402
+from modules.data.token_cache import open_tokens  # noqa: E402
+from modules.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
     python dist_runner.py ... --data CORPUS --tokenizer tokenizer.json
 
 Reads --data like dist_runner.py does (files, folders, globs of .txt/.jsonl/.parquet; see
-modules/corpus.py), streamed, and trains the Hugging Face `tokenizers` BPE on it: GPT-2 style
+modules/data/corpus.py), streamed, and trains the Hugging Face `tokenizers` BPE on it: GPT-2 style
 byte-level pre-tokenization (any text round-trips, no unknown token), the 256 byte symbols,
 `<|endoftext|>` (which the runtime puts between documents) and merges up to --vocab-size.
 Runs locally, offline. Exit 2 on bad input.
@@ -25,8 +25,8 @@ if not __package__:
 from formats import argtypes  # noqa: E402
 from formats.atomic_io import atomic_write_bytes, check_output_path  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from modules.corpus import ReadStats, corpus_files, documents, pieces  # noqa: E402
-from modules.tokenizer import END_OF_TEXT  # noqa: E402
+from modules.data.corpus import ReadStats, corpus_files, documents, pieces  # noqa: E402
+from modules.data.tokenizer import END_OF_TEXT  # noqa: E402
 
 MIN_VOCAB = 257
 """The 256 byte symbols and <|endoftext|>."""

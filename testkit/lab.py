@@ -64,7 +64,7 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 def calibrated_cluster(scenario: str, seed: int, model: str, micro_batch_size: int,
                        path: Path) -> Cluster:
     """The scenario with each device's tflops measured with all ranks training at once."""
-    from modules.calibrate import measure_train_flops_shared  # torch: only when measuring
+    from modules.device.calibrate import measure_train_flops_shared  # torch: only when measuring
 
     cluster = make_scenario(scenario, seed)
     log(f"measuring FLOP/s per rank: {cluster.num_devices} processes training {model} "

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from formats.models import ModelSpec
-from modules.compile import maybe_compile
-from modules.data import TextData
-from modules.device import to_device
-from modules.model import StageModel
-from modules.precision import Precision
+from modules.data.dataset import TextData
+from modules.device.compile import maybe_compile
+from modules.device.precision import Precision
+from modules.device.select import to_device
+from modules.train.model import StageModel
 
 
 class LocalPipeline:

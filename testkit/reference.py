@@ -9,9 +9,9 @@ from __future__ import annotations
 from formats.models import get_model
 from formats.plan import Plan
 from modules.config import RunConfig
-from modules.data import FakeData, Sharder, TextData
-from modules.model import StageModel, tie_weights_
-from modules.trainer import make_inner_optimizer, set_lr
+from modules.data.dataset import FakeData, Sharder, TextData
+from modules.train.model import StageModel, tie_weights_
+from modules.train.trainer import make_inner_optimizer, set_lr
 
 
 def reference_losses(plan: Plan, data: TextData | FakeData, cfg: RunConfig) -> list[float]:

@@ -1,5 +1,5 @@
-"""modules.agreement: the first rank's settings become the run's; a rank with another value of
-a flag every rank must share is refused, naming that flag."""
+"""modules.control.agreement: the first rank's settings become the run's; a rank with another value
+of a flag every rank must share is refused, naming that flag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from formats.errors import UserError
-from modules.agreement import agree
+from modules.control.agreement import agree
 
 RUN = {"--tokenizer": {"vocab_size": 256, "sha256": "bytes"}, "--pipeline-compression": "none",
        "--fragments": 2, "--overlap": True, "--overlap-alpha": 0.5}

@@ -13,7 +13,7 @@ import torch
 
 from formats.errors import UserError
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import (
+from modules.train.checkpoint import (
     HEADER,
     check_finite_state,
     complete_steps,
@@ -26,7 +26,7 @@ from modules.checkpoint import (
     step_path,
     verify_checkpoint,
 )
-from modules.metrics import read_metrics
+from modules.train.metrics import read_metrics
 from tests.conftest import run_entry
 
 META = {"model": "tiny", "rank": 3}

@@ -11,14 +11,14 @@ import pytest
 
 from formats.errors import UserError
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import (
+from modules.train.checkpoint import (
     checkpoint_path,
     complete_steps,
     load_checkpoint,
     save_checkpoint,
     step_path,
 )
-from modules.metrics import read_metrics, replica_metrics_path
+from modules.train.metrics import read_metrics, replica_metrics_path
 from tests.conftest import run_entry
 
 PLAN = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]], micro_batch_size=2,

@@ -230,8 +230,8 @@ def test_watchdog_reports_a_failed_abort_and_keeps_slow_but_finished_work():
 def _builder_worker(rank: int, port: int, out: str) -> None:
     from formats.plan import Plan
     from modules.comm import CommStats
-    from modules.dist import topology
-    from modules.groups import GroupBuilder
+    from modules.control.dist import topology
+    from modules.control.groups import GroupBuilder
 
     torch.set_num_threads(1)
     plan = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]])

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from formats.models import get_model
-from modules.compile import check_compile_available, maybe_compile
-from modules.data import DEFAULT_CORPUS, TextData, load_tokens
-from modules.model import StageModel
-from modules.precision import make_precision
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
+from modules.device.compile import check_compile_available, maybe_compile
+from modules.device.precision import make_precision
+from modules.train.model import StageModel
 from testkit.local_pipeline import LocalPipeline, train_losses
 from tests.conftest import ROOT
 
@@ -40,7 +40,7 @@ def test_preflight_without_a_compiler_exits_2_naming_the_flag(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))  # no cached kernel to reuse
     code = ("from formats.errors import run_main\n"
-            "from modules.compile import check_compile_available\n"
+            "from modules.device.compile import check_compile_available\n"
             "run_main(lambda argv: check_compile_available() or 0)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=500)

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from formats.errors import UserError
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import complete_steps
-from modules.coordinator import Coordinator, CoordinatorConfig, RunSettings, check_in
-from modules.leader import Generation, Leader, first_generation, read_generation
-from modules.metrics import read_metrics
-from modules.protocol import RUN_SETTINGS, join_key
+from modules.control.coordinator import Coordinator, CoordinatorConfig, RunSettings, check_in
+from modules.control.leader import Generation, Leader, first_generation, read_generation
+from modules.control.protocol import RUN_SETTINGS, join_key
+from modules.train.checkpoint import complete_steps
+from modules.train.metrics import read_metrics
 from testkit.fault_harness import Ranks, free_port, kill_trial, write_trial_plan
 from tests.conftest import run_entry
 

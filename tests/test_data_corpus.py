@@ -8,7 +8,14 @@ import torch
 
 from formats.errors import UserError
 from modules.config import DataConfig
-from modules.data import DEFAULT_CORPUS, FakeData, Sharder, TextData, corpus_files, load_tokens
+from modules.data.dataset import (
+    DEFAULT_CORPUS,
+    FakeData,
+    Sharder,
+    TextData,
+    corpus_files,
+    load_tokens,
+)
 
 
 def _corpus(tmp_path):

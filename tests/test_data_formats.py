@@ -15,12 +15,12 @@ import torch
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan, save_plan
-from modules.checkpoint import complete_steps, load_checkpoint, step_path
 from modules.config import DataConfig
-from modules.corpus import PIECE_BYTES, ReadStats, corpus_files
-from modules.data import Sharder, TextData, load_data
-from modules.token_cache import open_tokens, token_stream
-from modules.tokenizer import BYTES_ID, ByteTokenizer, HFTokenizer, load_tokenizer
+from modules.data.corpus import PIECE_BYTES, ReadStats, corpus_files
+from modules.data.dataset import Sharder, TextData, load_data
+from modules.data.token_cache import open_tokens, token_stream
+from modules.data.tokenizer import BYTES_ID, ByteTokenizer, HFTokenizer, load_tokenizer
+from modules.train.checkpoint import complete_steps, load_checkpoint, step_path
 from scripts import prepare_data, train_tokenizer
 from tests.conftest import run_entry
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from formats.errors import UserError
-from modules.checkpoint import snapshot
-from modules.device import (
+from modules.device.select import (
     describe_device,
     resolve_device,
     rng_states,
     set_rng_states,
     to_device,
 )
+from modules.train.checkpoint import snapshot
 from tests.conftest import ROOT
 
 
@@ -71,7 +71,7 @@ def test_devices_that_do_not_exist_are_user_errors(fake_cuda, choice, index, env
                     "without CUDA; this one has a CUDA device")
 def test_entry_point_exits_2_with_the_message():
     code = ("from formats.errors import run_main\n"
-            "from modules.device import resolve_device\n"
+            "from modules.device.select import resolve_device\n"
             "run_main(lambda argv: resolve_device('cuda', None) and 0)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from modules.diloco import DiLoCoOptimizer
+from modules.sync.diloco import DiLoCoOptimizer
 from tests.conftest import ROOT
 
 
@@ -125,7 +125,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from modules.diloco import DiLoCoOptimizer
+from modules.sync.diloco import DiLoCoOptimizer
 
 if "WORLD_SIZE" in os.environ:  # under torchrun: average over the workers (gloo on CPU)
     dist.init_process_group("gloo")

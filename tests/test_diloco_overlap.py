@@ -11,14 +11,14 @@ import torch
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import load_checkpoint, step_path
 from modules.config import ElasticConfig, OuterSyncConfig, RunConfig
-from modules.data import FakeData, Sharder
-from modules.diloco import DiLoCoOptimizer, fragment_bounds, sync_slots
-from modules.metrics import read_metrics, replica_metrics_path
-from modules.model import StageModel
-from modules.overlap import OuterJob
-from modules.trainer import make_inner_optimizer, set_lr
+from modules.data.dataset import FakeData, Sharder
+from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, sync_slots
+from modules.sync.overlap import OuterJob
+from modules.train.checkpoint import load_checkpoint, step_path
+from modules.train.metrics import read_metrics, replica_metrics_path
+from modules.train.model import StageModel
+from modules.train.trainer import make_inner_optimizer, set_lr
 from tests.conftest import run_entry
 
 H, F, STEPS, ALPHA = 4, 2, 10, 0.5

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import RunConfig
-from modules.data import DEFAULT_CORPUS, Sharder, TextData, load_tokens
-from modules.diloco import DiLoCoOptimizer
-from modules.dist import PeerError, wait_for_peers
-from modules.metrics import read_metrics, replica_metrics_path
-from modules.model import StageModel, tie_weights_
-from modules.trainer import make_inner_optimizer
+from modules.control.dist import PeerError, wait_for_peers
+from modules.data.dataset import DEFAULT_CORPUS, Sharder, TextData, load_tokens
+from modules.sync.diloco import DiLoCoOptimizer
+from modules.train.metrics import read_metrics, replica_metrics_path
+from modules.train.model import StageModel, tie_weights_
+from modules.train.trainer import make_inner_optimizer
 from tests.conftest import run_entry
 
 H, STEPS = 2, 4

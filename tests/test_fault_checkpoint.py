@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import AsyncCheckpointer, complete_steps, load_checkpoint, rank_dir
-from modules.metrics import read_metrics
+from modules.train.checkpoint import AsyncCheckpointer, complete_steps, load_checkpoint, rank_dir
+from modules.train.metrics import read_metrics
 from testkit.fault_harness import Ranks, free_port
 
 PLAN = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]], micro_batch_size=1,

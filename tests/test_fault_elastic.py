@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from modules.checkpoint import load_checkpoint, step_path
-from modules.data import DEFAULT_CORPUS
-from modules.metrics import read_metrics, replica_metrics_path
+from modules.data.dataset import DEFAULT_CORPUS
+from modules.train.checkpoint import load_checkpoint, step_path
+from modules.train.metrics import read_metrics, replica_metrics_path
 from testkit.fault_harness import Ranks, free_port, kill_trial, poll_exits, write_trial_plan
 
 HB = 2.0  # heartbeat timeout of the trials (s)

@@ -65,7 +65,7 @@ def _too_long(signum: int, frame: object) -> None:
 
 
 GUARDS: dict[str, tuple[str, ...]] = {
-    "dist_runner": ("modules.dist.rendezvous",),
+    "dist_runner": ("modules.control.dist.rendezvous",),
     "launch_local": ("scripts.launch_local.install_stop_handlers",
                      "scripts.launch_local.start_rank"),
     "local_cluster": ("scripts.netemu.netns.create", "scripts.netemu.netns.destroy",
@@ -74,7 +74,7 @@ GUARDS: dict[str, tuple[str, ...]] = {
            "scripts.tc.reset_local"),
     "cluster_ssh": tuple(f"scripts.netemu.sshctl.{f}" for f in
                          ("accept_keys", "run", "start", "kill", "sync", "collect")),
-    "coordinator": ("modules.coordinator.Coordinator.listen",),
+    "coordinator": ("modules.control.coordinator.Coordinator.listen",),
     "delay_line": ("scripts.delay_line.serve", "scripts.delay_line.cleanup"),
     "rendezvous_server": ("udp_hole_punching_test.rendezvous_server.RendezvousServer.serve",),
     "peer": ("udp_hole_punching_test.peer.Puncher.register",),

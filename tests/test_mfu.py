@@ -7,7 +7,7 @@ import pytest
 
 from formats.errors import UserError
 from formats.models import PRESETS, get_model
-from modules.mfu import check_peak_tflops, flops_per_token, mfu, resolve_peak_tflops
+from modules.device.mfu import check_peak_tflops, flops_per_token, mfu, resolve_peak_tflops
 
 TINY = get_model("gpt-tiny")  # L=4, d=128, d_ff=512, T=64, vocab 256
 

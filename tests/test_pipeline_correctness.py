@@ -13,8 +13,8 @@ import torch
 from formats.models import get_model
 from formats.plan import Plan, save_plan
 from modules.config import RunConfig
-from modules.data import DEFAULT_CORPUS, TextData, load_tokens
-from modules.metrics import read_metrics, replica_metrics_path
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
+from modules.train.metrics import read_metrics, replica_metrics_path
 from testkit.reference import reference_losses
 from tests.conftest import run_entry
 

@@ -12,9 +12,9 @@ import torch
 
 from formats.errors import UserError
 from formats.models import get_model
-from modules.data import DEFAULT_CORPUS, TextData, load_tokens
-from modules.diloco import DiLoCoOptimizer
-from modules.precision import NoLossScaling, PipelineGradScaler, Precision, make_precision
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
+from modules.device.precision import NoLossScaling, PipelineGradScaler, Precision, make_precision
+from modules.sync.diloco import DiLoCoOptimizer
 from testkit.local_pipeline import LocalPipeline, train_losses
 from tests.conftest import ROOT
 
@@ -38,7 +38,7 @@ def test_unknown_precision_and_fp16_on_cpu_are_user_errors():
 
 def test_fp16_on_cpu_exits_2_from_an_entry_point():
     code = ("import torch\nfrom formats.errors import run_main\n"
-            "from modules.precision import make_precision\n"
+            "from modules.device.precision import make_precision\n"
             "run_main(lambda argv: make_precision('fp16', torch.device('cpu')) and 0)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)

@@ -1,10 +1,10 @@
-"""modules.protocol: every store key and tag is named once, and no two purposes share a key."""
+"""modules.control.protocol: every store key and tag is named once; no two purposes share a key."""
 
 from __future__ import annotations
 
 import itertools
 
-from modules import protocol as p
+from modules.control import protocol as p
 
 
 def test_keys_of_different_purposes_never_collide():

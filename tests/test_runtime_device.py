@@ -13,10 +13,10 @@ import torch
 
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
-from modules.checkpoint import load_checkpoint
-from modules.data import DEFAULT_CORPUS
-from modules.metrics import read_metrics, replica_metrics_path
-from modules.mfu import flops_per_token
+from modules.data.dataset import DEFAULT_CORPUS
+from modules.device.mfu import flops_per_token
+from modules.train.checkpoint import load_checkpoint
+from modules.train.metrics import read_metrics, replica_metrics_path
 from tests.conftest import run_entry
 
 PLAN = Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]], micro_batch_size=2,

@@ -16,7 +16,7 @@ from formats.errors import UserError
 from formats.plan import Plan, load_plan, save_plan
 from formats.run_metrics import RANK_FIELDS, load_run, rank_timing_path
 from modules.config import MetricsConfig, RunConfig
-from modules.tracking import SCALARS, open_trackers
+from modules.train.tracking import SCALARS, open_trackers
 from tests.conftest import ROOT, run_entry
 
 RECORDS = [{"step": k, "loss": 5.0 - 0.25 * k, "tokens": 256 * k, "tokens_per_s": 1000.0 + k,

@@ -76,7 +76,7 @@ def open_communicator(args: argparse.Namespace) -> Communicator:
     import torch
 
     from modules.comm import CupyNcclCommunicator, GlooCommunicator
-    from modules.dist import rendezvous
+    from modules.control.dist import rendezvous
 
     store = rendezvous(args.dist_url, args.rank, args.world_size, args.timeout_s)
     if args.backend == "gloo":

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from formats.errors import UserError
 from modules.comm.errors import CommError, PeerError
 from modules.comm.nccl import load_nccl
-from modules.protocol import device_key, wait_keys
+from modules.control.protocol import device_key, wait_keys
 
 REQUESTS = ("auto", "gloo", "nccl")
 

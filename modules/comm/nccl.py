@@ -2,9 +2,9 @@
 
 The members first meet in the rendezvous TCPStore (a member that does not come is a CommError
 naming it, not a hung NCCL init); the NCCL unique id is then made by the group's first rank and
-handed to the others through the store (keys: modules.protocol). Calls take torch CUDA tensors
-(contiguous, on `device`) and are enqueued on torch's current CUDA stream of that device unless
-a stream handle is given. NCCL has no timeout of its own: a Watchdog aborts the communicator
+handed to the others through the store (keys: modules.control.protocol). Calls take torch CUDA
+tensors (contiguous, on `device`) and are enqueued on torch's current CUDA stream of that device
+unless a stream handle is given. NCCL has no timeout of its own: a Watchdog aborts the communicator
 when an operation is not done within the timeout, and the next call (or `synchronize`) raises
 a CommError naming the operation and its peers, as the gloo path does. cupy (the `gpu` extra)
 is imported lazily.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.errors import CommError, first_line
 from modules.comm.watchdog import Watchdog
-from modules.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
+from modules.control.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
 
 UNIQUE_ID_BYTES = 128
 

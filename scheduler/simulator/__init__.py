@@ -18,7 +18,7 @@ Model (every number in seconds, bytes, FLOP/s):
   does not stop the sender's compute (separate streams). Links are the cluster's directed
   device pairs; two pairs never share capacity (but see overlap).
 - Schedule: GPipe. Each device runs the forwards of micro-batches 0..m-1 in order, then the
-  backwards in reverse order m-1..0 (as modules/pipeline.py does).
+  backwards in reverse order m-1..0 (as modules/pipeline/stage.py does).
 - Data-parallel sync of stage group s (its R devices): a ring all-reduce over the devices in
   ring order (ring_order: greedy nearest neighbour, best start). It has 2(R-1) steps; in each
   step every device sends B/R bytes to its ring successor and the next step starts when the
@@ -32,7 +32,7 @@ Model (every number in seconds, bytes, FLOP/s):
   hold a copy of the embedding matrix and sum their fp32 gradients every step (inner steps too)
   with a 2-rank all-reduce: 2 x max over the two directions (latency + B/2 * 8 / bandwidth),
   B = vocab x d_model x 4. It starts when both ends finished backward; the stage groups of the
-  two end stages start their all-reduce after it (as modules/trainer.py orders them).
+  two end stages start their all-reduce after it (as modules/train/trainer.py orders them).
 - DiLoCo outer steps also pay SimConfig.outer_store_round_trips round trips between the
   farthest device and the rendezvous store on device 0 (membership agreement), per round.
 - Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With

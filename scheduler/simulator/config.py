@@ -107,8 +107,8 @@ class SimConfig:
 
 RUNTIME_PROFILES: dict[str, SimConfig] = {
     # This project's CPU runtime (dist_runner.py with gloo), as measured by the end-to-end demo:
-    # the cluster's tflops are the FLOP/s modules/calibrate.py measures for the model at hand,
-    # so no further derating (mfu 1); fp32 activations; no recomputation; gloo's rendezvous
+    # the cluster's tflops are the FLOP/s modules/device/calibrate.py measures for the model at
+    # hand, so no further derating (mfu 1); fp32 activations; no recomputation; gloo's rendezvous
     # point-to-point costs two latencies per all-reduce step; the elastic DiLoCo outer step
     # makes 3 store round trips.
     "cpu": SimConfig(runtime="cpu", mfu=1.0, activation_bytes=4, recompute=False,

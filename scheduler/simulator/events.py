@@ -205,7 +205,7 @@ def _add_backwards(eng: EventEngine, inputs: StepInputs, r: int, tasks: list[int
 def _add_tied_sums(eng: EventEngine, inputs: StepInputs, last_bwd: dict[tuple[int, int], int],
                    after: dict[tuple[int, int], list[int]]) -> list[int]:
     """Tied embeddings: a 2-rank all-reduce between each replica's end stages, 2 steps both
-    ways; the end stages' rings wait for it (modules/trainer.py orders them so): `after` is
+    ways; the end stages' rings wait for it (modules/train/trainer.py orders them so): `after` is
     updated. Returns the tasks."""
     r_count, s_count = inputs.pipelines.shape
     if inputs.tied_tx is None or inputs.tied_lat is None or s_count < 2:

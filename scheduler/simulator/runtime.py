@@ -14,7 +14,7 @@ Calibration file, format `calibration/1` (JSON object; every key but `format` op
      "recompute": false,                true | false
      "collective_latency_factor": 2.0,  one-way latencies per all-reduce step, [1, 10]
      "outer_store_round_trips": 3,      DiLoCo store round trips per outer step, [0, 100]
-     "measured": {...}}                 what was measured (free-form, e.g. modules/calibrate.py's
+     "measured": {...}}                 what was measured (free-form, e.g. calibrate.py's
                                         FLOP/s per rank and its model); not read by the model
 
 save_calibration() writes one; load_calibration() reads one, UserError naming the key.

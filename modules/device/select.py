@@ -4,7 +4,7 @@
 with a UserError naming the flag, so a bad choice exits 2 before any rendezvous. The rest keeps
 a rank's tensors on its device: `to_device` moves nested state (a CPU checkpoint, micro-batches)
 onto it, and `rng_states`/`set_rng_states` save and restore the CPU and CUDA generators.
-Saving needs nothing new: `modules.checkpoint.snapshot` already copies every tensor, CUDA ones
+Saving needs nothing new: `modules.train.checkpoint.snapshot` already copies every tensor, CUDA ones
 included, to CPU memory, so checkpoints hold CPU tensors whatever device trained them.
 """
 

@@ -2,13 +2,13 @@
 when one of them fails because the membership changed.
 
 One worker thread runs the all-reduces in launch order on the stage group's own communicator
-(modules.groups builds it apart from the pipeline's and the tied-embedding pair's), so they
+(modules.control.groups builds it apart from the pipeline's and the tied-embedding pair's), so they
 never interleave with the training thread's messages. The training thread collects a result
 when it is due (`finish`); a result that failed because a replica was lost is redone there:
 every job still in flight is drained, the new generation is taken, and the failed rounds are
-re-run in order among the survivors (the commit protocol of modules.elastic makes every
+re-run in order among the survivors (the commit protocol of modules.control.elastic makes every
 survivor agree on which rounds failed). A job's input is kept untouched, so a checkpoint can
-store it and `--resume` re-runs the same all-reduce (modules.diloco).
+store it and `--resume` re-runs the same all-reduce (modules.sync.diloco).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class OuterJob:
 class OverlapSync:
     """Runs outer all-reduces in the background and repairs the ones a membership change broke.
 
-    `attempt` runs one outer round (modules.elastic.Membership.outer_round on the background
+    `attempt` runs one outer round (modules.control.elastic.Membership.outer_round on the background
     communicator); `refresh` takes a newer generation if there is one (groups re-formed).
     """
 

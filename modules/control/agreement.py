@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from formats.errors import UserError
-from modules.protocol import RUN_AGREED
+from modules.control.protocol import RUN_AGREED
 
 
 def agree(store: Any, mine: dict[str, Any], rank: int) -> None:

@@ -39,14 +39,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from modules.overlap import OuterJob, OverlapSync
+from modules.sync.overlap import OuterJob, OverlapSync
 
 AllReduceFn = Callable[[torch.Tensor], "int | None"]
 """Averages a flat fp32 tensor in place over the workers; may return the bytes it sent."""
 
 
 class Reducer(Protocol):
-    """Background all-reduces (modules.overlap.OverlapSync is one)."""
+    """Background all-reduces (modules.sync.overlap.OverlapSync is one)."""
 
     def launch(self, flat: torch.Tensor, index: int) -> OuterJob:
         """Start averaging `flat` (sync number `index`) in the background."""

@@ -10,8 +10,8 @@ Every receive of a step is posted when the step starts: gloo's point-to-point is
 costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB messages took
 0.87 s against 0.24 s pre-posted (measured between two namespace hosts).
 
-With --precision bf16/fp16 (modules.precision) a stage computes under autocast. Activations
-and their gradients cross links as the plan's pipeline_compression says (modules.pipeline_wire:
+With --precision bf16/fp16 (modules.device.precision) a stage computes under autocast. Activations
+and their gradients cross links as the plan's pipeline_compression says (modules.pipeline.wire:
 the compute dtype, bf16, or int8 with one scale per token row); a received message is turned
 back into fp32, so every stage's residual stream and backward input stay fp32. The last stage
 scales its loss with the step's loss scaling (fp16) before backward, so every stage's gradients
@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from modules.comm import Communicator, Posted
-from modules.dist import Topology
-from modules.model import StageModel
-from modules.pipeline_wire import PipelineWire
-from modules.precision import Precision
-from modules.protocol import BWD_TAG, FWD_TAG
+from modules.control.dist import Topology
+from modules.control.protocol import BWD_TAG, FWD_TAG
+from modules.device.precision import Precision
+from modules.pipeline.wire import PipelineWire
+from modules.train.model import StageModel
 
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 """The last stage's loss -> what backward runs on (fp16: loss x the current scale)."""

@@ -4,7 +4,7 @@
 every check that can fail on this host (no such device, fp16 on CPU, NCCL for CPU ranks, no
 working compiler) before any rendezvous, so a bad choice exits 2 at once instead of after the
 other ranks have connected. The Trainer holds the Placement and keeps every tensor on
-`device`; checkpoints stay CPU tensors (modules.checkpoint.snapshot copies them).
+`device`; checkpoints stay CPU tensors (modules.train.checkpoint.snapshot copies them).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm.choice import CommOptions
-from modules.compile import check_compile_available
 from modules.config import RunConfig
-from modules.device import resolve_device, use_device
-from modules.precision import Precision, make_precision
+from modules.device.compile import check_compile_available
+from modules.device.precision import Precision, make_precision
+from modules.device.select import resolve_device, use_device
 
 
 @dataclass(frozen=True)

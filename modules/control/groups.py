@@ -2,7 +2,7 @@
 how they are formed.
 
 A generation's members are every device of its live replicas. Generation 0's default process
-group comes from the rendezvous (modules.dist); a later one is re-formed among the members
+group comes from the rendezvous (modules.control.dist); a later one is re-formed among the members
 under a fresh store prefix. The groups: the data-parallel group of each stage, the
 tied-embedding pair (first and last stage) of each replica, and each replica's pipeline. Each
 gets a backend from `CommOptions.backend` and its members' devices (modules.comm.choice, the
@@ -33,8 +33,8 @@ from modules.comm.choice import (
     read_devices,
 )
 from modules.comm.errors import first_line
-from modules.dist import Topology, members_of
-from modules.protocol import generation_prefix
+from modules.control.dist import Topology, members_of
+from modules.control.protocol import generation_prefix
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The training loop of one rank: pipeline step, tied-embedding sum, data-parallel sync, metrics,
 checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`; who the rank
-trains with is the Trainer's `Membership` (modules.elastic).
+trains with is the Trainer's `Membership` (modules.control.elastic).
 """
 
 from __future__ import annotations
@@ -20,7 +20,30 @@ import torch.distributed as dist
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan
-from modules.checkpoint import (
+from modules.comm import CommStats, PeerError
+from modules.comm.errors import first_line
+from modules.config import RunConfig
+from modules.control.dist import Topology
+from modules.control.elastic import GenerationChange, Handover, Membership, MembershipSettings
+from modules.control.groups import GroupBuilder, Groups
+from modules.data.dataset import FakeData, Sharder, TextData
+from modules.data.tokenizer import BYTES_ID, TokenizerId
+from modules.device.compile import maybe_compile
+from modules.device.mfu import flops_per_token, mfu
+from modules.device.placement import Placement
+from modules.device.precision import LossScaling
+from modules.device.select import rng_states, set_rng_states, to_device
+from modules.pipeline.stage import PipelineStage
+from modules.sync.average import (
+    GroupAverage,
+    average_grads,
+    make_group_average,
+    no_average,
+    sum_tied_grads,
+)
+from modules.sync.diloco import DiLoCoOptimizer
+from modules.sync.overlap import OverlapSync
+from modules.train.checkpoint import (
     AsyncCheckpointer,
     check_finite_state,
     complete_steps,
@@ -31,25 +54,8 @@ from modules.checkpoint import (
     snapshot,
     step_path,
 )
-from modules.comm import CommStats, PeerError
-from modules.comm.errors import first_line
-from modules.compile import maybe_compile
-from modules.config import RunConfig
-from modules.data import FakeData, Sharder, TextData
-from modules.device import rng_states, set_rng_states, to_device
-from modules.diloco import DiLoCoOptimizer
-from modules.dist import Topology
-from modules.elastic import GenerationChange, Handover, Membership, MembershipSettings
-from modules.groups import GroupBuilder, Groups
-from modules.mfu import flops_per_token, mfu
-from modules.model import StageModel
-from modules.overlap import OverlapSync
-from modules.pipeline import PipelineStage
-from modules.placement import Placement
-from modules.precision import LossScaling
-from modules.sync import GroupAverage, average_grads, make_group_average, no_average, sum_tied_grads
-from modules.tokenizer import BYTES_ID, TokenizerId
-from modules.tracking import open_rank_timing, open_trackers
+from modules.train.model import StageModel
+from modules.train.tracking import open_rank_timing, open_trackers
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -96,7 +102,8 @@ class TrainingDiverged(Exception):  # noqa: N818 - the name says what happened
 
 class Trainer:
     """One rank's share of the run described by a plan. Who it trains with (groups, failures,
-    joining) is its composed `Membership` (modules.elastic), whose changes `_apply` takes."""
+    joining) is its composed `Membership` (modules.control.elastic), whose changes `_apply`
+    takes."""
 
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print,
@@ -153,7 +160,7 @@ class Trainer:
     def _init_model_and_data(self, data: TextData | FakeData) -> None:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
         plan, cfg = self.plan, self.cfg
-        # the vocabulary follows the tokenizer (modules.data.run_vocab)
+        # the vocabulary follows the tokenizer (modules.data.dataset.run_vocab)
         self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
         self.tokenizer = data.tokenizer
         start, end = plan.stages[self.topo.stage]
@@ -177,7 +184,7 @@ class Trainer:
         self.overlap: OverlapSync | None = (
             OverlapSync(self._outer_attempt, self._refresh, self.log)
             if overlapped else None)
-        """Runs the outer all-reduces in the background (modules.overlap)."""
+        """Runs the outer all-reduces in the background (modules.sync.overlap)."""
         self.outer_average: GroupAverage = no_average
         """Averages a flat tensor over my stage group's background communicator."""
 

@@ -6,13 +6,13 @@ counter has not moved for `timeout_s` (measured on this host's clock, so host cl
 agree: `HeartbeatWatch`, which the coordinator uses too) is gone; the log names its rank, host
 and role from the info record every rank writes at start. A rank that finished says so and is
 not missed. If the store itself stops answering for `timeout_s`, the diagnosis names whoever
-hosts it: rank 0, or the coordinator process. (Store keys: modules.protocol.)
+hosts it: rank 0, or the coordinator process. (Store keys: modules.control.protocol.)
 
-Membership (DiLoCo) is a sequence of generations (modules.leader). Rank 0's monitor leads them
-when rank 0 hosts the store (it is alive whenever anybody can read it); with an external
+Membership (DiLoCo) is a sequence of generations (modules.control.leader). Rank 0's monitor leads
+them when rank 0 hosts the store (it is alive whenever anybody can read it); with an external
 coordinator (`--coordinator`) the coordinator leads and no rank does. Every monitor follows the
 newest generation: the training thread re-forms its groups at its next outer step
-(modules.elastic); a rank that is no longer a member leaves at once with a message.
+(modules.control.elastic); a rank that is no longer a member leaves at once with a message.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ import torch.distributed as dist
 
 from formats.plan import Plan
 from modules.comm.errors import first_line
-from modules.dist import members_of
-from modules.leader import (
+from modules.control.dist import members_of
+from modules.control.leader import (
     Generation,
     Leader,
     newest_generation,
     publish,
     read_generation,
 )
-from modules.protocol import COORDINATOR_INFO, done_key, heartbeat_key, info_key
+from modules.control.protocol import COORDINATOR_INFO, done_key, heartbeat_key, info_key
 
 __all__ = ["Generation", "HeartbeatWatch", "Monitor", "MonitorConfig", "describe_rank",
            "members_of", "newest_generation", "publish", "read_generation", "register"]

@@ -10,8 +10,8 @@ survives losing any training host like any other replica loss. The coordinator
   the heartbeat timeout) from the first rank that checks in; every other rank checks that its
   plan and settings agree (`check_in`, a mismatch is an exit-2 error naming the flag);
 - publishes generation 0, watches every member's heartbeat from the first beat on
-  (modules.fault.HeartbeatWatch) and, in DiLoCo, decides the next generations with the same
-  `Leader` rank 0 uses otherwise (modules.leader);
+  (modules.control.fault.HeartbeatWatch) and, in DiLoCo, decides the next generations with the same
+  `Leader` rank 0 uses otherwise (modules.control.leader);
 - exits 0 once every member of the newest generation finished, 1 when the run stopped or
   every member was lost. One coordinator serves one launch: restart it with the ranks.
 Losing the coordinator is survived by nobody: every rank's heartbeat finds the store silent,
@@ -36,9 +36,9 @@ from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
 from modules.config import RunConfig
-from modules.fault import HeartbeatWatch, describe_rank
-from modules.leader import Generation, Leader, first_generation, publish
-from modules.protocol import COORDINATOR_INFO, RUN_SETTINGS, done_key, heartbeat_key
+from modules.control.fault import HeartbeatWatch, describe_rank
+from modules.control.leader import Generation, Leader, first_generation, publish
+from modules.control.protocol import COORDINATOR_INFO, RUN_SETTINGS, done_key, heartbeat_key
 
 STORE_TIMEOUT_S = 30.0
 """Timeout of the coordinator's own client of the store it hosts (local calls)."""

@@ -2,9 +2,9 @@
 writer that decides the next one.
 
 A generation (JSON: members, replicas, dropped, joined, reason, stop) sits under
-`ft/gen/{g}`; the counter `ft/gen` holds the newest g (keys: modules.protocol). Exactly one
+`ft/gen/{g}`; the counter `ft/gen` holds the newest g (keys: modules.control.protocol). Exactly one
 process writes them, the `Leader`: rank 0's heartbeat thread when rank 0 hosts the store (the
-default), or the coordinator process (modules.coordinator) when it does, so that no training
+default), or the coordinator process (modules.control.coordinator) when it does, so that no training
 host is special. Both call the same `Leader.decide`: when a watched rank is gone its whole
 replica is dropped; when every rank of a missing replica asked to join, it is added; below
 --min-replicas the generation says stop.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from formats.plan import Plan
-from modules.dist import members_of
-from modules.protocol import GENERATION_COUNTER, generation_key, join_key
+from modules.control.dist import members_of
+from modules.control.protocol import GENERATION_COUNTER, generation_key, join_key
 
 
 @dataclass(frozen=True)

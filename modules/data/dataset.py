@@ -3,9 +3,9 @@
 The default corpus is Debian's `fortunes` (+ `fortunes-min`), installed by the project's setup
 from the Debian archive: ~2.7 MB of English text under /usr/share/games/fortunes, read with the
 byte tokenizer (vocab 256), so nothing has to be trained or downloaded. --data takes files,
-folders and globs of .txt, .jsonl and .parquet (modules.corpus); --tokenizer a local
-tokenizer.json (modules.tokenizer). The corpus is tokenized once into a memory-mapped token
-cache (modules.token_cache) shared by the runs and ranks of a host; windows are slices of it,
+folders and globs of .txt, .jsonl and .parquet (modules.data.corpus); --tokenizer a local
+tokenizer.json (modules.data.tokenizer). The corpus is tokenized once into a memory-mapped token
+cache (modules.data.token_cache) shared by the runs and ranks of a host; windows are slices of it,
 so no rank holds the corpus in memory.
 
 The model's vocabulary follows the tokenizer: with a tokenizer file its embedding and head have
@@ -31,9 +31,9 @@ import torch
 from formats.errors import UserError
 from formats.models import ModelSpec
 from modules.config import DataConfig
-from modules.corpus import DEFAULT_CORPUS, ReadStats, corpus_files
-from modules.token_cache import open_tokens, token_stream
-from modules.tokenizer import BYTES_ID, ByteTokenizer, TokenizerId, load_tokenizer
+from modules.data.corpus import DEFAULT_CORPUS, ReadStats, corpus_files
+from modules.data.token_cache import open_tokens, token_stream
+from modules.data.tokenizer import BYTES_ID, ByteTokenizer, TokenizerId, load_tokenizer
 
 __all__ = ["DEFAULT_CORPUS", "FakeData", "Sharder", "TextData", "corpus_files", "load_data",
            "load_tokens", "run_vocab"]

@@ -7,17 +7,17 @@ it reads (`MembershipSettings`: RunConfig has them), a `GroupBuilder` that forms
 communicators and the `CommStats` its store waits count into. Every change of membership comes
 out as one `GenerationChange` (groups, live replicas, and on a joiner the state it received)
 that the Trainer applies in one place. What it does:
-- start the heartbeat thread (modules.fault.Monitor), which calls the Trainer's `on_fatal`
+- start the heartbeat thread (modules.control.fault.Monitor), which calls the Trainer's `on_fatal`
   when the run cannot go on for this rank (a peer or the store lost in allreduce mode, the
   replica dropped, fewer than --min-replicas left);
 - DiLoCo: follow the generations the leader publishes (rank 0, or the coordinator process
-  with --coordinator; modules.leader), re-form the groups over the live replicas,
+  with --coordinator; modules.control.leader), re-form the groups over the live replicas,
   wait for every member at each outer step, average, and commit only if every member of every
   stage got the average (else retry in the next generation), so that no rank ever takes an
   outer step alone;
 - `--join`: be admitted, receive the outer model and Nesterov state of my stage from a live
   peer point-to-point, and take part in the next outer step with weight 0.
-Store keys and tags: modules.protocol.
+Store keys and tags: modules.control.protocol.
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import RunConfig
-from modules.diloco import OuterState
-from modules.dist import Topology, members_of, wait_for_peers
-from modules.fault import Monitor, MonitorConfig
-from modules.groups import GroupBuilder, Groups
-from modules.leader import first_generation, publish
-from modules.protocol import (
+from modules.control.dist import Topology, members_of, wait_for_peers
+from modules.control.fault import Monitor, MonitorConfig
+from modules.control.groups import GroupBuilder, Groups
+from modules.control.leader import first_generation, publish
+from modules.control.protocol import (
     JOIN_TAG,
     commit_decision_key,
     commit_done_key,
@@ -49,7 +48,8 @@ from modules.protocol import (
     join_source_key,
     outer_arrival_prefix,
 )
-from modules.sync import GroupAverage
+from modules.sync.average import GroupAverage
+from modules.sync.diloco import OuterState
 
 
 @dataclass(frozen=True)

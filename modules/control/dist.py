@@ -1,8 +1,8 @@
 """Where a rank sits in the plan, the rendezvous, and waiting for peers through the store.
 
 Rank = device id. Everything that waits on a peer's tensors goes through a modules.comm
-Communicator (built per generation by modules.groups), which applies the run's one timeout and
-turns a silent peer into a `CommError` (a `PeerError`) naming it and the operation.
+Communicator (built per generation by modules.control.groups), which applies the run's one timeout
+and turns a silent peer into a `CommError` (a `PeerError`) naming it and the operation.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
-from modules.protocol import generation_prefix, member_key
+from modules.control.protocol import generation_prefix, member_key
 
 
 @dataclass(frozen=True)

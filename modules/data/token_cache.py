@@ -5,7 +5,7 @@ The file is `<key>.<dtype>` in the cache folder (--token-cache, default
 hashes the cache format, the tokenizer's identity, --text-field and every corpus file's
 resolved path, size and modification time: change any and the corpus is tokenized again; the
 next run (and the other ranks on the host) reuse it. Ids are uint8/uint16/uint32, the smallest
-that holds the vocabulary. Building streams file by file, piece by piece (modules.corpus) into
+that holds the vocabulary. Building streams file by file, piece by piece (modules.data.corpus) into
 a temp file that is renamed into place (formats.atomic_io), under an exclusive lock on
 `<key>.lock`, so ranks that start together tokenize once and never read a half-written file.
 """
@@ -28,8 +28,8 @@ import numpy as np
 
 from formats.atomic_io import atomic_write_json, atomic_write_with
 from formats.errors import UserError
-from modules.corpus import ReadStats, documents, pieces
-from modules.tokenizer import Tokenizer
+from modules.data.corpus import ReadStats, documents, pieces
+from modules.data.tokenizer import Tokenizer
 
 CACHE_FORMAT = "tokens/1"
 BATCH_BYTES = 1 << 20

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from formats.plan import PIPELINE_COMPRESSIONS
-from modules.precision import Precision
+from modules.device.precision import Precision
 from modules.quant.rows import decode_rows, encode_rows, row_message_bytes
 
 

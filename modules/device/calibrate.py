@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from formats.models import ModelSpec
-from modules.model import StageModel
+from modules.train.model import StageModel
 
 
 def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1,

@@ -32,7 +32,7 @@ BWD_TAG = 1 << 20
 JOIN_TAG = 1 << 22
 """Outer state to a joining replica: header, outer model, momentum = JOIN_TAG + 0, 1, 2."""
 
-# -- failure detection and membership (modules.fault, modules.leader, modules.elastic) --------
+# -- failure detection and membership (control.fault, control.leader, control.elastic) ----
 GENERATION_COUNTER = "ft/gen"
 """The newest published generation number."""
 COORDINATOR_INFO = "coord/info"
@@ -42,7 +42,7 @@ RUN_SETTINGS = "coord/run"
 RUN_AGREED = "run/agreed"
 """JSON of the per-rank settings every rank must share (tokenizer identity, pipeline payload,
 the DiLoCo schedule's overrides): set once, by the first rank whose store answers
-(modules.agreement)."""
+(modules.control.agreement)."""
 
 
 def info_key(rank: int) -> str:
@@ -80,7 +80,7 @@ def join_source_key(gen: int, stage: int) -> str:
     return f"ft/src/g{gen}/s{stage}"
 
 
-# -- DiLoCo outer steps (modules.elastic) ------------------------------------------------------
+# -- DiLoCo outer steps (modules.control.elastic) ------------------------------------------
 def outer_arrival_prefix(stage: int, outer: int, gen: int | None = None) -> str:
     """Prefix of the arrival keys of outer step `outer` of `stage` (per generation when
     elastic); a rank announces itself under `member_key(prefix, rank)`."""

@@ -1,0 +1,1 @@
+"""Where and how a rank computes: device, placement, precision, compile, FLOP/s."""

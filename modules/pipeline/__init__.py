@@ -1,0 +1,1 @@
+"""The pipeline: the GPipe schedule between stages and what crosses a pipeline link."""

@@ -1,0 +1,1 @@
+"""The training loop and what it holds: model, checkpoints, metrics, trackers."""
