@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from modules.control.dist import Topology
     from modules.data.tokenizer import TokenizerId
     from modules.device.placement import Placement
+    from modules.sync.hivemind_outer import HivemindOuter
     from modules.train.trainer import Trainer
 
 
@@ -112,8 +113,10 @@ def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData
 
 
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
-                  where: tuple[int, int, str, bool], placement: Placement, log) -> Trainer:
-    """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
+                  where: tuple[int, int, str, bool], placement: Placement, log,
+                  hivemind: HivemindOuter | None = None) -> Trainer:
+    """Load this rank's data, rendezvous, form the groups: a Trainer ready to run.
+    `hivemind`: the outer sync goes through it; the store is my replica's own."""
     from modules.control.dist import parse_dist_url, rendezvous
     from modules.control.fault import members_of
     from modules.train.trainer import Trainer
@@ -130,11 +133,34 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
+    if hivemind is not None:  # the store is my replica's, hosted by its first device
+        members = members_of(plan, [topo.replica])
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer))
+                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer),
+                       store_rank=members[0] if hivemind is not None else 0)
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
     return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
-                   store_addr=store_addr, coordinator=coordinator)
+                   store_addr=store_addr, coordinator=coordinator, outer_backend=hivemind)
+
+
+def start_hivemind(launch: LaunchConfig, cfg: RunConfig, plan: Plan, cluster: Cluster | None,
+                   topo: Topology, log) -> HivemindOuter | None:
+    """--outer-backend hivemind: check the flags, start this rank's DHT node (printing the
+    addresses to pass as --initial-peers) and make SIGTERM stop it cleanly (no orphaned p2pd)."""
+    if cfg.hivemind.outer_backend != "hivemind":
+        return None
+    import signal
+
+    from modules.sync.hivemind_outer import HivemindOuter, check_supported, settings_of
+
+    run_plan = cfg.outer.apply(plan)
+    check_supported(run_plan)
+    if launch.coordinator is not None or cfg.elastic.replicas is not None:
+        raise UserError("--outer-backend hivemind: no --coordinator or --replicas (replicas "
+                        "meet through the DHT; start each with its own --dist-url)")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt: clean stop
+    settings = settings_of(cfg, run_plan, cfg.elastic.resolved_min_replicas(plan.num_replicas))
+    return HivemindOuter(settings, run_plan, cluster, topo.replica, topo.stage, log)
 
 
 def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
@@ -182,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device {describe_device(placement.device)}, precision {cfg.device.precision}, "
         f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}, "
         f"pipeline compression {cfg.device.resolved_pipeline_compression(plan)}")
-    trainer = build_trainer(launch, cfg, plan, topo, where, placement, log)
-    trainer.run()
+    hivemind = start_hivemind(launch, cfg, plan, cluster, topo, log)
+    try:
+        trainer = build_trainer(launch, cfg, plan, topo, where, placement, log, hivemind)
+        trainer.run()
+    finally:
+        if hivemind is not None:  # its DHT, averager and p2pd, also on Ctrl+C / SIGTERM
+            hivemind.close()
     mfu = trainer.mfu_values
     log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})"
         + (f"; mean MFU {sum(mfu) / len(mfu):.2%}" if mfu else ""))

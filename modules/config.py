@@ -417,6 +417,56 @@ class OuterSyncConfig:
 
 
 @dataclass
+class HivemindConfig:
+    """DiLoCo's outer sync backend: the run's store, or hivemind over a DHT (docs/hivemind.md)."""
+
+    outer_backend: str = field(default="store", metadata=choices("store", "hivemind"))
+    """store: the stage groups average through torch.distributed and the rendezvous store;
+    hivemind: through a hivemind averager over a DHT (no central store; each replica has its
+    own --dist-url store for its pipeline)"""
+    initial_peers: str | None = None
+    """hivemind: comma-separated multiaddresses of DHT nodes to join through (what another
+    replica or scripts/dht_node.py printed; none: this replica is a first node)"""
+    host_maddrs: str | None = None
+    """hivemind: multiaddresses this replica's DHT node listens on (default
+    /ip4/0.0.0.0/tcp/0: every interface, a free port)"""
+    announce_maddrs: str | None = None
+    """hivemind: multiaddresses to announce instead of the listening ones (a public address
+    in front of a NAT or port forward)"""
+    client_mode: bool = False
+    """hivemind: this replica accepts no incoming connections (behind a NAT): it sends its
+    part and receives the average through peers that do"""
+    run_id: str | None = None
+    """hivemind: the id the replicas of one run share (default: a hash of the plan and the
+    payload, so the same plan file agrees by itself)"""
+    matchmaking_timeout_s: float | None = None
+    """hivemind: longest wait for an outer round's group to form (default: from the plan,
+    see docs/hivemind.md)"""
+    averaging_timeout_s: float | None = None
+    """hivemind: longest outer all-reduce once the group formed (default: from the plan)"""
+
+    def __post_init__(self) -> None:
+        _one_of(HivemindConfig, "outer_backend", self.outer_backend, ("store", "hivemind"))
+        for name in ("matchmaking_timeout_s", "averaging_timeout_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _finite(HivemindConfig, name, value, 0.0, hi=MAX_SECONDS)
+        used = [flag_of(HivemindConfig, n) for n in ("initial_peers", "host_maddrs",
+                                                      "announce_maddrs", "run_id")
+                if getattr(self, n)] + (["--client-mode"] if self.client_mode else [])
+        if used and self.outer_backend != "hivemind":
+            raise UserError(f"{used[0]}: only applies with --outer-backend hivemind")
+        if self.run_id is not None and not self.run_id.replace("-", "").isalnum():
+            raise UserError(f"--run-id: letters, digits and dashes only, got {self.run_id!r}")
+        if self.outer_backend == "hivemind":  # malformed addresses: exit 2 before any start
+            from modules.control.dht import parse_maddrs
+
+            parse_maddrs(self.initial_peers, "--initial-peers")
+            parse_maddrs(self.host_maddrs, "--host-maddrs", need_peer_id=False)
+            parse_maddrs(self.announce_maddrs, "--announce-maddrs", need_peer_id=False)
+
+
+@dataclass
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
@@ -437,6 +487,7 @@ class RunConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     outer: OuterSyncConfig = field(default_factory=OuterSyncConfig)
+    hivemind: HivemindConfig = field(default_factory=HivemindConfig)
 
     def __post_init__(self) -> None:
         _int_at_least(RunConfig, "steps", self.steps, 1)

@@ -93,7 +93,8 @@ def parse_dist_url(url: str, flag: str = "--dist-url") -> tuple[str, int]:
 
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                agent_store: bool = False, members: tuple[int, ...] | None = None,
-               on_store: Callable[[dist.Store], None] | None = None) -> dist.Store:
+               on_store: Callable[[dist.Store], None] | None = None,
+               store_rank: int = 0) -> dist.Store:
     """Connect to the TCPStore at `url` (rank 0 hosts it unless `agent_store`) and init the
     gloo world group.
 
@@ -104,18 +105,20 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     `members`: the ranks that start now (default all); when fewer, the group is formed among
     them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
-    store is reachable (before the group is formed).
+    store is reachable (before the group is formed). `store_rank`: the rank that hosts the store
+    (rank 0; with --outer-backend hivemind the first device of each replica hosts its own).
     """
     host, port = parse_dist_url(url)
     timeout = timedelta(seconds=timeout_s)
     try:
         # the client retries a failed connect once after a pause as long as its timeout: half
         # the budget each keeps the whole attempt within timeout_s
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
+        hosts = rank == store_rank and not agent_store
+        store = dist.TCPStore(host, port, world_size, is_master=hosts,
                               timeout=timedelta(seconds=timeout_s / 2), wait_for_workers=False)
         store.set_timeout(timeout)
     except (RuntimeError, OSError) as e:
-        what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
+        what = "cannot listen on" if hosts else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
                         f"({first_line(e)})") from None
     if on_store is not None:

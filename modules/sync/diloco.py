@@ -88,6 +88,16 @@ def sync_slots(inner_steps: int, fragments: int) -> list[int]:
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
 
 
+class OuterRoundSkipped(Exception):  # noqa: N818 - what happened, not an error
+    """Raised by an all_reduce_fn whose round did not complete here (the hivemind backend):
+    no outer step is applied; with `state`, that outer state (a replica that completed the
+    round) is taken instead, else the local pseudo-gradient stays for the next round."""
+
+    def __init__(self, state: OuterState | None) -> None:
+        super().__init__("outer round skipped")
+        self.state = state
+
+
 @dataclass
 class OuterState:
     """What a replica joining mid-run needs: the outer model, its Nesterov momentum, the count."""
@@ -178,7 +188,8 @@ class DiLoCoOptimizer:
         for f in range(self.fragments):
             self.sync_fragment(f)
         self.inner_count = 0
-        self.outer_count += 1
+        # one round more, or the round count of a state taken instead (OuterRoundSkipped)
+        self.outer_count = self.syncs // self.fragments
 
     @torch.no_grad()
     def sync_fragment(self, f: int) -> None:
@@ -186,7 +197,13 @@ class DiLoCoOptimizer:
         last round's average (waiting for it if late) and launch this round's."""
         if not self.overlap:
             pseudo = self._pseudo(f)
-            sent = self.all_reduce_fn(pseudo)  # the one communication of DiLoCo
+            try:
+                sent = self.all_reduce_fn(pseudo)  # the one communication of DiLoCo
+            except OuterRoundSkipped as e:
+                self.syncs += 1
+                if e.state is not None:
+                    self.load_outer_state(e.state)
+                return
             self.bytes_sent += int(sent) if sent is not None else pseudo.numel() * 4
             self.syncs += 1
             self._outer_update(f, pseudo)

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from modules.train.checkpoint import (
 )
 from modules.train.model import StageModel
 from modules.train.tracking import open_rank_timing, open_trackers
+
+if TYPE_CHECKING:
+    from modules.sync.hivemind_outer import HivemindOuter
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -108,12 +111,16 @@ class Trainer:
     def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
                  data: TextData | FakeData, cfg: RunConfig, log=print,
                  placement: Placement | None = None,
-                 store_addr: tuple[str, int] | None = None, coordinator: bool = False) -> None:
+                 store_addr: tuple[str, int] | None = None, coordinator: bool = False,
+                 outer_backend: HivemindOuter | None = None) -> None:
         """`placement`: device, precision, compile and backend (default: CPU, fp32, gloo);
         `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
         connection (None: no heartbeat, e.g. single-process tests); `coordinator`: a
-        coordinator process hosts that store and leads membership (no rank does)."""
+        coordinator process hosts that store and leads membership (no rank does);
+        `outer_backend`: DiLoCo's outer average goes through hivemind (the store is my
+        replica's own: membership across replicas is the DHT's)."""
         plan = cfg.outer.apply(plan)  # --fragments / --overlap override the plan's
+        self.outer_backend = outer_backend
         self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
@@ -154,8 +161,10 @@ class Trainer:
         """Live replicas of the current generation."""
         self.average: GroupAverage = no_average
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
-        if not cfg.elastic.join:
+        if not cfg.elastic.join or outer_backend is not None:
             self._apply(self.membership.first_generation())
+        if outer_backend is not None:
+            self._attach_hivemind()
 
     def _init_model_and_data(self, data: TextData | FakeData) -> None:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
@@ -195,6 +204,9 @@ class Trainer:
         builder = GroupBuilder(plan, self.topo, store, self.spec.tie_embeddings, cfg.timeout_s,
                                self.stats, self.placement.comm, self.log, self.outer_stats)
         settings = MembershipSettings.of(cfg, plan.num_replicas, store_addr, coordinator)
+        if self.outer_backend is not None:  # my replica alone here; the others in the DHT
+            settings = dataclasses.replace(settings, start_replicas=(self.topo.replica,),
+                                           store_addr=None, join=False)
         return Membership(store, plan, self.topo, settings, builder, self.stats, self.log)
 
     def _make_diloco(self) -> DiLoCoOptimizer | None:
@@ -258,6 +270,14 @@ class Trainer:
     def _outer_all_reduce(self, flat: torch.Tensor) -> int:
         """DiLoCo's outer communication: take any new generation, then let the membership
         average (every member there, commit everywhere); retry with the input otherwise."""
+        if self.outer_backend is not None:  # hivemind: the whole round counts as waiting
+            t0 = time.perf_counter()
+            try:
+                sent = self.outer_backend.all_reduce(flat, self.diloco.syncs)
+            finally:
+                self.stats.wait_s += time.perf_counter() - t0
+            self.dp_bytes += sent
+            return sent
         keep = flat.clone()
         while True:
             change = self.membership.poll(self._handover)
@@ -292,6 +312,34 @@ class Trainer:
         t0 = time.monotonic()
         self._apply(self.membership.join(self._handover))
         self.diloco.outer_step()  # the same outer step as everybody
+        self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
+                 f"{time.monotonic() - t0:.2f} s")
+
+    # -- the hivemind outer backend (modules.sync.hivemind_outer) ------------------------------
+    def _attach_hivemind(self) -> None:
+        """Give the backend my stage's size and the state a joining peer loads from me."""
+        from modules.sync.hivemind_outer import state_metadata
+
+        assert self.diloco is not None and self.outer_backend is not None
+        backend = self.outer_backend
+
+        def state() -> tuple[dict, list[torch.Tensor]]:
+            with self.state_lock:  # between steps: anchor, momentum and count agree
+                return state_metadata(backend.cfg.run, self.diloco.outer_state())
+
+        backend.attach(sum(p.numel() for p in self.diloco.params), state)
+
+    def _hivemind_join(self) -> None:
+        """--join over hivemind: load the outer state of my stage from the most advanced peer,
+        take part in the next round with weight 0, continue at that round's step."""
+        assert self.diloco is not None and self.outer_backend is not None
+        t0 = time.monotonic()
+        state = self.outer_backend.join()
+        with self.state_lock:
+            self.diloco.load_outer_state(state)
+        self.diloco.outer_step()  # weight 0: the others' average, bit-identical after it
+        self.outer_backend.catching_up = False
+        self.step = self.diloco.outer_count * self.plan.sync.inner_steps
         self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
                  f"{time.monotonic() - t0:.2f} s")
 
@@ -486,7 +534,9 @@ class Trainer:
         """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps."""
         cfg, topo = self.cfg, self.topo
         self.membership.start(on_fatal=self._on_fatal)
-        if cfg.elastic.join:
+        if cfg.elastic.join and self.outer_backend is not None:
+            self._hivemind_join()
+        elif cfg.elastic.join:
             self._join()
         elif cfg.ckpt.resume:
             self.load()

@@ -1,0 +1,167 @@
+"""The hivemind DHT a replica (or a bare `scripts/dht_node.py` node) runs: multiaddress checks,
+a bounded start that names unreachable initial peers, the run id, and the roster of live
+replicas (membership without any central store).
+
+Roster: every rank of the hivemind outer backend stores `(run id, stage) -> {replica: peer}`
+in the DHT with an expiration of --heartbeat-timeout-s, refreshed every third of it, so a
+replica that dies disappears from the roster within that time and the next round's group is
+formed without waiting for it. A rank that sees fewer replicas than the plan's for longer than
+the matchmaking deadline says so, naming the initial peers it used (the split-DHT guard:
+replicas started with disjoint initial peers form two DHTs and never meet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from formats.errors import UserError
+
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
+"""--host-maddrs default: every interface, a free port (the printed addresses say which)."""
+
+
+def parse_maddrs(text: str | Sequence[str] | None, flag: str,
+                 need_peer_id: bool = True) -> list[str]:
+    """Comma-separated multiaddresses, each checked; UserError naming `flag` and the bad one.
+    `need_peer_id`: each must end in /p2p/<peer id> (an initial peer must)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    items = text.split(",") if isinstance(text, str) else list(text or [])
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        try:
+            addr = Multiaddr(item)
+        except Exception as e:  # noqa: BLE001 - the multiaddr package raises several types
+            raise UserError(f"{flag}: {item!r} is not a multiaddress ({first(e)}); expected e.g. "
+                            "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
+        if need_peer_id and "/p2p/" not in str(addr):
+            raise UserError(f"{flag}: {item!r} has no /p2p/<peer id> part; copy the whole "
+                            "address a replica or scripts/dht_node.py printed")
+        out.append(str(addr))
+    return out
+
+
+def first(e: BaseException) -> str:
+    """The first line of an error, at most 200 characters."""
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
+              client_mode: bool, timeout_s: float, flag: str = "--initial-peers") -> Any:
+    """A started hivemind DHT (its p2pd included), or UserError within `timeout_s` naming the
+    initial peers that could not be reached (exit 2)."""
+    from hivemind import DHT
+
+    kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or [DEFAULT_LISTEN],
+                              "client_mode": client_mode, "startup_timeout": timeout_s}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    dht = DHT(initial_peers=initial_peers or None, start=True, await_ready=False, **kwargs)
+    try:
+        dht.wait_until_ready(timeout=timeout_s)
+    except BaseException as e:  # noqa: BLE001 - P2PDaemonError, TimeoutError, interrupt
+        _stop(dht)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        peers = ", ".join(initial_peers) or "(none)"
+        raise UserError(f"{flag}: could not join the DHT through {peers} within {timeout_s:g} s "
+                        f"({first(e)}); is that node running and reachable from here?") from None
+    return dht
+
+
+def _stop(dht: Any) -> None:
+    with contextlib.suppress(Exception):  # the process may not have started at all
+        dht.shutdown()
+
+
+def visible_maddrs(dht: Any) -> list[str]:
+    """The addresses other replicas can pass as --initial-peers to reach this one."""
+    return [str(a) for a in dht.get_visible_maddrs()]
+
+
+def run_id(agreed: dict[str, Any], override: str | None = None) -> str:
+    """The id every replica of one run agrees on: --run-id, else a hash of what they must
+    share (the plan and the payload): the same plan file gives the same id, another plan or
+    payload never matches."""
+    if override:
+        return override
+    text = json.dumps(agreed, sort_keys=True, default=str)
+    return "st" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Roster:
+    """This rank's entry in the DHT's roster of live replicas of its stage, refreshed in a
+    thread, and the roster as others wrote it (see the module docstring)."""
+
+    def __init__(self, dht: Any, run: str, stage: int, replica: int, ttl_s: float,
+                 log: Callable[[str], None] = print) -> None:
+        self.dht, self.key, self.replica, self.ttl_s, self.log = (
+            dht, f"{run}_roster_s{stage}", replica, ttl_s, log)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="dht-roster", daemon=True)
+
+    def start(self) -> None:
+        """Announce now and keep announcing until `close`."""
+        self._announce()
+        self.thread.start()
+
+    def _announce(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        self.dht.store(self.key, subkey=self.replica, value=str(self.dht.peer_id),
+                       expiration_time=get_dht_time() + self.ttl_s)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.ttl_s / 3):
+            try:
+                self._announce()
+            except Exception as e:  # noqa: BLE001 - a transient DHT error; retried next beat
+                self.log(f"warning: DHT roster refresh failed ({first(e)})")
+
+    def live(self) -> set[int]:
+        """Replicas whose entry has not expired (mine included)."""
+        found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {self.replica}
+        return {int(k) for k in found.value} | {self.replica}
+
+    def close(self) -> None:
+        """Stop refreshing (the entry expires by itself)."""
+        self.stop.set()
+
+
+class SplitGuard:
+    """Says (once per episode) when fewer replicas than the plan's were visible for longer
+    than `after_s`, naming the initial peers used."""
+
+    def __init__(self, expected: int, after_s: float, initial_peers: list[str],
+                 log: Callable[[str], None] = print) -> None:
+        self.expected, self.after_s, self.peers, self.log = expected, after_s, initial_peers, log
+        self.short_since: float | None = None
+        self.warned = False
+
+    def check(self, live: set[int], now: float | None = None) -> bool:
+        """Record what is visible now; True (and a log line) when the guard fires."""
+        now = time.monotonic() if now is None else now
+        if len(live) >= self.expected:
+            self.short_since, self.warned = None, False
+            return False
+        if self.short_since is None:
+            self.short_since = now
+        if self.warned or now - self.short_since <= self.after_s:
+            return False
+        self.warned = True
+        self.log(f"warning: only replicas {sorted(live)} of the plan's {self.expected} are "
+                 f"visible in the DHT for {now - self.short_since:.1f} s (> {self.after_s:g} s); "
+                 f"the others are down or in another DHT (split): I joined through "
+                 f"--initial-peers {','.join(self.peers) or '(none: I am a first node)'}")
+        return True

@@ -1,0 +1,291 @@
+"""A hivemind DecentralizedAverager whose all-reduce gives the store backend's exact bytes.
+
+hivemind's own butterfly all-reduce sums each part in arrival order and returns every peer
+the *difference* to its own input (compressed), so peers end up with slightly different
+values (and hivemind 1.1.12's 8-bit codecs average nothing with numpy >= 2.5). Here, after
+hivemind's matchmaking has formed the group (DHT, no central store), the same P2P streams
+carry our codes (modules.quant.allreduce: fp16, or int8 blocks + scales) and the arithmetic is
+modules.comm.compressed's, written once there:
+- peers are ordered by replica number (exchanged in matchmaking's gather), and peer j owns
+  chunk j of every segment (`chunk_bounds`, `segment_bounds`), as rank j does in the store;
+- the owner decodes its own encoding first, then the others' in replica order, sums in fp32,
+  divides by the count (IEEE) and re-encodes the mean once;
+- every peer, the owner included, decodes those same bytes: all peers end bit-identical, and
+  equal to `reference_compressed_mean` of the same inputs (tests/test_hivemind_outer.py).
+A peer with weight 0 (a joiner catching up) sends nothing that counts and receives the mean.
+The result is written only when the whole round succeeded (no sender banned, no reducer
+lost); otherwise the round raises and hivemind retries it among the peers still there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
+
+from modules.quant.allreduce import (
+    SEGMENT,
+    chunk_bounds,
+    decode_chunk,
+    encode_chunk,
+    ieee_div,
+    segment_bounds,
+)
+from modules.quant.codec import DEFAULT_BLOCK
+
+WHOLE_PARTS = 1 << 40
+"""part_size_bytes: every chunk travels as one part (at most SEGMENT / W values), so a part
+never cuts a codec block."""
+
+
+class CodecWire(CompressionBase):
+    """Our fp16 / int8 chunk encoding (or fp32 for `none`) inside hivemind's Tensor message."""
+
+    compression_type = runtime_pb2.CompressionType.NONE  # decoded only by our runner
+
+    def __init__(self, compression: str = "int8", block: int = DEFAULT_BLOCK) -> None:
+        self.compression, self.block = compression, block
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo | None = None,
+                 allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        """The bytes the store backend sends for this chunk."""
+        x = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        if self.compression == "none":
+            buf = x.numpy().tobytes()
+        else:
+            buf = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes()
+                           for p in encode_chunk(x, self.compression, self.block))
+        return runtime_pb2.Tensor(buffer=buf, size=[x.numel()], dtype="float32",
+                                  compression=self.compression_type)
+
+    def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        """fp32 values back from `compress`'s bytes."""
+        numel = int(serialized.size[0]) if serialized.size else 0
+        raw = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.uint8)
+        if self.compression == "none":
+            return raw.view(torch.float32)[:numel].clone()
+        if self.compression == "fp16":
+            return decode_chunk([raw.view(torch.float16)], numel, "fp16", self.block)
+        return decode_chunk([raw], numel, "int8", self.block)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What a peer decodes from this encoding of `x`."""
+        return self.extract(self.compress(x))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        """Bytes per fp32 byte on the wire (sizes parts; every chunk is one part here)."""
+        return {"none": 1.0, "fp16": 0.5}.get(self.compression, 0.25 + 1.0 / self.block)
+
+
+def owner_views(flat: torch.Tensor, world: int, block: int,
+                segment: int = SEGMENT) -> tuple[list[torch.Tensor], list[float]]:
+    """Views of `flat` grouped by owner (owner j: chunk j of every segment, as in
+    modules.comm.compressed) and the number of values each owner reduces."""
+    views: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for slo, shi in segment_bounds(flat.numel(), segment, block):
+        for j, (lo, hi) in enumerate(chunk_bounds(shi - slo, world, block)):
+            if hi > lo:
+                views[j].append(flat[slo + lo: slo + hi])
+    sizes = [float(sum(v.numel() for v in vs)) for vs in views]
+    return [v for vs in views for v in vs], sizes
+
+
+class OrderedReducer(TensorPartReducer):
+    """Keeps every sender's part and reduces them in a fixed order when all are in: the
+    owner's own first, then the others by sender index (= replica order), weight 0 skipped."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, owner: int,
+                 wire: CodecWire) -> None:
+        self.owner, self.wire = owner, wire
+        self.parts: dict[int, tuple[torch.Tensor, float]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        """Next part: forget the previous one's inputs."""
+        self.parts = {}
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int,
+                              tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """Keep the part (the parent's waiting and banning rules), return the ordered mean."""
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future,
+                                asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException("attempted to aggregate part in a finalized reducer")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        future = self.current_part_future
+        self.parts[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        """All current senders in: the mean in the fixed order, then the next part."""
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        order = [self.owner] + sorted(i for i in self.parts if i != self.owner)
+        used = [self.parts[i][0] for i in order if i in self.parts and self.parts[i][1] > 0]
+        if not used:  # only weight-0 senders: nothing to average (never committed)
+            self.current_part_future.set_exception(AllreduceException("no weighted sender"))
+        else:
+            acc = used[0].to(torch.float32).clone()
+            for t in used[1:]:
+                acc += t
+            self.current_part_future.set_result(ieee_div(acc, len(used)))
+        self.reset_accumulators()
+
+
+class ExactRunner(AllReduceRunner):
+    """AllReduceRunner with OrderedReducer, our wire codec and the mean itself (not a delta)
+    sent back; `failed` says whether any sender or reducer was lost."""
+
+    def __init__(self, *, wire: CodecWire, **kwargs: Any) -> None:
+        super().__init__(compression=wire, part_size_bytes=WHOLE_PARTS, **kwargs)
+        self.wire = wire
+        owner = (self.sender_peer_ids.index(self.peer_id)
+                 if self.peer_id in self.sender_peer_ids else -1)
+        replaced = self.tensor_part_reducer
+        replaced.num_senders = 0  # never used: no "received 0%" warning when it is dropped
+        replaced.finalize()
+        self.tensor_part_reducer = OrderedReducer(
+            tuple(p.shape for p in self.parts_for_local_averaging), len(self.sender_peer_ids),
+            owner, wire)
+
+    @property
+    def failed(self) -> bool:
+        """A sender was banned or a reducer's parts fell back to local values."""
+        return bool(self.banned_senders) or self.tensor_part_container.failed_size > 0
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        """My own chunk: reduce it, keep what the others decode; a peer's: read its means."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            sender = self.sender_peer_ids.index(peer_id)
+            for i, part in enumerate(self.parts_for_local_averaging):
+                mine = self.wire.roundtrip(part)  # the store's owner decodes its own encoding
+                mean = await self.tensor_part_reducer.accumulate_part(sender, i, mine,
+                                                                      weight=self.weight)
+                self.tensor_part_container.register_processed_part(
+                    peer_index, i, self.wire.roundtrip(mean))
+            return
+        try:
+            await self._read_means(peer_id, peer_index)
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _read_means(self, peer_id: PeerID, peer_index: int) -> None:
+        """Send my parts for `peer_id`'s chunk, register the means it sends back."""
+        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(
+            self._generate_input_for_peer(peer_index))
+
+        def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
+            if msg.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent "
+                                         f"{averaging_pb2.MessageCode.Name(msg.code)}")
+            return self.wire.extract(msg.tensor_part)
+
+        count = 0
+        async for mean in amap_in_executor(decode, aiter_with_timeout(stream,
+                                                                      self.reducer_timeout)):
+            self.tensor_part_container.register_processed_part(peer_index, count, mean)
+            count += 1
+        if count != self.tensor_part_container.num_parts_by_peer[peer_index]:
+            raise AllreduceException(f"peer {peer_id} sent {count} parts, expected "
+                                     f"{self.tensor_part_container.num_parts_by_peer[peer_index]}")
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                          sender_index: int
+                                          ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A sender's parts of my chunk in, the encoded means out."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for part, weight in amap_in_executor(
+                    lambda msg: (self.wire.extract(msg.tensor_part), msg.weight), stream):
+                try:
+                    mean = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight)
+                except BannedException:
+                    break
+                part_index += 1
+                encoded = await loop.run_in_executor(None, self.wire.compress, mean)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
+                                                  tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class ExactAverager(DecentralizedAverager):
+    """DecentralizedAverager (hivemind's matchmaking, DHT, state sharing) running ExactRunner.
+
+    `step(gather={"replica": r})` is required: peers are ordered by it. `state_fn` returns
+    what a peer loading state from this one gets: (metadata, tensors)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], dht: Any, *, wire: CodecWire,
+                 state_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None,
+                 **kwargs: Any) -> None:
+        self.wire = wire
+        self.state_fn = state_fn
+        super().__init__(tensors, dht, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
+        """The state a loading peer receives (the host process's latest snapshot)."""
+        if self.state_fn is None:
+            return {}, [], []
+        meta, tensors = self.state_fn()
+        return meta, tensors, [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+
+    async def _set_target_group_size(self, size: int, future: Any) -> None:
+        """(averager process) Form a group as soon as `size` peers are in it."""
+        mm = self._matchmaking
+        mm.target_group_size = size
+        mm.group_key_manager.target_group_size = size
+        mm.potential_leaders.target_group_size = size
+        future.set_result(None)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int,
+                                    **kwargs: Any) -> dict:
+        """Order the group by replica and run ExactRunner; the result is written only when the
+        whole round succeeded."""
+        loads = self.serializer.loads
+        gathered = [loads(loads(g)[2]) for g in group_info.gathered]
+        by_peer = dict(zip(group_info.peer_ids, gathered))
+        order = sorted(group_info.peer_ids, key=lambda p: (by_peer[p]["replica"], p.to_bytes()))
+        async with enter_asynchronously(self.get_tensors()) as local:
+            flat = local[0]
+            out = flat.clone()
+            views, sizes = owner_views(out, len(order), self.wire.block)
+            runner = ExactRunner(
+                p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=views,
+                group_id=group_info.group_id, ordered_peer_ids=order, peer_fractions=sizes,
+                weight=kwargs["weight"], sender_timeout=kwargs.get("sender_timeout"),
+                reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire)
+            self._running_groups[group_info.group_id].set_result(runner)
+            results = []
+            async for result in runner:
+                results.append(result)
+            if runner.failed or len(results) != len(views):
+                raise AllreduceException("a peer left the round mid-way")
+            for view, result in zip(views, results):
+                view.copy_(result.reshape(view.shape))
+            flat.copy_(out)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+        return {p: by_peer[p] for p in group_info.peer_ids}

@@ -1,0 +1,298 @@
+"""DiLoCo's outer sync over hivemind (--outer-backend hivemind): the stage group's average of
+the pseudo-gradient goes through a hivemind averager over a DHT, with no central store; inside
+a replica torch.distributed stays (a store local to the replica).
+
+One `HivemindOuter` per rank: its DHT node (started before the rendezvous, so the addresses
+to pass as --initial-peers are printed early), the roster of live replicas of its stage
+(modules.control.dht), and an `ExactAverager` (modules.sync.hivemind_exact: the store
+backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
+- round k of stage s matches only peers of the same run id, stage and round (the averager's
+  prefix is `<run id>_s<stage>`, its group bits the round number), so a late or stale peer
+  never averages with another round's; the group forms as soon as every replica of the roster
+  is in it (target size = live replicas), else after the matchmaking deadline with those
+  that came: a replica that died is dropped from the next round once its roster entry expires;
+- a round that fails for this rank (no group before --timeout-s, or a peer left mid-way and
+  hivemind's retries among the rest did not finish it) is never applied half: if another
+  replica completed it, this rank loads that replica's outer state (parameters = its outer
+  model, bit-identical again); if nobody did, the round is skipped with the local
+  pseudo-gradient kept (the next round's carries both), the same choice on every replica
+  that saw it fail, so they stay equal;
+- a replica started with --join loads the outer model, momentum and round count from the
+  most advanced peer (bounded attempts, each within the averaging deadline, with a message
+  per attempt), then takes part in the next round with weight 0 and continues bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.plan import Plan
+from modules.comm import PeerError
+from modules.control.dht import Roster, SplitGuard, first, parse_maddrs, run_id, start_dht
+from modules.control.dht import visible_maddrs as dht_addresses
+from modules.sync.diloco import OuterRoundSkipped, OuterState
+from modules.sync.outer_deadlines import OuterDeadlines, derive
+
+ROUND_BITS = 16
+"""Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
+JOIN_ATTEMPTS = 3
+"""Tries at loading the state from a peer before a joiner gives up."""
+
+
+@dataclass(frozen=True)
+class HivemindSettings:
+    """What the backend reads from the run's flags, resolved."""
+
+    initial_peers: tuple[str, ...]
+    host_maddrs: tuple[str, ...]
+    announce_maddrs: tuple[str, ...]
+    client_mode: bool
+    run: str
+    """Run id (modules.control.dht.run_id)."""
+    timeout_s: float
+    """--timeout-s: how long a round may wait for its peers to arrive in all."""
+    heartbeat_s: float
+    """--heartbeat-timeout-s: the roster entry's lifetime."""
+    min_replicas: int
+    compression: str
+    matchmaking_s: float | None
+    averaging_s: float | None
+
+
+class HivemindOuter:
+    """This rank's hivemind outer sync (see the module docstring)."""
+
+    def __init__(self, settings: HivemindSettings, plan: Plan, cluster: Cluster | None,
+                 replica: int, stage: int, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.plan, self.cluster, self.log = settings, plan, cluster, log
+        self.replica, self.stage = replica, stage
+        self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
+                             list(settings.announce_maddrs), settings.client_mode,
+                             settings.timeout_s)
+        self.addresses = dht_addresses(self.dht)
+        log(f"hivemind DHT up (run id {settings.run}); other replicas can join with "
+            f"--initial-peers {','.join(self.addresses)}")
+        self.averager = None
+        self.roster: Roster | None = None
+        self.deadlines: OuterDeadlines | None = None
+        self.state_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+        self.catching_up = False
+        """The next round is a joiner's first: weight 0 (contributes nothing, gets the mean)."""
+        self.rounds_s: list[float] = []
+        """Seconds of every completed round (matchmaking included)."""
+        self.lock = threading.Lock()
+
+    def attach(self, numel: int, state_fn: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
+        """Create the averager for a stage of `numel` values; `state_fn()` is what a peer
+        loading state from this one gets ((metadata, [anchor, momentum]), taken consistently)."""
+        from modules.sync.hivemind_exact import CodecWire, ExactAverager
+
+        cfg = self.cfg
+        self.deadlines = derive(self.plan, self.cluster, self.stage, numel, cfg.compression,
+                                cfg.matchmaking_s, cfg.averaging_s)
+        self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
+        avg_s = self.deadlines.averaging_s
+        self.state_fn = state_fn
+        self.averager = ExactAverager(
+            [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression), state_fn=state_fn,
+            start=True, prefix=f"{cfg.run}_s{self.stage}", target_group_size=self.plan.num_replicas,
+            min_group_size=2, min_matchmaking_time=self.deadlines.matchmaking_s,
+            request_timeout=min(3.0, self.deadlines.matchmaking_s / 2), allreduce_timeout=avg_s,
+            sender_timeout=avg_s / 2, reducer_timeout=avg_s, initial_group_bits="0" * ROUND_BITS,
+            client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
+        self.averager.state_sharing_priority = 0.0
+        self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
+                             self.log)
+        self.roster.start()
+        self.guard = SplitGuard(self.plan.num_replicas, self.deadlines.matchmaking_s,
+                                list(cfg.initial_peers), self.log)
+
+    # -- one round ---------------------------------------------------------------------------
+    def all_reduce(self, flat: torch.Tensor, index: int) -> int:
+        """Average `flat` (round `index`) in place over the live replicas of my stage; the
+        bytes sent. OuterRoundSkipped when the round failed here (see the module docstring)."""
+        weight = 0.0 if self.catching_up else 1.0
+        t0 = time.monotonic()
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(flat)
+        group = self._round(index, weight)
+        if group is None:
+            raise self._recover(index)
+        with self.averager.get_tensors() as tensors:
+            flat.copy_(tensors[0])
+        took = time.monotonic() - t0
+        self.rounds_s.append(took)
+        self._report(index, took, sorted(group))
+        self.averager.state_sharing_priority = float(index + 1)
+        return self._bytes_sent(flat.numel(), len(group))
+
+    def _round(self, index: int, weight: float) -> list[int] | None:
+        """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
+        the replicas of the group, or None."""
+        deadlines, cfg = self.deadlines, self.cfg
+        self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        give_up = time.monotonic() + cfg.timeout_s
+        while True:
+            live = self.roster.live()
+            self.guard.check(live)
+            if len(live) < cfg.min_replicas:  # the others may still be starting
+                if time.monotonic() > give_up:
+                    raise PeerError(f"outer round {index + 1} of stage {self.stage}: only "
+                                    f"replicas {sorted(live)} were live in the DHT for "
+                                    f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
+                                    f"--min-replicas {cfg.min_replicas}")
+                time.sleep(0.5)
+                continue
+            self._set_target(max(2, len(live)))
+            t1 = time.monotonic()
+            try:
+                gathered = self.averager.step(
+                    gather={"replica": self.replica, "round": index}, weight=weight,
+                    timeout=deadlines.matchmaking_s + deadlines.averaging_s)
+                return [int(v["replica"]) for v in gathered.values()]
+            except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
+                waited = time.monotonic() - t1
+                self.log(f"outer round {index + 1} of stage {self.stage}: no completed average "
+                         f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
+                         f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
+                         f"live replicas {sorted(live)}): {first(e)}")
+            if time.monotonic() > give_up:
+                return None
+
+    def _set_target(self, size: int) -> None:
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self.averager._outer_pipe.send(("_set_target_group_size", [size], {"future": future}))
+        future.result(timeout=30)
+
+    def _report(self, index: int, took: float, group: list[int]) -> None:
+        """Log a round that overran its deadlines (with the measured time), or a small group."""
+        d = self.deadlines
+        if took > d.matchmaking_s + d.averaging_s:
+            self.log(f"outer round {index + 1} of stage {self.stage}: took {took:.2f} s, over the "
+                     f"deadlines {d.matchmaking_s:.2f} + {d.averaging_s:.2f} s")
+        if len(group) < self.plan.num_replicas:
+            self.log(f"outer round {index + 1} of stage {self.stage}: averaged over replicas "
+                     f"{group} of {self.plan.num_replicas} in {took:.2f} s")
+
+    def _bytes_sent(self, numel: int, world: int) -> int:
+        """What this peer put on the wire: its chunks to their owners and its chunk's means back
+        to every other peer (the store backend's formula, 2 (W-1)/W of the payload)."""
+        per_value = {"none": 4.0, "fp16": 2.0}.get(self.cfg.compression, 1.0 + 4.0 / 256)
+        return int(2 * (world - 1) / max(1, world) * numel * per_value)
+
+    # -- recovering and joining --------------------------------------------------------------
+    def _recover(self, index: int) -> OuterRoundSkipped:
+        """After a failed round: another replica's state if one completed it, else skip."""
+        wait_until = time.monotonic() + self.deadlines.averaging_s
+        while self._best_peer_rounds() <= index and time.monotonic() < wait_until:
+            time.sleep(0.5)
+        if self._best_peer_rounds() > index:
+            loaded = self.load_state()
+            if loaded is not None and loaded.outer_count > index:
+                self.log(f"outer round {index + 1} of stage {self.stage} failed here; took the "
+                         f"outer state of a replica that completed it (round "
+                         f"{loaded.outer_count})")
+                self.averager.state_sharing_priority = float(loaded.outer_count)
+                return OuterRoundSkipped(loaded)
+        self.log(f"outer round {index + 1} of stage {self.stage} failed on every replica that "
+                 "tried it; skipped, keeping the local pseudo-gradient for the next round")
+        self.averager.state_sharing_priority = float(index + 1)
+        return OuterRoundSkipped(None)
+
+    def _best_peer_rounds(self) -> float:
+        """The most rounds any other peer of my stage declared done (-1: none declared)."""
+        found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        mine = self.averager.peer_id.to_bytes()
+        if found is None or not isinstance(found.value, dict):
+            return -1.0
+        values = [v.value for k, v in found.value.items()
+                  if k != mine and isinstance(v.value, (int, float))]
+        return max(values, default=-1.0)
+
+    def load_state(self) -> OuterState | None:
+        """The outer state of the most advanced peer (None when none answered in time)."""
+        got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+        if got is None:
+            return None
+        meta, tensors = got
+        if meta.get("run") != self.cfg.run or not tensors:
+            return None
+        momentum = tensors[1] if len(tensors) > 1 and meta.get("momentum") else None
+        return OuterState(tensors[0].clone(), momentum.clone() if momentum is not None else None,
+                          int(meta["outer_count"]))
+
+    def join(self) -> OuterState:
+        """--join: the state of a live peer, in at most JOIN_ATTEMPTS tries (PeerError after)."""
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            t0 = time.monotonic()
+            state = self.load_state()
+            if state is not None:
+                self.log(f"--join: loaded the outer model, momentum and round count "
+                         f"{state.outer_count} of stage {self.stage} from a peer in "
+                         f"{time.monotonic() - t0:.2f} s")
+                self.catching_up = True
+                return state
+            self.log(f"--join: attempt {attempt}/{JOIN_ATTEMPTS}: no peer of run "
+                     f"{self.cfg.run} stage {self.stage} shared its state within "
+                     f"{self.deadlines.averaging_s:.2f} s; "
+                     + ("retrying" if attempt < JOIN_ATTEMPTS else "giving up"))
+            time.sleep(min(5.0, self.deadlines.matchmaking_s))
+        raise PeerError(f"--join: no live replica of run {self.cfg.run} shared the state of "
+                        f"stage {self.stage} in {JOIN_ATTEMPTS} attempts (initial peers "
+                        f"{','.join(self.cfg.initial_peers) or '(none)'}); is the run alive?")
+
+    def close(self) -> None:
+        """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
+        with self.lock:
+            if self.roster is not None:
+                self.roster.close()
+            for part in (self.averager, self.dht):
+                if part is not None:
+                    with contextlib.suppress(Exception):  # already gone
+                        part.shutdown()
+            self.averager = self.dht = self.roster = None
+
+
+def state_metadata(run: str, outer: OuterState) -> tuple[dict, list[torch.Tensor]]:
+    """What `HivemindOuter.load_state` reads back: (metadata, [anchor, momentum])."""
+    has_momentum = outer.momentum is not None
+    tensors = [outer.anchor.detach().cpu().float()]
+    tensors.append(outer.momentum.detach().cpu().float() if has_momentum
+                   else torch.zeros(0))
+    return {"run": run, "outer_count": outer.outer_count, "momentum": has_momentum}, tensors
+
+
+def settings_of(cfg: object, plan: Plan, min_replicas: int) -> HivemindSettings:
+    """HivemindSettings from a RunConfig (its `hivemind` component) and the plan."""
+    hv = cfg.hivemind  # type: ignore[attr-defined]
+    agreed = {"plan": plan.to_dict(), "compression": plan.sync.compression}
+    run = run_id(agreed, hv.run_id)
+    return HivemindSettings(
+        initial_peers=tuple(parse_maddrs(hv.initial_peers, "--initial-peers")),
+        host_maddrs=tuple(parse_maddrs(hv.host_maddrs, "--host-maddrs", need_peer_id=False)),
+        announce_maddrs=tuple(parse_maddrs(hv.announce_maddrs, "--announce-maddrs",
+                                           need_peer_id=False)),
+        client_mode=hv.client_mode, run=run, timeout_s=cfg.timeout_s,  # type: ignore[attr-defined]
+        heartbeat_s=cfg.elastic.heartbeat_timeout_s,  # type: ignore[attr-defined]
+        min_replicas=min_replicas, compression=plan.sync.compression,
+        matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)
+
+
+def check_supported(plan: Plan) -> None:
+    """UserError for what the hivemind backend does not do (yet)."""
+    if plan.sync.mode != "diloco":
+        raise UserError("--outer-backend hivemind: needs sync mode diloco (the plan's is "
+                        f"{plan.sync.mode!r}); allreduce averages every step")
+    if plan.sync.fragments > 1 or plan.sync.overlap:
+        raise UserError("--outer-backend hivemind: not with sync.fragments > 1 or sync.overlap "
+                        "yet; pass --fragments 1 --overlap off")

@@ -1,0 +1,97 @@
+"""Matchmaking and averaging deadlines of the hivemind outer backend, from the plan.
+
+The simulator's kernel predicts one outer all-reduce of this stage's payload (its fp32, fp16 or
+int8 bytes) over the stage group's ring on the cluster's links
+(scheduler.simulator.kernel.ring_allreduce_time over ring_order): `predicted_s`. Then
+
+    averaging   = max(AVERAGING_FLOOR_S,   AVERAGING_FACTOR   x predicted_s)
+    matchmaking = max(MATCHMAKING_FLOOR_S, MATCHMAKING_FACTOR x predicted_s)
+
+Why these numbers: hivemind's butterfly all-reduce puts the same bytes on each link as a ring
+(2 (W-1)/W of the payload per peer), so the prediction is the right order; the factor 4 covers
+what the kernel does not model (protobuf framing, the codec on the CPU, TCP slow start on a
+fresh stream, one retry of a lost part) and keeps a link that has become 4x slower than the
+cluster file says from failing rounds. Matchmaking is DHT round trips, not bytes: on loopback a
+bare averager of gpt-tiny took 0.29-0.99 s per round here (issue 23), most of it matchmaking,
+and several seconds on a loaded 2-core machine, so its floor (5 s) is 5x the slowest measured
+round; the averaging floor (10 s) keeps tiny payloads from timing out on a busy host. Without
+a cluster file (no --cluster) there is no prediction and the floors apply; the start line says
+which. --matchmaking-timeout-s / --averaging-timeout-s override either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from formats.cluster import Cluster
+from formats.plan import Plan
+from scheduler.simulator import (
+    LinkTables,
+    SimConfig,
+    payload_bytes_per_param,
+    ring_allreduce_time,
+    ring_order,
+)
+
+MATCHMAKING_FLOOR_S = 5.0
+MATCHMAKING_FACTOR = 4.0
+AVERAGING_FLOOR_S = 10.0
+AVERAGING_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class OuterDeadlines:
+    """The two deadlines of one outer round and where they came from."""
+
+    matchmaking_s: float
+    """Longest wait for the round's group to form (one attempt)."""
+    averaging_s: float
+    """Longest all-reduce once the group is formed."""
+    predicted_s: float | None
+    """The simulator's outer all-reduce time (None: no cluster file)."""
+    source: str
+    """How they were chosen, for the start line."""
+
+    def describe(self) -> str:
+        """The start line's text."""
+        return (f"matchmaking deadline {self.matchmaking_s:.2f} s, averaging deadline "
+                f"{self.averaging_s:.2f} s ({self.source})")
+
+
+def predicted_outer_s(plan: Plan, cluster: Cluster, stage: int, numel: int,
+                      compression: str) -> float:
+    """Seconds the kernel predicts for one all-reduce of `numel` values of stage `stage` over
+    its stage group's ring on `cluster`'s links."""
+    config = SimConfig()
+    tables = LinkTables(cluster, config)
+    group = np.array([p[stage] for p in plan.pipelines], dtype=np.int64)
+    if len(group) < 2:
+        return 0.0
+    payload = numel * payload_bytes_per_param(compression, config.int8_block)
+    order = ring_order(group, tables.lat_s, tables.bits_per_s, payload / len(group))
+    nxt = np.roll(order, -1)
+    return ring_allreduce_time(tables.collective_lat_s[order, nxt],
+                               tables.bits_per_s[order, nxt], payload)
+
+
+def derive(plan: Plan, cluster: Cluster | None, stage: int, numel: int, compression: str,
+           matchmaking_s: float | None = None, averaging_s: float | None = None
+           ) -> OuterDeadlines:
+    """The deadlines of this stage's rounds (overrides win; see the module docstring)."""
+    predicted = (predicted_outer_s(plan, cluster, stage, numel, compression)
+                 if cluster is not None else None)
+    base = predicted or 0.0
+    match = max(MATCHMAKING_FLOOR_S, MATCHMAKING_FACTOR * base)
+    avg = max(AVERAGING_FLOOR_S, AVERAGING_FACTOR * base)
+    if predicted is None:
+        source = "no --cluster: floors"
+    else:
+        source = (f"predicted outer all-reduce {predicted:.3f} s of {numel} values "
+                  f"({compression}) x {AVERAGING_FACTOR:g}, floors {MATCHMAKING_FLOOR_S:g}/"
+                  f"{AVERAGING_FLOOR_S:g} s")
+    if matchmaking_s is not None or averaging_s is not None:
+        source += "; overridden by flag"
+    return OuterDeadlines(matchmaking_s if matchmaking_s is not None else match,
+                          averaging_s if averaging_s is not None else avg, predicted, source)
