@@ -24,6 +24,7 @@ setup(
         "st-ssh = scripts.cluster_ssh:entry",
         "st-measure = scripts.measure:entry",
         "st-coord = scripts.coordinator:entry",
+        "st-dht = scripts.dht_node:entry",
         "st-train-tokenizer = scripts.train_tokenizer:entry",
         "st-prepare-data = scripts.prepare_data:entry",
     ]},
@@ -44,5 +45,8 @@ setup(
         # --tracker tensorboard (setup_env.sh installs it); wandb: pip install -e .[wandb]
         "track": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.16"],
+        # --outer-backend hivemind, scripts/dht_node.py (setup_env.sh installs it); the wheel
+        # ships its p2pd binary
+        "hivemind": ["hivemind==1.1.12"],
     },
 )

@@ -45,12 +45,12 @@ if [ ! -f "$stamp" ]; then
   echo "setup: installing the project and CPU torch into $VENV (about a minute)"
   log="$VENV/pip-install.log"
   if ! { "$VENV/bin/pip" install --upgrade pip \
-         && "$VENV/bin/pip" install -c constraints-cpu.txt -e ".[dev,netem,track]"; } >"$log" 2>&1; then
+         && "$VENV/bin/pip" install -c constraints-cpu.txt -e ".[dev,netem,track,hivemind]"; } >"$log" 2>&1; then
     tail -n 30 "$log" >&2
     echo "setup: pip install failed (full log: $log)" >&2
     exit 1
   fi
-  "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest, tokenizers, pyarrow" \
+  "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest, tokenizers, pyarrow, hivemind" \
     || { echo "setup: the installed packages do not import (log: $log)" >&2; exit 1; }
   touch "$stamp"
 fi

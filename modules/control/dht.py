@@ -56,7 +56,8 @@ def first(e: BaseException) -> str:
 
 
 def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
-              client_mode: bool, timeout_s: float, flag: str = "--initial-peers") -> Any:
+              client_mode: bool, timeout_s: float, flag: str = "--initial-peers",
+              identity_path: str | None = None) -> Any:
     """A started hivemind DHT (its p2pd included), or UserError within `timeout_s` naming the
     initial peers that could not be reached (exit 2)."""
     from hivemind import DHT
@@ -65,6 +66,8 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
                               "client_mode": client_mode, "startup_timeout": timeout_s}
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
+    if identity_path:
+        kwargs["identity_path"] = identity_path
     dht = DHT(initial_peers=initial_peers or None, start=True, await_ready=False, **kwargs)
     try:
         dht.wait_until_ready(timeout=timeout_s)

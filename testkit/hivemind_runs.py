@@ -1,0 +1,136 @@
+"""Replicas of a DiLoCo run with --outer-backend hivemind on this host, for tests and
+benchmarks: each replica (one rank per stage) gets its own --dist-url store, the first
+replica's DHT address is passed to the others as --initial-peers, and every process (its DHT
+process and p2pd included) runs in a session of its own, so that a kill -9 of the session
+leaves nothing behind and `p2pd_left` can find what would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testkit.fault_harness import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = re.compile(r"--initial-peers (\S+)")
+
+
+@dataclass
+class HivemindRun:
+    """The processes of one run: rank -> Popen, logs in out_dir/rank{R}.log."""
+
+    plan: Path
+    out_dir: Path
+    stages: int = 1
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[int, int] = field(default_factory=dict)
+    """Replica -> its own store's port."""
+
+    def start(self, rank: int, *args: str, peers: str | None = None) -> None:
+        """Start dist_runner.py --rank rank with --outer-backend hivemind (and --initial-peers
+        `peers` when given); the replica's store port is chosen once per replica."""
+        replica = rank // self.stages
+        port = self.ports.setdefault(replica, free_port())
+        cmd = [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(self.plan),
+               "--rank", str(rank), "--dist-url", f"tcp://127.0.0.1:{port}", "--threads", "1",
+               "--outer-backend", "hivemind", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args]
+        if peers:
+            cmd += ["--initial-peers", peers]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(self.out_dir / f"rank{rank}.log", "w") as log:
+            self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                env=env, cwd=ROOT, start_new_session=True)
+
+    def output(self, rank: int) -> str:
+        """Everything rank `rank` printed so far."""
+        return (self.out_dir / f"rank{rank}.log").read_text(errors="replace")
+
+    def wait_for(self, rank: int, pattern: str, timeout: float) -> re.Match | None:
+        """The first match of `pattern` in rank's output within `timeout` (None: not seen, or
+        the rank exited without printing it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.output(rank))
+            if found or self.procs[rank].poll() is not None:
+                return found or re.search(pattern, self.output(rank))
+            time.sleep(0.1)
+        return None
+
+    def peers_of(self, rank: int, timeout: float = 60) -> str:
+        """The --initial-peers addresses rank `rank` printed."""
+        found = self.wait_for(rank, PEERS.pattern, timeout)
+        if found is None:
+            raise RuntimeError(f"rank {rank} printed no DHT address:\n{self.output(rank)[-3000:]}")
+        return found.group(1)
+
+    def kill(self, rank: int) -> None:
+        """kill -9 of the rank's whole session (its DHT process and p2pd too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[rank].pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> dict[int, int | None]:
+        """Exit status of every rank within `timeout` in all (None: still running)."""
+        deadline = time.monotonic() + timeout
+        codes: dict[int, int | None] = {}
+        for r, p in self.procs.items():
+            try:
+                codes[r] = p.wait(timeout=max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[r] = None
+        return codes
+
+    def stop(self) -> None:
+        """kill -9 every session still there (ranks that exited included: their children)."""
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+    def p2pd_left(self, grace_s: float = 5.0) -> list[int]:
+        """p2pd processes still running in any of this run's sessions after `grace_s` (a
+        daemon that was just killed or told to stop gets that long to go)."""
+        sessions = {p.pid for p in self.procs.values()}
+        deadline = time.monotonic() + grace_s
+        while (left := p2pd_in_sessions(sessions)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+
+def p2pd_in_sessions(sessions: set[int]) -> list[int]:
+    """Pids of live (not zombie) p2pd processes whose session is one of `sessions`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            if comm != "p2pd":
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[3]) in sessions:  # fields 3 and 6: state, sid
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def load_models(ck_dir: Path, ranks: list[int], step: int) -> list[dict]:
+    """The model state of each rank's checkpoint of `step`."""
+    from modules.train.checkpoint import load_checkpoint, step_path
+
+    return [load_checkpoint(step_path(ck_dir, r, step), {})["model"] for r in ranks]
+
+
+def max_param_diff(models: list[dict]) -> float:
+    """Largest absolute difference of any parameter between the first model and the others."""
+    first = models[0]
+    return max((float((m[k] - first[k]).abs().max()) for m in models[1:] for k in first),
+               default=0.0)

@@ -1,0 +1,238 @@
+"""--outer-backend hivemind (modules/sync/hivemind_outer.py, hivemind_exact.py,
+modules/control/dht.py): our codec inside hivemind gives the store backend's bytes and
+result; replicas on loopback end bit-identical; a late joiner loads state and catches up; a
+killed replica is dropped; an unreachable DHT node and malformed multiaddresses are refused by
+name (exit 2); SIGTERM stops a replica without leaving its p2pd. No p2pd outlives a test."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -e .[hivemind])")
+
+from formats.errors import UserError  # noqa: E402
+from modules.control.dht import SplitGuard, parse_maddrs, start_dht, visible_maddrs  # noqa: E402
+from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
+from modules.sync.diloco import DiLoCoOptimizer, OuterRoundSkipped, OuterState  # noqa: E402
+from modules.sync.hivemind_exact import CodecWire, ExactAverager  # noqa: E402
+from testkit.fault_harness import write_trial_plan  # noqa: E402
+from testkit.hivemind_runs import (  # noqa: E402
+    HivemindRun,
+    load_models,
+    max_param_diff,
+)
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+FAKE_ID = "12D3KooWBpJ5MYtL1QxfmJV1CyweZGo8w2zuDEW3J5E9z6P7oJra"
+
+
+def _average(dhts, inputs, compression, prefix, replicas):
+    """One round of ExactAverager over `dhts` (peer i is replica replicas[i]); the results."""
+    avs = [ExactAverager([x.clone()], d, wire=CodecWire(compression), start=True, prefix=prefix,
+                         target_group_size=len(dhts), min_matchmaking_time=10.0,
+                         request_timeout=2.0, sender_timeout=20, reducer_timeout=40)
+           for d, x in zip(dhts, inputs)]
+    errors = []
+
+    def go(i):
+        try:
+            avs[i].step(gather={"replica": replicas[i]}, timeout=40)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(avs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    outs = []
+    for a in avs:
+        with a.get_tensors() as ts:
+            outs.append(ts[0].clone())
+        a.shutdown()
+    assert not errors, errors
+    return outs
+
+
+@pytest.mark.timeout(90)
+def test_codec_inside_hivemind_equals_the_store_backends():
+    """Three peers, int8 and fp16: every peer ends with the same bytes, equal to
+    reference_compressed_mean (what the store backend's compressed mean all-reduce gives,
+    tests/test_quant_allreduce.py) with ranks in replica order; the wire carries our codes."""
+    first = start_dht([], LOOP, [], False, 30)
+    dhts = [first] + [start_dht(visible_maddrs(first), LOOP, [], False, 30) for _ in range(2)]
+    try:
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(70_001, generator=g) * (i + 1) for i in range(3)]
+        replicas = [2, 0, 1]  # peer i is replica replicas[i]: order by replica, not by peer
+        in_replica_order = [inputs[replicas.index(r)] for r in range(3)]
+        for compression in ("int8", "fp16"):
+            outs = _average(dhts, inputs, compression, f"t{compression}", replicas)
+            ref = reference_compressed_mean(in_replica_order, compression)
+            for o in outs:
+                assert torch.equal(o, ref), (compression, float((o - ref).abs().max()))
+            wire = CodecWire(compression).compress(inputs[0][:1000])
+            theirs = encode_chunk(inputs[0][:1000], compression, 256)[0]
+            assert wire.buffer == theirs.contiguous().view(torch.uint8).numpy().tobytes()
+        assert len(CodecWire("int8").compress(inputs[0]).buffer) < inputs[0].numel() * 1.02
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_round_skipped_keeps_local_params_or_takes_the_state():
+    """OuterRoundSkipped(None): no outer step, the local pseudo-gradient stays; with a state:
+    that state's outer model becomes the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    calls = []
+
+    def failing(flat):
+        calls.append(flat.clone())
+        raise OuterRoundSkipped(None if len(calls) == 1 else state)
+
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = DiLoCoOptimizer(model.parameters(), inner, inner_steps=1, all_reduce_fn=failing)
+    anchor0 = [a.clone() for a in opt.anchor]
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.anchor, anchor0))  # skipped
+    assert not torch.equal(model.weight, anchor0[0])  # local params kept
+    n = sum(p.numel() for p in model.parameters())
+    state = OuterState(torch.arange(n, dtype=torch.float32), torch.ones(n), 7)
+    opt.zero_grad()
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    assert opt.outer_count == 7 and opt.syncs == 7
+    assert torch.equal(model.weight.detach().reshape(-1), state.anchor[:16])
+
+
+def test_split_guard_names_the_initial_peers():
+    lines = []
+    guard = SplitGuard(3, 5.0, ["/ip4/10.0.0.1/tcp/1/p2p/X"], lines.append)
+    assert not guard.check({0, 1}, now=0.0)
+    assert not guard.check({0, 1}, now=4.0)
+    assert guard.check({0, 1}, now=6.0)
+    assert "/ip4/10.0.0.1/tcp/1/p2p/X" in lines[0] and "[0, 1]" in lines[0]
+    assert not guard.check({0, 1}, now=20.0)  # once per episode
+    assert not guard.check({0, 1, 2}, now=21.0)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("garbage", "'garbage' is not a multiaddress"),
+    ("/ip4/1.2.3/tcp/5/p2p/" + FAKE_ID, "is not a multiaddress"),
+    ("/ip4/127.0.0.1/tcp/99999/p2p/" + FAKE_ID, "is not a multiaddress"),
+    ("/ip4/127.0.0.1/tcp/5", "has no /p2p/<peer id> part"),
+])
+def test_malformed_multiaddress_refused_by_name(text, needle):
+    with pytest.raises(UserError, match="--initial-peers") as e:
+        parse_maddrs(f"/ip4/127.0.0.1/tcp/5/p2p/{FAKE_ID},{text}", "--initial-peers")
+    assert needle in str(e.value)
+
+
+def _plan(tmp_path, replicas, inner_steps=5):
+    return write_trial_plan(tmp_path / "plan.json", replicas, 1, "diloco",
+                            inner_steps=inner_steps)
+
+
+@pytest.mark.timeout(60)
+def test_malformed_and_unreachable_initial_peers_exit_2(tmp_path):
+    """dist_runner: a malformed address and an unreachable DHT node both exit 2 with one line
+    naming it, the unreachable one within --timeout-s."""
+    run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{FAKE_ID}"
+    run.start(0, "--steps", "5", "--fake-data", peers="/ip4/127.0.0.1/tcp/x")
+    t0 = time.monotonic()
+    run.start(1, "--steps", "5", "--fake-data", "--timeout-s", "20", peers=dead)
+    try:
+        codes = run.wait(50)
+        took = time.monotonic() - t0
+        assert codes == {0: 2, 1: 2}, (run.output(0), run.output(1))
+        assert "--initial-peers: '/ip4/127.0.0.1/tcp/x' is not a multiaddress" in run.output(0)
+        out = run.output(1)
+        assert f"error: --initial-peers: could not join the DHT through {dead}" in out, out
+        assert "Traceback" not in out and took < 45, (took, out)
+        assert run.p2pd_left() == []  # before any kill: they left nothing running
+    finally:
+        run.stop()
+
+
+def _start_replicas(run, n, steps, *extra):
+    run.start(0, "--steps", str(steps), "--ckpt-dir", str(run.out_dir / "ck"), *extra)
+    peers = run.peers_of(0)
+    for r in range(1, n):
+        run.start(r, "--steps", str(steps), "--ckpt-dir", str(run.out_dir / "ck"), *extra,
+                  peers=peers)
+    return peers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_reach_identical_parameters(tmp_path, replicas):
+    """2 and 3 replicas, int8 outer payload: after the last round every replica holds the same
+    parameters, bit for bit, and each round was averaged over all of them."""
+    plan = tmp_path / "plan.json"
+    write_trial_plan(plan, replicas, 1, "diloco", inner_steps=5)
+    text = plan.read_text().replace('"compression": "none"', '"compression": "int8"')
+    plan.write_text(text)
+    run = HivemindRun(plan, tmp_path)
+    try:
+        _start_replicas(run, replicas, 10, "--fake-data")
+        codes = run.wait(100)
+        logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in range(replicas))
+        assert all(c == 0 for c in codes.values()), logs
+        for r in range(replicas):
+            assert "averaged over replicas" not in run.output(r), logs  # never a partial group
+            assert "outer_step 2:" in run.output(r), logs
+        models = load_models(tmp_path / "ck", list(range(replicas)), 10)
+        assert max_param_diff(models) == 0.0, logs
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
+
+
+@pytest.mark.timeout(150)
+def test_late_joiner_loads_state_and_killed_replica_is_dropped(tmp_path):
+    """Three replicas; replica 2 is killed (kill -9 of its session) after round 1: the others
+    average without it from then on. A new replica 2 started with --join loads the outer state
+    from a peer and ends bit-identical with the others."""
+    run = HivemindRun(_plan(tmp_path, 3, inner_steps=4), tmp_path)
+    steps = "40"
+    try:
+        peers = _start_replicas(run, 3, int(steps), "--fake-data", "--heartbeat-timeout-s", "3")
+        assert run.wait_for(2, r"outer_step 1:", 90), run.output(2)
+        run.kill(2)
+        assert run.wait_for(0, r"averaged over replicas \[0, 1\] of 3", 60), run.output(0)
+        run.procs[3] = run.procs.pop(2)  # keep the killed session for the p2pd check
+        run.start(2, "--steps", steps, "--ckpt-dir", str(tmp_path / "ck"), "--fake-data",
+                  "--heartbeat-timeout-s", "3", "--join", peers=peers)
+        codes = run.wait(110)
+        logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in (0, 1, 2))
+        assert codes[0] == 0 and codes[1] == 0 and codes[2] == 0, (codes, logs)
+        assert "--join: loaded the outer model, momentum and round count" in run.output(2), logs
+        models = load_models(tmp_path / "ck", [0, 1, 2], int(steps))
+        assert max_param_diff(models) == 0.0, logs
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path):
+    run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    try:
+        run.start(0, "--steps", "1000", "--fake-data")
+        run.peers_of(0)
+        assert run.wait_for(0, r"step 1/1000", 40), run.output(0)
+        run.procs[0].send_signal(signal.SIGTERM)
+        code = run.wait(20)[0]
+        assert code == 130, run.output(0)
+        assert "Traceback" not in run.output(0), run.output(0)
+        assert run.p2pd_left() == [], "p2pd outlived its replica"
+    finally:
+        run.stop()
