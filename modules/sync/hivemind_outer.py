@@ -25,6 +25,8 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +76,7 @@ class HivemindOuter:
                  replica: int, stage: int, log: Callable[[str], None] = print) -> None:
         self.cfg, self.plan, self.cluster, self.log = settings, plan, cluster, log
         self.replica, self.stage = replica, stage
+        quiet_hivemind()
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
                              list(settings.announce_maddrs), settings.client_mode,
                              settings.timeout_s)
@@ -86,6 +89,8 @@ class HivemindOuter:
         self.state_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
         self.catching_up = False
         """The next round is a joiner's first: weight 0 (contributes nothing, gets the mean)."""
+        self.started = False
+        """The start barrier (every replica of the plan in the roster) was passed."""
         self.rounds_s: list[float] = []
         """Seconds of every completed round (matchmaking included)."""
         self.lock = threading.Lock()
@@ -139,6 +144,8 @@ class HivemindOuter:
         the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        if not self.started and not self.catching_up:
+            self._await_start()
         give_up = time.monotonic() + cfg.timeout_s
         while True:
             live = self.roster.live()
@@ -164,8 +171,22 @@ class HivemindOuter:
                          f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
                          f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
                          f"live replicas {sorted(live)}): {first(e)}")
-            if time.monotonic() > give_up:
-                return None
+            if time.monotonic() > give_up or self._best_peer_rounds() > index:
+                return None  # others completed it without me: take their state
+
+    def _await_start(self) -> None:
+        """Before the first round: wait (at most --timeout-s) until every replica of the plan is
+        in the roster, as the store's rendezvous waits for every rank, so that a replica slower
+        to start is not left out of round 1."""
+        expected, t0 = self.plan.num_replicas, time.monotonic()
+        live = self.roster.live()
+        if len(live) < expected:
+            self.log(f"waiting for replicas {sorted(set(range(expected)) - live)} to appear in "
+                     f"the DHT (at most {self.cfg.timeout_s:g} s)")
+        while len(live) < expected and time.monotonic() - t0 < self.cfg.timeout_s:
+            time.sleep(0.5)
+            live = self.roster.live()
+        self.started = True
 
     def _set_target(self, size: int) -> None:
         from hivemind.utils.mpfuture import MPFuture
@@ -261,6 +282,16 @@ class HivemindOuter:
                     with contextlib.suppress(Exception):  # already gone
                         part.shutdown()
             self.averager = self.dht = self.roster = None
+
+
+def quiet_hivemind() -> None:
+    """hivemind's own log lines (a traceback per failed matchmaking attempt) off unless
+    $HIVEMIND_LOGLEVEL asks for them: this backend says what failed, and why, in one line."""
+    if "HIVEMIND_LOGLEVEL" not in os.environ:
+        from hivemind.utils.logging import get_logger
+
+        get_logger("hivemind")  # its handler and level are set up once, here, not later
+        logging.getLogger("hivemind").setLevel(logging.CRITICAL)
 
 
 def state_metadata(run: str, outer: OuterState) -> tuple[dict, list[torch.Tensor]]:
