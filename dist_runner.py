@@ -155,9 +155,9 @@ def start_hivemind(launch: LaunchConfig, cfg: RunConfig, plan: Plan, cluster: Cl
 
     run_plan = cfg.outer.apply(plan)
     check_supported(run_plan)
-    if launch.coordinator is not None or cfg.elastic.replicas is not None:
-        raise UserError("--outer-backend hivemind: no --coordinator or --replicas (replicas "
-                        "meet through the DHT; start each with its own --dist-url)")
+    if launch.coordinator is not None:
+        raise UserError("--outer-backend hivemind: no --coordinator (replicas meet through the "
+                        "DHT; start each with its own --dist-url)")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt: clean stop
     settings = settings_of(cfg, run_plan, cfg.elastic.resolved_min_replicas(plan.num_replicas))
     return HivemindOuter(settings, run_plan, cluster, topo.replica, topo.stage, log)

@@ -64,6 +64,8 @@ class HivemindSettings:
     heartbeat_s: float
     """--heartbeat-timeout-s: the roster entry's lifetime."""
     min_replicas: int
+    starting: int
+    """Replicas that start now (--replicas, default the plan's): round 1 waits for them."""
     compression: str
     matchmaking_s: float | None
     averaging_s: float | None
@@ -86,18 +88,26 @@ class HivemindOuter:
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
-        self.state_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+        self.completed = 0
+        """Rounds this rank's outer model has completed (averaged, or loaded from a peer that
+        had); skipped rounds do not count. Its state-sharing priority: a peer that failed a
+        round loads only from one that completed it."""
+        self.snapshot: tuple[dict, list[torch.Tensor]] | None = None
+        """The outer state a loading peer gets (`publish`); never the training thread's
+        tensors, so sharing it waits for no lock and no round."""
         self.catching_up = False
         """The next round is a joiner's first: weight 0 (contributes nothing, gets the mean)."""
+        self.live: set[int] = set()
+        """Replicas in the roster when the last round's group formed."""
         self.started = False
         """The start barrier (every replica of the plan in the roster) was passed."""
         self.rounds_s: list[float] = []
         """Seconds of every completed round (matchmaking included)."""
         self.lock = threading.Lock()
 
-    def attach(self, numel: int, state_fn: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
-        """Create the averager for a stage of `numel` values; `state_fn()` is what a peer
-        loading state from this one gets ((metadata, [anchor, momentum]), taken consistently)."""
+    def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
+        """Create the averager for a stage of `numel` values whose outer state is `outer` now;
+        a joiner enters the roster only once it has loaded the state (`join`)."""
         from modules.sync.hivemind_exact import CodecWire, ExactAverager
 
         cfg = self.cfg
@@ -105,19 +115,23 @@ class HivemindOuter:
                                 cfg.matchmaking_s, cfg.averaging_s)
         self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
-        self.state_fn = state_fn
+        self.publish(outer)
         self.averager = ExactAverager(
-            [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression), state_fn=state_fn,
+            [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
+            state_fn=self._shared,
             start=True, prefix=f"{cfg.run}_s{self.stage}", target_group_size=self.plan.num_replicas,
             min_group_size=2, min_matchmaking_time=self.deadlines.matchmaking_s,
             request_timeout=min(3.0, self.deadlines.matchmaking_s / 2), allreduce_timeout=avg_s,
-            sender_timeout=avg_s / 2, reducer_timeout=avg_s, initial_group_bits="0" * ROUND_BITS,
+            sender_timeout=avg_s / 2, reducer_timeout=avg_s,
+            next_chunk_timeout=avg_s,  # hivemind's per-chunk wait when loading state
+            initial_group_bits="0" * ROUND_BITS,
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
-        self.averager.state_sharing_priority = 0.0
+        self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
                              self.log)
-        self.roster.start()
-        self.guard = SplitGuard(self.plan.num_replicas, self.deadlines.matchmaking_s,
+        if not joining:
+            self.roster.start()
+        self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
                                 list(cfg.initial_peers), self.log)
 
     # -- one round ---------------------------------------------------------------------------
@@ -125,6 +139,8 @@ class HivemindOuter:
         """Average `flat` (round `index`) in place over the live replicas of my stage; the
         bytes sent. OuterRoundSkipped when the round failed here (see the module docstring)."""
         weight = 0.0 if self.catching_up else 1.0
+        if not self.started and not self.catching_up:
+            self._await_start()
         t0 = time.monotonic()
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(flat)
@@ -136,7 +152,7 @@ class HivemindOuter:
         took = time.monotonic() - t0
         self.rounds_s.append(took)
         self._report(index, took, sorted(group))
-        self.averager.state_sharing_priority = float(index + 1)
+        self.completed = index + 1
         return self._bytes_sent(flat.numel(), len(group))
 
     def _round(self, index: int, weight: float) -> list[int] | None:
@@ -144,12 +160,15 @@ class HivemindOuter:
         the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
-        if not self.started and not self.catching_up:
-            self._await_start()
         give_up = time.monotonic() + cfg.timeout_s
         while True:
             live = self.roster.live()
             self.guard.check(live)
+            if self.live - live:
+                self.log(f"outer round {index + 1} of stage {self.stage}: replica(s) "
+                         f"{sorted(self.live - live)} left the DHT roster (no heartbeat for "
+                         f"{cfg.heartbeat_s:g} s); the rounds go on without them")
+            self.live = live
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
                     raise PeerError(f"outer round {index + 1} of stage {self.stage}: only "
@@ -178,11 +197,11 @@ class HivemindOuter:
         """Before the first round: wait (at most --timeout-s) until every replica of the plan is
         in the roster, as the store's rendezvous waits for every rank, so that a replica slower
         to start is not left out of round 1."""
-        expected, t0 = self.plan.num_replicas, time.monotonic()
+        expected, t0 = self.cfg.starting, time.monotonic()
         live = self.roster.live()
         if len(live) < expected:
-            self.log(f"waiting for replicas {sorted(set(range(expected)) - live)} to appear in "
-                     f"the DHT (at most {self.cfg.timeout_s:g} s)")
+            self.log(f"waiting for {expected} replicas to appear in the DHT (have "
+                     f"{sorted(live)}; at most {self.cfg.timeout_s:g} s)")
         while len(live) < expected and time.monotonic() - t0 < self.cfg.timeout_s:
             time.sleep(0.5)
             live = self.roster.live()
@@ -201,7 +220,7 @@ class HivemindOuter:
         if took > d.matchmaking_s + d.averaging_s:
             self.log(f"outer round {index + 1} of stage {self.stage}: took {took:.2f} s, over the "
                      f"deadlines {d.matchmaking_s:.2f} + {d.averaging_s:.2f} s")
-        if len(group) < self.plan.num_replicas:
+        if len(group) < len(self.live):  # a replica of the roster was left out
             self.log(f"outer round {index + 1} of stage {self.stage}: averaged over replicas "
                      f"{group} of {self.plan.num_replicas} in {took:.2f} s")
 
@@ -223,11 +242,9 @@ class HivemindOuter:
                 self.log(f"outer round {index + 1} of stage {self.stage} failed here; took the "
                          f"outer state of a replica that completed it (round "
                          f"{loaded.outer_count})")
-                self.averager.state_sharing_priority = float(loaded.outer_count)
                 return OuterRoundSkipped(loaded)
         self.log(f"outer round {index + 1} of stage {self.stage} failed on every replica that "
                  "tried it; skipped, keeping the local pseudo-gradient for the next round")
-        self.averager.state_sharing_priority = float(index + 1)
         return OuterRoundSkipped(None)
 
     def _best_peer_rounds(self) -> float:
@@ -242,15 +259,37 @@ class HivemindOuter:
 
     def load_state(self) -> OuterState | None:
         """The outer state of the most advanced peer (None when none answered in time)."""
-        got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+        try:
+            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+        except TimeoutError:
+            return None
         if got is None:
             return None
         meta, tensors = got
         if meta.get("run") != self.cfg.run or not tensors:
             return None
         momentum = tensors[1] if len(tensors) > 1 and meta.get("momentum") else None
+        self.completed = int(meta["completed"])
         return OuterState(tensors[0].clone(), momentum.clone() if momentum is not None else None,
                           int(meta["outer_count"]))
+
+    def publish(self, outer: OuterState) -> None:
+        """The training thread, after each outer step: what peers loading state now get."""
+        has_momentum = outer.momentum is not None
+        tensors = [outer.anchor.detach().cpu().float().clone(),
+                   outer.momentum.detach().cpu().float().clone() if has_momentum
+                   else torch.zeros(0)]
+        meta = {"run": self.cfg.run, "outer_count": outer.outer_count,
+                "momentum": has_momentum, "completed": self.completed}
+        with self.lock:
+            self.snapshot = (meta, tensors)
+        if self.averager is not None:
+            self.averager.state_sharing_priority = float(self.completed)
+
+    def _shared(self) -> tuple[dict, list[torch.Tensor]]:
+        with self.lock:
+            assert self.snapshot is not None
+            return self.snapshot
 
     def join(self) -> OuterState:
         """--join: the state of a live peer, in at most JOIN_ATTEMPTS tries (PeerError after)."""
@@ -262,6 +301,7 @@ class HivemindOuter:
                          f"{state.outer_count} of stage {self.stage} from a peer in "
                          f"{time.monotonic() - t0:.2f} s")
                 self.catching_up = True
+                self.roster.start()
                 return state
             self.log(f"--join: attempt {attempt}/{JOIN_ATTEMPTS}: no peer of run "
                      f"{self.cfg.run} stage {self.stage} shared its state within "
@@ -294,15 +334,6 @@ def quiet_hivemind() -> None:
         logging.getLogger("hivemind").setLevel(logging.CRITICAL)
 
 
-def state_metadata(run: str, outer: OuterState) -> tuple[dict, list[torch.Tensor]]:
-    """What `HivemindOuter.load_state` reads back: (metadata, [anchor, momentum])."""
-    has_momentum = outer.momentum is not None
-    tensors = [outer.anchor.detach().cpu().float()]
-    tensors.append(outer.momentum.detach().cpu().float() if has_momentum
-                   else torch.zeros(0))
-    return {"run": run, "outer_count": outer.outer_count, "momentum": has_momentum}, tensors
-
-
 def settings_of(cfg: object, plan: Plan, min_replicas: int) -> HivemindSettings:
     """HivemindSettings from a RunConfig (its `hivemind` component) and the plan."""
     hv = cfg.hivemind  # type: ignore[attr-defined]
@@ -316,6 +347,8 @@ def settings_of(cfg: object, plan: Plan, min_replicas: int) -> HivemindSettings:
         client_mode=hv.client_mode, run=run, timeout_s=cfg.timeout_s,  # type: ignore[attr-defined]
         heartbeat_s=cfg.elastic.heartbeat_timeout_s,  # type: ignore[attr-defined]
         min_replicas=min_replicas, compression=plan.sync.compression,
+        starting=len(cfg.elastic.start_replicas(plan.num_replicas)  # type: ignore[attr-defined]
+                     or range(plan.num_replicas)),
         matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)
 
 

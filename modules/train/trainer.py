@@ -317,17 +317,10 @@ class Trainer:
 
     # -- the hivemind outer backend (modules.sync.hivemind_outer) ------------------------------
     def _attach_hivemind(self) -> None:
-        """Give the backend my stage's size and the state a joining peer loads from me."""
-        from modules.sync.hivemind_outer import state_metadata
-
+        """Give the backend my stage's size and outer state (what a joining peer loads)."""
         assert self.diloco is not None and self.outer_backend is not None
-        backend = self.outer_backend
-
-        def state() -> tuple[dict, list[torch.Tensor]]:
-            with self.state_lock:  # between steps: anchor, momentum and count agree
-                return state_metadata(backend.cfg.run, self.diloco.outer_state())
-
-        backend.attach(sum(p.numel() for p in self.diloco.params), state)
+        self.outer_backend.attach(sum(p.numel() for p in self.diloco.params),
+                                  self.diloco.outer_state(), joining=self.cfg.elastic.join)
 
     def _hivemind_join(self) -> None:
         """--join over hivemind: load the outer state of my stage from the most advanced peer,
@@ -339,6 +332,7 @@ class Trainer:
             self.diloco.load_outer_state(state)
         self.diloco.outer_step()  # weight 0: the others' average, bit-identical after it
         self.outer_backend.catching_up = False
+        self.outer_backend.publish(self.diloco.outer_state())
         self.step = self.diloco.outer_count * self.plan.sync.inner_steps
         self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
                  f"{time.monotonic() - t0:.2f} s")
@@ -496,6 +490,8 @@ class Trainer:
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
+        if self.outer_count != outer0 and self.outer_backend is not None:  # what joiners load
+            self.outer_backend.publish(self.diloco.outer_state())
         if self.outer_count != outer0 and self.ckpt is not None:
             # taken here, on the only thread that changes the state, at the same round's end on
             # every rank; with overlap the rounds in flight are in it as sent (resume redoes them)
