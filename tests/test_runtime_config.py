@@ -15,6 +15,7 @@ from modules.config import (
     DebugConfig,
     DeviceConfig,
     ElasticConfig,
+    HivemindConfig,
     LaunchConfig,
     MetricsConfig,
     OptimConfig,
@@ -24,7 +25,7 @@ from modules.config import (
 from tests.conftest import run_entry
 
 CONFIGS = (LaunchConfig, RunConfig, OptimConfig, CheckpointConfig, ElasticConfig, DataConfig,
-           MetricsConfig, DeviceConfig, DebugConfig, OuterSyncConfig)
+           MetricsConfig, DeviceConfig, DebugConfig, OuterSyncConfig, HivemindConfig)
 
 # every flag dist_runner had before the configs generated them: none may disappear
 OLD_FLAGS = [

@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
@@ -84,6 +87,45 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
 def _stop(dht: Any) -> None:
     with contextlib.suppress(Exception):  # the process may not have started at all
         dht.shutdown()
+
+
+_GUARDED = False
+
+
+def install_orphan_guard(poll_s: float = 1.0) -> None:
+    """Make the hivemind processes this rank forks (DHT, averager) stop their p2pd and exit
+    when the rank dies without cleaning up (kill -9): each watches its parent from a thread.
+    Ctrl+C and SIGTERM stop them through HivemindOuter.close instead."""
+    global _GUARDED
+    if _GUARDED:
+        return
+    _GUARDED = True
+    os.register_at_fork(after_in_child=lambda: _watch_parent(poll_s))
+
+
+def _watch_parent(poll_s: float) -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        for pid in _children("p2pd"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-guard", daemon=True).start()
+
+
+def _children(name: str) -> list[int]:
+    """Pids of this process's children called `name` (from /proc)."""
+    me, out = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError):
+            if (entry.name.isdigit() and (entry / "comm").read_text().strip() == name
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me):
+                out.append(int(entry.name))  # stat's 4th field: the parent's pid
+    return out
 
 
 def visible_maddrs(dht: Any) -> list[str]:

@@ -38,7 +38,15 @@ from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
-from modules.control.dht import Roster, SplitGuard, first, parse_maddrs, run_id, start_dht
+from modules.control.dht import (
+    Roster,
+    SplitGuard,
+    first,
+    install_orphan_guard,
+    parse_maddrs,
+    run_id,
+    start_dht,
+)
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.outer_deadlines import OuterDeadlines, derive
@@ -79,6 +87,7 @@ class HivemindOuter:
         self.cfg, self.plan, self.cluster, self.log = settings, plan, cluster, log
         self.replica, self.stage = replica, stage
         quiet_hivemind()
+        install_orphan_guard()  # a rank killed with -9 leaves no DHT process or p2pd behind
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
                              list(settings.announce_maddrs), settings.client_mode,
                              settings.timeout_s)
