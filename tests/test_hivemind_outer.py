@@ -253,3 +253,19 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path):
         assert run.p2pd_left() == [], "p2pd outlived its replica"
     finally:
         run.stop()
+
+
+@pytest.mark.timeout(60)
+def test_kill_9_of_the_rank_alone_leaves_no_p2pd(tmp_path):
+    """kill -9 of the rank process only (not its session): its DHT process notices, stops its
+    p2pd and exits (modules/control/dht.py's orphan guard)."""
+    run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    try:
+        run.start(0, "--steps", "1000", "--fake-data")
+        run.peers_of(0)
+        assert run.p2pd_left(grace_s=0) != [], "no p2pd to watch"
+        run.procs[0].send_signal(signal.SIGKILL)
+        run.procs[0].wait(10)
+        assert run.p2pd_left(grace_s=5) == [], "p2pd outlived its rank"
+    finally:
+        run.stop()
