@@ -322,6 +322,16 @@ class Trainer:
         self.outer_backend.attach(sum(p.numel() for p in self.diloco.params),
                                   self.diloco.outer_state(), joining=self.cfg.elastic.join)
 
+    def _hivemind_after_round(self) -> None:
+        """After an outer step: publish the outer state (what joiners load); if it was a later
+        round's state taken from a peer, continue at that round's step, in phase with them."""
+        count, h = self.diloco.outer_count, self.plan.sync.inner_steps
+        if count * h > self.step:
+            self.log(f"took the state of outer round {count}: continuing at step {count * h} "
+                     f"(was {self.step}), in phase with the other replicas")
+            self.step = count * h
+        self.outer_backend.publish(self.diloco.outer_state())
+
     def _hivemind_join(self) -> None:
         """--join over hivemind: load the outer state of my stage from the most advanced peer,
         take part in the next round with weight 0, continue at that round's step."""
@@ -490,8 +500,8 @@ class Trainer:
             self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
                      f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
                      f"{plan.sync.inner_steps} inner steps)")
-        if self.outer_count != outer0 and self.outer_backend is not None:  # what joiners load
-            self.outer_backend.publish(self.diloco.outer_state())
+        if self.outer_count != outer0 and self.outer_backend is not None:
+            self._hivemind_after_round()
         if self.outer_count != outer0 and self.ckpt is not None:
             # taken here, on the only thread that changes the state, at the same round's end on
             # every rank; with overlap the rounds in flight are in it as sent (resume redoes them)
