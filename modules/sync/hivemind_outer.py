@@ -162,7 +162,7 @@ class HivemindOuter:
         self.rounds_s.append(took)
         self._report(index, took, sorted(group))
         self.completed = index + 1
-        return self._bytes_sent(flat.numel(), len(group))
+        return self._bytes_sent(flat.numel(), group)
 
     def _round(self, index: int, weight: float) -> list[int] | None:
         """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
@@ -233,11 +233,24 @@ class HivemindOuter:
             self.log(f"outer round {index + 1} of stage {self.stage}: averaged over replicas "
                      f"{group} of {self.plan.num_replicas} in {took:.2f} s")
 
-    def _bytes_sent(self, numel: int, world: int) -> int:
-        """What this peer put on the wire: its chunks to their owners and its chunk's means back
-        to every other peer (the store backend's formula, 2 (W-1)/W of the payload)."""
-        per_value = {"none": 4.0, "fp16": 2.0}.get(self.cfg.compression, 1.0 + 4.0 / 256)
-        return int(2 * (world - 1) / max(1, world) * numel * per_value)
+    def _bytes_sent(self, numel: int, group: list[int]) -> int:
+        """What this peer put on the wire, counted as the store backend counts it: its
+        encoding of every other owner's chunks, and its own chunks' encoded means to each of
+        the other peers (modules.comm.compressed's reduce-scatter and all-gather)."""
+        from modules.quant.allreduce import SEGMENT, chunk_bounds, segment_bounds
+
+        world, me, block = len(group), sorted(group).index(self.replica), 256
+
+        def encoded(c: int) -> int:
+            return {"none": 4 * c, "fp16": 2 * c}.get(self.cfg.compression,
+                                                     c + 4 * -(-c // block))
+
+        total = 0
+        for lo, hi in segment_bounds(numel, SEGMENT, block):
+            for j, (a, b) in enumerate(chunk_bounds(hi - lo, world, block)):
+                if b > a:
+                    total += encoded(b - a) * ((world - 1) if j == me else 1)
+        return total
 
     # -- recovering and joining --------------------------------------------------------------
     def _recover(self, index: int) -> OuterRoundSkipped:
