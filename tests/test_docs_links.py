@@ -27,6 +27,16 @@ _FILES = "|".join(re.escape(f) for f in TOP_FILES)
 REPO_PATH = re.compile(rf"(?<![\w./~$-])((?:{_DIRS})/[\w./-]*|(?:{_FILES}))")
 COMMAND = re.compile(r"python\s+((?:[\w-]+/)*[\w-]+\.py)(?:[ \t]+([a-z][a-z-]*)\b)?")
 PLACEHOLDER = re.compile(r"[*{}<>]|\.\.\.")
+FLAGS_DOCUMENTED = {
+    ("dist_runner.py", None), ("scheduler/scheduler.py", "scenario"),
+    ("scheduler/scheduler.py", "plan"), ("scheduler/scheduler.py", "evaluate"),
+    ("scheduler/scheduler.py", "simulate"), ("scheduler/scheduler.py", "explain"),
+    ("scripts/launch_local.py", None), ("scripts/coordinator.py", None),
+    ("scripts/measure.py", None), ("scripts/plot_run.py", None), ("scripts/tc.py", "apply"),
+    ("scripts/cluster_ssh.py", None), ("scripts/local_cluster.py", "up"),
+    ("benchmarks/end_to_end.py", None)}
+"""Entry points whose every `--flag` (from `--help`) the README or a guide mentions."""
+HELP_FLAG = re.compile(r"^\s+(--[a-z0-9][a-z0-9-]*)", re.M)
 
 
 def _slug(heading: str) -> str:
@@ -125,13 +135,20 @@ def test_commands_found() -> None:
     assert {"scheduler/scheduler.py", "dist_runner.py", "scripts/launch_local.py",
             "benchmarks/end_to_end.py"} <= scripts
     assert ("scheduler/scheduler.py", "explain") in _commands()
+    assert set(_commands()) >= FLAGS_DOCUMENTED
 
 
 @pytest.mark.parametrize(("script", "sub"), _commands(), ids=lambda v: v or "-")
 def test_command_parses_help(script: str, sub: str | None) -> None:
-    """`python SCRIPT [SUB] --help` exits 0 with a usage line: the command still parses."""
+    """`python SCRIPT [SUB] --help` exits 0 with a usage line: the command still parses; for
+    the main entry points every flag it lists is mentioned in the README or a guide."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, script, *([sub] if sub else []), "--help"]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "usage" in p.stdout.lower(), (
         f"{' '.join(argv[1:])}: exit {p.returncode}\n{p.stdout[-800:]}{p.stderr[-800:]}")
+    if (script, sub) in FLAGS_DOCUMENTED:
+        text = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
+        missing = [f for f in HELP_FLAG.findall(p.stdout)
+                   if f != "--help" and not re.search(re.escape(f) + r"(?![\w-])", text)]
+        assert not missing, f"{' '.join(argv[1:-1])}: flags no guide mentions: {missing}"
