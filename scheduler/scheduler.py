@@ -506,6 +506,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Print the cost of any plan file under an objective."""
     cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
+    if plan.is_sharded:
+        return _evaluate_sharded(args, cluster, plan)
     if args.objective == "simulated":
         sim = sim_config_from_args(args, plan)
         try:  # a plan that does not fit costs inf to the search; here it is the user's error
@@ -531,6 +533,31 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         parts = ", ".join(f"{k} {v:.3f}{unit(k)}" for k, v in result.parts.items())
         print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
               f"({parts})")
+    return 0
+
+
+def _evaluate_sharded(args: argparse.Namespace, cluster: Cluster, plan: Plan) -> int:
+    """`evaluate` of a plan with shard groups: the simulator's step (the only objective that
+    models FSDP and the per-shard sync)."""
+    if args.objective != "simulated":
+        raise UserError(f"--objective {args.objective}: {args.plan} has shard groups, which "
+                        f"only the simulated objective models; use --objective simulated")
+    try:
+        result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
+                               timeline=False)
+    except UserError as e:
+        raise UserError(f"{args.plan}: {e}") from None
+    parts = {**result.parts(), "fsdp_comm_s": result.fsdp_comm_s,
+             "tokens_per_s": result.tokens_per_s,
+             "pp_bytes_per_step": result.pp_bytes_per_step,
+             "dp_bytes_per_step": result.dp_bytes_per_step,
+             "fsdp_bytes_per_step": result.fsdp_bytes_per_step}
+    if args.json:
+        print(json.dumps({"objective": "simulated", "cost": result.step_s, **parts}))
+    else:
+        text = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        print(f"{args.plan} on {cluster.name}: simulated cost {result.step_s:.3f} s "
+              f"(D = {result.shard_degree}; {text})")
     return 0
 
 
@@ -666,6 +693,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
+    if args.timeline and plan.is_sharded:
+        raise UserError(f"--timeline: {args.plan} has shard groups; the event timeline draws "
+                        f"D = 1 plans only (leave out --timeline)")
     try:
         result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
                                timeline=bool(args.timeline))
