@@ -230,3 +230,27 @@ def test_max_shard_default_is_one():
     assert PlanRequest(1, 1).max_shard == 1
     with pytest.raises(UserError, match=r"PlanRequest.max_shard: must be 1\.\."):
         PlanRequest(1, 1, max_shard=0)
+
+
+def test_cli_plans_simulates_and_evaluates_a_sharded_plan(tmp_path, capsys):
+    from formats.cluster import save_cluster
+    from scheduler.scheduler import main
+    cluster_file, plan_file = tmp_path / "c.json", tmp_path / "p.json"
+    save_cluster(two_sites(), cluster_file)
+    rc = main(["plan", "--cluster", str(cluster_file), "--model", "llama-1b", "--objective",
+               "simulated", "--sync", "diloco", "--inner-steps", "50", "--compression", "int8",
+               "--overlap", "--micro-batch-size", "8", "--max-shard", "4", "--budget", "200",
+               "--random-samples", "20", "--quiet", "--json", "--out", str(plan_file)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shard_degree"] == 4 and out["chosen"] == "1 x 4-way x 2, diloco"
+    plan = load_plan(plan_file)
+    assert plan.shard_degrees() == [4] and plan.num_replicas == 2
+    assert main(["simulate", "--cluster", str(cluster_file), "--plan", str(plan_file),
+                 "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["shard_degree"] == 4 and sim["step_s"] == pytest.approx(plan.predicted["cost"])
+    assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file)]) == 0
+    assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file),
+                 "--objective", "dtfm"]) == 2
+    assert "only the simulated objective models" in capsys.readouterr().err
