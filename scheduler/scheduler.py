@@ -418,6 +418,11 @@ def _shard_table(shards: tuple[Candidate, list[Candidate]]) -> str:
     for c in every:
         mark = "  <- written" if c.label == best.label else ""
         rows.append(f"  {c.label:44s} {c.step_s:10.3f} {c.per_sequence_s:12.5f}{mark}")
+    if best.shard_degree > 1:
+        rows.append("  the sharded layout is written, not the D = 1 plan above (predicted "
+                    f"{every[0].per_sequence_s / best.per_sequence_s:.2f}x its sequences/s)"
+                    if every[0].shard_degree == 1 else "  no D = 1 plan fits: the sharded "
+                    "layout is written")
     return "\n".join(rows)
 
 
@@ -680,7 +685,7 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("evaluate", help="cost of any plan file")
     ev.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    ev.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    ev.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
     ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model (default {DEFAULT_OBJECTIVE})")
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -718,7 +723,7 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     si = sub.add_parser("simulate", help="replay one step of a plan: step time and breakdown")
     si.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    si.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
     si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
     si.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_perf_model_args(si)

@@ -71,55 +71,63 @@ class Candidate:
         return self.step_s / (self.num_replicas * self.shard_degree)
 
 
+def memory_table(model: ModelSpec, req: PlanRequest, degree: int, diloco: bool) -> np.ndarray:
+    """(L+1, L+1) bytes a device of a D-way shard group needs for a stage [a, b) (inf: b <= a)."""
+    n = model.num_layers
+    table = np.full((n + 1, n + 1), np.inf)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            table[a, b] = stage_memory(model, a, b, req.micro_batch_size, req.num_micro_batches,
+                                       diloco, req.sim.memory(), degree,
+                                       req.reshard_after_forward, req.outer_state).total_bytes
+    return table
+
+
 def layer_split(cluster: Cluster, model: ModelSpec, pipelines: list[list[list[int]]],
-                micro_batch_size: int, num_micro_batches: int, diloco: bool,
-                reshard_after_forward: bool, outer_state: str) -> list[tuple[int, int]]:
-    """Stages balancing compute on each stage's slowest device, memory per device checked
-    ([] when nothing fits)."""
-    s_count, degree, n = len(pipelines[0]), len(pipelines[0][0]), model.num_layers
+                need: np.ndarray) -> list[tuple[int, int]]:
+    """Stages balancing compute on each stage's slowest device, each stage's bytes per device
+    (`need`, memory_table) within its smallest device ([] when nothing fits)."""
+    s_count = len(pipelines[0])
+    if s_count > model.num_layers:
+        return []
     flops = flops_table(model)
-    cost = np.full((s_count, n + 1, n + 1), np.inf)
+    cost = np.empty((s_count, *flops.shape))
     for s in range(s_count):
         devs = [cluster.devices[d] for chain in pipelines for d in chain[s]]
         speed, memory = min(d.tflops for d in devs), min(d.memory_gb for d in devs) * 1e9
-        for a in range(n):
-            for b in range(a + 1, n + 1):
-                need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco,
-                                    None, degree, reshard_after_forward, outer_state)
-                if need.total_bytes <= memory:
-                    cost[s, a, b] = flops[a, b] / speed
-    if s_count > n:
-        return []
+        cost[s] = np.where(need <= memory, flops / speed, np.inf)
     stages, worst = split_layers(cost)
     return stages if np.isfinite(worst) else []
 
 
 def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
-                       syncs: tuple[SyncConfig, ...]) -> list[Candidate]:
-    """Every D in 2..req.max_shard, every S up to the shard groups, under each sync: scored."""
-    out = []
-    for degree in range(2, req.max_shard + 1):
-        if degree > model.shard_limit():
-            break
+                       syncs: tuple[SyncConfig, ...], deadline: float) -> list[Candidate]:
+    """Every D in 2..req.max_shard, every S up to the shard groups, under each sync: scored
+    until `deadline` (a time.perf_counter() value; at least one layout is scored)."""
+    out: list[Candidate] = []
+    digest = cluster.sha256()
+    for degree in range(2, min(req.max_shard, model.shard_limit()) + 1):
         groups = shard_groups(cluster, degree)
+        tables = {mode: memory_table(model, req, degree, mode == "diloco")
+                  for mode in {sync.mode for sync in syncs}} if groups else {}
         for s_count in range(1, min(len(groups), model.num_layers) + 1):
             r_count = len(groups) // s_count
-            if r_count < 1:
-                continue
             pipes = [groups[r * s_count:(r + 1) * s_count] for r in range(r_count)]
-            out += [_score(cluster, model, req, pipes, sync) for sync in syncs
-                    if sync.mode == "allreduce" or r_count > 1]
+            for sync in syncs:
+                if out and time.perf_counter() > deadline:
+                    return out
+                if sync.mode == "allreduce" or r_count > 1:
+                    out.append(_score(cluster, model, req, pipes, sync, tables[sync.mode],
+                                      digest))
     return out
 
 
 def _score(cluster: Cluster, model: ModelSpec, req: PlanRequest, pipes: list[list[list[int]]],
-           sync: SyncConfig) -> Candidate:
+           sync: SyncConfig, need: np.ndarray, digest: str) -> Candidate:
     """Simulate one layout under one sync (inf when it does not fit)."""
     s_count, degree, r_count = len(pipes[0]), len(pipes[0][0]), len(pipes)
     label = f"{s_count} x {degree}-way x {r_count}, {sync.mode}"
-    diloco = sync.mode == "diloco"
-    stages = layer_split(cluster, model, pipes, req.micro_batch_size, req.num_micro_batches,
-                         diloco, req.reshard_after_forward, req.outer_state)
+    stages = layer_split(cluster, model, pipes, need)
     if not stages:
         return Candidate(label, s_count, degree, r_count, float("inf"))
     try:
@@ -128,7 +136,7 @@ def _score(cluster: Cluster, model: ModelSpec, req: PlanRequest, pipes: list[lis
                           req.pipeline_compression, req.reshard_after_forward, req.outer_state)
     except UserError:  # a device over its memory (the split's check is per stage's least)
         return Candidate(label, s_count, degree, r_count, float("inf"))
-    plan = Plan(cluster.name, cluster.sha256(), model.name, stages, pipes,  # type: ignore[arg-type]
+    plan = Plan(cluster.name, digest, model.name, stages, pipes,  # type: ignore[arg-type]
                 req.micro_batch_size, req.num_micro_batches, sync, req.pipeline_compression,
                 reshard_after_forward=req.reshard_after_forward, outer_state=req.outer_state)
     return Candidate(label, s_count, degree, r_count, result.step_s, plan, result)
@@ -172,12 +180,14 @@ def plan_hierarchical(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                       syncs: tuple[SyncConfig, ...], flat: Plan | None,
                       started: float) -> tuple[Candidate, list[Candidate]]:
     """The best of the D = 1 plan `flat` (None: none found or none fits) and every sharded
-    layout with D <= req.max_shard under each of `syncs`, by time per sequence."""
+    layout with D <= req.max_shard under each of `syncs`, by time per sequence. The layouts
+    are scored until req.search.time_limit_s after `started` (at least one)."""
     if req.num_micro_batches == 0:
         req = replace(req, num_micro_batches=default_micro_batches(
             model, req.micro_batch_size, req.tokens_per_replica))
     base = flat_candidate(cluster, model, flat, req.sim) if flat is not None else None
-    best, every = choose(base, sharded_candidates(cluster, model, req, syncs),
+    deadline = started + req.search.time_limit_s
+    best, every = choose(base, sharded_candidates(cluster, model, req, syncs, deadline),
                          req.search.seed, started)
     if best.shard_degree > 1 and best.plan is not None:
         best.plan.search["sim_config"] = asdict(req.sim)
