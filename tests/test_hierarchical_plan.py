@@ -254,3 +254,11 @@ def test_cli_plans_simulates_and_evaluates_a_sharded_plan(tmp_path, capsys):
     assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file),
                  "--objective", "dtfm"]) == 2
     assert "only the simulated objective models" in capsys.readouterr().err
+
+
+def test_a_shard_that_does_not_fit_is_named():
+    cluster = two_sites()  # 40 GB devices; llama-1b unsharded with DiLoCo does not fit
+    model, sync = get_model("llama-1b"), SyncConfig("diloco", 4)
+    with pytest.raises(UserError, match=r"device 0 .* stage 0 .* of replica 0 as 1 of 2 shards"
+                                        r".*shard the stage over more devices"):
+        simulate(cluster, model, [(0, 16)], [[[0, 2]], [[1, 3]]], sync, 8, 8, timeline=False)
