@@ -8,6 +8,7 @@ from typing import Any
 
 from formats import checks
 from formats.errors import UserError
+from formats.wire import INT8_BLOCK
 from scheduler.memory import MemoryConfig
 
 RUNTIME_NAMES = ("cpu", "gpu")
@@ -66,7 +67,7 @@ class SimConfig:
     """Activation checkpointing: backward re-runs the forward (1 extra forward of FLOPs)."""
     reserved_gb: float = 1.0
     """Per-device memory overhead (CUDA context, buffers), GB."""
-    int8_block: int = 256
+    int8_block: int = INT8_BLOCK
     """Values per fp32 scale in the int8 all-reduce payload."""
     activation_bytes: int = 2
     """Bytes per value of the hidden state sent between stages: 2 for fp16/bf16 activations on
