@@ -330,24 +330,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         out = plan_best_shape(cluster, model, req, progress, STARTED)
     if not args.quiet:
-        print(file=sys.stderr)
-        if out.plan.search["stopped_by"] == "time":
-            print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
-                  f"may differ from run to run (raise --time-limit, or lower --budget, to "
-                  f"reproduce it from --search-seed)", file=sys.stderr)
-        taken = out.plan.search.get("taken_from")
-        if taken:
-            print(f"note: the search, cut short by --time-limit, ended at "
-                  f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
-                  f"plan is the one written", file=sys.stderr)
-        skipped = out.plan.search.get("shapes_skipped")
-        if skipped:
-            print(f"note: the --time-limit ran out before shapes "
-                  f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
-                  f"more time, or --stages/--replicas)", file=sys.stderr)
-        if out.random_scored < args.random_samples:
-            print(f"note: the --time-limit left time to score {out.random_scored} of "
-                  f"{args.random_samples} random plans for the baseline", file=sys.stderr)
+        _print_search_notes(args, out)
     if args.plot:  # first: a plot that fails leaves no plan file behind
         from scheduler.plots import plot_plan  # matplotlib only when asked
         plot_plan(cluster, out.plan, out.history, args.plot)
@@ -361,6 +344,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
         extra = [f for f in (args.allreduce_out if auto else None, args.plot) if f]
         print(f"wrote {args.out}" + "".join(f" and {f}" for f in extra))
     return 0
+
+
+def _print_search_notes(args: argparse.Namespace, out: PlanOutcome) -> None:
+    """The notes on stderr that say where the --time-limit cut the search short."""
+    print(file=sys.stderr)
+    if out.plan.search["stopped_by"] == "time":
+        print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
+              f"may differ from run to run (raise --time-limit, or lower --budget, to "
+              f"reproduce it from --search-seed)", file=sys.stderr)
+    taken = out.plan.search.get("taken_from")
+    if taken:
+        print(f"note: the search, cut short by --time-limit, ended at "
+              f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
+              f"plan is the one written", file=sys.stderr)
+    skipped = out.plan.search.get("shapes_skipped")
+    if skipped:
+        print(f"note: the --time-limit ran out before shapes "
+              f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
+              f"more time, or --stages/--replicas)", file=sys.stderr)
+    if out.random_scored < args.random_samples:
+        print(f"note: the --time-limit left time to score {out.random_scored} of "
+              f"{args.random_samples} random plans for the baseline", file=sys.stderr)
 
 
 AUTO_ROWS = (("step time (s)", "step_s", 1.0), ("  compute (busiest device)", "compute_s", 1.0),

@@ -274,13 +274,7 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
                             time.perf_counter() - start, [], best_structured, "infeasible",
                             cache)
     _evolve(population, scorer, cache, config, rng, progress)
-    # Polishing gets what is left of the budget and time, so that the best plan is a swap-local
-    # optimum whenever they allow; `budget` stays a hard cap on evaluations.
-    scorer.budget = config.budget
-    scorer.deadline = start + config.time_limit_s
-    _polish(scorer.best[1], scorer.best[0], scorer)
-    if progress:
-        progress(scorer.evaluations, scorer.best[0][0])
+    _final_polish(scorer, config, start, progress)
     (best_cost, _), best_groups = scorer.best
     best_plan = cache.chains(best_groups)
     if given[1] < best_structured[1]:
@@ -294,6 +288,18 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
     return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
                         _merge_history(given_history, scorer.history, chain_history),
                         best_structured, scorer.stopped_by(), cache)
+
+
+def _final_polish(scorer: _Scorer, config: SearchConfig, start: float,
+                  progress: Callable[[int, float], None] | None) -> None:
+    """Polish the best groups with what is left of the whole budget and time."""
+    # Polishing gets what is left of the budget and time, so that the best plan is a swap-local
+    # optimum whenever they allow; `budget` stays a hard cap on evaluations.
+    scorer.budget = config.budget
+    scorer.deadline = start + config.time_limit_s
+    _polish(scorer.best[1], scorer.best[0], scorer)
+    if progress:
+        progress(scorer.evaluations, scorer.best[0][0])
 
 
 def _score_given_plans(objective: Objective, scorer: _Scorer,
