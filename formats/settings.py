@@ -47,9 +47,6 @@ MAX_SECONDS = 1e8
 """Longest timeout or time limit (3 years): beyond it timedelta and the store's millisecond
 timeouts overflow."""
 
-_RULE_KEYS = ("lo", "hi", "lo_open", "hi_open", "choices", "noun")
-
-
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             flag: str | None = None, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: Iterable[Any] | None = None,
@@ -125,7 +122,7 @@ def qualified(cls: type, name: str) -> str:
 
 
 def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def range_text(meta: dict[str, Any]) -> str:
@@ -209,60 +206,80 @@ def check(obj: Any, name_of: Callable[[type, str], str] = qualified) -> None:
             raise UserError(f"{name_of(cls, f.name)}: {bad}")
 
 
-def _argtype(kind: type, meta: dict[str, Any], bounded: bool) -> Callable[[str], Any]:
-    bounds = {k: meta[k] for k in _RULE_KEYS[:4] if k in meta} if bounded else {}
-    if kind is float:
-        return argtypes.number(**bounds)
-    if kind is int:
-        return argtypes.integer(bounds.get("lo"), bounds.get("hi"))
-    return kind
+def _argtype(cls: type, name: str, kind: type, bounded: bool) -> Callable[[str], Any]:
+    """The argparse type of a field's flag: numbers finite (argtypes), and with `bounded` also
+    within the field's rule, worded as `problem` words it."""
+    if kind not in (int, float):
+        return kind
+    parse = argtypes.number() if kind is float else argtypes.integer()
+    if not bounded:
+        return parse
+
+    def convert(text: str) -> Any:
+        value = parse(text)
+        bad = problem(cls, name, value)
+        if bad:
+            raise argparse.ArgumentTypeError(bad)
+        return value
+    convert.__name__ = parse.__name__  # argparse names the type in some messages
+    return convert
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-              names: Iterable[str] | None = None, *, title: str | None = None,
-              defaults: dict[str, Any] | None = None, bounded: bool = False,
+              names: Iterable[str] | None = None, *, defaults: dict[str, Any] | None = None,
+              default_words: dict[str, str] | None = None, bounded: bool = False,
+              flag_metavar: bool = False,
               help_words: Callable[[str], str] = lambda text: text) -> None:
-    """One flag per field of config class `cls` (`names` only, when given; configs nested in it
-    recursively when not): dest `Class.field`, help the field's docstring (through
-    `help_words`) plus its default, choices from its rule, numbers refused when not finite (and,
-    with `bounded`, out of the rule's range: argparse's own error, exit 2). A group titled by
-    `title` (default: the class's docstring) is made on an ArgumentParser; `defaults` replaces
-    a field's default on the command line (None: 'not given', for the caller to resolve)."""
-    hints, docs, defaults = _hints(cls), field_docs(cls), defaults or {}
+    """One flag per field of config class `cls`: dest `Class.field`, help the field's docstring
+    (through `help_words`) and its default, choices from its rule, numbers refused when not
+    finite (and, with `bounded`, when they break the field's rule: argparse's own error, exit
+    2).
+
+    Without `names`: every field, configs nested in it too, each class in an argument group
+    titled by its docstring. With `names`: those fields, added to `parser` (or the group) as
+    given. `defaults` replaces a field's default on the command line (None: 'not given', for
+    the caller to resolve); `default_words` says the default in words instead of `(default
+    X)`; `flag_metavar`: the metavar is the flag's name (`--time-limit TIME_LIMIT`), not the
+    field's."""
+    hints, docs = _hints(cls), field_docs(cls)
+    opts = {"defaults": defaults or {}, "words": default_words or {}, "bounded": bounded,
+            "flag_metavar": flag_metavar}
     group = parser
-    if isinstance(parser, argparse.ArgumentParser):
+    if names is None and isinstance(parser, argparse.ArgumentParser):
         group = parser.add_argument_group(
-            title or " ".join((cls.__doc__ or cls.__name__).split()).rstrip("."))
-    wanted = list(names) if names is not None else [f.name for f in dataclasses.fields(cls)]
-    for name in wanted:
+            " ".join((cls.__doc__ or cls.__name__).split()).rstrip("."))
+    for name in list(names) if names is not None else [f.name for f in dataclasses.fields(cls)]:
         f, hint = _field(cls, name), hints[name]
         if is_config(hint):
             add_flags(parser, hint, bounded=bounded, help_words=help_words)
             continue
-        _add_one(group, cls, f, hint, defaults, bounded, help_words(docs.get(name, "")))
+        _add_one(group, cls, f, hint, opts, help_words(docs.get(name, "")))
 
 
-def _add_one(group: Any, cls: type, f: dataclasses.Field, hint: Any, defaults: dict[str, Any],
-             bounded: bool, help_text: str) -> None:
+def _add_one(group: Any, cls: type, f: dataclasses.Field, hint: Any, opts: dict[str, Any],
+             help_text: str) -> None:
     kind, _ = base_type(hint)
-    meta = f.metadata
+    meta, flag = f.metadata, flag_of(cls, f.name)
     kwargs: dict[str, Any] = {"dest": f"{cls.__name__}.{f.name}",
                               "help": argparse.SUPPRESS if meta.get("hidden") else help_text}
     if kind is bool and "choices" not in meta:
-        group.add_argument(flag_of(cls, f.name), action="store_true", **kwargs)
+        group.add_argument(flag, action="store_true", **kwargs)
         return
-    default = defaults.get(f.name, f.default)
+    default = opts["defaults"].get(f.name, f.default)
     if meta.get("required") or default is dataclasses.MISSING:
         kwargs["required"] = True
     else:
         kwargs["default"] = default
-        if kwargs["help"] is not argparse.SUPPRESS and default not in (None, "", False):
-            kwargs["help"] += f" (default {default})"
+        words = opts["words"].get(f.name) or \
+            (f"default {default}" if default not in (None, "", False) else "")
+        if kwargs["help"] is not argparse.SUPPRESS and words:
+            kwargs["help"] += f" ({words})"
     if "choices" in meta:
         kwargs["choices"] = meta["choices"]
     else:
-        kwargs["metavar"] = f.name.upper()
-    group.add_argument(flag_of(cls, f.name), type=_argtype(kind, meta, bounded), **kwargs)
+        kwargs["metavar"] = (flag.lstrip("-").replace("-", "_") if opts["flag_metavar"]
+                             else f.name).upper()
+    group.add_argument(flag, type=_argtype(cls, f.name, kind, opts["bounded"]), **kwargs)
 
 
 def value_of(args: argparse.Namespace, cls: type, name: str) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from formats.errors import UserError
+from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, setting
 from scheduler.link_costs import LinkCosts, as_link_costs
 from scheduler.objective import Objective
 from scheduler.search.islands import (
@@ -38,34 +38,27 @@ from scheduler.search.matching import PairCache
 class SearchConfig:
     """Knobs of the evolutionary search."""
 
-    budget: int = 20_000
-    """Maximum objective evaluations."""
-    time_limit_s: float = 10.0
-    """Wall-clock limit in seconds (the search stops at whichever limit comes first)."""
-    population: int = 24
+    budget: int = setting(20_000, lo=1, hi=MAX_COUNT)
+    """max objective evaluations per searched shape"""
+    time_limit_s: float = setting(10.0, flag="--time-limit", lo=0.0, lo_open=True,
+                                  hi=MAX_SECONDS)
+    """wall limit in s (the search stops at whichever limit comes first)"""
+    population: int = setting(24, lo=1, hi=MAX_COUNT)
     """Candidates kept alive."""
-    local_tries: int = 40
+    local_tries: int = setting(40, lo=0, hi=MAX_COUNT)
     """Swap proposals of the local search applied to each child."""
-    patience: int = 3_000
+    patience: int = setting(3_000, lo=1, hi=MAX_COUNT)
     """Evaluations without a better plan after which the population restarts (or, without
     restarts, the evolution stops)."""
     restarts: bool = True
     """Restart from a fresh random population (plus the best plan) when stuck, until the
     evolution's share of the budget (four fifths) is spent."""
-    seed: int = 0
-    """Seed of every random choice."""
+    seed: int = setting(0, flag="--search-seed", lo=0, hi=MAX_SEED)
+    """seed of the search (of every random choice)"""
 
     def __post_init__(self) -> None:
         """UserError naming the first bad field (`SearchConfig.budget`)."""
-        checks = (("budget", self.budget >= 1, ">= 1"),
-                  ("time_limit_s", self.time_limit_s > 0, "> 0"),
-                  ("population", self.population >= 1, ">= 1"),
-                  ("local_tries", self.local_tries >= 0, ">= 0"),
-                  ("patience", self.patience >= 1, ">= 1"),
-                  ("seed", self.seed >= 0, ">= 0"))
-        for name, ok, rule in checks:
-            if not ok:
-                raise UserError(f"SearchConfig.{name}: must be {rule}, got {getattr(self, name)}")
+        check(self)
 
 
 @dataclass
