@@ -128,3 +128,40 @@ def number(rec: dict[str, Any], key: str) -> float | None:
     except OverflowError:
         return None
     return v if math.isfinite(v) else None
+
+
+STATUS_PREFIX = "STATUS "
+"""A rank's progress for programs: `STATUS {json}` on its stdout, one line per logged step."""
+STATUS_ENV = "SCATTERED_STATUS"
+"""Set to 1 in a rank's environment to make it print status lines (scripts/launch_local.py does;
+a launcher started with it set passes its ranks' status lines on to its own stdout)."""
+STATUS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "step_s", "comm_s")
+"""What a status line holds: the step reached of the run's total, its loss, tokens per second,
+and the step's seconds (of them waiting on communication)."""
+
+
+def status_line(record: dict[str, Any]) -> str:
+    """The status line of a step's metrics record (plus `steps`, the run's total)."""
+    return STATUS_PREFIX + json.dumps({k: record[k] for k in STATUS_FIELDS if k in record},
+                                      separators=(",", ":"))
+
+
+def parse_status(line: str) -> dict[str, Any] | None:
+    """The record of a status line (anything before `STATUS ` is ignored: a rank prefix), or
+    None when the line is not one."""
+    at = line.find(STATUS_PREFIX)
+    if at < 0:
+        return None
+    try:
+        rec = json.loads(line[at + len(STATUS_PREFIX):])
+    except (ValueError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
+def format_status(rec: dict[str, Any]) -> str:
+    """`step 5/10 loss 2.3456 tok/s 1234`: a status record for people."""
+    loss, tok = number(rec, "loss"), number(rec, "tokens_per_s")
+    return (f"step {rec.get('step')}/{rec.get('steps', '?')} loss "
+            f"{'nan' if loss is None else f'{loss:.4f}'} tok/s "
+            f"{'?' if tok is None else f'{tok:.0f}'}")

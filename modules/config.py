@@ -1,19 +1,19 @@
 """The runtime's settings: one small dataclass per component, validated where it is defined.
 
-Each field is one `dist_runner.py` flag: the flag is `--` + the field name with dashes (or the
-field's `metadata["flag"]`), its help text is the docstring written under the field, and its
-default is the field's default. `modules.cli_config` turns these classes into argparse flags and
-back, so a setting is written once. `__post_init__` checks what a field can check alone and
-raises UserError naming the flag; checks against the plan are in `RunConfig.check_plan`.
+Each field is one `dist_runner.py` flag, declared with formats.settings.setting: the flag is
+`--` + the field name with dashes (or its `flag=`), its help text is the docstring written under
+the field, its default the field's default, its range or choices the setting's rule.
+`modules.cli_config` turns these classes into argparse flags and back, so a setting is written
+once. `__post_init__` checks every field's rule (formats.settings.check, UserError naming the
+flag) and what a field cannot check alone; checks against the plan are in `RunConfig.check_plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from formats.addresses import tcp_url
@@ -21,95 +21,56 @@ from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
 from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
+from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
 
-MAX_COUNT = 10 ** 9
-"""Upper bound of step counts, intervals and sizes: far beyond any run, and small enough that
-no arithmetic on them overflows (torch takes 64-bit integers, timedelta and sleep finite
-seconds)."""
-MAX_SEED = 2 ** 63 - 1
-"""torch.manual_seed takes a 64-bit seed."""
-MAX_SECONDS = 1e8
-"""Longest timeout (3 years): beyond it timedelta and the store's millisecond timeouts
-overflow."""
+__all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "flag_of"]  # re-exported for the runtime
 MAX_THREADS = 1024
 MAX_CUDA_DEVICE = 1023
-
-
-def flag_of(cls: type, name: str) -> str:
-    """The command-line flag of field `name` of config class `cls`."""
-    for f in fields(cls):
-        if f.name == name:
-            return f.metadata.get("flag", "--" + name.replace("_", "-"))
-    raise KeyError(name)
-
-
-def _check(cls: type, name: str, ok: bool, value: object, must: str) -> None:
-    if not ok:
-        raise UserError(f"{flag_of(cls, name)}: must be {must}, got {value!r}")
-
-
-def _finite(cls: type, name: str, value: float, lo: float, strict: bool = True,
-            hi: float = math.inf) -> None:
-    ok = math.isfinite(value) and (value > lo if strict else value >= lo) and value <= hi
-    upper = f" and <= {hi:g}" if hi < math.inf else ""
-    _check(cls, name, ok, value, f"a finite number {'>' if strict else '>='} {lo:g}{upper}")
-
-
-def _int_at_least(cls: type, name: str, value: int, lo: int, hi: int = MAX_COUNT) -> None:
-    _check(cls, name, lo <= value <= hi, value, f">= {lo} and <= {hi}")
-
-
-def _one_of(cls: type, name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(cls, name, value in choices, value, "one of " + ", ".join(choices))
-
-
-def choices(*values: str) -> dict[str, tuple[str, ...]]:
-    """Field metadata: the allowed values of a string setting (shown in --help)."""
-    return {"choices": values}
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""--device (modules/device/select.py resolves auto)."""
+COMM_BACKENDS = ("auto", "gloo", "nccl")
+"""--comm (modules/comm/choice.py resolves auto per group)."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""--precision (modules/device/precision.py)."""
 
 
 @dataclass
 class OptimConfig:
     """The inner optimizer (AdamW) and its learning-rate schedule."""
 
-    lr: float = 1e-3
+    lr: float = setting(1e-3, lo=0.0, lo_open=True)
     """AdamW (inner) learning rate"""
-    weight_decay: float = 0.1
+    weight_decay: float = setting(0.1, lo=0.0)
     """AdamW weight decay"""
-    warmup_steps: int = 0
+    warmup_steps: int = setting(0, lo=0, hi=MAX_COUNT)
     """linear learning-rate warm-up from lr/warmup_steps to lr over this many steps"""
-    lr_schedule: str = field(default="constant", metadata=choices("constant", "cosine"))
+    lr_schedule: str = setting("constant", choices=("constant", "cosine"))
     """after warm-up: constant, or cosine decay to min_lr_ratio x lr at --steps"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, lo=0.0, hi=1.0)
     """where the cosine schedule ends, as a fraction of --lr"""
 
     def __post_init__(self) -> None:
-        _finite(OptimConfig, "lr", self.lr, 0.0)
-        _finite(OptimConfig, "weight_decay", self.weight_decay, 0.0, strict=False)
-        _int_at_least(OptimConfig, "warmup_steps", self.warmup_steps, 0)
-        _one_of(OptimConfig, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _finite(OptimConfig, "min_lr_ratio", self.min_lr_ratio, 0.0, strict=False, hi=1.0)
+        check(self, flag_of)
 
 
 @dataclass
 class CheckpointConfig:
     """Per-rank checkpoints: where, how often, how many, and whether to resume from them."""
 
-    dir: str | None = field(default=None, metadata={"flag": "--ckpt-dir"})
+    dir: str | None = setting(None, flag="--ckpt-dir")
     """folder for per-rank checkpoints (rank{R}/step{S}.pt), written in the background from a
     memory snapshot (temp file + rename)"""
-    every: int = field(default=0, metadata={"flag": "--ckpt-every"})
+    every: int = setting(0, flag="--ckpt-every", lo=0, hi=MAX_COUNT)
     """save every K steps and at the end (default with --ckpt-dir: only at the end)"""
-    keep: int = field(default=2, metadata={"flag": "--keep-checkpoints"})
+    keep: int = setting(2, flag="--keep-checkpoints", lo=1, hi=MAX_COUNT)
     """complete checkpoints kept per rank, newest first"""
-    sync: bool = field(default=False, metadata={"flag": "--sync-checkpoints"})
+    sync: bool = setting(False, flag="--sync-checkpoints")
     """write checkpoints on the training thread (slower; for comparison)"""
     resume: bool = False
     """continue from the newest step of --ckpt-dir that every rank has completely written"""
 
     def __post_init__(self) -> None:
-        _int_at_least(CheckpointConfig, "every", self.every, 0)
-        _int_at_least(CheckpointConfig, "keep", self.keep, 1)
+        check(self, flag_of)
         if self.resume and not self.dir:
             raise UserError("--resume needs --ckpt-dir")
 
@@ -124,11 +85,11 @@ class CheckpointConfig:
 class ElasticConfig:
     """Failure detection and membership: heartbeats, replicas that start, join and leave."""
 
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = setting(5.0, lo=0.0, lo_open=True, hi=MAX_SECONDS)
     """a peer whose heartbeat (every ~1 s through the rendezvous store) is older than this is
     gone: allreduce stops (checkpoint, exit 1), DiLoCo drops its replica and goes on; also how
     long the store may stay silent"""
-    min_replicas: int | None = None
+    min_replicas: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """DiLoCo: stop (checkpoint, exit 1) when fewer replicas are alive (default: 2, or 1 for a
     one-replica plan)"""
     replicas: str | None = None
@@ -141,8 +102,7 @@ class ElasticConfig:
     """DiLoCo: wait (and log) for a missing peer at an outer step instead of failing"""
 
     def __post_init__(self) -> None:
-        _finite(ElasticConfig, "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0,
-                hi=MAX_SECONDS)
+        check(self, flag_of)
         if self.replicas is not None:
             self._parse_replicas()
 
@@ -191,12 +151,13 @@ class DataConfig:
     ~/.cache/scattered-train/tokens)"""
     fake_data: bool = False
     """seeded random tokens instead of text (speed tests)"""
-    eval_every: int = 0
+    eval_every: int = setting(0, lo=0, hi=MAX_COUNT)
     """validation loss every K steps (0: only at the end when --eval-sequences > 0)"""
-    eval_sequences: int = 0
+    eval_sequences: int = setting(0, lo=0, hi=MAX_COUNT)
     """validation sequences per evaluation (0: none)"""
 
     def __post_init__(self) -> None:
+        check(self, flag_of)
         if self.data is not None and self.fake_data:
             raise UserError("--data and --fake-data exclude each other: pick one")
         if self.data is not None and not self.data.strip(" ,"):
@@ -206,8 +167,6 @@ class DataConfig:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
             raise UserError("--text-field: must name a field, got ''")
-        _int_at_least(DataConfig, "eval_every", self.eval_every, 0)
-        _int_at_least(DataConfig, "eval_sequences", self.eval_sequences, 0)
 
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
@@ -243,7 +202,7 @@ class MetricsConfig:
     metrics: str | None = None
     """metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl; default with --run-dir:
     RUN_DIR/metrics.jsonl)"""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = setting(None, lo=0.0, lo_open=True)
     """this device's peak TFLOP/s for the MFU figure (default: the plan's cluster entry when
     --cluster is given; no MFU otherwise)"""
     run_dir: str | None = None
@@ -254,18 +213,15 @@ class MetricsConfig:
     """comma-separated trackers of the per-step metrics: jsonl (the --metrics file),
     tensorboard (RUN_DIR/tensorboard; needs the tensorboard package), wandb (RUN_DIR/wandb,
     offline unless --wandb-mode or $WANDB_MODE says online; needs the wandb package)"""
-    wandb_mode: str | None = field(default=None, metadata=choices("offline", "online"))
+    wandb_mode: str | None = setting(None, choices=("offline", "online"))
     """wandb: offline (default: nothing leaves the machine; `wandb sync` uploads later) or
     online (default: $WANDB_MODE when set)"""
 
     def __post_init__(self) -> None:
+        check(self, flag_of)
         if self.run_dir is not None and not self.run_dir.strip():
             raise UserError(f"--run-dir: must name a folder, got {self.run_dir!r}; leave it out "
                             "for no run folder")
-        if self.peak_tflops is not None:
-            _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
-        if self.wandb_mode is not None:
-            _one_of(MetricsConfig, "wandb_mode", self.wandb_mode, ("offline", "online"))
         self.trackers()
 
     def trackers(self) -> tuple[str, ...]:
@@ -301,36 +257,27 @@ class MetricsConfig:
 class DeviceConfig:
     """Where this rank computes, in which precision, and how its groups communicate."""
 
-    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
+    device: str = setting("auto", choices=DEVICE_CHOICES)
     """where the model, optimizer state and activations live (auto: CUDA when available)"""
-    cuda_device: int | None = None
+    cuda_device: int | None = setting(None, lo=0, hi=MAX_CUDA_DEVICE)
     """CUDA device index (default: $LOCAL_RANK under torchrun, else 0)"""
-    comm: str = field(default="auto", metadata=choices("auto", "gloo", "nccl"))
+    comm: str = setting("auto", choices=COMM_BACKENDS)
     """collective backend per group (auto: NCCL for a group of CUDA ranks on distinct GPUs,
     gloo otherwise; gloo stages CUDA tensors through pinned host memory)"""
-    precision: str = field(default="fp32", metadata=choices("fp32", "bf16", "fp16"))
+    precision: str = setting("fp32", choices=PRECISIONS)
     """compute precision of forward/backward (fp32 master weights and optimizer state;
     fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it unless
     --pipeline-compression says otherwise"""
-    pipeline_compression: str | None = field(default=None,
-                                             metadata=choices("none", "bf16", "int8"))
+    pipeline_compression: str | None = setting(None, choices=PIPELINE_COMPRESSIONS)
     """how activations and their gradients cross pipeline links: none (the --precision dtype),
     bf16, or int8 with one fp32 scale per token row (default: the plan's pipeline_compression)"""
     compile: bool = False
     """torch.compile each stage's module"""
-    threads: int = 0
+    threads: int = setting(0, lo=0, hi=MAX_THREADS)
     """torch CPU threads (0: torch's default)"""
 
     def __post_init__(self) -> None:
-        _one_of(DeviceConfig, "device", self.device, ("auto", "cpu", "cuda"))
-        _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
-        _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
-        if self.pipeline_compression is not None:
-            _one_of(DeviceConfig, "pipeline_compression", self.pipeline_compression,
-                    PIPELINE_COMPRESSIONS)
-        if self.cuda_device is not None:
-            _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0, MAX_CUDA_DEVICE)
-        _int_at_least(DeviceConfig, "threads", self.threads, 0, MAX_THREADS)
+        check(self, flag_of)
 
     def resolved_pipeline_compression(self, plan: Plan) -> str:
         """--pipeline-compression, else the plan's pipeline_compression."""
@@ -352,9 +299,9 @@ def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
 class DebugConfig:
     """Fault injection for tests (hidden from --help)."""
 
-    vanish: str = field(default="", metadata={"flag": "--debug-vanish", "hidden": True})
+    vanish: str = setting("", flag="--debug-vanish", hidden=True)
     """RANK:STEP[:STATUS]: that rank exits at once before STEP, like a lost peer"""
-    ckpt_die: str = field(default="", metadata={"flag": "--debug-ckpt-die", "hidden": True})
+    ckpt_die: str = setting("", flag="--debug-ckpt-die", hidden=True)
     """RANK:STEP: SIGKILL that rank when its checkpoint of STEP is half written"""
 
     def __post_init__(self) -> None:
@@ -382,22 +329,19 @@ class DebugConfig:
 class OuterSyncConfig:
     """DiLoCo's outer sync: overrides of the plan's sync.fragments / sync.overlap."""
 
-    fragments: int | None = None
+    fragments: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """DiLoCo: sync the stage's parameters in F contiguous fragments, each at its own step of
     the round (Streaming DiLoCo; default: the plan's sync.fragments)"""
-    overlap: str = field(default="plan", metadata=choices("plan", "on", "off"))
+    overlap: str = setting("plan", choices=("plan", "on", "off"))
     """DiLoCo: run the outer all-reduces in the background while the next round computes
     (on/off; default: the plan's sync.overlap)"""
-    overlap_alpha: float = 0.5
+    overlap_alpha: float = setting(0.5, lo=0.0, lo_open=True, hi=1.0)
     """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
     average is applied (Streaming DiLoCo's mixing factor; > 0: the next pseudo-gradient is
     taken after the merge, so alpha 0 would send zeros)"""
 
     def __post_init__(self) -> None:
-        if self.fragments is not None:
-            _int_at_least(OuterSyncConfig, "fragments", self.fragments, 1)
-        _one_of(OuterSyncConfig, "overlap", self.overlap, ("plan", "on", "off"))
-        _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, hi=1.0)
+        check(self, flag_of)
 
     def apply(self, plan: Plan) -> Plan:
         """The plan with these overrides in its sync config (checked like a plan's)."""
@@ -421,13 +365,13 @@ class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
 
-    steps: int
+    steps: int = setting(lo=1, hi=MAX_COUNT)
     """train until this step (total)"""
-    seed: int = 0
+    seed: int = setting(0, lo=0, hi=MAX_SEED)
     """initialisation and data-order seed"""
-    timeout_s: float = 60.0
+    timeout_s: float = setting(60.0, lo=0.0, lo_open=True, hi=MAX_SECONDS)
     """how long any wait on a peer or the rendezvous may take"""
-    log_every: int = 1
+    log_every: int = setting(1, lo=1, hi=MAX_COUNT)
     """print a progress line every K steps"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -439,10 +383,7 @@ class RunConfig:
     outer: OuterSyncConfig = field(default_factory=OuterSyncConfig)
 
     def __post_init__(self) -> None:
-        _int_at_least(RunConfig, "steps", self.steps, 1)
-        _int_at_least(RunConfig, "seed", self.seed, 0, MAX_SEED)
-        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0, hi=MAX_SECONDS)
-        _int_at_least(RunConfig, "log_every", self.log_every, 1)
+        check(self, flag_of)
 
     def check_paths(self) -> None:
         """The checks that need the file system: the metrics file, the run folder and the
@@ -480,11 +421,11 @@ class RunConfig:
 class LaunchConfig:
     """Which plan, which rank, and where the rendezvous is."""
 
-    plan: str = field(default="", metadata={"required": True})
+    plan: str = setting("", required=True)
     """plan/1 JSON file"""
-    rank: int | None = None
+    rank: int | None = setting(None, lo=0, hi=MAX_DEVICE_ID)
     """device id of this process (default: $RANK)"""
-    world_size: int | None = None
+    world_size: int | None = setting(None, lo=1, hi=MAX_DEVICE_ID + 1)
     """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
     dist_url: str | None = None
     """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""
@@ -496,10 +437,7 @@ class LaunchConfig:
     """cluster/1 file: check that the plan was made for it"""
 
     def __post_init__(self) -> None:
-        if self.rank is not None:
-            _int_at_least(LaunchConfig, "rank", self.rank, 0, MAX_DEVICE_ID)
-        if self.world_size is not None:
-            _int_at_least(LaunchConfig, "world_size", self.world_size, 1, MAX_DEVICE_ID + 1)
+        check(self, flag_of)
         if self.coordinator is not None and self.dist_url is not None:
             raise UserError("--coordinator and --dist-url exclude each other: with a "
                             "coordinator every rank reaches the store at --coordinator")

@@ -22,6 +22,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 if __package__ in (None, ""):
     # Run as a script: this file shares the package's name, so put the repo root first.
@@ -29,7 +30,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from formats import argtypes  # noqa: E402
+from formats import argtypes, settings  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402
 from formats.cluster import (  # noqa: E402
     CLUSTER_FORMAT,
@@ -43,12 +44,7 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import PRESETS, ModelSpec, get_model  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
-    MAX_BATCH_COUNT,
-    MAX_DEVICE_ID,
     MAX_FRAGMENTS,
-    MAX_INNER_STEPS,
-    OUTER_STATES,
-    PIPELINE_COMPRESSIONS,
     SYNC_MODES,
     Plan,
     SyncConfig,
@@ -56,14 +52,13 @@ from formats.plan import (  # noqa: E402
     load_plan,
     save_plan,
 )
-from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
+from formats.settings import MAX_SEED  # noqa: E402
 from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
 from scheduler.memory import check_plan_memory  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
-    MAX_SHARD,
     OBJECTIVES,
     PlanOutcome,
     PlanRequest,
@@ -89,42 +84,52 @@ from scheduler.sync_search import (  # noqa: E402
     plan_sync_auto,
 )
 
-FLAG_OF_FIELD: dict[str, str] = {
-    "PlanRequest.num_stages": "--stages",
-    "PlanRequest.num_replicas": "--replicas",
-    "PlanRequest.micro_batch_size": "--micro-batch-size",
-    "PlanRequest.num_micro_batches": "--micro-batches",
-    "PlanRequest.objective": "--objective",
-    "PlanRequest.random_samples": "--random-samples",
-    "PlanRequest.tokens_per_replica": "--tokens-per-replica",
-    "SearchConfig.budget": "--budget",
-    "SearchConfig.time_limit_s": "--time-limit",
-    "SearchConfig.seed": "--search-seed",
-    "SimConfig.runtime": "--runtime",
-    "SimConfig.mfu": "--mfu",
-    "SimConfig.activation_bytes": "--activation-bytes",
-    "SimConfig.recompute": "--recompute",
-    "SimConfig.collective_latency_factor": "--collective-latency-factor",
-    "SimConfig.outer_store_round_trips": "--outer-store-round-trips",
-    "PlanRequest.pipeline_compression": "--pipeline-compression",
-    "SyncBounds.max_inner_steps": "--max-inner-steps",
-    "SyncBounds.max_compression": "--compression",
-    "SyncBounds.max_pipeline_compression": "--allow-pipeline-compression",
-    "PlanRequest.max_shard": "--max-shard",
-    "PlanRequest.outer_state": "--outer-state",
-    "PlanRequest.reshard_after_forward": "--no-reshard-after-forward",
+PLAN_FLAGS: dict[type, tuple[str, ...]] = {
+    PlanRequest: ("num_stages", "num_replicas", "objective", "micro_batch_size",
+                  "num_micro_batches", "tokens_per_replica"),
+    SearchConfig: ("budget", "time_limit_s", "seed"),
 }
+"""The library fields `plan` has a flag for, generated from their declarations
+(formats.settings), in --help order; the sync and performance-model groups add theirs."""
+SYNC_FLAGS: dict[type, tuple[str, ...]] = {
+    PlanRequest: ("pipeline_compression",),
+    SyncBounds: ("max_inner_steps", "max_pipeline_compression"),
+}
+SHARD_FLAGS = ("max_shard", "outer_state")
+"""The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
+SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips")
+"""The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
+FLAG_OF_FIELD: dict[str, str] = {
+    settings.qualified(cls, name): settings.flag_of(cls, name)
+    for cls, names in (*PLAN_FLAGS.items(), *SYNC_FLAGS.items(),
+                       (SyncBounds, ("max_compression",)), (PlanRequest, ("random_samples",)),
+                       (SimConfig, (*SIM_FLAGS, "runtime", "recompute")),
+                       (PlanRequest, SHARD_FLAGS))
+    for name in names} | {"PlanRequest.reshard_after_forward": "--no-reshard-after-forward"}
 """The flag that sets each library field: the library's errors name fields, ours name flags."""
-
-
-MAX_SEED = 2 ** 63 - 1
-SEED = argtypes.integer(0, MAX_SEED)
+CLI_DEFAULTS: dict[type, dict[str, Any]] = {
+    PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
+                  "pipeline_compression": None},
+    SearchConfig: {"budget": None, "time_limit_s": 60.0},
+    SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None},
+    SimConfig: {name: None for name in SIM_FLAGS},
+}
+"""Where a flag's default differs from its field's (None: not given; the command resolves it:
+--budget by objective, the performance model from the plan, profile and calibration)."""
+DEFAULT_WORDS = {
+    "SearchConfig.budget": "default: " + ", ".join(f"{v} for {k}"
+                                                   for k, v in DEFAULT_BUDGETS.items()),
+    "SearchConfig.time_limit_s": "default 60, a safety net; here it bounds the whole command: "
+    "loading the cluster, the search of every shape (sharing it), the baselines; not --plot. A "
+    "search cut by it is not reproducible, one ended by the budget or convergence is",
+    "PlanRequest.pipeline_compression": "default none",
+    "SyncBounds.max_inner_steps": "default 1: allreduce only",
+    "SyncBounds.max_pipeline_compression": "default none",
+}
+"""What --help says of a flag's default where the command, not the field, decides it."""
 MAX_SCENARIO_DEVICES = 1_000_000
 """Largest random scenario (compact form: 1M devices take about 30 s and 170 MB)."""
-MAX_TOKENS = 1e15
-MAX_COUNT = 10 ** 9
-"""Most evaluations or random samples a search may be given (far beyond any time limit)."""
-MAX_SECONDS = 1e7
+SEED = argtypes.integer(0, MAX_SEED)
 
 
 def in_flag_words(message: str) -> str:
@@ -132,6 +137,22 @@ def in_flag_words(message: str) -> str:
     for name in sorted(FLAG_OF_FIELD, key=len, reverse=True):
         message = message.replace(name, FLAG_OF_FIELD[name])
     return message
+
+
+def add_field_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    names: tuple[str, ...]) -> None:
+    """Flags for fields `names` of `cls`: rules and help from their declarations, the command's
+    defaults (CLI_DEFAULTS), values checked by the fields' rules (argparse errors, exit 2)."""
+    words = {n: DEFAULT_WORDS[settings.qualified(cls, n)] for n in names
+             if settings.qualified(cls, n) in DEFAULT_WORDS}
+    settings.add_flags(parser, cls, names, defaults=CLI_DEFAULTS.get(cls, {}),
+                       default_words=words, bounded=True, flag_metavar=True,
+                       help_words=in_flag_words)
+
+
+def arg(args: argparse.Namespace, cls: type, name: str) -> Any:
+    """The value of a generated flag (add_field_flags)."""
+    return settings.value_of(args, cls, name)
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -169,17 +190,7 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
                         "outer_store_round_trips, all optional)")
-    g.add_argument("--mfu", type=float, help="fraction of each device's tflops that training "
-                   "reaches (1.0 when tflops were measured for this model)")
-    g.add_argument("--activation-bytes", type=int, choices=(1, 2, 4),
-                   help="bytes per activation value sent between stages (4: the fp32 CPU "
-                   "runtime)")
-    g.add_argument("--collective-latency-factor", type=float,
-                   help="one-way latencies per all-reduce step (2: gloo's rendezvous "
-                   "point-to-point, the CPU runtime; 1: NCCL)")
-    g.add_argument("--outer-store-round-trips", type=int,
-                   help="DiLoCo: round trips to the store on device 0 per outer step (3: the "
-                   "elastic runtime)")
+    add_field_flags(g, SimConfig, SIM_FLAGS)
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the CPU runtime)")
 
@@ -192,10 +203,11 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
         base = sim_config_from_record(plan.search.get("sim_config"),
                                       f"{args.plan}: search.sim_config")
     calibration = load_calibration(args.calibration) if args.calibration else None
-    given = {name: getattr(args, name) for name in RUNTIME_SETTINGS
-             if getattr(args, name) is not None}
-    if "recompute" in given:
-        given["recompute"] = given["recompute"] == "on"
+    given = {name: arg(args, SimConfig, name) for name in SIM_FLAGS
+             if arg(args, SimConfig, name) is not None}
+    if args.recompute is not None:
+        given["recompute"] = args.recompute == "on"
+    assert set(RUNTIME_SETTINGS) == {*SIM_FLAGS, "recompute"}
     return resolve_sim_config(base, args.runtime, calibration, **given)
 
 
@@ -281,20 +293,23 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
     if args.sync == "auto":
         for flag, value in (("--inner-steps", args.inner_steps), ("--fragments", args.fragments),
                             ("--overlap", True if args.overlap else None),
-                            ("--pipeline-compression", args.pipeline_compression)):
+                            ("--pipeline-compression",
+                             arg(args, PlanRequest, "pipeline_compression"))):
             if value is not None:
                 raise UserError(f"{flag}: --sync auto chooses it; bound the choice with "
                                 f"--max-inner-steps, --compression and "
                                 f"--allow-pipeline-compression instead")
-        if args.objective != "simulated":
-            raise UserError(f"--objective {args.objective}: --sync auto needs --objective "
+        objective = arg(args, PlanRequest, "objective")
+        if objective != "simulated":
+            raise UserError(f"--objective {objective}: --sync auto needs --objective "
                             f"simulated (the only cost model of overlap, fragments and "
                             f"pipeline compression)")
-        bounds = SyncBounds(args.max_inner_steps or 1, args.compression,
-                            args.allow_pipeline_compression or "none")
+        bounds = SyncBounds(arg(args, SyncBounds, "max_inner_steps") or 1, args.compression,
+                            arg(args, SyncBounds, "max_pipeline_compression") or "none")
         return SyncConfig(), bounds
-    for flag, value in (("--max-inner-steps", args.max_inner_steps),
-                        ("--allow-pipeline-compression", args.allow_pipeline_compression)):
+    for flag, value in (("--max-inner-steps", arg(args, SyncBounds, "max_inner_steps")),
+                        ("--allow-pipeline-compression",
+                         arg(args, SyncBounds, "max_pipeline_compression"))):
         if value is not None:
             raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
                             f"{args.sync} give the setting itself")
@@ -311,6 +326,21 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
                       fragments=fragments), None
 
 
+def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRequest:
+    """The PlanRequest of `plan`'s flags (the generated flags' values, the budget by objective
+    when not given); the fields' rules check every value."""
+    search = {f: arg(args, SearchConfig, f) for f in PLAN_FLAGS[SearchConfig]}
+    given = {f: arg(args, PlanRequest, f) for f in (*PLAN_FLAGS[PlanRequest], "random_samples")}
+    if search["budget"] is None:
+        search["budget"] = DEFAULT_BUDGETS[given["objective"]]
+    return PlanRequest(**given, sync=sync, search=SearchConfig(**search),
+                       sim=sim_config_from_args(args),
+                       pipeline_compression=arg(args, PlanRequest, "pipeline_compression")
+                       or "none", max_shard=arg(args, PlanRequest, "max_shard"),
+                       outer_state=arg(args, PlanRequest, "outer_state"),
+                       reshard_after_forward=args.reshard_after_forward)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan, print it beside the baselines (or, with --sync auto, beside the best
     allreduce plan), write it atomically."""
@@ -324,21 +354,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sync, bounds = sync_from_args(args)
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
-    budget = DEFAULT_BUDGETS[args.objective] if args.budget is None else args.budget
-    # argparse's bounded types, SyncConfig, SearchConfig and PlanRequest check every value
-    req = PlanRequest(
-        num_stages=args.stages, num_replicas=args.replicas,
-        micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches,
-        objective=args.objective, sync=sync,
-        search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
-        random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
-        sim=sim_config_from_args(args), pipeline_compression=args.pipeline_compression or "none",
-        max_shard=args.max_shard, reshard_after_forward=args.reshard_after_forward,
-        outer_state=args.outer_state)
+    req = plan_request_from_args(args, sync)
     progress = None if args.quiet else _progress
     out, auto, shards = _search(cluster, model, req, bounds, progress)
     if not args.quiet and out is not None:
-        _notes(args, out)
+        _print_search_notes(args, out)
     chosen = shards[0].plan if shards else out.plan  # type: ignore[union-attr]
     if args.plot and (out is None or chosen is not out.plan):
         raise UserError("--plot: draws D = 1 plans only; the plan chosen has shard groups "
@@ -387,11 +407,13 @@ def _search(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds: SyncBo
     return out, auto, shards
 
 
-def _notes(args: argparse.Namespace, out: PlanOutcome) -> None:
-    """The search's notes on stderr: time limit, a baseline taken, shapes skipped."""
+
+def _print_search_notes(args: argparse.Namespace, out: PlanOutcome) -> None:
+    """The notes on stderr that say where the --time-limit cut the search short."""
     print(file=sys.stderr)
     if out.plan.search["stopped_by"] == "time":
-        print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
+        print(f"note: the --time-limit of {arg(args, SearchConfig, 'time_limit_s'):g} s ended "
+              f"the search: the plan "
               f"may differ from run to run (raise --time-limit, or lower --budget, to "
               f"reproduce it from --search-seed)", file=sys.stderr)
     taken = out.plan.search.get("taken_from")
@@ -404,9 +426,10 @@ def _notes(args: argparse.Namespace, out: PlanOutcome) -> None:
         print(f"note: the --time-limit ran out before shapes "
               f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
               f"more time, or --stages/--replicas)", file=sys.stderr)
-    if out.random_scored < args.random_samples:
+    samples = arg(args, PlanRequest, "random_samples")
+    if out.random_scored < samples:
         print(f"note: the --time-limit left time to score {out.random_scored} of "
-              f"{args.random_samples} random plans for the baseline", file=sys.stderr)
+              f"{samples} random plans for the baseline", file=sys.stderr)
 
 
 def _shard_table(shards: tuple[Candidate, list[Candidate]]) -> str:
@@ -513,7 +536,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model = get_model(plan.model)
     if plan.is_sharded:
         return _evaluate_sharded(args, cluster, plan)
-    if args.objective == "simulated":
+    objective_name = arg(args, PlanRequest, "objective")
+    if objective_name == "simulated":
         sim = sim_config_from_args(args, plan)
         try:  # a plan that does not fit costs inf to the search; here it is the user's error
             check_plan_memory(cluster, model, list(plan.stages), plan.pipelines,
@@ -527,8 +551,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                        pipeline_compression=plan.pipeline_compression)
     else:
         req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
-                          plan.num_micro_batches, args.objective, plan.sync)
-        objective = OBJECTIVES[args.objective](cluster, model, req)
+                          plan.num_micro_batches, objective_name, plan.sync)
+        objective = OBJECTIVES[objective_name](cluster, model, req)
     result = objective.breakdown(np.asarray(plan.pipelines))
     if args.json:
         print(json.dumps({"objective": result.objective, "cost": result.cost_s, **result.parts}))
@@ -544,9 +568,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def _evaluate_sharded(args: argparse.Namespace, cluster: Cluster, plan: Plan) -> int:
     """`evaluate` of a plan with shard groups: the simulator's step (the only objective that
     models FSDP and the per-shard sync)."""
-    if args.objective != "simulated":
-        raise UserError(f"--objective {args.objective}: {args.plan} has shard groups, which "
-                        f"only the simulated objective models; use --objective simulated")
+    objective = arg(args, PlanRequest, "objective")
+    if objective != "simulated":
+        raise UserError(f"--objective {objective}: {args.plan} has shard groups, which only "
+                        f"the simulated objective models; use --objective simulated")
     try:
         result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
                                timeline=False)
@@ -592,35 +617,37 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--seed", type=SEED, help="scenario seed: shuffles device ids (default 0)")
     src.add_argument("--cluster", help="cluster JSON file (cluster/1, or cluster/2: compact)")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    pl.add_argument("--stages", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
-                    help="pipeline stages S (default: try every S x R = devices and keep the "
-                         "cheapest)")
-    pl.add_argument("--replicas", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
-                    help="data-parallel replicas R (S x R = devices; default: derived)")
-    pl.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
-                    help=f"cost model to minimise (default {DEFAULT_OBJECTIVE})")
-    pl.add_argument("--micro-batch-size", type=argtypes.integer(1, MAX_BATCH_COUNT), default=1,
-                    help="sequences per micro-batch")
-    pl.add_argument("--micro-batches", type=argtypes.integer(0, MAX_BATCH_COUNT), default=0,
-                    help="micro-batches per replica per step (default: derived from "
-                         "--tokens-per-replica: tokens / (seq_len x micro-batch size), i.e. 61 "
-                         "for gpt3-xl)")
-    pl.add_argument("--tokens-per-replica", type=argtypes.number(0, MAX_TOKENS, lo_open=True),
-                    default=DTFM_TOKENS_PER_REPLICA,
-                    help="token budget per replica per step that sets the default micro-batch "
-                         "count (default 1.25e5, the DT-FM setting)")
+    add_field_flags(pl, PlanRequest, PLAN_FLAGS[PlanRequest])
+    add_sync_args(pl)
+    add_shard_args(pl)
+    add_field_flags(pl, SearchConfig, PLAN_FLAGS[SearchConfig])
+    add_field_flags(pl, PlanRequest, ("random_samples",))
+    pl.add_argument("--out", required=True, help="plan file to write (atomically)")
+    pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
+    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_perf_model_args(pl)
+    pl.set_defaults(func=cmd_plan)
+
+
+SYNC_HELP = (
+    "--sync auto searches the sync configuration together with the assignment (objective "
+    "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
+    "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
+    "--compression and each pipeline compression up to --allow-pipeline-compression; it "
+    "takes the least risky configuration within 2% of the fastest predicted step and "
+    "prints it beside the best allreduce plan. A shorter step is not a better model: a "
+    "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
+    "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
+    "bounds are how much of that risk you accept; the defaults "
+    "accept none (allreduce, no compression).")
+
+
+def add_sync_args(pl: argparse.ArgumentParser) -> None:
+    """The sync group of `plan`: the plan's sync config (or --sync auto and its bounds)."""
     sy = pl.add_argument_group(
         "sync (how replicas of a stage stay in step, and how activations cross pipeline links)",
-        "--sync auto searches the sync configuration together with the assignment (objective "
-        "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
-        "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
-        "--compression and each pipeline compression up to --allow-pipeline-compression; it "
-        "takes the least risky configuration within 2% of the fastest predicted step and "
-        "prints it beside the best allreduce plan. A shorter step is not a better model: a "
-        "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
-        "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
-        "bounds are how much of that risk you accept; the defaults "
-        "accept none (allreduce, no compression).")
+        SYNC_HELP)
     sy.add_argument("--sync", default="allreduce", choices=(*SYNC_MODES, "auto"),
                     help="allreduce (default), diloco, or auto (see above)")
     sy.add_argument("--inner-steps", type=argtypes.integer(),  # SyncConfig checks
@@ -631,53 +658,24 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     sy.add_argument("--fragments", type=argtypes.integer(1, MAX_FRAGMENTS),
                     help="--sync diloco: sync the stage's parameters in F fragments by layer, "
                          "each at its own offset in the round (Streaming DiLoCo; F <= H)")
+    # --compression sets SyncConfig.compression, or with --sync auto SyncBounds.max_compression
     sy.add_argument("--compression", default="none", choices=COMPRESSIONS,
                     help="data-parallel payload (default none = fp32); with --sync auto the "
                          "most lossy one it may choose")
-    sy.add_argument("--pipeline-compression", choices=PIPELINE_COMPRESSIONS,
-                    help="how activations and their gradients cross pipeline links: none "
-                         "(compute dtype, default), bf16 (2 bytes per value), int8 (1 byte "
-                         "per value + one fp32 scale per token); objective simulated only")
-    sy.add_argument("--max-inner-steps", type=argtypes.integer(1, MAX_INNER_STEPS),
-                    help="--sync auto: largest DiLoCo H it may choose (default 1: allreduce "
-                         "only)")
-    sy.add_argument("--allow-pipeline-compression", choices=PIPELINE_COMPRESSIONS,
-                    help="--sync auto: most lossy pipeline compression it may choose (default "
-                         "none)")
+    add_field_flags(sy, PlanRequest, SYNC_FLAGS[PlanRequest])
+    add_field_flags(sy, SyncBounds, SYNC_FLAGS[SyncBounds])
     sy.add_argument("--allreduce-out", metavar="FILE",
                     help="--sync auto: also write the best allreduce plan there")
-    sh = pl.add_argument_group(
-        "shard groups (hierarchical replicas, docs/hierarchical.md)")
-    sh.add_argument("--max-shard", type=argtypes.integer(1, MAX_SHARD), default=1,
-                    help="most devices per shard group (FSDP2 inside a replica, each shard "
-                         "group inside one site); default 1 plans as before. Above 1 the "
-                         "D = 1 plan is compared with every sharded layout by the "
-                         "simulator's time per sequence and the faster one is written")
+
+
+def add_shard_args(pl: argparse.ArgumentParser) -> None:
+    """The shard-group group of `plan` (hierarchical replicas)."""
+    sh = pl.add_argument_group("shard groups (hierarchical replicas, docs/hierarchical.md)")
+    add_field_flags(sh, PlanRequest, SHARD_FLAGS)
     sh.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                     action="store_false",
                     help="sharded plans: keep each stage's parameters gathered for the whole "
                          "step (fewer all-gathers, more memory)")
-    sh.add_argument("--outer-state", choices=OUTER_STATES, default="device",
-                    help="sharded DiLoCo plans: where the memory model puts each shard's "
-                         "anchor and outer momentum (default device)")
-    pl.add_argument("--budget", type=argtypes.integer(1, MAX_COUNT),
-                    help="max objective evaluations per searched shape (default: " +
-                         ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
-    pl.add_argument("--time-limit", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
-                    default=60.0,
-                    help="wall limit in s of the whole command (default 60, a safety net): "
-                         "loading the cluster, the search of every shape (sharing it), the "
-                         "baselines; not --plot. A search cut by it is not reproducible, one "
-                         "ended by the budget or convergence is")
-    pl.add_argument("--search-seed", type=SEED, default=0, help="seed of the search (default 0)")
-    pl.add_argument("--random-samples", type=argtypes.integer(1, MAX_COUNT), default=1000,
-                    help="random plans of the best-of-random baseline (default 1000)")
-    pl.add_argument("--out", required=True, help="plan file to write (atomically)")
-    pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
-    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    add_perf_model_args(pl)
-    pl.set_defaults(func=cmd_plan)
 
 
 def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
@@ -686,8 +684,7 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
     ev.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
-    ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
-                    help=f"cost model (default {DEFAULT_OBJECTIVE})")
+    add_field_flags(ev, PlanRequest, ("objective",))
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_perf_model_args(ev)
     ev.set_defaults(func=cmd_evaluate)

@@ -228,7 +228,7 @@ def test_planner_picks_two_sharded_replicas_with_diloco_across_sites():
 
 def test_max_shard_default_is_one():
     assert PlanRequest(1, 1).max_shard == 1
-    with pytest.raises(UserError, match=r"PlanRequest.max_shard: must be 1\.\."):
+    with pytest.raises(UserError, match=r"PlanRequest.max_shard: must be in \[1, 1024\]"):
         PlanRequest(1, 1, max_shard=0)
 
 

@@ -26,17 +26,15 @@ import math
 
 import torch
 
+from formats import wire
+from formats.wire import SCALE_BYTES
 from modules.quant.blocks import NonFiniteError, QuantizedTensor
 from modules.quant.codec import dequantize_int8, quantize_int8
-
-SCALE_BYTES = 4
-"""One fp32 scale per row."""
 
 
 def row_message_bytes(shape: tuple[int, ...]) -> int:
     """Bytes of the int8 message of a tensor of `shape` (rows = the last dimension)."""
-    numel = math.prod(shape)
-    return numel + SCALE_BYTES * (numel // shape[-1] if numel else 0)
+    return wire.pipeline_message_bytes("int8", math.prod(shape), shape[-1])
 
 
 def encode_rows(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan
+from formats.run_metrics import STATUS_ENV, status_line
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import RunConfig
@@ -604,3 +605,5 @@ class Trainer:
         self.log(f"step {self.step}/{self.cfg.steps} loss {rec['loss']:.4f} "
                  f"tok/s {rec['tokens_per_s']:.0f} step_s {rec['step_s']:.3f} "
                  f"comm_s {rec['comm_s']:.3f}{extra}")
+        if os.environ.get(STATUS_ENV) == "1":  # a launcher reads this line, not the one above
+            self.log(status_line({**rec, "step": self.step, "steps": self.cfg.steps}))

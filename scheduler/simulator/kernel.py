@@ -15,9 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from formats import wire
 from formats.cluster import Cluster
 from formats.models import ModelSpec
 from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
+from formats.wire import payload_bytes_per_param
 from scheduler.simulator.config import SimConfig
 
 RING_CACHE_LIMIT = 200_000
@@ -54,24 +56,15 @@ class LinkTables:
 # --------------------------------------------------------------------------- collectives
 
 
-def payload_bytes_per_param(compression: str, int8_block: int = 256) -> float:
-    """Bytes per parameter of the data-parallel all-reduce payload."""
-    return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / int8_block}[compression]
-
-
 def pipeline_message_bytes(model: ModelSpec, micro_batch_size: int, compression: str,
                            activation_bytes: int) -> float:
-    """Bytes of one activation (or activation-gradient) message across a stage boundary:
-    `none` sends the compute dtype (`activation_bytes` per value), `bf16` 2 bytes per value
-    (never more than the compute dtype), `int8` 1 byte per value plus one fp32 scale per token
-    row of d_model values."""
+    """Bytes of one activation (or activation-gradient) message across a stage boundary
+    (formats.wire: the same sizes the runtime's PipelineWire sends)."""
     if compression not in PIPELINE_COMPRESSIONS:
         raise ValueError(f"unknown pipeline compression {compression!r}")
-    rows = model.seq_len * micro_batch_size
-    if compression == "int8":
-        return float(rows * (model.d_model + 4))
-    per_value = activation_bytes if compression == "none" else min(2, activation_bytes)
-    return float(rows * model.d_model * per_value)
+    numel = model.seq_len * micro_batch_size * model.d_model
+    return float(wire.pipeline_message_bytes(compression, numel, model.d_model,
+                                             activation_bytes))
 
 
 def ring_step_s(payload_bytes: np.ndarray | float, n: int,
