@@ -30,8 +30,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from formats.errors import UserError
 
 SECRET_ENV = "ST_RUN_SECRET"
@@ -78,11 +76,18 @@ def read_secret_file(path: Path) -> bytes:
 
 
 def write_secret_file(path: Path, secret: str) -> None:
-    """Create `path` holding `secret`, mode 0600 from the start (FileExistsError if present)."""
+    """Create `path` holding `secret`, mode 0600 from the start (FileExistsError if present).
+    Written under a temporary name and hard-linked into place, so a process starting at the
+    same moment never reads it half-written."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.link(tmp, path)  # atomic; FileExistsError when another process was first
+    finally:
+        os.unlink(tmp)
 
 
 def load_secret(env: dict[str, str] | None = None) -> bytes:
@@ -220,8 +225,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def host_store(host: str, port: int, world_size: int | None,
-               timeout: timedelta) -> dist.TCPStore:
+               timeout: timedelta) -> Any:
     """A TCPStore server listening on `host`:`port` only (port 0: any free one)."""
+    import torch.distributed as dist  # here: the launchers use this module without torch
+
     sock = listen_socket(host, port)
     try:
         store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout=timeout,
