@@ -65,6 +65,12 @@ def join_key(rank: int) -> str:
     return f"ft/join/{rank}"
 
 
+def checkpoint_key(rank: int) -> str:
+    """A rank's newest complete checkpoint step (-1: none): the oldest over the live ranks
+    is never pruned (modules.train.checkpoint.shared_floor)."""
+    return f"ckpt/last/{rank}"
+
+
 def generation_key(gen: int) -> str:
     """JSON of generation `gen` (members, replicas, dropped, joined, reason, stop)."""
     return f"ft/gen/{gen}"
