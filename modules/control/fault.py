@@ -191,17 +191,21 @@ class Monitor(threading.Thread):
         self._client: AuthStore | None = None
         self._nonce = secrets.token_hex(4)
         self._beats = 0
+        self._last_ok = (time.monotonic(), time.time())
+        """When the store last answered a whole beat (monotonic, wall clock)."""
 
     # -- public ------------------------------------------------------------------------------
     def describe(self, rank: int) -> str:
         """'rank R (host H, replica r, stage s)' from the store's records."""
         return describe_rank(self._client, rank, self._info)
 
-    def describe_store(self) -> str:
-        """Who hosts the rendezvous store, for the message when it stops answering."""
+    def describe_store(self, cached: bool = False) -> str:
+        """Who hosts the rendezvous store, for the message when it stops answering (`cached`:
+        from what was read before only, no store call)."""
         cfg = self.cfg
         if not cfg.coordinator:
-            return f"the rendezvous store (hosted by {self.describe(0)}, {cfg.host}:{cfg.port})"
+            host = describe_rank(None, 0, self._info) if cached else self.describe(0)
+            return f"the rendezvous store (hosted by {host}, {cfg.host}:{cfg.port})"
         info = self._coordinator
         where = f", host {info['host']} pid {info['pid']}" if info else ""
         return (f"the coordinator tcp://{cfg.host}:{cfg.port} (rendezvous store and membership "
@@ -227,6 +231,7 @@ class Monitor(threading.Thread):
         client = AuthStore(raw, auth)
         info = client.read(COORDINATOR_INFO) if self.cfg.coordinator else None
         self._coordinator = json.loads(info) if info is not None else {}
+        describe_rank(client, 0, self._info)  # named (from this cache) if the store freezes
         return client
 
     def run(self) -> None:
@@ -237,10 +242,15 @@ class Monitor(threading.Thread):
         except (RuntimeError, OSError) as e:
             self.fatal(f"heartbeat: cannot reach the rendezvous store ({first_line(e)})")
             return
+        self._last_ok = (time.monotonic(), time.time())
+        if not cfg.hosts_store:  # a frozen or cut-off store may block a call for good
+            threading.Thread(target=self._watch_store, name=f"store-watch-{cfg.rank}",
+                             daemon=True).start()
         while not self._halt.is_set():
             try:
                 self._beat()
                 last_ok = time.monotonic()
+                self._last_ok = (last_ok, time.time())
             except (RuntimeError, OSError) as e:  # the store (rank 0 or coordinator) is silent
                 if time.monotonic() - last_ok > cfg.timeout_s:
                     self.fatal(f"{self.describe_store()} is gone: no answer for "
@@ -251,6 +261,22 @@ class Monitor(threading.Thread):
                       flush=True)
                 raise
             self._halt.wait(cfg.interval_s)
+
+    def _watch_store(self) -> None:
+        """Stop this rank (checkpoint, exit 1) once the store has not answered a beat for the
+        heartbeat timeout, even while a store call hangs (a SIGSTOPped host, DROPped packets:
+        the connection stays open and nothing times out)."""
+        cfg = self.cfg
+        while not self._halt.wait(min(cfg.interval_s, 0.5)):
+            mono, wall = self._last_ok
+            silent = time.monotonic() - mono
+            if silent > cfg.timeout_s + cfg.interval_s:
+                since = time.strftime("%H:%M:%S", time.gmtime(wall))
+                self.fatal(f"{self.describe_store(cached=True)} does not answer: no reply since "
+                           f"{since} UTC ({silent:.1f} s, over the heartbeat timeout "
+                           f"{cfg.timeout_s:g} s): frozen, cut off or gone; stopping with a "
+                           "checkpoint (restart with --resume once it is back)")
+                return
 
     def _beat(self) -> None:
         cfg, c = self.cfg, self._client
