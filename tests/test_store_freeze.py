@@ -91,27 +91,29 @@ def test_a_frozen_rank_0_store_host_stops_the_others_with_a_checkpoint(tmp_path)
     check_stopped(ranks, [1, 2], done, "hosted by rank 0 (host")
 
 
-def drop_trial(out: str) -> None:
-    """Inside a fresh network namespace: the run behind a coordinator, then its port DROPped;
-    the outcome to out/result.json."""
-    ranks = start(Path(out), coordinator=True)
+def drop_trial(out: str, coordinator: bool) -> None:
+    """Inside a fresh network namespace: the run (behind a coordinator, or rank 0 hosting the
+    store), then the store's port DROPped; the outcome to out/result.json."""
+    ranks = start(Path(out), coordinator=coordinator)
     port = ranks.url.rsplit(":", 1)[1]
     try:
         t0 = time.monotonic()
         subprocess.run(["iptables", "-I", "INPUT", "-p", "tcp", "--dport", port, "-j", "DROP"],
                        check=True)
-        done = watch_exits(ranks, [0, 1, 2], t0, 60)
+        done = watch_exits(ranks, [0, 1, 2] if coordinator else [1, 2], t0, 60)
     finally:
         ranks.stop()
     Path(out, "result.json").write_text(json.dumps({str(r): v for r, v in done.items()}))
 
 
 @pytest.mark.timeout(300)
-def test_a_dropped_coordinator_port_stops_every_rank_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("coordinator", [True, False], ids=["coordinator", "rank0-host"])
+def test_a_dropped_store_port_stops_every_rank_with_a_checkpoint(tmp_path, coordinator):
     if os.geteuid() != 0 or not shutil.which("iptables") or not shutil.which("unshare"):
         pytest.skip("needs root, iptables and unshare (a network namespace of its own)")
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-            f"from tests.test_store_freeze import drop_trial; drop_trial({str(tmp_path)!r})")
+            "from tests.test_store_freeze import drop_trial; "
+            f"drop_trial({str(tmp_path)!r}, {coordinator})")
     r = subprocess.run(["flock", "/tmp/netns.lock", "unshare", "-n", "sh", "-c",
                         f'ip link set lo up && exec "{sys.executable}" -c "$0"', code],
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
@@ -120,4 +122,7 @@ def test_a_dropped_coordinator_port_stops_every_rank_with_a_checkpoint(tmp_path)
                                                     ).items()}
     ranks = Ranks(tmp_path / "plan.json", "", tmp_path)
     ranks.procs = {r: None for r in range(3)}  # outputs only
-    check_stopped(ranks, [0, 1, 2], done, "the coordinator tcp://127.0.0.1:")
+    if coordinator:
+        check_stopped(ranks, [0, 1, 2], done, "the coordinator tcp://127.0.0.1:")
+    else:
+        check_stopped(ranks, [1, 2], done, "hosted by rank 0 (host")
