@@ -195,3 +195,14 @@ def test_records_verify_only_under_their_key_and_secret():
     assert a.read("ft/join/1") is None and a.claim("ft/join/1", "0") == "0"
     assert sum(FORGED in m for m in logged) == 3, logged
     assert json.loads(json.dumps(logged))  # plain text
+
+
+def test_rank_0_given_an_address_of_another_host_is_a_user_error(tmp_path):
+    from tests.conftest import run_entry
+
+    plan = write_trial_plan(tmp_path / "plan.json", 1, 1, "diloco")
+    r = run_entry("dist_runner.py", "--plan", str(plan), "--rank", "0", "--fake-data",
+                  "--steps", "1", "--dist-url", f"tcp://203.0.113.5:{free_port()}",
+                  timeout=120)
+    assert r.returncode == 2 and "error: --dist-url: 203.0.113.5 is not an address of this " \
+        "host" in r.stderr and "Traceback" not in r.stderr, r.stderr

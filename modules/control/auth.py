@@ -212,6 +212,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """A listening socket on `host`:`port` only (TCPStore alone would listen on every
     interface); OSError when the address is not this host's or the port is taken."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # "localhost": 127.0.0.1 before ::1
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

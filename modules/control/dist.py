@@ -7,6 +7,7 @@ and turns a silent peer into a `CommError` (a `PeerError`) naming it and the ope
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,7 +123,14 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                                   timeout=timedelta(seconds=timeout_s / 2),
                                   wait_for_workers=False)
         store.set_timeout(timeout)
-    except (RuntimeError, OSError) as e:
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL or rank != 0 or agent_store:
+            what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
+            raise PeerError(f"rendezvous: {what} {url} ({e.strerror or e})") from None
+        raise UserError(f"--dist-url: {host} is not an address of this host, and rank 0 "
+                        "listens only on the address it is given; give one of this host's "
+                        "addresses, or tcp://0.0.0.0:PORT to listen on every interface") from None
+    except RuntimeError as e:
         what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
                         f"({first_line(e)})") from None
