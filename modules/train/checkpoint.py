@@ -217,14 +217,17 @@ def write_step(ckpt_dir: str | Path, rank: int, step: int, meta: dict[str, Any],
     return None
 
 
-def shared_floor(store: Any, rank: int, ranks: Iterable[int], last: int | None) -> int | None:
-    """Publish `last` (this rank's newest complete step) and return the oldest such step over
-    `ranks` (-1 while one has none): `prune` keeps it, so --resume finds a step every rank
-    has even when some rank's saves failed. None when the store does not answer."""
+def shared_floor(store: Any, rank: int, ranks: Iterable[int], last: int | None,
+                 publish: bool = True) -> int | None:
+    """Publish `last` (this rank's newest complete step; unless not `publish`) and return the
+    oldest such step over `ranks` (-1 while one has none): `prune` keeps it, so --resume finds
+    a step every rank has even when some rank's saves failed. None when the store does not
+    answer."""
     from modules.control.protocol import checkpoint_key
 
     try:
-        store.put(checkpoint_key(rank), str(-1 if last is None else last))
+        if publish:
+            store.put(checkpoint_key(rank), str(-1 if last is None else last))
         return min(store.read_int(checkpoint_key(r), -1) for r in ranks)
     except (RuntimeError, OSError):
         return None

@@ -369,9 +369,7 @@ class Trainer:
         seconds the training thread was blocked (snapshot; the whole write with
         cfg.ckpt.sync)."""
         assert self.ckpt is not None and self.cfg.ckpt.dir
-        floor = shared_floor(self.membership.store, self.topo.rank,
-                             members_of(self.plan, self.replicas), self.ckpt.last_step)
-        self.ckpt.floor = floor if floor is not None else self.ckpt.floor
+        self._checkpoint_floor()
         if self.cfg.ckpt.sync:
             t0 = time.perf_counter()
             self.ckpt.flush()
@@ -384,6 +382,15 @@ class Trainer:
                 self.ckpt.report_failure(self.step, why)
             return time.perf_counter() - t0
         return self.ckpt.save(self.step, self._meta(), self.state())
+
+    def _checkpoint_floor(self, publish: bool = True) -> int | None:
+        """Publish my newest complete checkpoint step and keep the oldest such step over the
+        live ranks from being pruned (modules.train.checkpoint.shared_floor)."""
+        assert self.ckpt is not None
+        floor = shared_floor(self.membership.store, self.topo.rank,
+                             members_of(self.plan, self.replicas), self.ckpt.last_step, publish)
+        self.ckpt.floor = floor if floor is not None else self.ckpt.floor
+        return floor
 
     def _all_min(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -537,6 +544,7 @@ class Trainer:
                 self._background_share()  # their bytes count in this rank's total
             if self.ckpt:
                 self.ckpt.flush()
+                self._checkpoint_floor()  # published before finish's barrier / done marks
         finally:
             for w in (writer, timing):
                 if w:
@@ -544,6 +552,10 @@ class Trainer:
             if self.overlap is not None:
                 self.overlap.close()
         self.membership.finish()
+        if self.ckpt is not None and self.ckpt.last_step is not None:  # every rank's last save
+            floor = self._checkpoint_floor(publish=False)                # done: prune to keep
+            if floor is not None:
+                prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep, floor)
         return records
 
     def _measured_step(self) -> dict[str, Any]:
