@@ -6,6 +6,7 @@ logic is the one rank 0 runs otherwise; plans and settings are checked against t
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -117,7 +118,8 @@ def test_a_rank_with_another_plan_is_refused_naming_the_flag(tmp_path):
     try:
         ranks.start_coordinator()
         r = run_entry("dist_runner.py", "--plan", str(tmp_path / "other.json"), "--steps", "2",
-                      "--rank", "0", "--fake-data", "--coordinator", ranks.url, timeout=100)
+                      "--rank", "0", "--fake-data", "--coordinator", ranks.url, timeout=100,
+                      env=dict(os.environ, ST_RUN_SECRET=ranks.secret))  # the run's secret
     finally:
         ranks.stop()
     assert r.returncode == 2, r.stdout + r.stderr
