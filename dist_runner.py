@@ -117,6 +117,7 @@ def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
                   where: tuple[int, int, str, bool], placement: Placement, log) -> Trainer:
     """Load this rank's data, rendezvous, form the groups: a Trainer ready to run."""
+    from modules.control.auth import Auth, load_secret
     from modules.control.dist import parse_dist_url, rendezvous
     from modules.control.fault import members_of
     from modules.train.trainer import Trainer
@@ -128,13 +129,15 @@ def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topolo
     if start is not None and not join and topo.replica not in start:
         raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
                         f"{cfg.elastic.replicas}; start it later with --join")
+    auth = Auth(load_secret(), log)  # the run secret (docs/security.md); before slow work
     data = load_data(cfg, plan, log)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer))
+                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer),
+                       auth=auth)
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
     return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
                    store_addr=store_addr, coordinator=coordinator)

@@ -47,6 +47,7 @@ from formats.plan import Plan, load_plan  # noqa: E402
 from formats.run_metrics import STATUS_ENV, format_status, parse_status  # noqa: E402
 from modules.cli_config import from_args, runner_parser  # noqa: E402
 from modules.config import MAX_CUDA_DEVICE, MAX_THREADS, RunConfig  # noqa: E402
+from modules.control.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret  # noqa: E402
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env[STATUS_ENV] = "1"  # ranks print status records; stream() reads them
+    if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):  # one secret per launch,
+        env[SECRET_ENV] = new_secret()  # through the environment only (docs/security.md)
     if args.gloo_ifname:
         env["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "

@@ -18,8 +18,7 @@ from modules.control.protocol import RUN_AGREED
 def agree(store: Any, mine: dict[str, Any], rank: int) -> None:
     """Record `mine` ({flag: value}) as the run's, or check it against the recorded one."""
     offer = json.dumps(mine, sort_keys=True)
-    run = store.compare_set(RUN_AGREED, "", offer)
-    run = run.decode() if isinstance(run, bytes) else run
+    run = store.claim(RUN_AGREED, offer)  # signed (modules.control.auth): a forgery is replaced
     if run == offer:
         return
     theirs = json.loads(run)

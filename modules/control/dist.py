@@ -7,6 +7,7 @@ and turns a silent peer into a `CommError` (a `PeerError`) naming it and the ope
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
+from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.protocol import generation_prefix, member_key
 
 
@@ -93,7 +95,8 @@ def parse_dist_url(url: str, flag: str = "--dist-url") -> tuple[str, int]:
 
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                agent_store: bool = False, members: tuple[int, ...] | None = None,
-               on_store: Callable[[dist.Store], None] | None = None) -> dist.Store:
+               on_store: Callable[[AuthStore], None] | None = None,
+               auth: Auth | None = None) -> AuthStore:
     """Connect to the TCPStore at `url` (rank 0 hosts it unless `agent_store`) and init the
     gloo world group.
 
@@ -104,24 +107,38 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     `members`: the ranks that start now (default all); when fewer, the group is formed among
     them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
-    store is reachable (before the group is formed).
+    store is reachable (before the group is formed). Rank 0 listens on the url's address
+    only. The store comes back as an `AuthStore`: control records signed with `auth` (the
+    run secret; modules.control.auth), loaded from the environment when None.
     """
     host, port = parse_dist_url(url)
     timeout = timedelta(seconds=timeout_s)
     try:
         # the client retries a failed connect once after a pause as long as its timeout: half
         # the budget each keeps the whole attempt within timeout_s
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
-                              timeout=timedelta(seconds=timeout_s / 2), wait_for_workers=False)
+        if rank == 0 and not agent_store:
+            store = host_store(host, port, world_size, timedelta(seconds=timeout_s / 2))
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s / 2),
+                                  wait_for_workers=False)
         store.set_timeout(timeout)
-    except (RuntimeError, OSError) as e:
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL or rank != 0 or agent_store:
+            what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
+            raise PeerError(f"rendezvous: {what} {url} ({e.strerror or e})") from None
+        raise UserError(f"--dist-url: {host} is not an address of this host, and rank 0 "
+                        "listens only on the address it is given; give one of this host's "
+                        "addresses, or tcp://0.0.0.0:PORT to listen on every interface") from None
+    except RuntimeError as e:
         what = "cannot listen on" if rank == 0 and not agent_store else "cannot reach"
         raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
                         f"({first_line(e)})") from None
+    signed = AuthStore(store, auth if auth is not None else Auth(load_secret()))
     if on_store is not None:
-        on_store(store)
+        on_store(signed)
     if members is not None and rank not in members:
-        return store
+        return signed
     try:
         if members is None or list(members) == list(range(world_size)):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -134,7 +151,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     except (RuntimeError, OSError) as e:
         raise PeerError(f"rendezvous: not all {world_size} ranks joined at {url} within "
                         f"{timeout_s:g} s ({first_line(e)})") from None
-    return store
+    return signed
 
 
 def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import RunConfig
 from modules.control.dist import Topology, members_of, wait_for_peers
-from modules.control.fault import Monitor, MonitorConfig
+from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.groups import GroupBuilder, Groups
 from modules.control.leader import first_generation, publish
 from modules.control.protocol import (
@@ -159,7 +159,8 @@ class Membership:
             timeout_s=cfg.heartbeat_timeout_s,
             interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=self.elastic,
             min_replicas=cfg.min_replicas, members=() if cfg.join else members,
-            coordinator=cfg.coordinator, log=self.log, on_fatal=on_fatal))
+            coordinator=cfg.coordinator, auth=getattr(self.store, "auth", None), log=self.log,
+            on_fatal=on_fatal))
         self.monitor.start()
 
     @property
@@ -192,12 +193,12 @@ class Membership:
         if not self.hosts_store:
             mon.stop()
             mon.join(timeout=5)
-            self.store.add(done_key(self.topo.rank), 1)
+            self.store.put(done_key(self.topo.rank), "1")
             return
-        self.store.add(done_key(0), 1)
+        self.store.put(done_key(0), "1")
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:  # members that are lost meanwhile are dropped by the monitor
-            left = [r for r in mon.members if r != 0 and self.store.add(done_key(r), 0) == 0]
+            left = [r for r in mon.members if r != 0 and not is_done(self.store, r)]
             if not left:
                 break
             if time.monotonic() > deadline and not self.elastic:
@@ -214,7 +215,7 @@ class Membership:
         assert mon is not None and self.cfg.join
         t0 = time.monotonic()
         try:
-            self.store.add(join_key(self.topo.rank), 1)
+            self.store.put(join_key(self.topo.rank), "1")
         except RuntimeError as e:
             raise PeerError(f"--join: the rendezvous store does not answer (the run is over or "
                             f"its host is gone): {str(e).strip()[:200]}") from None
@@ -222,7 +223,8 @@ class Membership:
         while mon.generation is None or self.topo.rank not in mon.generation.members:
             if time.monotonic() - t0 > self.cfg.timeout_s:
                 raise PeerError(f"--join: not admitted within {self.cfg.timeout_s:g} s (is the "
-                                "run alive, and did every rank of my replica start with --join?)")
+                                "run alive, did every rank of my replica start with --join, and "
+                                "does this rank have the run's secret? docs/security.md)")
             mon.changed.wait(0.2)
             mon.changed.clear()
         change = self.poll(handover)
@@ -263,11 +265,15 @@ class Membership:
         stage = self.topo.stage
         key = join_source_key(self.gen, stage)
         if self.topo.replica in joiners:
-            self.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
-            return self._recv_handover(int(self.store.get(key)), handover())
+            try:
+                src = int(self.store.wait_signed(key, self.cfg.timeout_s))
+            except (RuntimeError, ValueError) as e:
+                raise PeerError(f"--join: no source of the outer state of stage {stage} "
+                                f"({first_line(e)})") from None
+            return self._recv_handover(src, handover())
         source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
         if self.topo.rank == source:
-            self.store.set(key, str(source))
+            self.store.put(key, str(source))
             state = handover()
             for r in joiners:
                 self._send_handover(self.plan.pipelines[r][stage], state)
@@ -377,12 +383,15 @@ class Membership:
         first writer wins."""
         mon = self.monitor
         assert mon is not None
-        self.store.set(commit_done_key(prefix, self.topo.rank), "1")
+        self.store.put(commit_done_key(prefix, self.topo.rank), "1")
         keys = [commit_done_key(prefix, r) for r in ranks]
         t0 = time.monotonic()
         while True:
             try:
                 self.store.wait(keys, timedelta(seconds=0.5))
+                if any(self.store.read(k) != "1" for k in keys):  # a forgery: not arrived
+                    time.sleep(0.5)
+                    raise RuntimeError("a forged confirmation in the store")
                 decision = "commit"
             except RuntimeError as e:
                 if mon.gen <= self.gen:
@@ -391,8 +400,8 @@ class Membership:
                                         f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
                     continue
                 decision = "abort"
-            got = self.store.compare_set(commit_decision_key(prefix), "", decision)
-            if got != b"commit":
+            got = self.store.claim(commit_decision_key(prefix), decision)
+            if got != "commit":
                 self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
                          "retrying with the live replicas")
-            return got == b"commit"
+            return got == "commit"

@@ -33,6 +33,7 @@ from modules.comm.choice import (
     read_devices,
 )
 from modules.comm.errors import first_line
+from modules.control.auth import raw_store
 from modules.control.dist import Topology, members_of
 from modules.control.protocol import generation_prefix
 
@@ -77,7 +78,8 @@ class GroupBuilder:
         """`outer_stats`: build each stage group's background communicator (sync.overlap),
         counting into these stats (the background thread's own: the training thread's are
         not touched from two threads)."""
-        self.plan, self.topo, self.store = plan, topo, store
+        self.plan, self.topo = plan, topo
+        self.store = raw_store(store)  # process groups and NCCL ids: the plain store
         self.outer_stats = outer_stats
         self.tie_embeddings = tie_embeddings
         self.timeout_s = timeout_s

@@ -24,9 +24,10 @@ from formats.run_metrics import STATUS_ENV, status_line
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import RunConfig
-from modules.control.dist import Topology
+from modules.control.dist import Topology, members_of
 from modules.control.elastic import GenerationChange, Handover, Membership, MembershipSettings
 from modules.control.groups import GroupBuilder, Groups
+from modules.control.signals import TERM_STATUS, on_terminate
 from modules.data.dataset import FakeData, Sharder, TextData
 from modules.data.tokenizer import BYTES_ID, TokenizerId
 from modules.device.compile import maybe_compile
@@ -52,8 +53,10 @@ from modules.train.checkpoint import (
     load_checkpoint,
     prune,
     save_checkpoint,
+    shared_floor,
     snapshot,
     step_path,
+    write_step,
 )
 from modules.train.model import StageModel
 from modules.train.tracking import open_rank_timing, open_trackers
@@ -145,7 +148,8 @@ class Trainer:
         """Held by the training thread while it changes parameters / optimizer state."""
         self.ckpt: AsyncCheckpointer | None = (
             AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
-                              debug_hook=self._debug_ckpt_hook) if cfg.ckpt.dir else None)
+                              debug_hook=self._debug_ckpt_hook, log=self.log)
+            if cfg.ckpt.dir else None)
         self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
         """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
         self.membership = self._make_membership(store, store_addr, coordinator)
@@ -297,8 +301,8 @@ class Trainer:
                  f"{time.monotonic() - t0:.2f} s")
 
     # -- failures ----------------------------------------------------------------------------
-    def _on_fatal(self, reason: str) -> None:
-        """Say why, checkpoint what can be checkpointed, and leave with status 1 (any thread)."""
+    def _on_fatal(self, reason: str, status: int = 1) -> None:
+        """Say why, checkpoint what can be checkpointed, and leave with `status` (any thread)."""
         print(f"rank {self.topo.rank}: error: {reason}", file=sys.stderr, flush=True)
         try:
             saved = self.emergency_checkpoint()
@@ -308,7 +312,7 @@ class Trainer:
             self.log(saved)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(status)
 
     def emergency_checkpoint(self) -> str:
         """Finish the write in flight, then save the last consistent state: in DiLoCo the one
@@ -366,14 +370,28 @@ class Trainer:
         seconds the training thread was blocked (snapshot; the whole write with
         cfg.ckpt.sync)."""
         assert self.ckpt is not None and self.cfg.ckpt.dir
+        self._checkpoint_floor()
         if self.cfg.ckpt.sync:
             t0 = time.perf_counter()
             self.ckpt.flush()
-            save_checkpoint(step_path(self.cfg.ckpt.dir, self.topo.rank, self.step),
-                            self._meta(), snapshot(self.state()))
-            prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep)
+            why = write_step(self.cfg.ckpt.dir, self.topo.rank, self.step, self._meta(),
+                             snapshot(self.state()))
+            if why is None:
+                self.ckpt.last_step = self.step
+                prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep, self.ckpt.floor)
+            else:
+                self.ckpt.report_failure(self.step, why)
             return time.perf_counter() - t0
         return self.ckpt.save(self.step, self._meta(), self.state())
+
+    def _checkpoint_floor(self, publish: bool = True) -> int | None:
+        """Publish my newest complete checkpoint step and keep the oldest such step over the
+        live ranks from being pruned (modules.train.checkpoint.shared_floor)."""
+        assert self.ckpt is not None
+        floor = shared_floor(self.membership.store, self.topo.rank,
+                             members_of(self.plan, self.replicas), self.ckpt.last_step, publish)
+        self.ckpt.floor = floor if floor is not None else self.ckpt.floor
+        return floor
 
     def _all_min(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -487,6 +505,7 @@ class Trainer:
         """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps."""
         cfg, topo = self.cfg, self.topo
         self.membership.start(on_fatal=self._on_fatal)
+        on_terminate(lambda why: self._on_fatal(why, TERM_STATUS))  # emergency checkpoint
         if cfg.elastic.join:
             self._join()
         elif cfg.ckpt.resume:
@@ -526,6 +545,7 @@ class Trainer:
                 self._background_share()  # their bytes count in this rank's total
             if self.ckpt:
                 self.ckpt.flush()
+                self._checkpoint_floor()  # published before finish's barrier / done marks
         finally:
             for w in (writer, timing):
                 if w:
@@ -533,6 +553,10 @@ class Trainer:
             if self.overlap is not None:
                 self.overlap.close()
         self.membership.finish()
+        if self.ckpt is not None and self.ckpt.last_step is not None:  # every rank's last save
+            floor = self._checkpoint_floor(publish=False)                # done: prune to keep
+            if floor is not None:
+                prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep, floor)
         return records
 
     def _measured_step(self) -> dict[str, Any]:
