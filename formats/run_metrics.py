@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from formats.safe_open import read_bytes
 
 METRICS_NAME = "metrics.jsonl"
 RANKS_DIR = "ranks"
 PLAN_NAME = "plan.json"
 CLUSTER_NAME = "cluster.json"
+MAX_JSONL_BYTES = 1 << 30
+"""Largest metrics or timing file read (a record a step of ~300 bytes: millions of steps)."""
 """The --cluster file of the run (a copy, when dist_runner was given one)."""
 RANK_FIELDS = ("step", "rank", "replica", "stage", "step_s", "compute_s", "comm_s", "pp_wait_s",
                "bytes_sent", "dp_bytes_sent", "wall_time")
@@ -52,10 +55,7 @@ def rank_timing_path(run_dir: str | Path, rank: int) -> Path:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file (a line cut off by a crash, nested too deep, or
     not an object, is skipped); UserError when it cannot be read."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = read_bytes(path, "run file", MAX_JSONL_BYTES).decode("utf-8", errors="replace")
     out = []
     for line in text.splitlines():
         try:
