@@ -31,6 +31,8 @@ MAX_SEED = 2 ** 63 - 1
 MAX_SECONDS = 1e8
 """Longest timeout (3 years): beyond it timedelta and the store's millisecond timeouts
 overflow."""
+MIN_TIMEOUT_S = 1.0
+"""Shortest --timeout-s: a rendezvous and a first step take longer than that anyway."""
 MAX_THREADS = 1024
 MAX_CUDA_DEVICE = 1023
 
@@ -426,7 +428,7 @@ class RunConfig:
     seed: int = 0
     """initialisation and data-order seed"""
     timeout_s: float = 60.0
-    """how long any wait on a peer or the rendezvous may take"""
+    """how long any wait on a peer or the rendezvous may take (seconds, >= 1)"""
     log_every: int = 1
     """print a progress line every K steps"""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -441,7 +443,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         _int_at_least(RunConfig, "steps", self.steps, 1)
         _int_at_least(RunConfig, "seed", self.seed, 0, MAX_SEED)
-        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0, hi=MAX_SECONDS)
+        # below a second no rendezvous can finish: 1e-300 would be accepted, then time out
+        _finite(RunConfig, "timeout_s", self.timeout_s, MIN_TIMEOUT_S, strict=False,
+                hi=MAX_SECONDS)
         _int_at_least(RunConfig, "log_every", self.log_every, 1)
 
     def check_paths(self) -> None:
