@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from formats.errors import run_main
-from testkit.fuzz import DEFAULT_SEED, ENTRY_POINTS, Case, Folder, Sparse
+from testkit.fuzz import DEFAULT_SEED, ENTRY_POINTS, Case, Fifo, Folder, Link, Sparse
 from testkit.fuzz_runs import all_cases, base_scenarios
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +102,10 @@ def make_files(case: Case, folder: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, Folder):
             path.mkdir()
+        elif isinstance(content, Fifo):
+            os.mkfifo(path)
+        elif isinstance(content, Link):
+            path.symlink_to(content.target)
         elif isinstance(content, Sparse):
             with path.open("wb") as f:
                 f.truncate(content.size)
