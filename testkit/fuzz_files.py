@@ -22,6 +22,7 @@ import functools
 import io
 import json
 
+from testkit import fuzz_runs
 from testkit.fuzz import (
     HOSTS,
     Case,
@@ -322,3 +323,13 @@ def padded_tokenizer() -> bytes:
 def cases() -> list[Case]:
     """All cases of this module."""
     return [c for gen in GENERATORS for c in gen()]
+
+
+def all_cases(seed: int) -> list[Case]:
+    """Every fuzz case: testkit/fuzz.py's and testkit/fuzz_runs.py's, and this module's."""
+    return [*fuzz_runs.all_cases(seed), *cases()]
+
+
+def all_base_scenarios() -> list[Scenario]:
+    """Every valid command line the cases break (testkit/fuzz_runs.py's and this module's)."""
+    return [*fuzz_runs.base_scenarios(), *base_scenarios()]

@@ -465,17 +465,12 @@ GENERATORS = (dist_runner_data_cases, dist_runner_run_dir_cases, sync_field_case
 def base_scenarios() -> list[Scenario]:
     """The valid command lines the cases of this module break (each must be accepted: run to
     the end, or reach the step that acts), so a case fails for its own mistake only."""
-    from testkit import fuzz_files  # it builds on this module
-
     return [dist_runner_data_base(), dist_runner_run_dir_base(), *sync_bases(),
             *plan_sync_bases(), explain_base(), plot_run_base(), train_tokenizer_base(),
-            prepare_data_base(), local_cluster_sshd_base(), *fuzz_files.base_scenarios()]
+            prepare_data_base(), local_cluster_sshd_base()]
 
 
 def all_cases(seed: int) -> list[Case]:
-    """testkit/fuzz.py's cases (systematic and seeded random), this module's and
-    testkit/fuzz_files.py's."""
-    from testkit import fuzz_files  # it builds on this module
-
-    return [*fuzz_cases(seed), *(c for gen in GENERATORS for c in gen()), *fuzz_files.cases()]
+    """testkit/fuzz.py's cases (systematic and seeded random) and this module's."""
+    return [*fuzz_cases(seed), *(c for gen in GENERATORS for c in gen())]
 
