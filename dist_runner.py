@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from modules.control.dist import topology
     from modules.device.placement import resolve_placement
     from modules.device.select import describe_device
+    from modules.train.outputs import check_outputs
 
     topo = topology(plan, where[0], where[1])  # rank not in plan / world size mismatch: exit 2
+    check_outputs(cfg, topo)  # every file and folder this rank writes, before the rendezvous
     placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)

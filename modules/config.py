@@ -24,6 +24,8 @@ from formats.run_metrics import METRICS_NAME
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
 
 __all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "flag_of"]  # re-exported for the runtime
+MIN_TIMEOUT_S = 1.0
+"""Shortest --timeout-s: a rendezvous and a first step take longer than that anyway."""
 MAX_THREADS = 1024
 MAX_CUDA_DEVICE = 1023
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -369,8 +371,9 @@ class RunConfig:
     """train until this step (total)"""
     seed: int = setting(0, lo=0, hi=MAX_SEED)
     """initialisation and data-order seed"""
-    timeout_s: float = setting(60.0, lo=0.0, lo_open=True, hi=MAX_SECONDS)
-    """how long any wait on a peer or the rendezvous may take"""
+    timeout_s: float = setting(60.0, lo=MIN_TIMEOUT_S, hi=MAX_SECONDS)
+    """how long any wait on a peer or the rendezvous may take (seconds, >= 1: below a second no
+    rendezvous can finish)"""
     log_every: int = setting(1, lo=1, hi=MAX_COUNT)
     """print a progress line every K steps"""
     optim: OptimConfig = field(default_factory=OptimConfig)

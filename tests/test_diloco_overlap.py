@@ -5,6 +5,8 @@ from a checkpoint taken with fragments in flight ends bit-identical to an uninte
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -211,12 +213,23 @@ def test_overlapped_run_matches_the_serial_reference_of_the_delayed_rule(overlap
     assert all("outer_wait_s" in r and r["outer_wait_s"] >= 0 for r in recs)
     assert sum(r["dp_bytes_sent"] for r in recs) > 0
     assert sum(r["dp_bytes_sent"] for r in recs) <= sum(r["bytes_sent"] for r in recs)
+    # the rounds still in flight after the last step count in its record: the records add up
+    # to rank 0's total (before, the last sends were in the total only)
+    total = re.search(r"^\[rank 0\] done; (\d+) data-parallel bytes", proc.stdout, re.M)
+    assert total and sum(r["dp_bytes_sent"] for r in recs) == int(total[1]), proc.stdout[-2000:]
 
 
 @pytest.mark.timeout(200)
 def test_fragments_without_overlap_match_the_serial_reference(tmp_path):
     plan = _plan(False, fragments=3)
-    _launch(tmp_path, plan, "--steps", "8", "--ckpt-dir", str(tmp_path / "ck"))
+    proc = _launch(tmp_path, plan, "--steps", "8", "--ckpt-dir", str(tmp_path / "ck"))
+    # each round's log line counts its F fragment syncs, which fall on different steps
+    recs = read_metrics(replica_metrics_path(tmp_path / "m.jsonl", 0))
+    per_round = [sum(r["dp_bytes_sent"] for r in recs if (r["step"] - 1) // H == k)
+                 for k in range(2)]
+    logged = [int(n) for n in re.findall(r"^\[rank 0\] outer_step \d: (\d+) bytes sent",
+                                         proc.stdout, re.M)]
+    assert logged == per_round and per_round[0] > 0, proc.stdout[-2000:]
     want = _reference(plan, 8, 0.0)
     for r in range(2):
         got = _final_params(tmp_path / "ck", r, 8)

@@ -33,6 +33,7 @@ import torch
 
 from formats.atomic_io import atomic_write_bytes
 from formats.errors import UserError
+from formats.safe_open import open_regular
 
 CKPT_FORMAT = "ckpt/2"
 """ckpt/1 had no checksum; its files are refused (they cannot be verified)."""
@@ -150,7 +151,7 @@ def _check_header(head: bytes, size: int) -> tuple[str | None, bytes, int]:
 def verify_checkpoint(path: Path) -> str | None:
     """None if `path` is a complete checkpoint whose checksum verifies, else why not."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "checkpoint") as f:  # a FIFO here would block the resume
             size = f.seek(0, io.SEEK_END)
             f.seek(0)
             why, digest, _ = _check_header(f.read(HEADER.size), size)
@@ -161,6 +162,8 @@ def verify_checkpoint(path: Path) -> str | None:
                 h.update(chunk)
     except OSError as e:
         return f"cannot read it: {e.strerror or e}"
+    except UserError as e:
+        return str(e).split(": ", 1)[-1]
     if h.digest() != digest:
         return "sha256 of its bytes does not match the one written with it (changed on disk)"
     return None
@@ -347,9 +350,12 @@ def _read_verified(path: Path, rank: str) -> io.BytesIO:
                          "delete it or resume from another --ckpt-dir")
 
     try:
-        data = path.read_bytes()
+        with open_regular(path, "checkpoint") as f:  # a FIFO here would block the resume
+            data = f.read()
     except OSError as e:
         raise corrupt(f"cannot read it: {e.strerror or e}") from None
+    except UserError as e:
+        raise corrupt(str(e).split(": ", 1)[-1]) from None
     why, digest, _ = _check_header(data[:HEADER.size], len(data))
     if why is not None:
         raise corrupt(why)

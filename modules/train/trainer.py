@@ -140,6 +140,9 @@ class Trainer:
         self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
+        self.round_dp0 = 0
+        """dp_bytes when the current DiLoCo round began (a round's F fragment syncs fall on
+        different steps; its log line counts them all)."""
         self.mfu_values: list[float] = []
         """MFU of each measured step (empty without a peak)."""
         self.flops_per_token = flops_per_token(self.spec)
@@ -425,7 +428,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])  # copies the CPU tensors onto the device
             self.opt.load_state_dict(state["opt"])  # torch moves optimizer state to the params'
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
-            self.dp_bytes = int(state["dp_bytes"])
+            self.dp_bytes = self.round_dp0 = int(state["dp_bytes"])
             set_rng_states(state["rng"], self.device)
             if state.get("scaler"):
                 self.scaling.load_state_dict(state["scaler"])
@@ -451,7 +454,7 @@ class Trainer:
             self._check_finite(loss)
         if self.diloco is None and not overflow:
             self.dp_bytes += average_grads(self.params, self.average)
-        outer0, dp0 = self.outer_count, self.dp_bytes
+        outer0 = self.outer_count
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
             # DiLoCo: inner step, and every H steps the outer (communicating) one
@@ -464,9 +467,11 @@ class Trainer:
                      f"{list(self._stage_ranks())} (stage {topo.stage})")
         elif self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
             # it sent, spelt like the metrics field (benchmarks/end_to_end.py echoes " step ")
-            self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
-                     f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
-                     f"{plan.sync.inner_steps} inner steps)")
+            self.log(f"outer_step {self.outer_count}: {self.dp_bytes - self.round_dp0} bytes "
+                     f"sent to stage group {list(self._stage_ranks())} (stage {topo.stage}, "
+                     f"after {plan.sync.inner_steps} inner steps)")
+        if self.outer_count != outer0:
+            self.round_dp0 = self.dp_bytes
         if self.outer_count != outer0 and self.ckpt is not None:
             # taken here, on the only thread that changes the state, at the same round's end on
             # every rank; with overlap the rounds in flight are in it as sent (resume redoes them)
@@ -536,6 +541,8 @@ class Trainer:
                 ckpt_every = cfg.ckpt.interval(cfg.steps)
                 if ckpt_every and (self.step % ckpt_every == 0 or last):
                     rec["ckpt_block_s"] = round(self.save(), 6)
+                if last:
+                    self._last_background(rec)
                 if writer:
                     writer.log(rec)
                 if timing:
@@ -594,6 +601,17 @@ class Trainer:
             rec["mfu"] = round(value, 6)
             self.mfu_values.append(value)
         return rec
+
+    def _last_background(self, rec: dict[str, Any]) -> None:
+        """sync.overlap: finish the rounds still in flight after the last step and count their
+        bytes and wait in its record (no later record would hold them)."""
+        if self.overlap is None:
+            return
+        self.overlap.drain()
+        bg, exposed = self._background_share()
+        rec["bytes_sent"] += bg
+        rec["dp_bytes_sent"] += bg
+        rec["outer_wait_s"] = round(rec.get("outer_wait_s", 0.0) + exposed, 6)
 
     def _background_share(self) -> tuple[int, float]:
         """sync.overlap: background bytes sent and exposed wait since the last call; the bytes

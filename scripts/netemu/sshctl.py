@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 from formats.errors import UserError
+from formats.jsonfile import read_text
 from scripts.netemu.hostlist import HostEntry
 from scripts.netemu.shell import READY_LINE
 
@@ -109,6 +111,32 @@ class SSHOptions:
             raise UserError(f"--known-hosts: {self.known_hosts} does not exist; record the "
                             f"hosts' keys first: cluster_ssh.py --hosts {hosts_flag} "
                             "accept-keys")
+        if self.known_hosts.exists():
+            check_known_hosts(self.known_hosts)
+
+
+MAX_KNOWN_HOSTS_BYTES = 16 << 20
+"""Largest known_hosts file read (~100,000 keys)."""
+
+
+def check_known_hosts(path: Path) -> None:
+    """UserError naming the line paramiko would fail on later (with a traceback): a marker
+    line (@revoked, @cert-authority: paramiko cannot honour them) or a key it cannot parse."""
+    text = read_text(path, "--known-hosts", MAX_KNOWN_HOSTS_BYTES)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("@"):
+            raise UserError(f"--known-hosts {path}:{lineno}: {stripped.split()[0]} lines are "
+                            "not supported (paramiko cannot honour them, so no host is "
+                            "trusted); remove the line and record plain keys with "
+                            "`cluster_ssh.py accept-keys`")
+        try:
+            HostKeyEntry.from_line(line, lineno)
+        except Exception as e:  # InvalidHostKey (args: line, cause), SSHException
+            cause = e.args[-1] if isinstance(e, InvalidHostKey) and e.args else e
+            why = " ".join(str(cause).split())[:120]
+            raise UserError(f"--known-hosts {path}:{lineno}: not a valid host key line "
+                            f"({why}); fix or remove it") from None
 
 
 @dataclass
