@@ -312,7 +312,7 @@ def test_a_pipeline_int8_message_on_the_gpu_reads_nothing_back(gpu, monkeypatch)
 
     calls = []
     monkeypatch.setattr(rows, "_on_gpu", lambda flat: True)
-    monkeypatch.setattr(cuda, "_launch", lambda name, dev, nb, tensors, scalars:
+    monkeypatch.setattr(cuda, "launch", lambda name, dev, nb, tensors, scalars:
                         calls.append((name, scalars)))
 
     def no_sync(t: torch.Tensor) -> None:
@@ -424,9 +424,7 @@ def _ptx(tmp_path: Path, arch: str = "compute_90") -> str:
     return out.read_text()
 
 
-DENORMAL_BLOCKS = np.array([1e-37, 1e-38, -9e-39, 1.5 * 2.0**-127, 3e-39, 0, 0, 0,  # codes 9 1 -1 1
-                            2.0**-149, -2.0**-140, 2.0**-130, 0, 0, 0, 0, 0],  # all denormal
-                           dtype=np.float32)
+from modules.quant.kernel_model import DENORMAL_CASE as DENORMAL_BLOCKS  # noqa: E402
 
 
 @pytest.mark.timeout(300)

@@ -66,6 +66,12 @@ class Watchdog:
                     return
             time.sleep(self.poll_s)
 
+    def in_flight(self) -> int:
+        """How many watched operations are not done yet."""
+        with self._lock:
+            self._forget_done()
+            return len(self._pending)
+
     def close(self) -> None:
         """Stop watching (the thread ends within poll_s)."""
         self._halt.set()

@@ -30,9 +30,10 @@ def _module(device_index: int):  # noqa: ANN202 - a cupy.RawModule; cupy may be 
         return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=COMPILE_OPTIONS)
 
 
-def _launch(name: str, device: torch.device, nblocks: int, tensors: tuple[torch.Tensor, ...],
+def launch(name: str, device: torch.device, nblocks: int, tensors: tuple[torch.Tensor, ...],
             scalars: tuple) -> None:
-    """Run kernel `name` on torch's current stream of `device`, one warp per block. The
+    """Run kernel `name` on torch's current stream of `device`, one warp per block (nothing
+    else: scripts/gpu_rows.py times this alone). The
     tensors are taken as cupy arrays inside the stream's context: `cupy.from_dlpack` outside it
     would hand torch cupy's null stream as the consumer, and torch would make its stream wait
     for all work on the device (the overlapped outer sync's included)."""
@@ -59,7 +60,7 @@ def quantize_int8_cuda(x: torch.Tensor, block: int = DEFAULT_BLOCK,
     if n == 0:
         return QuantizedTensor(codes, scales, 0, block)
     nonfinite = torch.zeros(1, dtype=torch.int64, device=x.device)
-    _launch("quantize_blocks", x.device, nblocks, (x.view(-1), codes, scales, nonfinite),
+    launch("quantize_blocks", x.device, nblocks, (x.view(-1), codes, scales, nonfinite),
             (np.int64(n), np.int32(block), np.int64(nblocks), np.int32(int(mark_nonfinite))))
     if not mark_nonfinite and int(nonfinite.item()):  # 8 bytes; find the first bad value
         check_finite(x)
@@ -71,6 +72,6 @@ def dequantize_int8_cuda(q: QuantizedTensor) -> torch.Tensor:
     out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
     nblocks = -(-q.numel // q.block)
     if q.numel:
-        _launch("dequantize_blocks", q.codes.device, nblocks, (q.codes, q.scales, out),
+        launch("dequantize_blocks", q.codes.device, nblocks, (q.codes, q.scales, out),
                 (np.int64(q.numel), np.int32(q.block), np.int64(nblocks)))
     return out

@@ -19,6 +19,10 @@ import numpy as np
 OPS = ("abs", "max", "min", "div", "rint", "mul")
 SCALE_FLOOR = np.float32(2.0**-126)
 SCALE_CEIL = np.array([0x7C010203], dtype=np.uint32).view(np.float32)[0]
+DENORMAL_CASE = np.array([1e-37, 1e-38, -9e-39, 1.5 * 2.0**-127, 3e-39, 0, 0, 0,
+                          2.0**-149, -2.0**-140, 2.0**-130, 0, 0, 0, 0, 0], dtype=np.float32)
+"""Two blocks of 8 with denormals: the CPU codes are 9, 1, -1, 1, 0... in the first; a kernel
+that flushes denormals gives 9, 0, 0, 0, 0... (the second block is denormal only)."""
 _PTX_OPS = {"abs": "abs", "max": "max", "min": "min", "div": "div", "mul": "mul", "cvt": "rint"}
 
 
