@@ -40,7 +40,6 @@ def kernel_identity() -> tuple[str, str]:
 
     from modules.quant.codec import dequantize_int8, quantize_int8_torch
     from modules.quant.cuda import dequantize_int8_cuda, quantize_int8_cuda
-    from scripts.gpu_check import row_codec_mismatch
 
     bad = []
     for name, x, block in _cases():
@@ -59,6 +58,32 @@ def kernel_identity() -> tuple[str, str]:
     return "PASS", (f"codes, scales and decoded values byte-identical to the CPU codec "
                     f"({len(_cases())} cases, denormals included; pipeline rows too), "
                     f"compiled by cupy {cupy.__version__}")
+
+
+def row_codec_mismatch(device: str, shape: tuple[int, ...] = (2, 1024, 2048)) -> str:
+    """Empty when the pipeline's per-row int8 (modules.quant.rows) on `device` writes the same
+    message as on the CPU and decodes it to the same values, non-finite rows (-> NaN) included;
+    else what differs."""
+    import torch
+
+    from modules.quant.rows import decode_rows, encode_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 10
+    x[0, shape[1] // 2, 3 % shape[-1]], x[-1, -1, 0] = float("inf"), float("nan")
+    want, got = encode_rows(x), encode_rows(x.to(device))
+    if got.device.type != torch.device(device).type:
+        return f"the message was made on {got.device}, not {device}"
+    if not torch.equal(want, got.cpu()):
+        diff = int((want != got.cpu()).sum())
+        return f"{diff} of {want.numel()} message bytes differ from the CPU path"
+    a, b = decode_rows(want, shape), decode_rows(got, shape).cpu()
+    if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())):
+        return "decoded values differ from the CPU path"
+    bad = ~torch.isfinite(x).all(-1)
+    if not (a[bad].isnan().all() and a[~bad].isfinite().all()):
+        return "the rows holding inf/NaN did not (only) decode to NaN"
+    return ""
 
 
 def _elapsed_ms(fn, reps: int) -> float:  # noqa: ANN001
