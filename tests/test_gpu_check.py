@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import re
+import shutil
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -38,8 +39,8 @@ def run_check(tmp_path, *flags, **env) -> tuple[subprocess.CompletedProcess, dic
 
 
 def _python() -> str:
-    venv = ROOT / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else "python3"
+    """The interpreter running the tests (it has the project's dependencies)."""
+    return sys.executable
 
 
 @pytest.mark.timeout(300)
