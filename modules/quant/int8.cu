@@ -50,6 +50,10 @@ __device__ __forceinline__ int rint_to_int(float a) {
     return r;
 }
 
+__device__ __forceinline__ unsigned int umax(unsigned int a, unsigned int b) {
+    return a > b ? a : b;
+}
+
 // |x| bits of a finite value, 0 for NaN/inf (they are reported or marked, never used)
 __device__ __forceinline__ unsigned int finite_abs_bits(float v) {
     const unsigned int a = __float_as_uint(v) & ABS_MASK;
@@ -79,10 +83,10 @@ extern "C" __global__ void quantize_blocks(const float* __restrict__ x,
         for (long long k = start + lane; k < end; k += WARP) {
             const float v = x[k];
             bad += (__float_as_uint(v) & ABS_MASK) < INF_BITS ? 0u : 1u;
-            m = max(m, finite_abs_bits(v));
+            m = umax(m, finite_abs_bits(v));
         }
         for (int off = WARP / 2; off > 0; off >>= 1) {
-            m = max(m, __shfl_xor_sync(FULL_MASK, m, off));
+            m = umax(m, __shfl_xor_sync(FULL_MASK, m, off));
             bad += __shfl_xor_sync(FULL_MASK, bad, off);
         }
         if (lane == 0 && bad && !mark) atomicAdd(nonfinite, (unsigned long long)bad);
