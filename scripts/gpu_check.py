@@ -208,7 +208,7 @@ def check_imports(c: Checker) -> None:
             continue
         if dep in missing or importlib.util.find_spec(dep) is None:
             mods = missing.get(dep, [])
-            c.add(f"optional: {dep}", "SKIP", t0, f"{dep} is not installed ("
+            c.add(f"optional: {dep}", "SKIP", time.monotonic(), f"{dep} is not installed ("
                   f"{OPTIONAL.get(dep, 'not needed by the GPU path')}); not imported: "
                   f"{', '.join(mods) or 'none'}", expected=True)
 
