@@ -133,3 +133,18 @@ def test_a_training_run_of_the_check_on_cpu(tmp_path):
     assert isinstance(bad, str) and "exit 2" in bad and "--device" in bad
     compare(c, "failed run", 0.0, bad, run, 1e-5)
     assert c.failed() and (tmp_path / "logs" / "bad.log").exists()
+
+
+@pytest.mark.parametrize("out, status", [
+    ("SKIPPED [2] tests/test_comm_nccl.py:132: needs 2+ CUDA devices and cupy with NCCL\n"
+     "40 passed, 2 skipped in 9.0s", "PASS"),
+    ("SKIPPED [27] tests/test_quant_codec.py:150: needs a CUDA device and cupy\n"
+     "3 passed, 27 skipped in 2.0s", "SKIP"),
+    ("1 failed, 39 passed in 9.0s", "FAIL")])
+def test_gpu_tests_row_tells_expected_from_unexpected_skips(tmp_path, monkeypatch, out, status):
+    from scripts import gpu_check
+
+    c = Checker(tmp_path, "python3", 10, gpus=1)
+    monkeypatch.setattr(c, "run", lambda *a, **k: (1 if "failed" in out else 0, out))
+    gpu_check.check_gpu_tests(c)
+    assert c.rows[-1].status == status
