@@ -48,7 +48,7 @@ from modules.control.protocol import (
     join_source_key,
     outer_arrival_prefix,
 )
-from modules.sync.average import GroupAverage
+from modules.sync.average import GroupAverage, complete
 from modules.sync.diloco import OuterState
 
 
@@ -246,7 +246,7 @@ class Membership:
             raise PeerError(f"generation {g.gen} does not continue with me ({g.reason})")
         t0 = time.monotonic()
         if self.groups is not None:
-            self.groups.close()
+            self._release(self.groups, set(self.replicas) - set(g.replicas))
         self.groups = self.builder.build(g.gen, g.replicas)
         self.replicas, self.gen = tuple(sorted(g.replicas)), g.gen
         self.log(f"generation {g.gen}: groups re-formed over replicas {list(self.replicas)} in "
@@ -256,6 +256,17 @@ class Membership:
                      f"average over it alone (--min-replicas {self.cfg.min_replicas})")
         received = self._hand_over(handover)
         return GenerationChange(g.gen, self.replicas, self.groups, received, g.reason)
+
+    def _release(self, groups: Groups, lost: set[int]) -> None:
+        """Let go of the previous generation's communicators: abort them when a replica was
+        lost (NCCL's destroy would flush operations that involve the dead peer and can hang),
+        close them when the generation only admitted joiners."""
+        if lost:
+            self.log(f"aborting the communicators of generation {self.gen} (lost replica(s) "
+                     f"{sorted(lost)})")
+            groups.abort()
+        else:
+            groups.close()
 
     def _hand_over(self, handover: Callable[[], Handover]) -> Handover | None:
         """After re-forming: a live peer of my stage sends the outer state to each joiner."""
@@ -339,6 +350,7 @@ class Membership:
                 return None
             try:
                 sent = average(flat)
+                complete(average, what)  # NCCL: enqueued only; commit what has arrived
             except PeerError:
                 if not self._await_generation(gen):
                     raise

@@ -32,7 +32,7 @@ from modules.comm.choice import (
     local_device,
     read_devices,
 )
-from modules.comm.errors import first_line
+from modules.comm.errors import CommError, first_line
 from modules.control.auth import raw_store
 from modules.control.dist import Topology, members_of
 from modules.control.protocol import generation_prefix
@@ -60,11 +60,20 @@ class Groups:
     without sync.overlap or where the group has one member."""
 
     def close(self) -> None:
-        """Release every communicator (before a new generation replaces them)."""
-        for comm in {id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
-                                        self.outer)
-                     if c is not None}.values():
+        """Release every communicator of a healthy generation (NCCL: destroy, which flushes)."""
+        for comm in self._all():
             comm.close()
+
+    def abort(self) -> None:
+        """Drop every communicator without flushing (NCCL: ncclCommAbort): before a new
+        generation replaces one that lost a peer, whose pending operations would hang a
+        destroy."""
+        for comm in self._all():
+            comm.abort()
+
+    def _all(self) -> list[Communicator]:
+        return list({id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
+                                        self.outer) if c is not None}.values())
 
 
 class GroupBuilder:
@@ -108,7 +117,8 @@ class GroupBuilder:
         comms = build_communicators(list(built), self.topo.rank, list(built.values()),
                                     self.store, self.device,
                                     f"g{gen}/", self.timeout_s,
-                                    {d: i for i, d in enumerate(members)}, self.stats)
+                                    {d: i for i, d in enumerate(members)}, self.stats,
+                                    self._nccl_aborted)
         world = GlooCommunicator(None, self.timeout_s, ids=members, stats=self.stats)
         mine = {c.group: c for c in choices if self.topo.rank in c.ranks}
         r = self.topo.replica
@@ -135,8 +145,13 @@ class GroupBuilder:
                                     [c.backend for c in groups], self.store, self.device,
                                     f"g{gen}/outer", self.timeout_s,
                                     {d: i for i, d in enumerate(members)},
-                                    self.outer_stats)
+                                    self.outer_stats, self._nccl_aborted)
         return comms.get(stage.ranks) if stage else None
+
+    def _nccl_aborted(self, error: CommError) -> None:
+        """An NCCL watchdog aborted a communicator: say so at once (the training thread's
+        next call on it raises the error and the run's failure handling takes over)."""
+        self.log(f"NCCL communicator aborted: {error}")
 
     def _named_groups(self, replicas: list[int]) -> list[tuple[str, tuple[int, ...]]]:
         """Every group of the generation with more than one rank, in one fixed order."""

@@ -568,11 +568,13 @@ class Trainer:
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
+        self.stats.settle()  # NCCL's spans timed on the stream before this step
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
         dp0, pipe, ppb0 = self.dp_bytes, self.pipe.comm, self.pipe.bytes_sent
         pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
             loss = self.train_step()
+            self.stats.settle()  # NCCL: comm_s and pp_wait_s from CUDA events, not enqueues
         except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
             raise self._peer_failure(e) from None
         except TrainingDiverged as e:
