@@ -1,7 +1,7 @@
 """The compact form of a cluster's links (`cluster/2`): per region pair, per device, per pair.
 
 A swarm of thousands of devices has few kinds of links, so instead of N x N matrices the file
-gives (README: File formats):
+gives (docs/formats.md):
 
 - `region_links`: `{"regions": [A, B], "latency_ms": x, "bandwidth_gbps": y}` for every pair of
   regions, A to itself included when A has two devices or more; both directions unless

@@ -1,4 +1,4 @@
-"""metrics.jsonl (see README, File formats): one JSON object per step and replica; the run
+"""metrics.jsonl (see docs/formats.md): one JSON object per step and replica; the run
 folder's per-rank timing files use the same writer (names: formats/run_metrics.py)."""
 
 from __future__ import annotations
