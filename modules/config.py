@@ -4,7 +4,8 @@ Each field is one `dist_runner.py` flag: the flag is `--` + the field name with 
 field's `metadata["flag"]`), its help text is the docstring written under the field, and its
 default is the field's default. `modules.cli_config` turns these classes into argparse flags and
 back, so a setting is written once. `__post_init__` checks what a field can check alone and
-raises UserError naming the flag; checks against the plan are in `RunConfig.check_plan`.
+raises UserError naming the flag. `RunConfig.resolve` applies the flags to the plan once, checks
+what needs the plan, and returns the frozen `ResolvedRun` that dist_runner passes down.
 """
 
 from __future__ import annotations
@@ -168,11 +169,9 @@ class ElasticConfig:
                             f"{self.replicas!r}")
         return out
 
-    def resolved_min_replicas(self, num_replicas: int) -> int:
+    def resolved_min_replicas(self, starting: int) -> int:
         """--min-replicas, or its default (2, or 1 when fewer replicas start)."""
-        start = self.start_replicas(num_replicas)
-        live = len(start) if start is not None else num_replicas
-        return self.min_replicas if self.min_replicas is not None else min(2, live)
+        return self.min_replicas if self.min_replicas is not None else min(2, starting)
 
 
 @dataclass(frozen=True)
@@ -487,7 +486,7 @@ class RunConfig:
                             "--fragments 1 on every rank")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
-        m = el.resolved_min_replicas(plan.num_replicas)
+        m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:
             raise UserError(f"--min-replicas: must be between 1 and the plan's "
                             f"{plan.num_replicas} replicas, got {m}")
