@@ -5,7 +5,9 @@ Each field is one `dist_runner.py` flag, declared with formats.settings.setting:
 the field, its default the field's default, its range or choices the setting's rule.
 `modules.cli_config` turns these classes into argparse flags and back, so a setting is written
 once. `__post_init__` checks every field's rule (formats.settings.check, UserError naming the
-flag) and what a field cannot check alone; checks against the plan are in `RunConfig.check_plan`.
+flag) and what a field cannot check alone. `RunConfig.resolve` applies the flags to the plan
+once, checks what needs the plan, and returns the frozen `ResolvedRun` that dist_runner passes
+down.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 """--precision (modules/device/precision.py)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     """The inner optimizer (AdamW) and its learning-rate schedule."""
 
@@ -55,7 +57,7 @@ class OptimConfig:
         check(self, flag_of)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Per-rank checkpoints: where, how often, how many, and whether to resume from them."""
 
@@ -83,7 +85,7 @@ class CheckpointConfig:
         return self.every or steps
 
 
-@dataclass
+@dataclass(frozen=True)
 class ElasticConfig:
     """Failure detection and membership: heartbeats, replicas that start, join and leave."""
 
@@ -105,8 +107,9 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         check(self, flag_of)
-        if self.replicas is not None:
-            self._parse_replicas()
+        # parsed once; frozen, so set past __setattr__ (not a field: no flag, not compared)
+        object.__setattr__(self, "_start", None if self.replicas is None
+                           else self._parse_replicas())
 
     def _parse_replicas(self) -> tuple[int, ...]:
         spec = self.replicas or ""
@@ -121,22 +124,20 @@ class ElasticConfig:
 
     def start_replicas(self, num_replicas: int) -> tuple[int, ...] | None:
         """Replicas that start now (None: all of the plan's)."""
-        if self.replicas is None:
+        out: tuple[int, ...] | None = self._start  # type: ignore[attr-defined]
+        if out is None:
             return None
-        out = self._parse_replicas()
         if max(out) >= num_replicas:
             raise UserError(f"--replicas: must name replicas 0..{num_replicas - 1}, got "
                             f"{self.replicas!r}")
         return out
 
-    def resolved_min_replicas(self, num_replicas: int) -> int:
+    def resolved_min_replicas(self, starting: int) -> int:
         """--min-replicas, or its default (2, or 1 when fewer replicas start)."""
-        start = self.start_replicas(num_replicas)
-        live = len(start) if start is not None else num_replicas
-        return self.min_replicas if self.min_replicas is not None else min(2, live)
+        return self.min_replicas if self.min_replicas is not None else min(2, starting)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Training text and validation."""
 
@@ -197,7 +198,7 @@ def missing_tracker_package(name: str) -> UserError:
                      f"leave {name} out of --tracker")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MetricsConfig:
     """Per-step metrics records, the run folder and the trackers."""
 
@@ -224,9 +225,13 @@ class MetricsConfig:
         if self.run_dir is not None and not self.run_dir.strip():
             raise UserError(f"--run-dir: must name a folder, got {self.run_dir!r}; leave it out "
                             "for no run folder")
-        self.trackers()
+        object.__setattr__(self, "_trackers", self._parse_trackers())  # parsed once
 
     def trackers(self) -> tuple[str, ...]:
+        """The --tracker names (parsed and checked once, when the config is made)."""
+        return self._trackers  # type: ignore[attr-defined]
+
+    def _parse_trackers(self) -> tuple[str, ...]:
         """The --tracker names, checked (UserError naming the flag)."""
         items = [t.strip() for t in self.tracker.split(",")]
         names = tuple(dict.fromkeys(items))
@@ -255,7 +260,7 @@ class MetricsConfig:
         return self.metrics
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceConfig:
     """Where this rank computes, in which precision, and how its groups communicate."""
 
@@ -297,7 +302,7 @@ def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
     return values
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests (hidden from --help)."""
 
@@ -307,27 +312,30 @@ class DebugConfig:
     """RANK:STEP: SIGKILL that rank when its checkpoint of STEP is half written"""
 
     def __post_init__(self) -> None:
-        if self.vanish:
-            _rank_spec(self.vanish, "--debug-vanish", 3)
-        if self.ckpt_die:
-            _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+        # parsed once (frozen: set past __setattr__; not fields, so neither flags nor compared)
+        object.__setattr__(self, "_vanish", _rank_spec(self.vanish, "--debug-vanish", 3)
+                           if self.vanish else None)
+        object.__setattr__(self, "_ckpt_die", _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+                           if self.ckpt_die else None)
 
     def vanish_at(self, rank: int) -> tuple[int, int]:
         """(step, exit status) at which `rank` vanishes; (0, 0): never."""
-        if not self.vanish:
+        spec: list[int] | None = self._vanish  # type: ignore[attr-defined]
+        if spec is None:
             return 0, 0
-        who, step, *status = _rank_spec(self.vanish, "--debug-vanish", 3)
+        who, step, *status = spec
         return (step, status[0] if status else 0) if who == rank else (0, 0)
 
     def ckpt_die_at(self, rank: int) -> int:
         """Step whose checkpoint write kills `rank` half-way; 0: never."""
-        if not self.ckpt_die:
+        spec: list[int] | None = self._ckpt_die  # type: ignore[attr-defined]
+        if spec is None:
             return 0
-        who, step = _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+        who, step = spec
         return step if who == rank else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class OuterSyncConfig:
     """DiLoCo's outer sync: overrides of the plan's sync.fragments / sync.overlap."""
 
@@ -362,7 +370,7 @@ class OuterSyncConfig:
                                                                   overlap=overlap))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
@@ -401,26 +409,87 @@ class RunConfig:
             check_output_dir(self.ckpt.dir, "--ckpt-dir")
 
     def check_plan(self, plan: Plan) -> None:
-        """The checks that need the plan (UserError naming the flag)."""
+        """The checks that need the plan (UserError naming the flag), without keeping the
+        result: the launcher's, before any rank starts."""
+        self.resolve(plan)
+
+    def resolve(self, plan: Plan) -> ResolvedRun:
+        """This rank's run: every override applied to the plan and every plan-dependent value
+        resolved, once (UserError naming the flag when they do not fit the plan)."""
         el = self.elastic
         start = el.start_replicas(plan.num_replicas)
         if (el.join or start is not None) and plan.sync.mode != "diloco":
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
-        sync = self.outer.apply(plan).sync
-        if el.join and (sync.overlap or sync.fragments > 1):
+        ran = self.outer.apply(plan)
+        compression = self.device.resolved_pipeline_compression(ran)
+        if compression != ran.pipeline_compression:
+            ran = dataclasses.replace(ran, pipeline_compression=compression)
+        if el.join and (ran.sync.overlap or ran.sync.fragments > 1):
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
-        m = el.resolved_min_replicas(plan.num_replicas)
+        m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:
             raise UserError(f"--min-replicas: must be between 1 and the plan's "
                             f"{plan.num_replicas} replicas, got {m}")
+        return ResolvedRun(plan=ran, cfg=self, start_replicas=start, min_replicas=m)
 
 
-@dataclass
+@dataclass(frozen=True)
+class LaunchTarget:
+    """Where this rank's process joins the run (dist_runner.resolve_launch: flags, else
+    torchrun's environment)."""
+
+    rank: int
+    """This process's device id in the plan."""
+    world_size: int
+    """Processes in the run."""
+    url: str
+    """tcp://HOST:PORT of the rendezvous store."""
+    coordinator: bool
+    """A coordinator process hosts the store and leads membership (--coordinator)."""
+    store_elsewhere: bool
+    """No rank hosts the store: a coordinator's, or torchrun's agent store."""
+
+    @property
+    def flag(self) -> str:
+        """The flag that gave `url` (named in errors about it)."""
+        return "--coordinator" if self.coordinator else "--dist-url"
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One rank's run, resolved once (`RunConfig.resolve`) and passed down unchanged: the
+    effective plan, the settings as given, and what was derived from both. Nothing below
+    dist_runner applies an override or re-parses a flag."""
+
+    plan: Plan
+    """The plan as this rank runs it: --fragments, --overlap and --pipeline-compression
+    applied (the plan copy --run-dir keeps, what `explain` replays)."""
+    cfg: RunConfig
+    """The settings as given (their lists parsed once, when made)."""
+    start_replicas: tuple[int, ...] | None
+    """Replicas that start now (--replicas; None: all of the plan's)."""
+    min_replicas: int
+    """DiLoCo: below this many live replicas the run stops (--min-replicas or its default)."""
+    target: LaunchTarget | None = None
+    """Where this rank joins (set by dist_runner; None where only the plan was checked)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """DiLoCo's outer all-reduces run in the background (sync.overlap, after --overlap)."""
+        return self.plan.sync.mode == "diloco" and self.plan.sync.overlap
+
+    @property
+    def overlap_alpha(self) -> float | None:
+        """--overlap-alpha where it is used (overlapped DiLoCo), else None."""
+        return self.cfg.outer.overlap_alpha if self.overlapped else None
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Which plan, which rank, and where the rendezvous is."""
 

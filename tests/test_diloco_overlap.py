@@ -15,7 +15,7 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import ElasticConfig, OuterSyncConfig, RunConfig
 from modules.data.dataset import FakeData, Sharder
-from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, sync_slots
+from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, outer_param_order, sync_slots
 from modules.sync.overlap import OuterJob
 from modules.train.checkpoint import load_checkpoint, step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
@@ -49,11 +49,7 @@ def _final_params(ck, rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def _ordered(model: StageModel, fragments: int) -> list[torch.nn.Parameter]:
     """The runtime's DiLoCo parameter order: with fragments, the tied copies first."""
-    params = list(model.parameters())
-    if fragments == 1:
-        return params
-    tied = {id(p) for p in model.tied_pair()}
-    return [p for p in params if id(p) in tied] + [p for p in params if id(p) not in tied]
+    return outer_param_order(list(model.parameters()), model.tied_pair(), fragments)
 
 
 def _nesterov(g: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:

@@ -33,7 +33,7 @@ from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
-from modules.config import RunConfig
+from modules.config import ResolvedRun
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.fault import HeartbeatWatch, describe_rank, is_done, parse_beat
 from modules.control.leader import Generation, Leader, first_generation, publish
@@ -60,12 +60,11 @@ class RunSettings:
                            "heartbeat_timeout_s": self.heartbeat_timeout_s})
 
     @staticmethod
-    def of(cfg: RunConfig, num_replicas: int) -> RunSettings:
-        """A rank's settings, resolved for a plan with `num_replicas` replicas."""
-        start = cfg.elastic.start_replicas(num_replicas)
-        return RunSettings(start if start is not None else tuple(range(num_replicas)),
-                           cfg.elastic.resolved_min_replicas(num_replicas),
-                           cfg.elastic.heartbeat_timeout_s)
+    def of(run: ResolvedRun) -> RunSettings:
+        """A rank's settings, as its resolved run has them."""
+        start = run.start_replicas
+        return RunSettings(start if start is not None else tuple(range(run.plan.num_replicas)),
+                           run.min_replicas, run.cfg.elastic.heartbeat_timeout_s)
 
     @staticmethod
     def from_json(text: str | bytes) -> RunSettings:

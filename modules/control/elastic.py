@@ -3,10 +3,10 @@
 generation, join, and DiLoCo's outer-step protocol.
 
 Inputs are explicit: the rendezvous store, the plan and this rank's topology, the run settings
-it reads (`MembershipSettings`: RunConfig has them), a `GroupBuilder` that forms a generation's
-communicators and the `CommStats` its store waits count into. Every change of membership comes
-out as one `GenerationChange` (groups, live replicas, and on a joiner the state it received)
-that the Trainer applies in one place. What it does:
+it reads (`MembershipSettings`, taken from the resolved run), a `GroupBuilder` that forms a
+generation's communicators and the `CommStats` its store waits count into. Every change of
+membership comes out as one `GenerationChange` (groups, live replicas, and on a joiner the
+state it received) that the Trainer applies in one place. What it does:
 - start the heartbeat thread (modules.control.fault.Monitor), which calls the Trainer's `on_fatal`
   when the run cannot go on for this rank (a peer or the store lost in allreduce mode, the
   replica dropped, fewer than --min-replicas left);
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
-from modules.config import RunConfig
+from modules.config import ResolvedRun
 from modules.control.dist import Topology, members_of, wait_for_peers
 from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.groups import GroupBuilder, Groups
@@ -75,16 +75,14 @@ class MembershipSettings:
     generations, rank 0 included."""
 
     @staticmethod
-    def of(cfg: RunConfig, num_replicas: int, store_addr: tuple[str, int] | None,
-           coordinator: bool = False) -> MembershipSettings:
-        """The settings of a run with `num_replicas` replicas in the plan."""
-        el = cfg.elastic
+    def of(run: ResolvedRun, store_addr: tuple[str, int] | None) -> MembershipSettings:
+        """The membership settings of a resolved run."""
+        el, target = run.cfg.elastic, run.target
         return MembershipSettings(
-            timeout_s=cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
-            min_replicas=el.resolved_min_replicas(num_replicas),
-            wait_for_peers=el.wait_for_peers, store_addr=store_addr,
-            start_replicas=el.start_replicas(num_replicas), join=el.join,
-            coordinator=coordinator)
+            timeout_s=run.cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
+            min_replicas=run.min_replicas, wait_for_peers=el.wait_for_peers,
+            store_addr=store_addr, start_replicas=run.start_replicas, join=el.join,
+            coordinator=target is not None and target.coordinator)
 
 
 @dataclass

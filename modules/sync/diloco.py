@@ -83,6 +83,16 @@ def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def outer_param_order(params: list[torch.nn.Parameter], tied: list[torch.nn.Parameter],
+                      fragments: int) -> list[torch.nn.Parameter]:
+    """DiLoCo's parameter order on a stage: with fragments the tied embedding copies first, so
+    the first and the last stage sync them in the same slot and the copies stay equal."""
+    if fragments == 1:
+        return list(params)
+    ids = {id(p) for p in tied}
+    return [p for p in params if id(p) in ids] + [p for p in params if id(p) not in ids]
+
+
 def sync_slots(inner_steps: int, fragments: int) -> list[int]:
     """Inner step of the round (1..H) after which each fragment syncs: floor((f+1) H / F)."""
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
