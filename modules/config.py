@@ -316,6 +316,9 @@ class DeviceConfig:
                                              metadata=choices("none", "bf16", "int8"))
     """how activations and their gradients cross pipeline links: none (the --precision dtype),
     bf16, or int8 with one fp32 scale per token row (default: the plan's pipeline_compression)"""
+    reshard_after_forward: str = field(default="plan", metadata=choices("plan", "on", "off"))
+    """shard groups: free a block's gathered parameters after its forward (on) or keep them
+    until its backward (off; more memory, one all-gather less); default: the plan's"""
     compile: bool = False
     """torch.compile each stage's module"""
     threads: int = 0
@@ -325,6 +328,8 @@ class DeviceConfig:
         _one_of(DeviceConfig, "device", self.device, ("auto", "cpu", "cuda"))
         _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
         _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _one_of(DeviceConfig, "reshard_after_forward", self.reshard_after_forward,
+                ("plan", "on", "off"))
         if self.pipeline_compression is not None:
             _one_of(DeviceConfig, "pipeline_compression", self.pipeline_compression,
                     PIPELINE_COMPRESSIONS)
@@ -388,6 +393,9 @@ class OuterSyncConfig:
     overlap: str = field(default="plan", metadata=choices("plan", "on", "off"))
     """DiLoCo: run the outer all-reduces in the background while the next round computes
     (on/off; default: the plan's sync.overlap)"""
+    outer_state: str = field(default="plan", metadata=choices("plan", "device", "host"))
+    """DiLoCo: where each rank's anchor parameters and outer momentum (of its shard) live:
+    device, or host memory (default: the plan's outer_state, device unless planned)"""
     overlap_alpha: float = 0.5
     """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
     average is applied (Streaming DiLoCo's mixing factor; > 0: the next pseudo-gradient is
@@ -397,6 +405,7 @@ class OuterSyncConfig:
         if self.fragments is not None:
             _int_at_least(OuterSyncConfig, "fragments", self.fragments, 1)
         _one_of(OuterSyncConfig, "overlap", self.overlap, ("plan", "on", "off"))
+        _one_of(OuterSyncConfig, "outer_state", self.outer_state, ("plan", "device", "host"))
         _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, hi=1.0)
 
     def apply(self, plan: Plan) -> Plan:
@@ -468,6 +477,12 @@ class RunConfig:
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
+        if plan.is_sharded and el.join:  # issue 22: not yet (see modules/shard/runtime.py)
+            raise UserError("--join: a replica of shard groups cannot join a running job yet; "
+                            "restart the job with --resume to bring it back")
+        if plan.is_sharded and self.device.precision == "fp16":
+            raise UserError("--precision fp16: not supported with shard groups yet (the "
+                            "overflow agreement would span the replica); use bf16 or fp32")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         m = el.resolved_min_replicas(plan.num_replicas)

@@ -42,7 +42,10 @@ STEP_FILE = re.compile(r"^step(\d+)\.pt$")
 _RANK_NAME = re.compile(r"^rank(\d+)")
 _READ_CHUNK_BYTES = 1 << 20
 META_HINTS = {"tokenizer": "it was trained with another vocabulary: resume with the "
-              "--tokenizer it was written with (vocab_size and sha256 of the file must match)"}
+              "--tokenizer it was written with (vocab_size and sha256 of the file must match)",
+              "shard_degree": "a shard's rows depend on the shard degree D (None: written "
+              "without shard groups); resume with a plan of the D it was written with, or "
+              "start fresh"}
 """What to do when a meta field differs (default: another plan or rank)."""
 
 

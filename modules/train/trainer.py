@@ -34,6 +34,7 @@ from modules.device.placement import Placement
 from modules.device.precision import LossScaling
 from modules.device.select import rng_states, set_rng_states, to_device
 from modules.pipeline.stage import PipelineStage
+from modules.shard.runtime import ShardRuntime
 from modules.sync.average import (
     GroupAverage,
     average_grads,
@@ -118,6 +119,8 @@ class Trainer:
         self.placement = placement or Placement()
         self.device = self.placement.device
         self._init_model_and_data(data)
+        self.shard: ShardRuntime | None = self._make_shard(store)
+        """Shard groups (issue 22): this rank's FSDP2 shard group; None without."""
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
         self._init_overlap()
@@ -133,7 +136,8 @@ class Trainer:
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
         self.step = 0
         self.tokens = 0
-        self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
+        self.tokens_per_step = (plan.num_micro_batches * plan.micro_batch_size
+                                * self.spec.seq_len * topo.shard_degree)  # D lanes a replica
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
         self.mfu_values: list[float] = []
@@ -168,10 +172,22 @@ class Trainer:
         self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
                                    .to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
-        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
+        self.sharder = Sharder(data, len(plan.lanes()), plan.num_micro_batches,
                                plan.micro_batch_size)
         self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
                               self.device) if cfg.data.eval_sequences else [])
+
+    def _make_shard(self, store: dist.Store) -> ShardRuntime | None:
+        """Shard groups: form mine and shard my stage with FSDP2 (before any optimizer)."""
+        if not self.plan.is_sharded:
+            return None
+        flag = self.cfg.device.reshard_after_forward
+        shard = ShardRuntime(self.topo, store, self.model, self.device, self.cfg.timeout_s,
+                             self.plan.reshard_after_forward if flag == "plan" else flag == "on")
+        self.params = list(self.model.parameters())  # now DTensors
+        self.log(f"shard {self.topo.shard} of {self.topo.shard_degree} of stage "
+                 f"{self.topo.stage} with devices {list(self.topo.shard_group)} (FSDP2)")
+        return shard
 
     def _init_overlap(self) -> None:
         """sync.overlap: the background outer all-reduces and their own accounting."""
@@ -211,16 +227,23 @@ class Trainer:
         tied = {id(p) for p in self.model.tied_pair()} if sync.fragments > 1 else set()
         params = ([p for p in self.params if id(p) in tied]
                   + [p for p in self.params if id(p) not in tied])
+        if self.shard is not None:  # per-shard DiLoCo: on my local shards
+            params = self.shard.local_params(params)
+        where = (self.plan.outer_state if self.cfg.outer.outer_state == "plan"
+                 else self.cfg.outer.outer_state)
         return DiLoCoOptimizer(params, self.inner, outer_lr=sync.outer_lr,
                                outer_momentum=sync.outer_momentum,
                                inner_steps=sync.inner_steps, all_reduce_fn=self._outer_all_reduce,
                                fragments=sync.fragments, overlap=sync.overlap,
-                               overlap_alpha=self.cfg.outer.overlap_alpha, reducer=self.overlap)
+                               overlap_alpha=self.cfg.outer.overlap_alpha, reducer=self.overlap,
+                               anchor_device="cpu" if where == "host" else None)
 
     def _apply(self, change: GenerationChange) -> None:
         """Take a generation: its groups and live replicas and, on a joiner, the outer state
         and step handed over by a live peer. The one place membership changes the Trainer."""
         self.groups, self.replicas = change.groups, change.replicas
+        if self.shard is not None:
+            self.shard.refresh()
         self.pipe.comm = change.groups.pipeline
         self.average = make_group_average(change.groups.stage, self.plan.sync.compression,
                                           f"all-reduce of stage {self.topo.stage}")
@@ -252,7 +275,7 @@ class Trainer:
 
     def _stage_ranks(self) -> tuple[int, ...]:
         """Devices of my stage in every live replica."""
-        return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
+        return self.membership.stage_ranks()
 
     # -- DiLoCo's outer step and joining -----------------------------------------------------
     def _outer_all_reduce(self, flat: torch.Tensor) -> int:
@@ -352,13 +375,15 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
+        meta = checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
+        return {**self.shard.meta(), **meta} if self.shard is not None else meta
 
     def state(self) -> dict[str, Any]:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
-        return {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
-                "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        state = {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
+                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                 "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        return self.shard.state(state) if self.shard is not None else state
 
     def save(self) -> float:
         """Checkpoint this step (model, optimizers, data position = step, RNG); returns the
@@ -403,8 +428,11 @@ class Trainer:
         path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
         state = load_checkpoint(path, self._meta())
         try:
-            self.model.load_state_dict(state["model"])  # copies the CPU tensors onto the device
-            self.opt.load_state_dict(state["opt"])  # torch moves optimizer state to the params'
+            if self.shard is not None:  # local shards into the DTensors
+                self.shard.load(state, self.opt, self.params)
+            else:
+                self.model.load_state_dict(state["model"])  # copies CPU tensors onto the device
+                self.opt.load_state_dict(state["opt"])  # torch moves it to the params' device
             self.step, self.tokens = int(state["step"]), int(state["tokens"])
             self.dp_bytes = int(state["dp_bytes"])
             set_rng_states(state["rng"], self.device)
@@ -423,15 +451,19 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         x = y = None
         if topo.is_first or topo.is_last:
-            x, y = to_device(self.sharder.micro_batches(self.step, topo.replica), self.device,
+            x, y = to_device(self.sharder.micro_batches(self.step, topo.lane), self.device,
                              non_blocking=True)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
-        sum_tied_grads(self.model.tied_pair(), self.groups.tied)
+        pair, average = self.model.tied_pair(), average_grads
+        if self.shard is not None:  # the local shards; the replica's loss over its lanes
+            pair, average = self.shard.tied(pair), self.shard.average_grads
+            loss = self.shard.mean_loss(loss)
+        sum_tied_grads(pair, self.groups.tied)
         overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
         if not overflow:
             self._check_finite(loss)
         if self.diloco is None and not overflow:
-            self.dp_bytes += average_grads(self.params, self.average)
+            self.dp_bytes += average(self.params, self.average)
         outer0, dp0 = self.outer_count, self.dp_bytes
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
@@ -457,7 +489,8 @@ class Trainer:
     def _check_finite(self, loss: float | None) -> None:
         """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
         the update: the model and optimizer still hold the last finite state)."""
-        why = check_finite_state(loss, self.model.named_parameters())
+        why = check_finite_state(loss, self.model.named_parameters() if self.shard is None
+                                 else self.shard.named_local())
         if why is not None:
             raise TrainingDiverged(f"step {self.step + 1}: {why}")
 
@@ -480,6 +513,8 @@ class Trainer:
         ys = [b[1] for b in self.val] if self.topo.is_last else None
         loss = self.pipe.eval_loss(xs, ys, len(self.val))
         self.model.train()
+        if self.shard is not None:
+            self.shard.after_eval()
         return loss
 
     def run(self) -> list[dict[str, Any]]:
@@ -492,7 +527,8 @@ class Trainer:
             self.load()
             self.log(f"resumed from step {self.step}")
         resume = self.step if cfg.ckpt.resume else None
-        writer = open_trackers(cfg.metrics, topo.replica, resume) if topo.is_last else None
+        reports = topo.is_last and topo.shard == 0  # one writer per replica
+        writer = open_trackers(cfg.metrics, topo.replica, resume) if reports else None
         # the plan as this rank runs it (--pipeline-compression too): what explain replays
         ran = dataclasses.replace(self.plan, pipeline_compression=self.pipe.wire.compression)
         timing = open_rank_timing(cfg.metrics, topo.rank, ran, resume)
@@ -510,7 +546,7 @@ class Trainer:
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
-                if topo.is_last:
+                if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
                 ckpt_every = cfg.ckpt.interval(cfg.steps)
