@@ -4,7 +4,8 @@ It is built from the run's store under its own prefix, apart from the default pr
 a generation change (a replica dropped) destroys and re-forms the default group and every
 group made with `dist.new_group`, while a shard group lives as long as its replica. torch's
 DeviceMesh resolves a group by its registered name, and `dist.destroy_process_group()`
-forgets every name, so `ShardGroup.register` is called again after each re-formation.
+forgets every name and map entry, so `ShardGroup.register` is called again after each
+re-formation.
 gloo on CPU ranks; torch's own NCCL on CUDA ranks (FSDP2 needs reduce-scatter on the device).
 """
 
@@ -32,10 +33,16 @@ class ShardGroup:
     """Device ids of the members, in shard order (member i holds shard i)."""
     group: dist.ProcessGroup
     mesh: DeviceMesh
+    backend: str = "gloo"
+    store: dist.Store | None = None
+    """The prefix store its members met under."""
 
     def register(self) -> None:
         """(Re-)register the group under its name and with its members' global ranks."""
         c10d._world.pg_group_ranks[self.group] = {g: i for i, g in enumerate(self._globals())}
+        # in the map (c10d's error path reads the backend from it) but not among the named
+        # groups that destroy_process_group() shuts down
+        c10d._world.pg_map[self.group] = (self.backend, self.store)
         try:
             torch._C._distributed_c10d._resolve_process_group(self.name)
         except RuntimeError:  # forgotten (or never registered)
@@ -78,7 +85,8 @@ def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank
     group._set_default_backend(kind)
     group._register_backend(torch.device(device.type), kind, backend)
     group._set_group_name(name)
-    shard = ShardGroup(name, ranks, group, None)  # type: ignore[arg-type]
+    shard = ShardGroup(name, ranks, group, None, device.type == "cuda" and "nccl" or "gloo",
+                       prefix)  # type: ignore[arg-type]
     shard.register()
     shard.mesh = DeviceMesh.from_group(group, device.type)
     return shard

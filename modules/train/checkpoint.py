@@ -42,10 +42,7 @@ STEP_FILE = re.compile(r"^step(\d+)\.pt$")
 _RANK_NAME = re.compile(r"^rank(\d+)")
 _READ_CHUNK_BYTES = 1 << 20
 META_HINTS = {"tokenizer": "it was trained with another vocabulary: resume with the "
-              "--tokenizer it was written with (vocab_size and sha256 of the file must match)",
-              "shard_degree": "a shard's rows depend on the shard degree D (None: written "
-              "without shard groups); resume with a plan of the D it was written with, or "
-              "start fresh"}
+              "--tokenizer it was written with (vocab_size and sha256 of the file must match)"}
 """What to do when a meta field differs (default: another plan or rank)."""
 
 
@@ -307,6 +304,10 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     for name, value in (("meta", meta), ("state", state)):
         if not isinstance(value, dict):
             raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
+    saved_d, want_d = meta.get("shard_degree", 1), expect_meta.get("shard_degree", 1)
+    if saved_d != want_d:  # shard groups (issue 22): checked first, a shard's rows depend on D
+        raise UserError(f"checkpoint {path}: written with shard degree D = {saved_d}, this run "
+                        f"has D = {want_d}; resume with a plan of D = {saved_d} or start fresh")
     for key, want in expect_meta.items():
         if meta.get(key) != want:
             hint = META_HINTS.get(key, "it was written for another plan or rank")
