@@ -20,6 +20,7 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import RunConfig
 from modules.data.dataset import FakeData
+from modules.train.checkpoint import step_path
 from modules.train.model import StageModel, sync_local_tied_grads
 from modules.train.trainer import make_inner_optimizer, set_lr
 from testkit.reference import reference_losses
@@ -133,15 +134,15 @@ def test_resume_from_shard_checkpoints_is_bit_identical_and_another_d_is_refused
     full, m_full = _launch(tmp_path, plan, "--steps", str(STEPS), *common, name="full")
     assert full.returncode == 0, (full.stdout + full.stderr)[-3000:]
     for rank in range(4):  # drop steps 4 on every shard: resume from step 2
-        (ckpt / f"rank{rank}" / "step4.pt").unlink()
+        step_path(ckpt, rank, 4).unlink()
     again, m_again = _launch(tmp_path, plan, "--steps", str(STEPS), "--resume", *common,
                              name="again")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "resumed from step 2" in again.stdout
     assert _losses(m_again) == _losses(m_full)[2:]  # bit-identical
-    # the same devices as one replica of D = 4: refused, naming both degrees
-    other = Plan("local", "", MODEL, [(0, 2), (2, 4)], [[[0, 1, 4, 5], [2, 3, 6, 7]]],
-                 micro_batch_size=2, num_micro_batches=1, sync=sync)
+    # the same devices as one stage of D = 4: refused, naming both degrees
+    other = Plan("local", "", MODEL, [(0, 4)], [[[0, 1, 2, 3]]], micro_batch_size=2,
+                 num_micro_batches=1, sync=sync)
     bad, _ = _launch(tmp_path, other, "--steps", str(STEPS), "--resume", *common, name="bad")
     assert bad.returncode == 2, (bad.stdout + bad.stderr)[-3000:]
     assert "written with shard degree D = 2, this run has D = 4" in bad.stdout + bad.stderr
