@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 from formats import checks
 from formats.atomic_io import atomic_write_json
@@ -99,7 +99,7 @@ class Place(NamedTuple):
     """Index of the device in its shard group (0 when D = 1)."""
 
 
-Entry = Union[int, list[int]]
+Entry = int | list[int]
 """`pipelines[r][s]`: one device id (D = 1) or a shard group of D device ids."""
 
 
@@ -354,7 +354,7 @@ def _optional_text(obj: dict, key: str) -> str:
 
 
 def plan_from_dict(obj: Any) -> Plan:
-    """Parse a `plan/1` or `plan/2` object (structure only; call validate_plan for the full check)."""
+    """Parse a `plan/1` or `plan/2` object (structure only; validate_plan checks the rest)."""
     if not isinstance(obj, dict):
         raise UserError(f"plan: expected a JSON object, got {type(obj).__name__}")
     if obj.get("format") not in PLAN_FORMATS:

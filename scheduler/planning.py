@@ -15,7 +15,7 @@ import numpy as np
 from formats.cluster import MAX_DENSE_DEVICES, Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
-from formats.plan import PIPELINE_COMPRESSIONS, Plan, SyncConfig
+from formats.plan import OUTER_STATES, PIPELINE_COMPRESSIONS, Plan, SyncConfig
 from scheduler.baselines import (
     best_of_random,
     hand_structured,
@@ -35,6 +35,9 @@ from scheduler.search.islands import leaf_orders
 from scheduler.search.matching import PairCache
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.step import simulate_plan
+
+MAX_SHARD = 1024
+"""Most devices per shard group the planner tries (the model's shard limit also bounds it)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,15 @@ class PlanRequest:
     pipeline_compression: str = "none"
     """How activations and their gradients cross pipeline links (Plan.pipeline_compression);
     only the simulated objective models it."""
+    max_shard: int = 1
+    """Most devices per shard group (FSDP2 inside a replica, docs/hierarchical.md); 1 (the
+    default) plans exactly as before, above 1 the D = 1 plan is compared with every sharded
+    layout by the simulator's time per sequence (scheduler/shard_search.py)."""
+    reshard_after_forward: bool = True
+    """Sharded plans: free each block's gathered parameters after its forward (Plan field)."""
+    outer_state: str = "device"
+    """Sharded DiLoCo plans: where the memory model puts each shard's anchor and outer
+    momentum, `device` or `host` (Plan.outer_state; the runner's --outer-state decides)."""
 
     def __post_init__(self) -> None:
         """UserError naming the first bad field."""
@@ -95,6 +107,12 @@ class PlanRequest:
         if self.pipeline_compression not in PIPELINE_COMPRESSIONS:
             raise UserError(f"PlanRequest.pipeline_compression: {self.pipeline_compression!r} "
                             f"is not one of {', '.join(PIPELINE_COMPRESSIONS)}")
+        if not 1 <= self.max_shard <= MAX_SHARD:
+            raise UserError(f"PlanRequest.max_shard: must be 1..{MAX_SHARD}, got "
+                            f"{self.max_shard}")
+        if self.outer_state not in OUTER_STATES:
+            raise UserError(f"PlanRequest.outer_state: {self.outer_state!r} is not one of "
+                            f"{', '.join(OUTER_STATES)}")
         if self.pipeline_compression != "none" and self.objective != "simulated":
             raise UserError(f"PlanRequest.pipeline_compression: the {self.objective} objective "
                             f"does not model it; plan with objective 'simulated'")

@@ -40,13 +40,14 @@ from formats.cluster import (  # noqa: E402
     save_cluster,
 )
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.models import PRESETS, get_model  # noqa: E402
+from formats.models import PRESETS, ModelSpec, get_model  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
     MAX_BATCH_COUNT,
     MAX_DEVICE_ID,
     MAX_FRAGMENTS,
     MAX_INNER_STEPS,
+    OUTER_STATES,
     PIPELINE_COMPRESSIONS,
     SYNC_MODES,
     Plan,
@@ -62,6 +63,7 @@ from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
+    MAX_SHARD,
     OBJECTIVES,
     PlanOutcome,
     PlanRequest,
@@ -70,6 +72,7 @@ from scheduler.planning import (  # noqa: E402
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
 from scheduler.search import SearchConfig  # noqa: E402
+from scheduler.shard_search import Candidate, plan_hierarchical  # noqa: E402
 from scheduler.simulator.config import (  # noqa: E402
     RUNTIME_PROFILES,
     RUNTIME_SETTINGS,
@@ -79,7 +82,12 @@ from scheduler.simulator.config import (  # noqa: E402
 from scheduler.simulator.report import format_sim_table, sync_label  # noqa: E402
 from scheduler.simulator.runtime import load_calibration, resolve_sim_config  # noqa: E402
 from scheduler.simulator.step import simulate_plan  # noqa: E402
-from scheduler.sync_search import AutoOutcome, SyncBounds, plan_sync_auto  # noqa: E402
+from scheduler.sync_search import (  # noqa: E402
+    AutoOutcome,
+    SyncBounds,
+    anchor_choices,
+    plan_sync_auto,
+)
 
 FLAG_OF_FIELD: dict[str, str] = {
     "PlanRequest.num_stages": "--stages",
@@ -102,6 +110,9 @@ FLAG_OF_FIELD: dict[str, str] = {
     "SyncBounds.max_inner_steps": "--max-inner-steps",
     "SyncBounds.max_compression": "--compression",
     "SyncBounds.max_pipeline_compression": "--allow-pipeline-compression",
+    "PlanRequest.max_shard": "--max-shard",
+    "PlanRequest.outer_state": "--outer-state",
+    "PlanRequest.reshard_after_forward": "--no-reshard-after-forward",
 }
 """The flag that sets each library field: the library's errors name fields, ours name flags."""
 
@@ -321,46 +332,108 @@ def cmd_plan(args: argparse.Namespace) -> int:
         objective=args.objective, sync=sync,
         search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
         random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
-        sim=sim_config_from_args(args), pipeline_compression=args.pipeline_compression or "none")
+        sim=sim_config_from_args(args), pipeline_compression=args.pipeline_compression or "none",
+        max_shard=args.max_shard, reshard_after_forward=args.reshard_after_forward,
+        outer_state=args.outer_state)
     progress = None if args.quiet else _progress
-    auto = None
-    if bounds is not None:
-        auto = plan_sync_auto(cluster, model, req, bounds, progress, STARTED)
-        out = auto.outcome
-    else:
-        out = plan_best_shape(cluster, model, req, progress, STARTED)
-    if not args.quiet:
-        print(file=sys.stderr)
-        if out.plan.search["stopped_by"] == "time":
-            print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
-                  f"may differ from run to run (raise --time-limit, or lower --budget, to "
-                  f"reproduce it from --search-seed)", file=sys.stderr)
-        taken = out.plan.search.get("taken_from")
-        if taken:
-            print(f"note: the search, cut short by --time-limit, ended at "
-                  f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
-                  f"plan is the one written", file=sys.stderr)
-        skipped = out.plan.search.get("shapes_skipped")
-        if skipped:
-            print(f"note: the --time-limit ran out before shapes "
-                  f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
-                  f"more time, or --stages/--replicas)", file=sys.stderr)
-        if out.random_scored < args.random_samples:
-            print(f"note: the --time-limit left time to score {out.random_scored} of "
-                  f"{args.random_samples} random plans for the baseline", file=sys.stderr)
+    out, auto, shards = _search(cluster, model, req, bounds, progress)
+    if not args.quiet and out is not None:
+        _notes(args, out)
+    chosen = shards[0].plan if shards else out.plan  # type: ignore[union-attr]
+    if args.plot and (out is None or chosen is not out.plan):
+        raise UserError("--plot: draws D = 1 plans only; the plan chosen has shard groups "
+                        "(leave out --plot, or --max-shard 1)")
     if args.plot:  # first: a plot that fails leaves no plan file behind
         from scheduler.plots import plot_plan  # matplotlib only when asked
-        plot_plan(cluster, out.plan, out.history, args.plot)
-    save_plan(out.plan, args.out)
+        plot_plan(cluster, out.plan, out.history, args.plot)  # type: ignore[union-attr]
+    save_plan(chosen, args.out)
     if auto is not None and args.allreduce_out:
         save_plan(auto.allreduce, args.allreduce_out)
     if args.json:
-        print(json.dumps(_auto_json(auto, args.out) if auto else _plan_json(out, args.out)))
+        found = {} if out is None else \
+            _auto_json(auto, args.out) if auto else _plan_json(out, args.out)
+        print(json.dumps({**found, **(_shard_json(shards, args.out) if shards else {})}))
     else:
-        print(_auto_table(auto) if auto else _plan_table(out))
+        if out is not None:
+            print(_auto_table(auto) if auto else _plan_table(out))
+        if shards is not None:
+            print(_shard_table(shards))
         extra = [f for f in (args.allreduce_out if auto else None, args.plot) if f]
         print(f"wrote {args.out}" + "".join(f" and {f}" for f in extra))
     return 0
+
+
+def _search(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds: SyncBounds | None,
+            progress: Callable[[int, float], None] | None
+            ) -> tuple[PlanOutcome | None, AutoOutcome | None,
+                       tuple[Candidate, list[Candidate]] | None]:
+    """The D = 1 search (with --sync auto or not) and, with --max-shard above 1, the sharded
+    layouts beside it: (outcome or None when no D = 1 plan fits, auto, shards or None)."""
+    out = auto = None
+    try:
+        if bounds is not None:
+            auto = plan_sync_auto(cluster, model, req, bounds, progress, STARTED)
+            out = auto.outcome
+        else:
+            out = plan_best_shape(cluster, model, req, progress, STARTED)
+    except UserError:
+        if req.max_shard <= 1:
+            raise
+        # no D = 1 plan (e.g. the model fits no device): the sharded layouts may fit
+    if req.max_shard <= 1:
+        return out, auto, None
+    syncs = (req.sync,) if bounds is None else tuple(c.sync for c in anchor_choices(bounds))
+    shards = plan_hierarchical(cluster, model, req, syncs, out.plan if out else None, STARTED)
+    return out, auto, shards
+
+
+def _notes(args: argparse.Namespace, out: PlanOutcome) -> None:
+    """The search's notes on stderr: time limit, a baseline taken, shapes skipped."""
+    print(file=sys.stderr)
+    if out.plan.search["stopped_by"] == "time":
+        print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
+              f"may differ from run to run (raise --time-limit, or lower --budget, to "
+              f"reproduce it from --search-seed)", file=sys.stderr)
+    taken = out.plan.search.get("taken_from")
+    if taken:
+        print(f"note: the search, cut short by --time-limit, ended at "
+              f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
+              f"plan is the one written", file=sys.stderr)
+    skipped = out.plan.search.get("shapes_skipped")
+    if skipped:
+        print(f"note: the --time-limit ran out before shapes "
+              f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
+              f"more time, or --stages/--replicas)", file=sys.stderr)
+    if out.random_scored < args.random_samples:
+        print(f"note: the --time-limit left time to score {out.random_scored} of "
+              f"{args.random_samples} random plans for the baseline", file=sys.stderr)
+
+
+def _shard_table(shards: tuple[Candidate, list[Candidate]]) -> str:
+    """Every layout the --max-shard comparison scored, by time per sequence."""
+    best, every = shards
+    rows = ["shard groups (--max-shard): S x D-way x R by simulated time per sequence "
+            "(step / (R x D))",
+            f"  {'layout':44s} {'step (s)':>10s} {'s/sequence':>12s}"]
+    for c in every:
+        mark = "  <- written" if c.label == best.label else ""
+        rows.append(f"  {c.label:44s} {c.step_s:10.3f} {c.per_sequence_s:12.5f}{mark}")
+    if best.shard_degree > 1:
+        rows.append("  the sharded layout is written, not the D = 1 plan above (predicted "
+                    f"{every[0].per_sequence_s / best.per_sequence_s:.2f}x its sequences/s)"
+                    if every[0].shard_degree == 1 else "  no D = 1 plan fits: the sharded "
+                    "layout is written")
+    return "\n".join(rows)
+
+
+def _shard_json(shards: tuple[Candidate, list[Candidate]], path: str) -> dict:
+    """The --max-shard comparison for --json."""
+    best, every = shards
+    return {"plan": path, "shard_degree": best.shard_degree, "chosen": best.label,
+            "shard_candidates": [{"label": c.label, "stages": c.num_stages,
+                                  "shard_degree": c.shard_degree, "replicas": c.num_replicas,
+                                  "step_s": c.step_s, "per_sequence_s": c.per_sequence_s}
+                                 for c in every]}
 
 
 AUTO_ROWS = (("step time (s)", "step_s", 1.0), ("  compute (busiest device)", "compute_s", 1.0),
@@ -438,6 +511,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Print the cost of any plan file under an objective."""
     cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
+    if plan.is_sharded:
+        return _evaluate_sharded(args, cluster, plan)
     if args.objective == "simulated":
         sim = sim_config_from_args(args, plan)
         try:  # a plan that does not fit costs inf to the search; here it is the user's error
@@ -463,6 +538,31 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         parts = ", ".join(f"{k} {v:.3f}{unit(k)}" for k, v in result.parts.items())
         print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
               f"({parts})")
+    return 0
+
+
+def _evaluate_sharded(args: argparse.Namespace, cluster: Cluster, plan: Plan) -> int:
+    """`evaluate` of a plan with shard groups: the simulator's step (the only objective that
+    models FSDP and the per-shard sync)."""
+    if args.objective != "simulated":
+        raise UserError(f"--objective {args.objective}: {args.plan} has shard groups, which "
+                        f"only the simulated objective models; use --objective simulated")
+    try:
+        result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
+                               timeline=False)
+    except UserError as e:
+        raise UserError(f"{args.plan}: {e}") from None
+    parts = {**result.parts(), "fsdp_comm_s": result.fsdp_comm_s,
+             "tokens_per_s": result.tokens_per_s,
+             "pp_bytes_per_step": result.pp_bytes_per_step,
+             "dp_bytes_per_step": result.dp_bytes_per_step,
+             "fsdp_bytes_per_step": result.fsdp_bytes_per_step}
+    if args.json:
+        print(json.dumps({"objective": "simulated", "cost": result.step_s, **parts}))
+    else:
+        text = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        print(f"{args.plan} on {cluster.name}: simulated cost {result.step_s:.3f} s "
+              f"(D = {result.shard_degree}; {text})")
     return 0
 
 
@@ -546,6 +646,20 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
                          "none)")
     sy.add_argument("--allreduce-out", metavar="FILE",
                     help="--sync auto: also write the best allreduce plan there")
+    sh = pl.add_argument_group(
+        "shard groups (hierarchical replicas, docs/hierarchical.md)")
+    sh.add_argument("--max-shard", type=argtypes.integer(1, MAX_SHARD), default=1,
+                    help="most devices per shard group (FSDP2 inside a replica, each shard "
+                         "group inside one site); default 1 plans as before. Above 1 the "
+                         "D = 1 plan is compared with every sharded layout by the "
+                         "simulator's time per sequence and the faster one is written")
+    sh.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                    action="store_false",
+                    help="sharded plans: keep each stage's parameters gathered for the whole "
+                         "step (fewer all-gathers, more memory)")
+    sh.add_argument("--outer-state", choices=OUTER_STATES, default="device",
+                    help="sharded DiLoCo plans: where the memory model puts each shard's "
+                         "anchor and outer momentum (default device)")
     pl.add_argument("--budget", type=argtypes.integer(1, MAX_COUNT),
                     help="max objective evaluations per searched shape (default: " +
                          ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
@@ -571,7 +685,7 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("evaluate", help="cost of any plan file")
     ev.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    ev.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    ev.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
     ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
                     help=f"cost model (default {DEFAULT_OBJECTIVE})")
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -584,6 +698,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
+    if args.timeline and plan.is_sharded:
+        raise UserError(f"--timeline: {args.plan} has shard groups; the event timeline draws "
+                        f"D = 1 plans only (leave out --timeline)")
     try:
         result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
                                timeline=bool(args.timeline))
@@ -606,7 +723,7 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     si = sub.add_parser("simulate", help="replay one step of a plan: step time and breakdown")
     si.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    si.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
     si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
     si.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_perf_model_args(si)

@@ -333,6 +333,9 @@ class StepInputs:
     dp_bytes_round: float = 0.0
     """Bytes the data-parallel sync puts on the wire per sync round (every fragment, group and
     ring link)."""
+    group_stage: np.ndarray | None = None
+    """Stage of each data-parallel group when there are more groups than stages (shard groups:
+    D per-shard groups per stage, simulator/sharded.py); None: group s is stage s."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
@@ -440,6 +443,8 @@ def step_times(b_done: np.ndarray, dp_time: np.ndarray, inputs: StepInputs) -> S
         b_done[:, 0] = b_done[:, -1] = np.maximum(b_done[:, 0], b_done[:, -1]) + tied_s
     makespan = float(b_done.max())
     dp_start = b_done.max(axis=0)
+    if inputs.group_stage is not None:
+        dp_start = dp_start[inputs.group_stage]
     if inputs.overlap:
         dp_time = inputs.background_dp_times(makespan)
     f, h, agree = inputs.fragments, inputs.inner_steps, inputs.agree_s
