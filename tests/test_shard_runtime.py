@@ -51,16 +51,22 @@ def _data() -> FakeData:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stages,sharded,flat", [
-    ([(0, 4)], [[[0, 1]]], [[0], [1]]),
-    ([(0, 2), (2, 4)], [[[0, 1], [2, 3]]], [[0, 2], [1, 3]]),
-], ids=["1-stage", "2-stages"])
-def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded, flat):
+@pytest.mark.parametrize("stages,sharded,flat,reshard", [
+    ([(0, 4)], [[[0, 1]]], [[0], [1]], "on"),
+    ([(0, 2), (2, 4)], [[[0, 1], [2, 3]]], [[0, 2], [1, 3]], "on"),
+    ([(0, 2), (2, 4)], [[[0, 1], [2, 3]]], [[0, 2], [1, 3]], "off"),
+], ids=["1-stage", "2-stages", "2-stages-gathered"])
+def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded, flat,
+                                                       reshard):
     plan = Plan("local", "", MODEL, stages, sharded, micro_batch_size=2, num_micro_batches=2)
-    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS))
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--reshard-after-forward",
+                            reshard)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "shard 1 of 2 of stage 0 with devices [0, 1] (FSDP2)" in out
+    # allreduce without replicas: every byte sent is FSDP's (or the pipeline's)
+    rec = json.loads(metrics.read_text().splitlines()[-1])
+    assert rec["bytes_sent"] - rec["pp_bytes_sent"] > 0
     got = torch.tensor(_losses(metrics), dtype=torch.float64)
     # the same global batch without shard groups: D lanes = D replicas of one device
     flat_plan = Plan("local", "", MODEL, stages, flat, micro_batch_size=2, num_micro_batches=2)
@@ -155,7 +161,8 @@ def test_a_device_lost_inside_a_replica_ends_that_replica_only(tmp_path):
                 num_micro_batches=1, sync=sync)
     steps = 8
     proc, metrics = _launch(tmp_path, plan, "--steps", str(steps), "--debug-vanish", "3:4:1",
-                            "--heartbeat-timeout-s", "3", "--min-replicas", "1", launch=("--keep-going",))
+                            "--heartbeat-timeout-s", "3", "--min-replicas", "1",
+                            launch=("--keep-going",))
     out = proc.stdout + proc.stderr
     # rank 3 (replica 1, shard 1) vanished before step 4; rank 2, its shard peer, stops
     # saying its replica was dropped; replica 0 (ranks 0 and 1) trains to the end

@@ -13,7 +13,37 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor
+
+from modules.comm import CommStats
+
+
+class CountingAllGather(DefaultAllGather):
+    """FSDP2's all-gather, adding what a ring sends to `stats`: (D-1) x my shard's bytes."""
+
+    def __init__(self, stats: CommStats, degree: int) -> None:
+        self.stats, self.degree = stats, degree
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
+        self.stats.bytes_sent += (self.degree - 1) * input_tensor.numel() * \
+            input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class CountingReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, adding what a ring sends: (D-1) x my output shard's bytes."""
+
+    def __init__(self, stats: CommStats, degree: int) -> None:
+        self.stats, self.degree = stats, degree
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+        self.stats.bytes_sent += (self.degree - 1) * output_tensor.numel() * \
+            output_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
@@ -26,6 +56,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) 
     fully_shard.state(root)._lazy_init()  # noqa: SLF001 - else done at the first forward
 
 
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every module `apply_fsdp` sharded (the blocks, then the root)."""
+    return [m for m in getattr(model, "_orig_mod", model).modules() if isinstance(m, FSDPModule)]
+
+
+def count_collectives(model: nn.Module, stats: CommStats, degree: int) -> None:
+    """Count FSDP2's collectives' bytes into `stats` (the rank's, so metrics include them)."""
+    for module in fsdp_modules(model):
+        module.set_custom_all_gather(CountingAllGather(stats, degree))
+        module.set_custom_reduce_scatter(CountingReduceScatter(stats, degree))
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This device's shard of a DTensor (a view: writing it writes the parameter), else `t`."""
     return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - no public view
@@ -34,6 +76,5 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def reshard(model: nn.Module) -> None:
     """Free every gathered parameter (after a forward-only pass such as evaluation, which
     leaves them gathered when reshard_after_forward is off)."""
-    for module in getattr(model, "_orig_mod", model).modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for module in fsdp_modules(model):
+        module.reshard()

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from modules.comm import CommStats
 from modules.control.dist import Topology
-from modules.shard.fsdp import apply_fsdp, local, reshard
+from modules.shard.fsdp import apply_fsdp, count_collectives, fsdp_modules, local, reshard
 from modules.shard.groups import ShardGroup, build_shard_group
 from modules.shard.state import inner_to_dtensors, load_local_model, local_state, shard_meta
 
@@ -35,15 +36,29 @@ class ShardRuntime:
     """This rank's shard group and its FSDP2-sharded stage."""
 
     def __init__(self, topo: Topology, store: dist.Store, model: nn.Module,
-                 device: torch.device, timeout_s: float, reshard_after_forward: bool) -> None:
-        """Form the shard group (every member at once) and shard `model` over it."""
+                 device: torch.device, timeout_s: float, reshard_after_forward: bool,
+                 stats: CommStats) -> None:
+        """Form the shard group (every member at once) and shard `model` over it; FSDP2's
+        collectives count their bytes into `stats`."""
         self.topo = topo
         self.group: ShardGroup = build_shard_group(
             store, f"r{topo.replica}s{topo.stage}", topo.shard_group, topo.rank, device,
             timeout_s)
         apply_fsdp(model, self.group.mesh, reshard_after_forward)
+        count_collectives(model, stats, topo.shard_degree)
         self.model = model
         self.device = device
+        self.reshard_after_forward = reshard_after_forward
+
+    def before_backward(self, last: bool) -> None:
+        """Before each micro-batch's backward (the pipeline calls it): without
+        reshard_after_forward the stage stays gathered and its gradients unsharded until the
+        step's last backward, which reduce-scatters once (one gather, one scatter a step)."""
+        if self.reshard_after_forward:
+            return  # gather again in backward, reduce-scatter per micro-batch (less memory)
+        for module in fsdp_modules(self.model):
+            module.set_requires_gradient_sync(last, recurse=False)
+            module.set_reshard_after_backward(last, recurse=False)
 
     def meta(self) -> dict[str, int]:
         """Checkpoint meta fields of a sharded rank (D and my shard index)."""

@@ -119,14 +119,16 @@ class Trainer:
         self.placement = placement or Placement()
         self.device = self.placement.device
         self._init_model_and_data(data)
-        self.shard: ShardRuntime | None = self._make_shard(store)
-        """Shard groups (issue 22): this rank's FSDP2 shard group; None without."""
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
+        self.shard: ShardRuntime | None = self._make_shard(store)
+        """Shard groups (issue 22): this rank's FSDP2 shard group; None without."""
         self._init_overlap()
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
                                   self.placement.precision,
                                   cfg.device.resolved_pipeline_compression(plan))
+        if self.shard is not None:
+            self.pipe.before_backward = self.shard.before_backward
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
@@ -183,7 +185,8 @@ class Trainer:
             return None
         flag = self.cfg.device.reshard_after_forward
         shard = ShardRuntime(self.topo, store, self.model, self.device, self.cfg.timeout_s,
-                             self.plan.reshard_after_forward if flag == "plan" else flag == "on")
+                             self.plan.reshard_after_forward if flag == "plan" else flag == "on",
+                             self.stats)
         self.params = list(self.model.parameters())  # now DTensors
         self.log(f"shard {self.topo.shard} of {self.topo.shard_degree} of stage "
                  f"{self.topo.stage} with devices {list(self.topo.shard_group)} (FSDP2)")
