@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -102,19 +103,25 @@ def max_state_mb(plan: Plan) -> float:
                for s, (a, b) in enumerate(plan.stages)) / 1e6
 
 
+RATE_UNITS = {"bit": 1e-3, "kbit": 1.0, "mbit": 1e3, "gbit": 1e6}
+"""tc's rate suffixes in kbit (tc prints `20Mbit`, `200Mbit`, `10Gbit`)."""
+
+
 def cross_site_bytes(net: Network, cross_kbit: int) -> int:
-    """Bytes every host sent through its tc classes of the cross-site rate so far."""
+    """Bytes every host sent through its htb classes of the cross-site rate so far (tc's text
+    output: iproute2 6.1 prints htb classes as text even with -j)."""
     if not net.active:
         return 0
     hosts = json.loads((net.dir / "netns_map.json").read_text())["hosts"]
     total = 0
     for h in hosts:
-        p = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "-j", "class", "show", "dev",
-                h["iface"]])
-        for c in json.loads(p.stdout):
-            rate = c.get("rate", 0)  # bytes/s in tc's JSON
-            if c.get("class") == "htb" and abs(rate * 8 / 1000 - cross_kbit) < 0.02 * cross_kbit:
-                total += int(c.get("stats", {}).get("bytes", 0))
+        text = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "class", "show", "dev",
+                   h["iface"]]).stdout
+        for value, unit, sent in re.findall(
+                r"class htb \S+ .*?rate (\d+(?:\.\d+)?)([KMG]?bit).*?\n\s*Sent (\d+) bytes", text):
+            kbit = float(value) * RATE_UNITS[unit.lower()]
+            if abs(kbit - cross_kbit) <= 0.02 * cross_kbit:
+                total += int(sent)
     return total
 
 

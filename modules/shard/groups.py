@@ -64,10 +64,10 @@ def _backend(store: dist.Store, rank: int, size: int, device: torch.device,
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroup.BackendType.NCCL, dist.ProcessGroupNCCL(store, rank, size, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, rank, size, opts)
+    # this constructor takes the interfaces of $GLOO_SOCKET_IFNAME, as init_process_group does
+    # (namespace hosts: their eth0; the default device can resolve to loopback there)
+    return dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(
+        store, rank, size, timedelta(seconds=timeout_s))
 
 
 def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: int,
