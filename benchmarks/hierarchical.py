@@ -9,6 +9,7 @@ link between them) it trains the same model on the same text, row by row:
 
     allreduce (the planner's plan) | flat DiLoCo (every rank its own replica, int8)
     | hierarchical (2 replicas x 4-way shard group, one per site, DiLoCo int8 across)
+    | the same with reshard_after_forward off
     | planner (--max-shard 4 --sync auto: its own choice with sharding allowed)
 
 Every row trains the same number of tokens (the allreduce row's). Columns: the simulator's
@@ -28,6 +29,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +73,7 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
                 **common)
     save_plan(flat, out / "flat.json")
     save_plan(hier, out / "hier.json")
+    save_plan(replace(hier, reshard_after_forward=False), out / "hier-gathered.json")
     sh(lab.plan_command(args, cluster_path, out / "planner.json", "--max-shard", "4",
                         "--sync", "auto", "--max-inner-steps", str(args.inner_steps),
                         "--compression", "int8"))
@@ -80,6 +83,8 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
                 out / "flat.json"),
             Run(f"hierarchical 2 x {hier.shard_degree(0)}-way, diloco H={args.inner_steps} int8",
                 out / "hier.json"),
+            Run("hierarchical, reshard_after_forward off (one gather + one scatter a step)",
+                out / "hier-gathered.json"),
             Run(f"planner --max-shard 4 ({describe(planner)})", out / "planner.json")]
 
 
