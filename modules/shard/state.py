@@ -2,19 +2,17 @@
 per rank, so one per shard), put back into the DTensor parameters and optimizer state.
 
 Resuming needs the same shard degree D: a shard's rows depend on D. The meta records D and
-the shard index; `check_degree` words a mismatch before anything is loaded.
+the shard index; modules/train/checkpoint.py's loader refuses another D, naming both.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from formats.errors import UserError
 from modules.shard.fsdp import local
 
 
@@ -70,12 +68,3 @@ def _like(value: Any, p: torch.Tensor) -> Any:
 def shard_meta(degree: int, shard: int) -> dict[str, int]:
     """What a sharded rank's checkpoint records (and must match on resume)."""
     return {"shard_degree": degree, "shard": shard}
-
-
-def check_degree(saved_meta: dict[str, Any], degree: int, path: Path) -> None:
-    """UserError naming both D values when a checkpoint was written with another D."""
-    saved = int(saved_meta.get("shard_degree", 1))
-    if saved != degree:
-        raise UserError(f"checkpoint {path}: written with shard degree D = {saved}, this run "
-                        f"has D = {degree}; a shard's rows depend on D, so resume with a plan "
-                        f"of D = {saved} or start fresh")
