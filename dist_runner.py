@@ -98,9 +98,6 @@ def resolve_run(launch: LaunchConfig, cfg: RunConfig) -> tuple[ResolvedRun, Clus
     if launch.cluster:
         cluster = load_cluster(launch.cluster)
     plan = load_plan(launch.plan, cluster)
-    if plan.is_sharded:  # until the runtime part of issue 22 (FSDP2 in the Trainer) lands
-        raise UserError(f"{launch.plan}: has shard groups (plan/2), which this runtime does "
-                        f"not run yet; plan with --max-shard 1")
     if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
         raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
                         f"content than {launch.cluster} (cluster_sha256 differs); re-plan")

@@ -278,6 +278,9 @@ class DeviceConfig:
     pipeline_compression: str | None = setting(None, choices=PIPELINE_COMPRESSIONS)
     """how activations and their gradients cross pipeline links: none (the --precision dtype),
     bf16, or int8 with one fp32 scale per token row (default: the plan's pipeline_compression)"""
+    reshard_after_forward: str = setting("plan", choices=("plan", "on", "off"))
+    """shard groups: free a block's gathered parameters after its forward (on) or keep them
+    until its backward (off; more memory, one all-gather less); default: the plan's"""
     compile: bool = False
     """torch.compile each stage's module"""
     threads: int = setting(0, lo=0, hi=MAX_THREADS)
@@ -345,6 +348,9 @@ class OuterSyncConfig:
     overlap: str = setting("plan", choices=("plan", "on", "off"))
     """DiLoCo: run the outer all-reduces in the background while the next round computes
     (on/off; default: the plan's sync.overlap)"""
+    outer_state: str = setting("plan", choices=("plan", "device", "host"))
+    """DiLoCo: where each rank's anchor parameters and outer momentum (of its shard) live:
+    device, or host memory (default: the plan's outer_state, device unless planned)"""
     overlap_alpha: float = setting(0.5, lo=0.0, lo_open=True, hi=1.0)
     """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
     average is applied (Streaming DiLoCo's mixing factor; > 0: the next pseudo-gradient is
@@ -429,6 +435,12 @@ class RunConfig:
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
+        if plan.is_sharded and el.join:  # issue 22: not yet (see modules/shard/runtime.py)
+            raise UserError("--join: a replica of shard groups cannot join a running job yet; "
+                            "restart the job with --resume to bring it back")
+        if plan.is_sharded and self.device.precision == "fp16":
+            raise UserError("--precision fp16: not supported with shard groups yet (the "
+                            "overflow agreement would span the replica); use bf16 or fp32")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)

@@ -43,7 +43,7 @@ from formats import argtypes, checks  # noqa: E402
 from formats.addresses import resolve  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.jsonfile import load_json  # noqa: E402
-from formats.plan import Plan, load_plan  # noqa: E402
+from formats.plan import Entry, Plan, as_group, load_plan  # noqa: E402
 from formats.run_metrics import STATUS_ENV, format_status, parse_status  # noqa: E402
 from modules.cli_config import from_args, runner_parser  # noqa: E402
 from modules.config import MAX_CUDA_DEVICE, MAX_THREADS, RunConfig  # noqa: E402
@@ -290,9 +290,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child's own group (start_new_session), by its pid
 
 
-def keep_going_status(pipelines: list[list[int]], failed: dict[int, int]) -> int:
+def keep_going_status(pipelines: list[list[Entry]], failed: dict[int, int]) -> int:
     """0 if every rank of some replica finished, else the first failed rank's status."""
-    finished = [r for r, chain in enumerate(pipelines) if not set(chain) & set(failed)]
+    finished = [r for r, chain in enumerate(pipelines)
+                if not {d for entry in chain for d in as_group(entry)} & set(failed)]
     print(f"launch: ranks {sorted(failed)} failed; replicas {finished} finished", flush=True)
     if finished:
         return 0

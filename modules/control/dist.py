@@ -41,7 +41,21 @@ class Topology:
     next_rank: int | None
     """Device of the next stage of my replica (None on the last stage)."""
     ends: tuple[int, int]
-    """(first-stage device, last-stage device) of my replica: they hold the tied embeddings."""
+    """(first-stage device, last-stage device) of my lane: they hold the tied embeddings."""
+    shard: int = 0
+    """My index in my stage's shard group (0 without shard groups)."""
+    shard_group: tuple[int, ...] = ()
+    """Devices holding my stage of my replica together (FSDP2); () without shard groups."""
+
+    @property
+    def shard_degree(self) -> int:
+        """D: devices per shard group (1 without shard groups)."""
+        return max(1, len(self.shard_group))
+
+    @property
+    def lane(self) -> int:
+        """My lane (replica r's shard i runs lane r*D + i): which micro-batches I read."""
+        return self.replica * self.shard_degree + self.shard
 
     @property
     def is_first(self) -> bool:
@@ -69,15 +83,17 @@ def check_world(plan: Plan, world_size: int) -> None:
 def topology(plan: Plan, rank: int, world_size: int) -> Topology:
     """Place `rank` in the plan (UserError when it is not there or sizes disagree)."""
     check_world(plan, world_size)
-    replica, stage = plan.stage_of(rank)
-    chain = plan.pipelines[replica]
+    replica, stage, shard = plan.locate(rank)
+    degree = plan.shard_degree(stage)
+    chain = plan.lanes()[replica * degree + shard]  # my replica's chain when D = 1
     return Topology(
         rank=rank, world_size=world_size, replica=replica, stage=stage,
         num_stages=plan.num_stages, num_replicas=plan.num_replicas,
-        stage_ranks=tuple(p[stage] for p in plan.pipelines),
+        stage_ranks=tuple(plan.shard_peers(stage, shard)),
         prev_rank=chain[stage - 1] if stage > 0 else None,
         next_rank=chain[stage + 1] if stage + 1 < plan.num_stages else None,
-        ends=(chain[0], chain[-1]),
+        ends=(chain[0], chain[-1]), shard=shard,
+        shard_group=tuple(plan.shard_group(replica, stage)) if plan.is_sharded else (),
     )
 
 
@@ -156,7 +172,8 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
 
 def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """Every device of the given replicas, ascending."""
-    return tuple(sorted(d for r in replicas for d in plan.pipelines[r]))
+    return tuple(sorted(d for r in replicas for s in range(plan.num_stages)
+                        for d in plan.shard_group(r, s)))
 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],

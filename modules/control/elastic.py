@@ -364,7 +364,8 @@ class Membership:
 
     def stage_ranks(self) -> tuple[int, ...]:
         """Devices of my stage in every live replica."""
-        return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
+        peers = self.plan.shard_peers(self.topo.stage, self.topo.shard)
+        return tuple(peers[r] for r in self.replicas)
 
     def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
                     abandon: Callable[[], bool] | None, stats: CommStats | None = None) -> bool:

@@ -38,6 +38,16 @@ from modules.control.dist import Topology, members_of
 from modules.control.protocol import generation_prefix
 
 
+def stage_group_name(stage: int, shard: int, sharded: bool) -> str:
+    """The name of the group averaging shard `shard` of `stage` across replicas."""
+    return f"stage{stage}.{shard}" if sharded else f"stage{stage}"
+
+
+def lane_name(replica: int, shard: int, sharded: bool) -> str:
+    """The name of a lane (its tied pair and pipeline are tied<name>, pipeline<name>)."""
+    return f"{replica}.{shard}" if sharded else f"{replica}"
+
+
 @dataclass
 class Groups:
     """The communicators of one generation that this rank takes part in (peers: device ids)."""
@@ -121,9 +131,10 @@ class GroupBuilder:
                                     self._nccl_aborted)
         world = GlooCommunicator(None, self.timeout_s, ids=members, stats=self.stats)
         mine = {c.group: c for c in choices if self.topo.rank in c.ranks}
-        r = self.topo.replica
-        stage, tied, chain = (mine.get(f"stage{self.topo.stage}"), mine.get(f"tied{r}"),
-                              mine.get(f"pipeline{r}"))
+        sharded, topo = self.plan.is_sharded, self.topo
+        lane = lane_name(topo.replica, topo.shard, sharded)
+        stage, tied, chain = (mine.get(stage_group_name(topo.stage, topo.shard, sharded)),
+                              mine.get(f"tied{lane}"), mine.get(f"pipeline{lane}"))
         pipeline = None if chain is None else world if chain.backend == "gloo" \
             else comms[chain.ranks]
         if self.options.backend != "gloo" and mine:
@@ -156,12 +167,17 @@ class GroupBuilder:
     def _named_groups(self, replicas: list[int]) -> list[tuple[str, tuple[int, ...]]]:
         """Every group of the generation with more than one rank, in one fixed order."""
         plan = self.plan
-        named = [(f"stage{s}", tuple(sorted(plan.pipelines[r][s] for r in replicas)))
-                 for s in range(plan.num_stages)]
+        # shard groups (issue 22): one stage group per shard index, one tied pair and one
+        # pipeline per lane (replica r's shard i, named r.i); D = 1 keeps the old names
+        named = [(stage_group_name(s, d, plan.is_sharded),
+                  tuple(sorted(plan.shard_peers(s, d)[r] for r in replicas)))
+                 for s in range(plan.num_stages) for d in range(plan.shard_degree(s))]
+        lanes = [(lane_name(r, i, plan.is_sharded), plan.lanes()[r * plan.shard_degree(0) + i])
+                 for r in replicas for i in range(plan.shard_degree(0))]
         if self.tie_embeddings and plan.num_stages > 1:
-            named += [(f"tied{r}", tuple(sorted((plan.pipelines[r][0], plan.pipelines[r][-1]))))
-                      for r in replicas]
-        named += [(f"pipeline{r}", tuple(sorted(plan.pipelines[r]))) for r in replicas]
+            named += [(f"tied{name}", tuple(sorted((chain[0], chain[-1]))))
+                      for name, chain in lanes]
+        named += [(f"pipeline{name}", tuple(sorted(chain))) for name, chain in lanes]
         return [(name, ranks) for name, ranks in named if len(ranks) > 1]
 
     def _choose(self, named: list[tuple[str, tuple[int, ...]]],

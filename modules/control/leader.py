@@ -96,7 +96,7 @@ class Leader:
         replicas = set(current.replicas)
         dropped = sorted({plan.stage_of(r)[0] for r in gone} & replicas)
         joined = [k for k in range(plan.num_replicas) if k not in replicas and
-                  all(store.read(join_key(d)) == "1" for d in plan.pipelines[k])]
+                  all(store.read(join_key(d)) == "1" for d in members_of(plan, [k]))]
         if not dropped and not joined:
             return None
         new = sorted((replicas - set(dropped)) | set(joined))

@@ -118,7 +118,11 @@ class DiLoCoOptimizer:
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, inner_steps: int = 500,
                  all_reduce_fn: AllReduceFn | None = None, nesterov: bool = True,
                  fragments: int = 1, overlap: bool = False, overlap_alpha: float = 0.5,
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None,
+                 anchor_device: torch.device | str | None = None) -> None:
+        """`anchor_device`: where the anchors and outer momentum live (default: with each
+        parameter; "cpu" keeps them in host memory, the pseudo-gradient is still taken and
+        averaged on the parameters' device)."""
         self.params = [p for p in params if p.requires_grad]
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -135,7 +139,8 @@ class DiLoCoOptimizer:
         self.inner = inner_optimizer
         self.inner_steps = inner_steps
         self.all_reduce_fn = all_reduce_fn or default_all_reduce
-        self.anchor = [p.detach().clone() for p in self.params]
+        self.anchor = [p.detach().to(anchor_device or p.device, copy=True)
+                       for p in self.params]
         """The global (outer) model; the outer optimizer steps it."""
         self.bounds = fragment_bounds([p.numel() for p in self.params], fragments)
         """Parameter index range [start, end) of each fragment."""
@@ -210,7 +215,7 @@ class DiLoCoOptimizer:
 
     def _pseudo(self, f: int) -> torch.Tensor:
         a, b = self.bounds[f]
-        return torch.cat([(x - p.detach()).reshape(-1)
+        return torch.cat([(x.to(p.device) - p.detach()).reshape(-1)
                           for x, p in zip(self.anchor[a:b], self.params[a:b])])
 
     @torch.no_grad()
@@ -221,13 +226,13 @@ class DiLoCoOptimizer:
         off = 0
         for x in self.anchor[a:b]:
             n = x.numel()
-            x.grad = average[off:off + n].view_as(x).to(x.dtype)
+            x.grad = average[off:off + n].view_as(x).to(x.device, x.dtype)
             off += n
         self.outers[f].step()
         for x, p in zip(self.anchor[a:b], self.params[a:b]):
             x.grad = None
             if self.alpha:
-                p.mul_(self.alpha).add_(x, alpha=1 - self.alpha)
+                p.mul_(self.alpha).add_(x.to(p.device), alpha=1 - self.alpha)
             else:
                 p.copy_(x)
 

@@ -391,6 +391,10 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     for name, value in (("meta", meta), ("state", state)):
         if not isinstance(value, dict):
             raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
+    saved_d, want_d = meta.get("shard_degree", 1), expect_meta.get("shard_degree", 1)
+    if saved_d != want_d:  # shard groups (issue 22): checked first, a shard's rows depend on D
+        raise UserError(f"checkpoint {path}: written with shard degree D = {saved_d}, this run "
+                        f"has D = {want_d}; resume with a plan of D = {saved_d} or start fresh")
     for key, want in expect_meta.items():
         if meta.get(key) != want:
             hint = META_HINTS.get(key, "it was written for another plan or rank")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from modules.sync.diloco import DiLoCoOptimizer, outer_param_order
 from modules.sync.overlap import OverlapSync
 from modules.train.model import StageModel
 
+if TYPE_CHECKING:
+    from modules.shard.runtime import ShardRuntime
+
 
 class OuterSync:
     """The outer optimizer of sync mode diloco and everything only it uses."""
@@ -30,11 +34,13 @@ class OuterSync:
     def __init__(self, run: ResolvedRun, stage: int, model: StageModel,
                  inner: torch.optim.Optimizer, membership: Membership,
                  background_stats: CommStats | None, on_change: Callable[[GenerationChange], None],
-                 on_sent: Callable[[int], None], step: Callable[[], int], log=print) -> None:
+                 on_sent: Callable[[int], None], step: Callable[[], int], log=print,
+                 shard: ShardRuntime | None = None) -> None:
         """`background_stats`: the accounting of the stage group's background communicator
         (with sync.overlap; the group builder counts into it too); `on_change`: takes a new
         generation (the Trainer's one place for that); `on_sent`: counts data-parallel bytes
-        this rank sent; `step`: the rank's current step (what a joiner is handed)."""
+        this rank sent; `step`: the rank's current step (what a joiner is handed); `shard`:
+        shard groups (plan/2): DiLoCo runs on this rank's local shards."""
         sync = run.plan.sync
         self.sync, self.stage, self.membership, self.log = sync, stage, membership, log
         self.on_change, self.on_sent, self.step = on_change, on_sent, step
@@ -54,13 +60,19 @@ class OuterSync:
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
         self.background_average: GroupAverage = no_average
         """Averages a flat tensor over my stage group's background communicator."""
-        # its anchor: the parameters as they are now, on the device
+        ordered = outer_param_order(params, model.tied_pair(), sync.fragments)
+        if shard is not None:  # per-shard DiLoCo: on my local shards
+            ordered = shard.local_params(ordered)
+        where = run.cfg.outer.outer_state
+        where = run.plan.outer_state if where == "plan" else where
+        # its anchor: the parameters as they are now, on the device (or in host memory)
         self.optimizer = DiLoCoOptimizer(
-            outer_param_order(params, model.tied_pair(), sync.fragments), inner,
+            ordered, inner,
             outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
             inner_steps=sync.inner_steps, all_reduce_fn=self._all_reduce,
             fragments=sync.fragments, overlap=sync.overlap,
-            overlap_alpha=run.cfg.outer.overlap_alpha, reducer=self.overlap)
+            overlap_alpha=run.cfg.outer.overlap_alpha, reducer=self.overlap,
+            anchor_device="cpu" if where == "host" else None)
 
     def take(self, groups: Groups) -> None:
         """A new generation's stage group: average over it from now on."""

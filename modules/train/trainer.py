@@ -34,6 +34,7 @@ from modules.device.placement import Placement
 from modules.device.precision import LossScaling
 from modules.device.select import rng_states, set_rng_states, to_device
 from modules.pipeline.stage import PipelineStage
+from modules.shard.runtime import ShardRuntime
 from modules.sync.average import (
     GroupAverage,
     average_grads,
@@ -98,14 +99,19 @@ class Trainer:
         self._init_model_and_data(data)
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
+        self.shard: ShardRuntime | None = self._make_shard(store)
+        """Shard groups (plan/2): this rank's FSDP2 shard group; None without."""
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
                                   self.placement.precision, plan.pipeline_compression)
+        if self.shard is not None:
+            self.pipe.before_backward = self.shard.before_backward
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
         self.step = 0
         self.tokens = 0
-        self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
+        self.tokens_per_step = (plan.num_micro_batches * plan.micro_batch_size
+                                * self.spec.seq_len * topo.shard_degree)  # D lanes a replica
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
         self.round_dp0 = 0
@@ -124,8 +130,11 @@ class Trainer:
         self.opt: torch.optim.Optimizer | DiLoCoOptimizer = (
             self.outer.optimizer if self.outer is not None else self.inner)
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
+        meta = checkpoint_meta(plan, topo, cfg.seed, self.tokenizer)
+        if self.shard is not None:
+            meta = {**self.shard.meta(), **meta}
         self.ckpt = Checkpointing(
-            cfg.ckpt, topo.rank, checkpoint_meta(plan, topo, cfg.seed, self.tokenizer), self.state,
+            cfg.ckpt, topo.rank, meta, self.state,
             lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=log,
             die_at=cfg.debug.ckpt_die_at(topo.rank))
         """Saves, resume, and the saves of a failing rank (writes nothing without --ckpt-dir)."""
@@ -149,10 +158,23 @@ class Trainer:
         self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
                                    .to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
-        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
+        self.sharder = Sharder(data, len(plan.lanes()), plan.num_micro_batches,
                                plan.micro_batch_size)
         self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
                               self.device) if cfg.data.eval_sequences else [])
+
+    def _make_shard(self, store: dist.Store) -> ShardRuntime | None:
+        """Shard groups: form mine and shard my stage with FSDP2 (before any optimizer)."""
+        if not self.plan.is_sharded:
+            return None
+        flag = self.cfg.device.reshard_after_forward
+        shard = ShardRuntime(self.topo, store, self.model, self.device, self.cfg.timeout_s,
+                             self.plan.reshard_after_forward if flag == "plan" else flag == "on",
+                             self.stats)
+        self.params = list(self.model.parameters())  # now DTensors
+        self.log(f"shard {self.topo.shard} of {self.topo.shard_degree} of stage "
+                 f"{self.topo.stage} with devices {list(self.topo.shard_group)} (FSDP2)")
+        return shard
 
     def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
                          background: CommStats | None) -> Membership:
@@ -169,7 +191,7 @@ class Trainer:
             return None
         return OuterSync(self.resolved, self.topo.stage, self.model, self.inner, self.membership,
                          background, self._apply, self._count_dp_bytes, lambda: self.step,
-                         self.log)
+                         self.log, self.shard)
 
     def _count_dp_bytes(self, sent: int) -> None:
         self.dp_bytes += sent
@@ -178,6 +200,8 @@ class Trainer:
         """Take a generation: its groups and live replicas and, on a joiner, the outer state
         and step handed over by a live peer. The one place membership changes the Trainer."""
         self.groups, self.replicas = change.groups, change.replicas
+        if self.shard is not None:
+            self.shard.refresh()
         self.pipe.comm = change.groups.pipeline
         self.average = make_group_average(change.groups.stage, self.plan.sync.compression,
                                           f"all-reduce of stage {self.topo.stage}")
@@ -218,14 +242,18 @@ class Trainer:
     # -- the state a checkpoint holds --------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
-        return {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
-                "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        state = {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
+                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                 "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        return self.shard.state(state) if self.shard is not None else state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a state that `state()` saved (a loaded checkpoint's CPU tensors)."""
-        self.model.load_state_dict(state["model"])  # copies the CPU tensors onto the device
-        self.opt.load_state_dict(state["opt"])  # torch moves optimizer state to the params'
+        if self.shard is not None:  # local shards into the DTensors
+            self.shard.load(state, self.opt, self.params)
+        else:
+            self.model.load_state_dict(state["model"])  # copies CPU tensors onto the device
+            self.opt.load_state_dict(state["opt"])  # torch moves it to the params' device
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.dp_bytes = self.round_dp0 = int(state["dp_bytes"])
         set_rng_states(state["rng"], self.device)
@@ -245,7 +273,8 @@ class Trainer:
             self.ckpt.load(self.groups.world, self.restore)
             self.log(f"resumed from step {self.step}")
         resume = self.step if cfg.ckpt.resume else None
-        writer = open_trackers(cfg.metrics, topo.replica, resume) if topo.is_last else None
+        reports = topo.is_last and topo.shard == 0  # one writer per replica
+        writer = open_trackers(cfg.metrics, topo.replica, resume) if reports else None
         # the plan as this rank runs it (its overrides applied): what explain replays
         timing = open_rank_timing(cfg.metrics, topo.rank, self.plan, resume)
         records = []
@@ -262,7 +291,7 @@ class Trainer:
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
-                if topo.is_last:
+                if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
                 ckpt_every = cfg.ckpt.interval(cfg.steps)
@@ -315,15 +344,19 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         x = y = None
         if topo.is_first or topo.is_last:
-            x, y = to_device(self.sharder.micro_batches(self.step, topo.replica), self.device,
+            x, y = to_device(self.sharder.micro_batches(self.step, topo.lane), self.device,
                              non_blocking=True)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
-        sum_tied_grads(self.model.tied_pair(), self.groups.tied)
+        pair, average = self.model.tied_pair(), average_grads
+        if self.shard is not None:  # the local shards; the replica's loss over its lanes
+            pair, average = self.shard.tied(pair), self.shard.average_grads
+            loss = self.shard.mean_loss(loss)
+        sum_tied_grads(pair, self.groups.tied)
         overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
         if not overflow:
             self._check_finite(loss)
         if self.outer is None and not overflow:
-            self.dp_bytes += average_grads(self.params, self.average)
+            self.dp_bytes += average(self.params, self.average)
         outer0 = self.outer_count
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
@@ -340,7 +373,8 @@ class Trainer:
     def _check_finite(self, loss: float | None) -> None:
         """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
         the update: the model and optimizer still hold the last finite state)."""
-        why = check_finite_state(loss, self.model.named_parameters())
+        why = check_finite_state(loss, self.model.named_parameters() if self.shard is None
+                                 else self.shard.named_local())
         if why is not None:
             raise TrainingDiverged(f"step {self.step + 1}: {why}")
 
@@ -353,6 +387,8 @@ class Trainer:
         ys = [b[1] for b in self.val] if self.topo.is_last else None
         loss = self.pipe.eval_loss(xs, ys, len(self.val))
         self.model.train()
+        if self.shard is not None:
+            self.shard.after_eval()
         return loss
 
     def _measured_step(self) -> dict[str, Any]:
