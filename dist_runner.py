@@ -17,6 +17,7 @@ coordinator is gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -28,9 +29,9 @@ if not __package__:
 from formats.addresses import resolve, tcp_url  # noqa: E402
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError  # noqa: E402
-from formats.plan import Plan, load_plan  # noqa: E402
+from formats.plan import load_plan  # noqa: E402
 from formats.run_metrics import CLUSTER_NAME  # noqa: E402
-from modules.config import LaunchConfig, RunConfig  # noqa: E402
+from modules.config import LaunchConfig, LaunchTarget, ResolvedRun, RunConfig  # noqa: E402
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -57,9 +58,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, RunConfig]:
     return from_args(LaunchConfig, args), from_args(RunConfig, args)
 
 
-def resolve_launch(launch: LaunchConfig, num_devices: int) -> tuple[int, int, str, bool]:
-    """(rank, world_size, store url, store hosted elsewhere) from flags, else torchrun's
-    environment; with --coordinator the coordinator hosts the store."""
+def resolve_launch(launch: LaunchConfig, num_devices: int) -> LaunchTarget:
+    """Where this rank joins, from flags, else torchrun's environment; with --coordinator the
+    coordinator hosts the store."""
     env = os.environ
     rank = launch.rank if launch.rank is not None else _env_int("RANK")
     if rank is None:
@@ -76,7 +77,9 @@ def resolve_launch(launch: LaunchConfig, num_devices: int) -> tuple[int, int, st
              else "$MASTER_ADDR:$MASTER_PORT")
     resolve(tcp_url(url, where)[0], where)  # a name that does not resolve: exit 2 now
     agent_store = launch.dist_url is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return rank, world, url, agent_store or launch.coordinator is not None
+    coordinator = launch.coordinator is not None
+    return LaunchTarget(rank=rank, world_size=world, url=url, coordinator=coordinator,
+                        store_elsewhere=agent_store or coordinator)
 
 
 def _env_int(name: str) -> int | None:
@@ -89,8 +92,9 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"${name}: expected an integer, got {value!r}") from None
 
 
-def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Cluster | None]:
-    """The plan (and --cluster's cluster), checked against each other and the run's settings."""
+def resolve_run(launch: LaunchConfig, cfg: RunConfig) -> tuple[ResolvedRun, Cluster | None]:
+    """The plan (and --cluster's cluster), checked against each other and the run's settings,
+    and the launch target: the one record every later step reads."""
     cluster = None
     if launch.cluster:
         cluster = load_cluster(launch.cluster)
@@ -98,98 +102,98 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Clust
     if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
         raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
                         f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
-    cfg.check_plan(plan)
+    run = cfg.resolve(plan)
     if cluster is not None and cfg.metrics.run_dir:  # what `scheduler.py explain` reads
         save_cluster(cluster, Path(cfg.metrics.run_dir) / CLUSTER_NAME)
-    return plan, cluster
+    target = resolve_launch(launch, len(plan.devices()))
+    return dataclasses.replace(run, target=target), cluster
 
 
-def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData | FakeData
+def load_data(run: ResolvedRun, log=print):  # noqa: ANN201 - TextData | FakeData
     """The training text (or seeded fake tokens) the run reads, tokenized (modules.data.dataset)."""
     from formats.models import get_model
     from modules.data.dataset import load_data as load
 
-    return load(cfg.data, get_model(plan.model), cfg.seed, log)
+    return load(run.cfg.data, get_model(run.plan.model), run.cfg.seed, log)
 
 
-def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,
-                  where: tuple[int, int, str, bool], placement: Placement, log,
+def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
                   hivemind: HivemindOuter | None = None) -> Trainer:
     """Load this rank's data, rendezvous, form the groups: a Trainer ready to run.
     `hivemind`: the outer sync goes through it; the store is my replica's own."""
+    from modules.control.auth import Auth, load_secret
     from modules.control.dist import parse_dist_url, rendezvous
     from modules.control.fault import members_of
     from modules.train.trainer import Trainer
 
-    rank, world, url, agent_store = where
-    coordinator = launch.coordinator is not None
-    store_addr = parse_dist_url(url, "--coordinator" if coordinator else "--dist-url")
-    start, join = cfg.elastic.start_replicas(plan.num_replicas), cfg.elastic.join
+    target, plan, el = run.target, run.plan, run.cfg.elastic
+    assert target is not None
+    store_addr = parse_dist_url(target.url, target.flag)
+    start, join = run.start_replicas, el.join
     if start is not None and not join and topo.replica not in start:
-        raise UserError(f"rank {rank} is in replica {topo.replica}, which is not in --replicas "
-                        f"{cfg.elastic.replicas}; start it later with --join")
-    data = load_data(cfg, plan, log)
+        raise UserError(f"rank {target.rank} is in replica {topo.replica}, which is not in "
+                        f"--replicas {el.replicas}; start it later with --join")
+    auth = Auth(load_secret(), log)  # the run secret (docs/security.md); before slow work
+    data = load_data(run, log)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
-        f"{plan.model}; sync {plan.sync.mode}; joining {url} as {rank}/{world}")
+        f"{plan.model}; sync {plan.sync.mode}; joining {target.url} as "
+        f"{target.rank}/{target.world_size}")
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     if hivemind is not None:  # the store is my replica's, hosted by its first device
         members = members_of(plan, [topo.replica])
-    store = rendezvous(url, rank, world, cfg.timeout_s, agent_store, members=members,
-                       on_store=lambda s: on_store(s, launch, cfg, plan, topo, data.tokenizer),
+    store = rendezvous(target.url, target.rank, target.world_size, run.cfg.timeout_s,
+                       target.store_elsewhere, members=members,
+                       on_store=lambda s: on_store(s, run, topo, data.tokenizer), auth=auth,
                        store_rank=members[0] if hivemind is not None else 0)
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
-    return Trainer(plan, topo, store, data, cfg, log=log, placement=placement,
-                   store_addr=store_addr, coordinator=coordinator, outer_backend=hivemind)
+    return Trainer(run, topo, store, data, log=log, placement=placement, store_addr=store_addr,
+                   hivemind=hivemind)
 
 
-def start_hivemind(launch: LaunchConfig, cfg: RunConfig, plan: Plan, cluster: Cluster | None,
-                   topo: Topology, log) -> HivemindOuter | None:
-    """--outer-backend hivemind: check the flags, start this rank's DHT node (printing the
-    addresses to pass as --initial-peers) and make SIGTERM stop it cleanly (no orphaned p2pd)."""
-    if cfg.hivemind.outer_backend != "hivemind":
+def start_hivemind(run: ResolvedRun, cluster: Cluster | None, topo: Topology,
+                   log) -> HivemindOuter | None:
+    """--outer-backend hivemind: start this rank's DHT node (printing the addresses to pass as
+    --initial-peers) and make SIGTERM before training stop it cleanly (no orphaned p2pd)."""
+    if run.cfg.hivemind.outer_backend != "hivemind":
         return None
     import signal
 
-    from modules.sync.hivemind_outer import HivemindOuter, check_supported, settings_of
+    from modules.sync.hivemind_outer import HivemindOuter, settings_of
 
-    run_plan = cfg.outer.apply(plan)
-    check_supported(run_plan)
-    if launch.coordinator is not None:
+    assert run.target is not None
+    if run.target.coordinator:
         raise UserError("--outer-backend hivemind: no --coordinator (replicas meet through the "
                         "DHT; start each with its own --dist-url)")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt: clean stop
-    settings = settings_of(cfg, run_plan, cfg.elastic.resolved_min_replicas(plan.num_replicas))
-    return HivemindOuter(settings, run_plan, cluster, topo.replica, topo.stage, log)
+    # KeyboardInterrupt: a clean stop; from Trainer.run on, SIGTERM saves a checkpoint first
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    return HivemindOuter(settings_of(run), run.plan, cluster, topo.replica, topo.stage, log)
 
 
-def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan,
-             topo: Topology, tokenizer: TokenizerId) -> None:
+def on_store(store: dist.Store, run: ResolvedRun, topo: Topology,
+             tokenizer: TokenizerId) -> None:
     """As soon as the store answers: record who this rank is (named in failure messages), check
     that every rank has the same tokenizer, pipeline payload and DiLoCo schedule and, with
     --coordinator, this rank's plan and settings against the coordinator's."""
-    from modules.control.agreement import agree
+    from modules.control.agreement import agree_run
     from modules.control.coordinator import RunSettings, check_in
     from modules.control.fault import register
 
     register(store, topo.rank, topo.replica, topo.stage)
-    sync = cfg.outer.apply(plan).sync  # the plan with this rank's --fragments / --overlap
-    agree(store, {"--tokenizer": tokenizer.meta(),
-                  "--pipeline-compression": cfg.device.resolved_pipeline_compression(plan),
-                  "--fragments": sync.fragments, "--overlap": sync.overlap,
-                  "--overlap-alpha": cfg.outer.overlap_alpha if sync.overlap else None},
-          topo.rank)
-    if launch.coordinator is not None:
-        check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,
-                 launch.coordinator, cfg.timeout_s)
+    agree_run(store, run, tokenizer, topo.rank)
+    target = run.target
+    if target is not None and target.coordinator:
+        check_in(store, run.plan, RunSettings.of(run), run.cfg.elastic.join, target.url,
+                 run.cfg.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
     cfg.check_paths()
-    plan, cluster = load_checked_plan(launch, cfg)
-    where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
+    run, cluster = resolve_run(launch, cfg)  # the one resolved record, passed down from here
+    assert run.target is not None
+    rank, plan = run.target.rank, run.plan
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
@@ -199,21 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     from modules.control.dist import topology
     from modules.device.placement import resolve_placement
     from modules.device.select import describe_device
+    from modules.train.outputs import check_outputs
 
-    topo = topology(plan, where[0], where[1])  # rank not in plan / world size mismatch: exit 2
+    topo = topology(plan, rank, run.target.world_size)  # not in plan / world mismatch: exit 2
+    check_outputs(cfg, topo)  # every file and folder this rank writes, before the rendezvous
     placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
-    log = lambda msg: print(f"rank {where[0]}: {msg}", flush=True)
+    log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
     log(f"device {describe_device(placement.device)}, precision {cfg.device.precision}, "
         f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}, "
-        f"pipeline compression {cfg.device.resolved_pipeline_compression(plan)}")
-    hivemind = start_hivemind(launch, cfg, plan, cluster, topo, log)
+        f"pipeline compression {plan.pipeline_compression}")
+    hivemind = start_hivemind(run, cluster, topo, log)
     try:
-        trainer = build_trainer(launch, cfg, plan, topo, where, placement, log, hivemind)
+        trainer = build_trainer(run, topo, placement, log, hivemind)
         trainer.run()
     finally:
-        if hivemind is not None:  # its DHT, averager and p2pd, also on Ctrl+C / SIGTERM
+        if hivemind is not None:  # its DHT, averager and p2pd, also on Ctrl+C
             hivemind.close()
     mfu = trainer.mfu_values
     log(f"done; {trainer.dp_bytes} data-parallel bytes sent by this rank ({plan.sync.mode})"

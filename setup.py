@@ -34,7 +34,7 @@ setup(
         "networkx>=3.0",
         "matplotlib>=3.7",
         "paramiko>=3.0",
-        "torch>=2.2",
+        "torch>=2.6",  # group_dst/group_src in torch.distributed p2p and broadcast (gloo.py)
         "pyarrow>=14",  # .parquet corpora (modules/data/corpus.py)
         "tokenizers>=0.15",  # --tokenizer tokenizer.json, scripts/train_tokenizer.py
     ],

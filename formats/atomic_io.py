@@ -89,27 +89,81 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
+NAME_MAX = 255
+"""Longest file name (one path component, in bytes) Linux file systems take (ENAMETOOLONG)."""
+PATH_MAX = 4096
+MIN_FREE_BYTES = 1 << 20
+"""Free space below which an output folder counts as full (a metrics line, a small JSON)."""
+
+
+def _name_problem(p: Path) -> str | None:
+    """Why the file system would refuse the name `p` itself (ENAMETOOLONG), or None."""
+    for part in p.parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            return (f"the name {part[:24]!r}... is {size} bytes, more than the {NAME_MAX} a "
+                    "file name may have; give a shorter one")
+    if len(os.fsencode(str(p.absolute()))) >= PATH_MAX:
+        return f"the path is longer than the {PATH_MAX} bytes a path may have"
+    return None
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why nothing can be written in the existing `folder` (not a folder, no permission, its
+    device full), or None."""
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write in {folder}"
+    st = os.statvfs(folder)
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    if st.f_blocks and free < MIN_FREE_BYTES:
+        return f"no space left on the device of {folder} ({free} bytes free)"
+    return None
+
+
+def _nearest_existing(p: Path) -> Path | None:
+    """`p` or its nearest ancestor that exists."""
+    return next((a for a in [p, *p.parents] if a.exists()), None)
+
+
+def _output_problem(p: Path, is_dir: bool) -> str | None:
+    """Why `p` cannot be written as a file (is_dir False) or used as a folder, or None."""
+    why = _name_problem(p)
+    if why is not None:
+        return why
+    if p.is_symlink() and not p.exists():
+        return (f"is a symlink to {os.readlink(p)}, which does not exist; create that or "
+                "give another path")
+    if p.exists():
+        if is_dir and not p.is_dir():
+            return "exists and is not a directory"
+        if not is_dir and p.is_dir():
+            return "is a directory; give a file name"
+        if not is_dir and not p.is_file():
+            return "exists and is not a regular file (a device, FIFO or socket); give a file name"
+    parent = _nearest_existing(p if is_dir else p.parent)
+    return "no existing parent folder" if parent is None else _folder_problem(parent)
+
+
 def check_output_path(path: str | os.PathLike, flag: str, suffix: str = "") -> None:
     """UserError now (before long work) if `path` cannot be written as a file later."""
-    p = Path(path)
+    p = Path(path).absolute()
     if suffix and p.suffix.lower() != suffix:
         raise UserError(f"{flag} {path}: expected a {suffix} file name")
-    if p.is_dir():
-        raise UserError(f"{flag} {path}: is a directory; give a file name")
-    parent = next((a for a in p.absolute().parents if a.exists()), None)
-    if parent is None or not parent.is_dir():
-        raise UserError(f"{flag} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} {path}: cannot write in {parent}")
+    try:
+        why = _output_problem(p, is_dir=False)
+    except OSError as e:  # e.g. a folder on the way that cannot be listed
+        why = e.strerror or str(e)
+    if why is not None:
+        raise UserError(f"{flag} {path}: {why}")
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:
     """UserError now (before long work) if `path` cannot be used or created as a folder later."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise UserError(f"{flag} {path}: exists and is not a directory")
-    parent = next((a for a in [p.absolute(), *p.absolute().parents] if a.exists()), None)
-    if parent is None or not parent.is_dir():
-        raise UserError(f"{flag} {path}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} {path}: cannot write in {parent}")
+    try:
+        why = _output_problem(Path(path).absolute(), is_dir=True)
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
+        raise UserError(f"{flag} {path}: {why}")

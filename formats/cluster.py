@@ -20,8 +20,11 @@ import numpy as np
 from formats import checks
 from formats.atomic_io import atomic_write_json
 from formats.compact import (
+    BANDWIDTH_RANGE_GBPS,
     COMPACT_FORMAT,
+    MAX_LATENCY_MS,
     CompactLinks,
+    bound_problem,
     compact_links_from_dict,
     compact_links_from_matrices,
 )
@@ -231,6 +234,10 @@ def _parse_device(raw: Any, index: int) -> Device:
     if memory_gb is None or memory_gb <= 0:
         raise UserError(f"{where}.memory_gb: must be a positive number, got "
                         f"{checks.shown(raw['memory_gb'])}")
+    for key, x in (("tflops", tflops), ("memory_gb", memory_gb)):
+        why = bound_problem(key, x)
+        if why is not None:
+            raise UserError(f"{where}.{key}: {why}, got {x!r}")
     name, region, host, gpu = (checks.text(raw[k], f"{where}.{k}", MAX_LABEL_CHARS, empty=True)
                                for k in ("name", "region", "host", "gpu"))
     return Device(dev_id, name, region, host, gpu, tflops, memory_gb)
@@ -280,6 +287,8 @@ def _check_links(lat: np.ndarray, bw: np.ndarray) -> None:
         ("latency_ms", lat, np.isfinite(lat) & (lat >= 0)),
     ):
         bad = np.argwhere(off & ~ok)
+        if not len(bad):
+            _check_bounds(name, m, off)
         if len(bad):
             i, j = (int(x) for x in bad[0])
             need = "a positive finite number" if name == "bandwidth_gbps" else ">= 0 and finite"
@@ -287,6 +296,17 @@ def _check_links(lat: np.ndarray, bw: np.ndarray) -> None:
                 f"{name}[{i}][{j}]: {float(m[i, j])!r} between devices {i} and {j} must be {need}"
                 f" ({len(bad)} bad entr{'y' if len(bad) == 1 else 'ies'} in all)"
             )
+
+
+def _check_bounds(name: str, m: np.ndarray, off: np.ndarray) -> None:
+    """UserError naming the first finite entry of a link matrix out of the accepted range."""
+    lo, hi = (0.0, MAX_LATENCY_MS) if name == "latency_ms" else BANDWIDTH_RANGE_GBPS
+    bad = np.argwhere(off & ((m < lo) | (m > hi)))
+    if len(bad):
+        i, j = (int(x) for x in bad[0])
+        raise UserError(f"{name}[{i}][{j}]: {bound_problem(name, float(m[i, j]))}, got "
+                        f"{float(m[i, j])!r} ({len(bad)} such entr"
+                        f"{'y' if len(bad) == 1 else 'ies'} in all)")
 
 
 def _parse_devices(obj: dict) -> list[Device]:

@@ -1,7 +1,7 @@
 """The compact form of a cluster's links (`cluster/2`): per region pair, per device, per pair.
 
 A swarm of thousands of devices has few kinds of links, so instead of N x N matrices the file
-gives (README: File formats):
+gives (docs/formats.md):
 
 - `region_links`: `{"regions": [A, B], "latency_ms": x, "bandwidth_gbps": y}` for every pair of
   regions, A to itself included when A has two devices or more; both directions unless
@@ -32,6 +32,27 @@ COMPACT_FORMAT = "cluster/2"
 REGION_LINK_KEYS = {"regions", "latency_ms", "bandwidth_gbps", "one_way"}
 DEVICE_LINK_KEYS = {"device", "extra_latency_ms", "max_bandwidth_gbps"}
 PAIR_LINK_KEYS = {"devices", "latency_ms", "bandwidth_gbps", "one_way"}
+MAX_LATENCY_MS = 1e7
+"""Longest link latency accepted (2.8 hours): finite but extreme values (1e308) overflow the
+planner's sums and the simulator's step times to inf."""
+BANDWIDTH_RANGE_GBPS = (1e-9, 1e9)
+"""Slowest and fastest link accepted (1 bit/s to 1 Ebit/s): 5e-324 Gbit/s divides to inf."""
+DEVICE_RANGE = (1e-9, 1e9)
+"""Range of a device's tflops and memory_gb (1 kFLOP/s to 1 ZFLOP/s, 1 byte to 1 EB)."""
+
+
+def bound_problem(name: str, x: float) -> str | None:
+    """Why a finite link or device value is out of the accepted range (None: it is fine), by
+    field name (latency_ms, bandwidth_gbps, tflops, memory_gb and their compact variants)."""
+    if "latency" in name:
+        lo, hi = 0.0, MAX_LATENCY_MS
+    elif "bandwidth" in name:
+        lo, hi = BANDWIDTH_RANGE_GBPS
+    else:
+        lo, hi = DEVICE_RANGE
+    if lo <= x <= hi:
+        return None
+    return f"must be in [{lo:g}, {hi:g}] (a value outside cannot be planned or simulated)"
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,9 @@ def _number(value: Any, where: str, positive: bool) -> float:
     if x is None or not (x > 0 if positive else x >= 0):
         need = "a positive finite number" if positive else "a finite number >= 0"
         raise UserError(f"{where}: must be {need}, got {checks.shown(value)}")
+    why = bound_problem(where.rsplit(".", 1)[-1], x)
+    if why is not None:
+        raise UserError(f"{where}: {why}, got {x!r}")
     return x
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from formats.safe_open import read_bytes
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays/objects accepted; our formats nest at most 5 levels."""
@@ -62,18 +62,7 @@ def read_text(path: str | os.PathLike, what: str,
               max_bytes: int = MAX_SMALL_FILE_BYTES) -> str:
     """The UTF-8 text of a regular file of at most `max_bytes`; UserError `what PATH: ...`."""
     p = Path(path)
-    try:
-        mode = p.stat().st_mode
-        if stat.S_ISDIR(mode):
-            raise UserError(f"{what} {p}: is a directory; give a file")
-        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
-            raise UserError(f"{what} {p}: not a regular file")
-        with p.open("rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {p}: {e.strerror or e}") from None
-    if len(data) > max_bytes:
-        raise UserError(f"{what} {p}: larger than the {max_bytes} bytes such a file may hold")
+    data = read_bytes(p, what, max_bytes)  # a regular file only: a FIFO would block
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -73,6 +73,14 @@ class ModelSpec:
             n += self.head_params() + (self.vocab_size * self.d_model if self.tie_embeddings else 0)
         return n
 
+    def shard_limit(self) -> int:
+        """Most devices a shard group may have: FSDP2 cuts every parameter along dim 0, so D is
+        bounded by the smallest dim-0 size of any parameter (norm weights and biases: d_model;
+        GPT's learned positions: seq_len; the embedding: vocab), leaving every rank a
+        non-empty shard of every parameter."""
+        limit = min(self.d_model, self.vocab_size)
+        return min(limit, self.seq_len) if self.arch == "gpt" else limit
+
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs of one block for one token."""
         d, f = self.d_model, self.d_ff

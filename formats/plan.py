@@ -1,10 +1,17 @@
-"""The `plan/1` format: which device runs which pipeline stage of which data-parallel replica."""
+"""The plan format: which devices run which pipeline stage of which data-parallel replica.
+
+`plan/1`: `pipelines[r][s]` is one device id. `plan/2` (hierarchical replicas, issue 22) also
+allows a *shard group*: `pipelines[r][s]` = a list of D device ids that hold stage s of replica
+r together with FSDP2 (each keeps 1/D of the stage's parameters, gradients and optimizer
+state). A plan without a shard group is written as `plan/1`, so old readers keep working; both
+versions load. See docs/hierarchical.md for the semantics (lanes, per-shard outer sync).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from formats import checks
 from formats.atomic_io import atomic_write_json
@@ -14,6 +21,13 @@ from formats.jsonfile import load_json
 from formats.models import ModelSpec, get_model
 
 PLAN_FORMAT = "plan/1"
+"""Written when every stage is held by one device (D = 1)."""
+PLAN_FORMAT_SHARDED = "plan/2"
+"""Written when a stage is held by a shard group; adds `reshard_after_forward` and
+`outer_state`."""
+PLAN_FORMATS = (PLAN_FORMAT, PLAN_FORMAT_SHARDED)
+OUTER_STATES = ("device", "host")
+"""Where DiLoCo's anchor parameters and outer momentum (per shard) live."""
 SYNC_MODES = ("allreduce", "diloco")
 COMPRESSIONS = ("none", "fp16", "int8")
 PIPELINE_COMPRESSIONS = ("none", "bf16", "int8")
@@ -76,9 +90,28 @@ class SyncConfig:
                             f"inner steps per round (sync.inner_steps is {self.inner_steps})")
 
 
+class Place(NamedTuple):
+    """Where a device sits in a plan."""
+
+    replica: int
+    stage: int
+    shard: int
+    """Index of the device in its shard group (0 when D = 1)."""
+
+
+Entry = int | list[int]
+"""`pipelines[r][s]`: one device id (D = 1) or a shard group of D device ids."""
+
+
+def as_group(entry: Entry) -> list[int]:
+    """A `pipelines[r][s]` entry as its list of device ids (one id -> [id])."""
+    return list(entry) if isinstance(entry, list) else [entry]
+
+
 @dataclass
 class Plan:
-    """An assignment of pipeline stages x data-parallel replicas to device ids."""
+    """An assignment of pipeline stages x data-parallel replicas to device ids (or to shard
+    groups of device ids: see the module docstring)."""
 
     cluster: str
     """Name of the cluster the plan was made for."""
@@ -88,12 +121,14 @@ class Plan:
     """Model preset name."""
     stages: list[tuple[int, int]]
     """Half-open layer range [start, end) of each stage; contiguous, covering the model."""
-    pipelines: list[list[int]]
-    """pipelines[r][s] = device id running stage s of replica r."""
+    pipelines: list[list[Entry]]
+    """pipelines[r][s] = device id running stage s of replica r, or the list of D device ids
+    of its shard group (FSDP2 over them; the same D for every stage and replica)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
     num_micro_batches: int = 1
-    """Micro-batches per replica per step (global batch = replicas x this x micro_batch_size)."""
+    """Micro-batches per lane per step (global batch = replicas x D x this x micro_batch_size;
+    D = 1 without shard groups)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     pipeline_compression: str = "none"
     """How activations and activation gradients cross pipeline links: `none` (the compute
@@ -102,6 +137,14 @@ class Plan:
     """What the planner predicted: objective, cost (s) and its parts."""
     search: dict[str, Any] = field(default_factory=dict)
     """How the plan was found: method, seed, evaluations, wall_s."""
+    reshard_after_forward: bool = True
+    """Shard groups: FSDP2 frees each block's gathered parameters after its forward and
+    gathers them again for the backward (less memory, one more all-gather per micro-batch);
+    false keeps the stage's parameters gathered from the first forward to the last backward
+    of a step (one all-gather and one reduce-scatter per step)."""
+    outer_state: str = "device"
+    """DiLoCo with shard groups: where the planner assumed each shard's anchor and outer
+    momentum live (`device` or `host`); the runner's `--outer-state` decides at run time."""
 
     @property
     def num_stages(self) -> int:
@@ -113,22 +156,58 @@ class Plan:
         """Data-parallel width R."""
         return len(self.pipelines)
 
+    @property
+    def is_sharded(self) -> bool:
+        """Whether any stage is held by a shard group (written as plan/2)."""
+        return any(isinstance(e, list) for chain in self.pipelines for e in chain)
+
+    def shard_group(self, replica: int, stage: int) -> list[int]:
+        """Device ids holding `stage` of `replica`, in shard order ([id] when D = 1)."""
+        return as_group(self.pipelines[replica][stage])
+
+    def shard_degree(self, stage: int) -> int:
+        """D of a stage (the same in every replica once validated)."""
+        return len(self.shard_group(0, stage))
+
+    def shard_degrees(self) -> list[int]:
+        """D of every stage."""
+        return [self.shard_degree(s) for s in range(self.num_stages)]
+
+    def shard_peers(self, stage: int, shard: int) -> list[int]:
+        """Device `shard` of `stage` in every replica, by replica: the group that averages that
+        shard across replicas (the per-shard outer sync, or the per-step all-reduce)."""
+        return [self.shard_group(r, stage)[shard] for r in range(self.num_replicas)]
+
+    def lanes(self) -> list[list[int]]:
+        """The chains that run micro-batches: lane r*D + i is device i of every stage of
+        replica r (device i of stage s sends its activations to device i of stage s+1). Equal
+        to `pipelines` when D = 1."""
+        degree = self.shard_degree(0)
+        return [[self.shard_group(r, s)[i] for s in range(self.num_stages)]
+                for r in range(self.num_replicas) for i in range(degree)]
+
+    def locate(self, device_id: int) -> Place:
+        """(replica, stage, shard index) of a device; UserError when it is not in the plan."""
+        for r, chain in enumerate(self.pipelines):
+            for s, entry in enumerate(chain):
+                group = as_group(entry)
+                if device_id in group:
+                    return Place(r, s, group.index(device_id))
+        raise UserError(f"rank {device_id} is not in the plan (devices: {sorted(self.devices())})")
+
     def stage_of(self, device_id: int) -> tuple[int, int]:
         """(replica, stage) of a device; UserError when the device is not in the plan."""
-        for r, chain in enumerate(self.pipelines):
-            for s, dev in enumerate(chain):
-                if dev == device_id:
-                    return r, s
-        raise UserError(f"rank {device_id} is not in the plan (devices: {sorted(self.devices())})")
+        place = self.locate(device_id)
+        return place.replica, place.stage
 
     def devices(self) -> list[int]:
         """All device ids used by the plan."""
-        return [d for chain in self.pipelines for d in chain]
+        return [d for chain in self.pipelines for e in chain for d in as_group(e)]
 
     def to_dict(self) -> dict[str, Any]:
-        """The `plan/1` JSON object."""
-        return {
-            "format": PLAN_FORMAT,
+        """The plan's JSON object: `plan/1` without shard groups, else `plan/2`."""
+        out = {
+            "format": PLAN_FORMAT_SHARDED if self.is_sharded else PLAN_FORMAT,
             "cluster": self.cluster,
             "cluster_sha256": self.cluster_sha256,
             "model": self.model,
@@ -137,12 +216,17 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "num_micro_batches": self.num_micro_batches,
             "stages": [{"layers": [a, b]} for a, b in self.stages],
-            "pipelines": [list(map(int, chain)) for chain in self.pipelines],
+            "pipelines": [[[int(d) for d in e] if isinstance(e, list) else int(e)
+                           for e in chain] for chain in self.pipelines],
             "sync": asdict(self.sync),
             "pipeline_compression": self.pipeline_compression,
             "predicted": self.predicted,
             "search": self.search,
         }
+        if self.is_sharded:
+            out.update(reshard_after_forward=self.reshard_after_forward,
+                       outer_state=self.outer_state)
+        return out
 
 
 def validate_plan(plan: Plan, cluster: Cluster | None = None,
@@ -155,28 +239,70 @@ def validate_plan(plan: Plan, cluster: Cluster | None = None,
             raise UserError(
                 f"pipelines[{r}]: has {len(chain)} devices, expected one per stage "
                 f"({plan.num_stages})")
-    seen: dict[int, tuple[int, int]] = {}
-    for r, chain in enumerate(plan.pipelines):
-        for s, dev in enumerate(chain):
-            checks.integer(dev, f"pipelines[{r}][{s}]: device id", 0, MAX_DEVICE_ID)
-            if dev in seen:
-                raise UserError(f"pipelines[{r}][{s}]: device {dev} appears twice "
-                                f"(also pipelines[{seen[dev][0]}][{seen[dev][1]}])")
-            seen[dev] = (r, s)
+    seen = _check_devices(plan)
     for name in ("micro_batch_size", "num_micro_batches"):
         checks.integer(getattr(plan, name), f"plan.{name}", 1, MAX_BATCH_COUNT)
     plan.sync.validate()
     if plan.pipeline_compression not in PIPELINE_COMPRESSIONS:
         raise UserError(f"plan.pipeline_compression: {checks.shown(plan.pipeline_compression)} "
                         f"is not one of {', '.join(PIPELINE_COMPRESSIONS)}")
+    if not isinstance(plan.reshard_after_forward, bool):
+        raise UserError(f"plan.reshard_after_forward: expected true or false, got "
+                        f"{checks.shown(plan.reshard_after_forward)}")
+    if plan.outer_state not in OUTER_STATES:
+        raise UserError(f"plan.outer_state: {checks.shown(plan.outer_state)} is not one of "
+                        f"{', '.join(OUTER_STATES)}")
     model = model or get_model(plan.model)
     _check_layers(plan.stages, model)
+    _check_shard_degrees(plan, model)
     if cluster is not None:
         bad = [d for d in seen if not 0 <= d < cluster.num_devices]
         if bad:
             raise UserError(
                 f"pipelines: device ids {sorted(bad)} are not in cluster '{cluster.name}' "
                 f"(ids 0..{cluster.num_devices - 1}); was the plan made for another cluster?")
+
+
+def _check_devices(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Every entry an id or a non-empty list of ids, no device twice; {device: (r, s)}."""
+    seen: dict[int, tuple[int, int]] = {}
+    for r, chain in enumerate(plan.pipelines):
+        for s, entry in enumerate(chain):
+            where = f"pipelines[{r}][{s}]"
+            if isinstance(entry, list) and not entry:
+                raise UserError(f"{where}: empty shard group; list at least one device id")
+            for dev in as_group(entry):
+                checks.integer(dev, f"{where}: device id", 0, MAX_DEVICE_ID)
+                if dev in seen:
+                    raise UserError(f"{where}: device {dev} appears twice "
+                                    f"(also pipelines[{seen[dev][0]}][{seen[dev][1]}])")
+                seen[dev] = (r, s)
+    return seen
+
+
+def _check_shard_degrees(plan: Plan, model: ModelSpec) -> None:
+    """Same D for a stage in every replica, the same D for every stage (lanes), D <= the
+    model's shard limit."""
+    for s in range(plan.num_stages):
+        degree = plan.shard_degree(s)
+        for r in range(1, plan.num_replicas):
+            other = len(plan.shard_group(r, s))
+            if other != degree:
+                raise UserError(
+                    f"pipelines[{r}][{s}]: shard group of {other} devices but replica 0 holds "
+                    f"stage {s} with {degree}; a stage's shard groups must have the same D in "
+                    f"every replica (device i of each averages the same shard)")
+        if degree != plan.shard_degree(0):
+            raise UserError(
+                f"pipelines[0][{s}]: stage {s} has D = {degree} but stage 0 has D = "
+                f"{plan.shard_degree(0)}; every stage needs the same D (device i of stage s "
+                f"sends its micro-batches to device i of stage s+1)")
+    limit = model.shard_limit()
+    if plan.shard_degree(0) > limit:
+        raise UserError(
+            f"pipelines: D = {plan.shard_degree(0)} devices per shard group, but {model.name}'s "
+            f"smallest parameter has {limit} rows along dim 0 (FSDP2 shards each parameter "
+            f"along dim 0); use at most {limit} devices per shard group")
 
 
 def id_ranges(ids: list[int]) -> str:
@@ -228,11 +354,11 @@ def _optional_text(obj: dict, key: str) -> str:
 
 
 def plan_from_dict(obj: Any) -> Plan:
-    """Parse a `plan/1` object (structure only; call validate_plan for the full check)."""
+    """Parse a `plan/1` or `plan/2` object (structure only; validate_plan checks the rest)."""
     if not isinstance(obj, dict):
         raise UserError(f"plan: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("format") != PLAN_FORMAT:
-        raise UserError(f"plan.format: expected '{PLAN_FORMAT}', got "
+    if obj.get("format") not in PLAN_FORMATS:
+        raise UserError(f"plan.format: expected one of {', '.join(PLAN_FORMATS)}, got "
                         f"{checks.shown(obj.get('format'))}")
     for key in ("model", "stages", "pipelines"):
         if key not in obj:
@@ -241,6 +367,10 @@ def plan_from_dict(obj: Any) -> Plan:
     if not isinstance(obj["pipelines"], list) or not all(
             isinstance(c, list) for c in obj["pipelines"]):
         raise UserError("plan.pipelines: expected a list of device-id lists (one per replica)")
+    sharded = any(isinstance(e, list) for c in obj["pipelines"] for e in c)
+    if sharded and obj["format"] != PLAN_FORMAT_SHARDED:
+        raise UserError(f"plan.pipelines: shard groups (lists of device ids) need format "
+                        f"'{PLAN_FORMAT_SHARDED}', the file says {checks.shown(obj['format'])}")
     for key in ("predicted", "search"):
         if not isinstance(obj.get(key, {}), dict):
             raise UserError(f"plan.{key}: expected an object, got {checks.shown(obj[key])}")
@@ -263,6 +393,8 @@ def plan_from_dict(obj: Any) -> Plan:
         pipeline_compression=obj.get("pipeline_compression", "none"),
         predicted=dict(obj.get("predicted", {})),
         search=dict(obj.get("search", {})),
+        reshard_after_forward=obj.get("reshard_after_forward", True),
+        outer_state=obj.get("outer_state", "device"),
     )
     for key, value in (("num_stages", plan.num_stages), ("num_replicas", plan.num_replicas)):
         if key in obj and (type(obj[key]) is not int or obj[key] != value):

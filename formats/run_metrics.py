@@ -22,11 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from formats.safe_open import read_bytes
 
 METRICS_NAME = "metrics.jsonl"
 RANKS_DIR = "ranks"
 PLAN_NAME = "plan.json"
 CLUSTER_NAME = "cluster.json"
+MAX_JSONL_BYTES = 1 << 30
+MAX_RECORD_VALUE = 1e15
+"""Largest number a record field may hold to be read (seconds, bytes, tokens, loss): beyond it a
+value is damage, and 1e308 turns means into inf and plot axes into errors."""
+MAX_STEP = 10 ** 12
+"""Largest step number a record may hold (runs are bounded to 1e9 steps)."""
+"""Largest metrics or timing file read (a record a step of ~300 bytes: millions of steps)."""
 """The --cluster file of the run (a copy, when dist_runner was given one)."""
 RANK_FIELDS = ("step", "rank", "replica", "stage", "step_s", "compute_s", "comm_s", "pp_wait_s",
                "bytes_sent", "dp_bytes_sent", "wall_time")
@@ -52,10 +60,7 @@ def rank_timing_path(run_dir: str | Path, rank: int) -> Path:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file (a line cut off by a crash, nested too deep, or
     not an object, is skipped); UserError when it cannot be read."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = read_bytes(path, "run file", MAX_JSONL_BYTES).decode("utf-8", errors="replace")
     out = []
     for line in text.splitlines():
         try:
@@ -97,13 +102,13 @@ def load_run(run_dir: str | Path, flag: str = "RUN_DIR", need_ranks: bool = Fals
         raise UserError(f"{flag} {run_dir}: no such folder (give the --run-dir of a run)")
     run = RunRecords(d)
     for r, p in replica_files(d).items():
-        recs = [x for x in read_jsonl(p) if isinstance(x.get("step"), int)]
+        recs = [x for x in read_jsonl(p) if has_step(x)]
         if recs:
             run.replicas[r] = recs
     rank_dir = d / RANKS_DIR
     for p in sorted(rank_dir.glob("rank*.jsonl")) if rank_dir.is_dir() else []:
         m = _RANK_FILE.match(p.name)
-        recs = [x for x in read_jsonl(p) if isinstance(x.get("step"), int)] if m else []
+        recs = [x for x in read_jsonl(p) if has_step(x)] if m else []
         if recs:
             run.ranks[int(m[1])] = recs
     if not run.replicas and not run.ranks:
@@ -118,8 +123,8 @@ def load_run(run_dir: str | Path, flag: str = "RUN_DIR", need_ranks: bool = Fals
 
 
 def number(rec: dict[str, Any], key: str) -> float | None:
-    """rec[key] as a float when it is a finite number, else None (also for a JSON integer
-    beyond the float range)."""
+    """rec[key] as a float when it is a finite number of at most MAX_RECORD_VALUE, else None
+    (also for a JSON integer beyond the float range)."""
     v = rec.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -127,4 +132,47 @@ def number(rec: dict[str, Any], key: str) -> float | None:
         v = float(v)
     except OverflowError:
         return None
-    return v if math.isfinite(v) else None
+    return v if math.isfinite(v) and abs(v) <= MAX_RECORD_VALUE else None
+
+
+STATUS_PREFIX = "STATUS "
+"""A rank's progress for programs: `STATUS {json}` on its stdout, one line per logged step."""
+STATUS_ENV = "SCATTERED_STATUS"
+"""Set to 1 in a rank's environment to make it print status lines (scripts/launch_local.py does;
+a launcher started with it set passes its ranks' status lines on to its own stdout)."""
+STATUS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "step_s", "comm_s")
+"""What a status line holds: the step reached of the run's total, its loss, tokens per second,
+and the step's seconds (of them waiting on communication)."""
+
+
+def status_line(record: dict[str, Any]) -> str:
+    """The status line of a step's metrics record (plus `steps`, the run's total)."""
+    return STATUS_PREFIX + json.dumps({k: record[k] for k in STATUS_FIELDS if k in record},
+                                      separators=(",", ":"))
+
+
+def parse_status(line: str) -> dict[str, Any] | None:
+    """The record of a status line (anything before `STATUS ` is ignored: a rank prefix), or
+    None when the line is not one."""
+    at = line.find(STATUS_PREFIX)
+    if at < 0:
+        return None
+    try:
+        rec = json.loads(line[at + len(STATUS_PREFIX):])
+    except (ValueError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
+def format_status(rec: dict[str, Any]) -> str:
+    """`step 5/10 loss 2.3456 tok/s 1234`: a status record for people."""
+    loss, tok = number(rec, "loss"), number(rec, "tokens_per_s")
+    return (f"step {rec.get('step')}/{rec.get('steps', '?')} loss "
+            f"{'nan' if loss is None else f'{loss:.4f}'} tok/s "
+            f"{'?' if tok is None else f'{tok:.0f}'}")
+
+
+def has_step(rec: dict[str, Any]) -> bool:
+    """Whether a record names its step: an integer in [0, MAX_STEP]."""
+    step = rec.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP

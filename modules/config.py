@@ -1,19 +1,21 @@
 """The runtime's settings: one small dataclass per component, validated where it is defined.
 
-Each field is one `dist_runner.py` flag: the flag is `--` + the field name with dashes (or the
-field's `metadata["flag"]`), its help text is the docstring written under the field, and its
-default is the field's default. `modules.cli_config` turns these classes into argparse flags and
-back, so a setting is written once. `__post_init__` checks what a field can check alone and
-raises UserError naming the flag; checks against the plan are in `RunConfig.check_plan`.
+Each field is one `dist_runner.py` flag, declared with formats.settings.setting: the flag is
+`--` + the field name with dashes (or its `flag=`), its help text is the docstring written under
+the field, its default the field's default, its range or choices the setting's rule.
+`modules.cli_config` turns these classes into argparse flags and back, so a setting is written
+once. `__post_init__` checks every field's rule (formats.settings.check, UserError naming the
+flag) and what a field cannot check alone. `RunConfig.resolve` applies the flags to the plan
+once, checks what needs the plan, and returns the frozen `ResolvedRun` that dist_runner passes
+down.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from formats.addresses import tcp_url
@@ -21,95 +23,58 @@ from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
 from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
+from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
 
-MAX_COUNT = 10 ** 9
-"""Upper bound of step counts, intervals and sizes: far beyond any run, and small enough that
-no arithmetic on them overflows (torch takes 64-bit integers, timedelta and sleep finite
-seconds)."""
-MAX_SEED = 2 ** 63 - 1
-"""torch.manual_seed takes a 64-bit seed."""
-MAX_SECONDS = 1e8
-"""Longest timeout (3 years): beyond it timedelta and the store's millisecond timeouts
-overflow."""
+__all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "flag_of"]  # re-exported for the runtime
+MIN_TIMEOUT_S = 1.0
+"""Shortest --timeout-s: a rendezvous and a first step take longer than that anyway."""
 MAX_THREADS = 1024
 MAX_CUDA_DEVICE = 1023
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""--device (modules/device/select.py resolves auto)."""
+COMM_BACKENDS = ("auto", "gloo", "nccl")
+"""--comm (modules/comm/choice.py resolves auto per group)."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""--precision (modules/device/precision.py)."""
 
 
-def flag_of(cls: type, name: str) -> str:
-    """The command-line flag of field `name` of config class `cls`."""
-    for f in fields(cls):
-        if f.name == name:
-            return f.metadata.get("flag", "--" + name.replace("_", "-"))
-    raise KeyError(name)
-
-
-def _check(cls: type, name: str, ok: bool, value: object, must: str) -> None:
-    if not ok:
-        raise UserError(f"{flag_of(cls, name)}: must be {must}, got {value!r}")
-
-
-def _finite(cls: type, name: str, value: float, lo: float, strict: bool = True,
-            hi: float = math.inf) -> None:
-    ok = math.isfinite(value) and (value > lo if strict else value >= lo) and value <= hi
-    upper = f" and <= {hi:g}" if hi < math.inf else ""
-    _check(cls, name, ok, value, f"a finite number {'>' if strict else '>='} {lo:g}{upper}")
-
-
-def _int_at_least(cls: type, name: str, value: int, lo: int, hi: int = MAX_COUNT) -> None:
-    _check(cls, name, lo <= value <= hi, value, f">= {lo} and <= {hi}")
-
-
-def _one_of(cls: type, name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(cls, name, value in choices, value, "one of " + ", ".join(choices))
-
-
-def choices(*values: str) -> dict[str, tuple[str, ...]]:
-    """Field metadata: the allowed values of a string setting (shown in --help)."""
-    return {"choices": values}
-
-
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     """The inner optimizer (AdamW) and its learning-rate schedule."""
 
-    lr: float = 1e-3
+    lr: float = setting(1e-3, lo=0.0, lo_open=True)
     """AdamW (inner) learning rate"""
-    weight_decay: float = 0.1
+    weight_decay: float = setting(0.1, lo=0.0)
     """AdamW weight decay"""
-    warmup_steps: int = 0
+    warmup_steps: int = setting(0, lo=0, hi=MAX_COUNT)
     """linear learning-rate warm-up from lr/warmup_steps to lr over this many steps"""
-    lr_schedule: str = field(default="constant", metadata=choices("constant", "cosine"))
+    lr_schedule: str = setting("constant", choices=("constant", "cosine"))
     """after warm-up: constant, or cosine decay to min_lr_ratio x lr at --steps"""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, lo=0.0, hi=1.0)
     """where the cosine schedule ends, as a fraction of --lr"""
 
     def __post_init__(self) -> None:
-        _finite(OptimConfig, "lr", self.lr, 0.0)
-        _finite(OptimConfig, "weight_decay", self.weight_decay, 0.0, strict=False)
-        _int_at_least(OptimConfig, "warmup_steps", self.warmup_steps, 0)
-        _one_of(OptimConfig, "lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _finite(OptimConfig, "min_lr_ratio", self.min_lr_ratio, 0.0, strict=False, hi=1.0)
+        check(self, flag_of)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Per-rank checkpoints: where, how often, how many, and whether to resume from them."""
 
-    dir: str | None = field(default=None, metadata={"flag": "--ckpt-dir"})
+    dir: str | None = setting(None, flag="--ckpt-dir")
     """folder for per-rank checkpoints (rank{R}/step{S}.pt), written in the background from a
     memory snapshot (temp file + rename)"""
-    every: int = field(default=0, metadata={"flag": "--ckpt-every"})
+    every: int = setting(0, flag="--ckpt-every", lo=0, hi=MAX_COUNT)
     """save every K steps and at the end (default with --ckpt-dir: only at the end)"""
-    keep: int = field(default=2, metadata={"flag": "--keep-checkpoints"})
+    keep: int = setting(2, flag="--keep-checkpoints", lo=1, hi=MAX_COUNT)
     """complete checkpoints kept per rank, newest first"""
-    sync: bool = field(default=False, metadata={"flag": "--sync-checkpoints"})
+    sync: bool = setting(False, flag="--sync-checkpoints")
     """write checkpoints on the training thread (slower; for comparison)"""
     resume: bool = False
     """continue from the newest step of --ckpt-dir that every rank has completely written"""
 
     def __post_init__(self) -> None:
-        _int_at_least(CheckpointConfig, "every", self.every, 0)
-        _int_at_least(CheckpointConfig, "keep", self.keep, 1)
+        check(self, flag_of)
         if self.resume and not self.dir:
             raise UserError("--resume needs --ckpt-dir")
 
@@ -120,15 +85,15 @@ class CheckpointConfig:
         return self.every or steps
 
 
-@dataclass
+@dataclass(frozen=True)
 class ElasticConfig:
     """Failure detection and membership: heartbeats, replicas that start, join and leave."""
 
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = setting(5.0, lo=0.0, lo_open=True, hi=MAX_SECONDS)
     """a peer whose heartbeat (every ~1 s through the rendezvous store) is older than this is
     gone: allreduce stops (checkpoint, exit 1), DiLoCo drops its replica and goes on; also how
     long the store may stay silent"""
-    min_replicas: int | None = None
+    min_replicas: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """DiLoCo: stop (checkpoint, exit 1) when fewer replicas are alive (default: 2, or 1 for a
     one-replica plan)"""
     replicas: str | None = None
@@ -141,10 +106,10 @@ class ElasticConfig:
     """DiLoCo: wait (and log) for a missing peer at an outer step instead of failing"""
 
     def __post_init__(self) -> None:
-        _finite(ElasticConfig, "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0,
-                hi=MAX_SECONDS)
-        if self.replicas is not None:
-            self._parse_replicas()
+        check(self, flag_of)
+        # parsed once; frozen, so set past __setattr__ (not a field: no flag, not compared)
+        object.__setattr__(self, "_start", None if self.replicas is None
+                           else self._parse_replicas())
 
     def _parse_replicas(self) -> tuple[int, ...]:
         spec = self.replicas or ""
@@ -159,22 +124,20 @@ class ElasticConfig:
 
     def start_replicas(self, num_replicas: int) -> tuple[int, ...] | None:
         """Replicas that start now (None: all of the plan's)."""
-        if self.replicas is None:
+        out: tuple[int, ...] | None = self._start  # type: ignore[attr-defined]
+        if out is None:
             return None
-        out = self._parse_replicas()
         if max(out) >= num_replicas:
             raise UserError(f"--replicas: must name replicas 0..{num_replicas - 1}, got "
                             f"{self.replicas!r}")
         return out
 
-    def resolved_min_replicas(self, num_replicas: int) -> int:
+    def resolved_min_replicas(self, starting: int) -> int:
         """--min-replicas, or its default (2, or 1 when fewer replicas start)."""
-        start = self.start_replicas(num_replicas)
-        live = len(start) if start is not None else num_replicas
-        return self.min_replicas if self.min_replicas is not None else min(2, live)
+        return self.min_replicas if self.min_replicas is not None else min(2, starting)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Training text and validation."""
 
@@ -191,12 +154,13 @@ class DataConfig:
     ~/.cache/scattered-train/tokens)"""
     fake_data: bool = False
     """seeded random tokens instead of text (speed tests)"""
-    eval_every: int = 0
+    eval_every: int = setting(0, lo=0, hi=MAX_COUNT)
     """validation loss every K steps (0: only at the end when --eval-sequences > 0)"""
-    eval_sequences: int = 0
+    eval_sequences: int = setting(0, lo=0, hi=MAX_COUNT)
     """validation sequences per evaluation (0: none)"""
 
     def __post_init__(self) -> None:
+        check(self, flag_of)
         if self.data is not None and self.fake_data:
             raise UserError("--data and --fake-data exclude each other: pick one")
         if self.data is not None and not self.data.strip(" ,"):
@@ -206,8 +170,6 @@ class DataConfig:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
             raise UserError("--text-field: must name a field, got ''")
-        _int_at_least(DataConfig, "eval_every", self.eval_every, 0)
-        _int_at_least(DataConfig, "eval_sequences", self.eval_sequences, 0)
 
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
@@ -236,14 +198,14 @@ def missing_tracker_package(name: str) -> UserError:
                      f"leave {name} out of --tracker")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MetricsConfig:
     """Per-step metrics records, the run folder and the trackers."""
 
     metrics: str | None = None
     """metrics file, e.g. m.jsonl (replica r>0 writes m.r{r}.jsonl; default with --run-dir:
     RUN_DIR/metrics.jsonl)"""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = setting(None, lo=0.0, lo_open=True)
     """this device's peak TFLOP/s for the MFU figure (default: the plan's cluster entry when
     --cluster is given; no MFU otherwise)"""
     run_dir: str | None = None
@@ -254,21 +216,22 @@ class MetricsConfig:
     """comma-separated trackers of the per-step metrics: jsonl (the --metrics file),
     tensorboard (RUN_DIR/tensorboard; needs the tensorboard package), wandb (RUN_DIR/wandb,
     offline unless --wandb-mode or $WANDB_MODE says online; needs the wandb package)"""
-    wandb_mode: str | None = field(default=None, metadata=choices("offline", "online"))
+    wandb_mode: str | None = setting(None, choices=("offline", "online"))
     """wandb: offline (default: nothing leaves the machine; `wandb sync` uploads later) or
     online (default: $WANDB_MODE when set)"""
 
     def __post_init__(self) -> None:
+        check(self, flag_of)
         if self.run_dir is not None and not self.run_dir.strip():
             raise UserError(f"--run-dir: must name a folder, got {self.run_dir!r}; leave it out "
                             "for no run folder")
-        if self.peak_tflops is not None:
-            _finite(MetricsConfig, "peak_tflops", self.peak_tflops, 0.0)
-        if self.wandb_mode is not None:
-            _one_of(MetricsConfig, "wandb_mode", self.wandb_mode, ("offline", "online"))
-        self.trackers()
+        object.__setattr__(self, "_trackers", self._parse_trackers())  # parsed once
 
     def trackers(self) -> tuple[str, ...]:
+        """The --tracker names (parsed and checked once, when the config is made)."""
+        return self._trackers  # type: ignore[attr-defined]
+
+    def _parse_trackers(self) -> tuple[str, ...]:
         """The --tracker names, checked (UserError naming the flag)."""
         items = [t.strip() for t in self.tracker.split(",")]
         names = tuple(dict.fromkeys(items))
@@ -297,40 +260,34 @@ class MetricsConfig:
         return self.metrics
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceConfig:
     """Where this rank computes, in which precision, and how its groups communicate."""
 
-    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
+    device: str = setting("auto", choices=DEVICE_CHOICES)
     """where the model, optimizer state and activations live (auto: CUDA when available)"""
-    cuda_device: int | None = None
+    cuda_device: int | None = setting(None, lo=0, hi=MAX_CUDA_DEVICE)
     """CUDA device index (default: $LOCAL_RANK under torchrun, else 0)"""
-    comm: str = field(default="auto", metadata=choices("auto", "gloo", "nccl"))
+    comm: str = setting("auto", choices=COMM_BACKENDS)
     """collective backend per group (auto: NCCL for a group of CUDA ranks on distinct GPUs,
     gloo otherwise; gloo stages CUDA tensors through pinned host memory)"""
-    precision: str = field(default="fp32", metadata=choices("fp32", "bf16", "fp16"))
+    precision: str = setting("fp32", choices=PRECISIONS)
     """compute precision of forward/backward (fp32 master weights and optimizer state;
     fp16 with a gradient scaler, CUDA only); pipeline activations cross links in it unless
     --pipeline-compression says otherwise"""
-    pipeline_compression: str | None = field(default=None,
-                                             metadata=choices("none", "bf16", "int8"))
+    pipeline_compression: str | None = setting(None, choices=PIPELINE_COMPRESSIONS)
     """how activations and their gradients cross pipeline links: none (the --precision dtype),
     bf16, or int8 with one fp32 scale per token row (default: the plan's pipeline_compression)"""
+    reshard_after_forward: str = setting("plan", choices=("plan", "on", "off"))
+    """shard groups: free a block's gathered parameters after its forward (on) or keep them
+    until its backward (off; more memory, one all-gather less); default: the plan's"""
     compile: bool = False
     """torch.compile each stage's module"""
-    threads: int = 0
+    threads: int = setting(0, lo=0, hi=MAX_THREADS)
     """torch CPU threads (0: torch's default)"""
 
     def __post_init__(self) -> None:
-        _one_of(DeviceConfig, "device", self.device, ("auto", "cpu", "cuda"))
-        _one_of(DeviceConfig, "comm", self.comm, ("auto", "gloo", "nccl"))
-        _one_of(DeviceConfig, "precision", self.precision, ("fp32", "bf16", "fp16"))
-        if self.pipeline_compression is not None:
-            _one_of(DeviceConfig, "pipeline_compression", self.pipeline_compression,
-                    PIPELINE_COMPRESSIONS)
-        if self.cuda_device is not None:
-            _int_at_least(DeviceConfig, "cuda_device", self.cuda_device, 0, MAX_CUDA_DEVICE)
-        _int_at_least(DeviceConfig, "threads", self.threads, 0, MAX_THREADS)
+        check(self, flag_of)
 
     def resolved_pipeline_compression(self, plan: Plan) -> str:
         """--pipeline-compression, else the plan's pipeline_compression."""
@@ -348,56 +305,59 @@ def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
     return values
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests (hidden from --help)."""
 
-    vanish: str = field(default="", metadata={"flag": "--debug-vanish", "hidden": True})
+    vanish: str = setting("", flag="--debug-vanish", hidden=True)
     """RANK:STEP[:STATUS]: that rank exits at once before STEP, like a lost peer"""
-    ckpt_die: str = field(default="", metadata={"flag": "--debug-ckpt-die", "hidden": True})
+    ckpt_die: str = setting("", flag="--debug-ckpt-die", hidden=True)
     """RANK:STEP: SIGKILL that rank when its checkpoint of STEP is half written"""
 
     def __post_init__(self) -> None:
-        if self.vanish:
-            _rank_spec(self.vanish, "--debug-vanish", 3)
-        if self.ckpt_die:
-            _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+        # parsed once (frozen: set past __setattr__; not fields, so neither flags nor compared)
+        object.__setattr__(self, "_vanish", _rank_spec(self.vanish, "--debug-vanish", 3)
+                           if self.vanish else None)
+        object.__setattr__(self, "_ckpt_die", _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+                           if self.ckpt_die else None)
 
     def vanish_at(self, rank: int) -> tuple[int, int]:
         """(step, exit status) at which `rank` vanishes; (0, 0): never."""
-        if not self.vanish:
+        spec: list[int] | None = self._vanish  # type: ignore[attr-defined]
+        if spec is None:
             return 0, 0
-        who, step, *status = _rank_spec(self.vanish, "--debug-vanish", 3)
+        who, step, *status = spec
         return (step, status[0] if status else 0) if who == rank else (0, 0)
 
     def ckpt_die_at(self, rank: int) -> int:
         """Step whose checkpoint write kills `rank` half-way; 0: never."""
-        if not self.ckpt_die:
+        spec: list[int] | None = self._ckpt_die  # type: ignore[attr-defined]
+        if spec is None:
             return 0
-        who, step = _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
+        who, step = spec
         return step if who == rank else 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class OuterSyncConfig:
     """DiLoCo's outer sync: overrides of the plan's sync.fragments / sync.overlap."""
 
-    fragments: int | None = None
+    fragments: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """DiLoCo: sync the stage's parameters in F contiguous fragments, each at its own step of
     the round (Streaming DiLoCo; default: the plan's sync.fragments)"""
-    overlap: str = field(default="plan", metadata=choices("plan", "on", "off"))
+    overlap: str = setting("plan", choices=("plan", "on", "off"))
     """DiLoCo: run the outer all-reduces in the background while the next round computes
     (on/off; default: the plan's sync.overlap)"""
-    overlap_alpha: float = 0.5
+    outer_state: str = setting("plan", choices=("plan", "device", "host"))
+    """DiLoCo: where each rank's anchor parameters and outer momentum (of its shard) live:
+    device, or host memory (default: the plan's outer_state, device unless planned)"""
+    overlap_alpha: float = setting(0.5, lo=0.0, lo_open=True, hi=1.0)
     """with --overlap: params = alpha x local + (1 - alpha) x outer model when a delayed
     average is applied (Streaming DiLoCo's mixing factor; > 0: the next pseudo-gradient is
     taken after the merge, so alpha 0 would send zeros)"""
 
     def __post_init__(self) -> None:
-        if self.fragments is not None:
-            _int_at_least(OuterSyncConfig, "fragments", self.fragments, 1)
-        _one_of(OuterSyncConfig, "overlap", self.overlap, ("plan", "on", "off"))
-        _finite(OuterSyncConfig, "overlap_alpha", self.overlap_alpha, 0.0, hi=1.0)
+        check(self, flag_of)
 
     def apply(self, plan: Plan) -> Plan:
         """The plan with these overrides in its sync config (checked like a plan's)."""
@@ -416,11 +376,11 @@ class OuterSyncConfig:
                                                                   overlap=overlap))
 
 
-@dataclass
+@dataclass(frozen=True)
 class HivemindConfig:
     """DiLoCo's outer sync backend: the run's store, or hivemind over a DHT (docs/hivemind.md)."""
 
-    outer_backend: str = field(default="store", metadata=choices("store", "hivemind"))
+    outer_backend: str = setting("store", choices=("store", "hivemind"))
     """store: the stage groups average through torch.distributed and the rendezvous store;
     hivemind: through a hivemind averager over a DHT (no central store; each replica has its
     own --dist-url store for its pipeline)"""
@@ -439,18 +399,14 @@ class HivemindConfig:
     run_id: str | None = None
     """hivemind: the id the replicas of one run share (default: a hash of the plan and the
     payload, so the same plan file agrees by itself)"""
-    matchmaking_timeout_s: float | None = None
+    matchmaking_timeout_s: float | None = setting(None, lo=0.0, lo_open=True, hi=MAX_SECONDS)
     """hivemind: longest wait for an outer round's group to form (default: from the plan,
     see docs/hivemind.md)"""
-    averaging_timeout_s: float | None = None
+    averaging_timeout_s: float | None = setting(None, lo=0.0, lo_open=True, hi=MAX_SECONDS)
     """hivemind: longest outer all-reduce once the group formed (default: from the plan)"""
 
     def __post_init__(self) -> None:
-        _one_of(HivemindConfig, "outer_backend", self.outer_backend, ("store", "hivemind"))
-        for name in ("matchmaking_timeout_s", "averaging_timeout_s"):
-            value = getattr(self, name)
-            if value is not None:
-                _finite(HivemindConfig, name, value, 0.0, hi=MAX_SECONDS)
+        check(self, flag_of)
         used = [flag_of(HivemindConfig, n) for n in ("initial_peers", "host_maddrs",
                                                       "announce_maddrs", "run_id")
                 if getattr(self, n)] + (["--client-mode"] if self.client_mode else [])
@@ -465,19 +421,35 @@ class HivemindConfig:
             parse_maddrs(self.host_maddrs, "--host-maddrs", need_peer_id=False)
             parse_maddrs(self.announce_maddrs, "--announce-maddrs", need_peer_id=False)
 
+    def check_plan(self, plan: Plan) -> None:
+        """UserError for a plan (overrides applied) the hivemind backend does not run (yet)."""
+        if self.outer_backend != "hivemind":
+            return
+        if plan.sync.mode != "diloco":
+            raise UserError("--outer-backend hivemind: needs sync mode diloco (the plan's is "
+                            f"{plan.sync.mode!r}); allreduce averages every step")
+        if plan.sync.fragments > 1 or plan.sync.overlap:
+            raise UserError("--outer-backend hivemind: not with sync.fragments > 1 or "
+                            "sync.overlap yet; pass --fragments 1 --overlap off")
+        if plan.is_sharded:  # one averager per stage; a shard group would need one per shard
+            raise UserError("--outer-backend hivemind: not with shard groups (plan/2 shard "
+                            "degree > 1) yet; use --outer-backend store, or plan without "
+                            "shard groups")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
 
-    steps: int
+    steps: int = setting(lo=1, hi=MAX_COUNT)
     """train until this step (total)"""
-    seed: int = 0
+    seed: int = setting(0, lo=0, hi=MAX_SEED)
     """initialisation and data-order seed"""
-    timeout_s: float = 60.0
-    """how long any wait on a peer or the rendezvous may take"""
-    log_every: int = 1
+    timeout_s: float = setting(60.0, lo=MIN_TIMEOUT_S, hi=MAX_SECONDS)
+    """how long any wait on a peer or the rendezvous may take (seconds, >= 1: below a second no
+    rendezvous can finish)"""
+    log_every: int = setting(1, lo=1, hi=MAX_COUNT)
     """print a progress line every K steps"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -490,10 +462,7 @@ class RunConfig:
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)
 
     def __post_init__(self) -> None:
-        _int_at_least(RunConfig, "steps", self.steps, 1)
-        _int_at_least(RunConfig, "seed", self.seed, 0, MAX_SEED)
-        _finite(RunConfig, "timeout_s", self.timeout_s, 0.0, hi=MAX_SECONDS)
-        _int_at_least(RunConfig, "log_every", self.log_every, 1)
+        check(self, flag_of)
 
     def check_paths(self) -> None:
         """The checks that need the file system: the metrics file, the run folder and the
@@ -508,34 +477,102 @@ class RunConfig:
             check_output_dir(self.ckpt.dir, "--ckpt-dir")
 
     def check_plan(self, plan: Plan) -> None:
-        """The checks that need the plan (UserError naming the flag)."""
+        """The checks that need the plan (UserError naming the flag), without keeping the
+        result: the launcher's, before any rank starts."""
+        self.resolve(plan)
+
+    def resolve(self, plan: Plan) -> ResolvedRun:
+        """This rank's run: every override applied to the plan and every plan-dependent value
+        resolved, once (UserError naming the flag when they do not fit the plan)."""
         el = self.elastic
         start = el.start_replicas(plan.num_replicas)
         if (el.join or start is not None) and plan.sync.mode != "diloco":
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
-        sync = self.outer.apply(plan).sync
-        if el.join and (sync.overlap or sync.fragments > 1):
+        ran = self.outer.apply(plan)
+        compression = self.device.resolved_pipeline_compression(ran)
+        if compression != ran.pipeline_compression:
+            ran = dataclasses.replace(ran, pipeline_compression=compression)
+        if el.join and (ran.sync.overlap or ran.sync.fragments > 1):
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
+        if plan.is_sharded and el.join:  # issue 22: not yet (see modules/shard/runtime.py)
+            raise UserError("--join: a replica of shard groups cannot join a running job yet; "
+                            "restart the job with --resume to bring it back")
+        if plan.is_sharded and self.device.precision == "fp16":
+            raise UserError("--precision fp16: not supported with shard groups yet (the "
+                            "overflow agreement would span the replica); use bf16 or fp32")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
-        m = el.resolved_min_replicas(plan.num_replicas)
+        self.hivemind.check_plan(ran)
+        m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:
             raise UserError(f"--min-replicas: must be between 1 and the plan's "
                             f"{plan.num_replicas} replicas, got {m}")
+        return ResolvedRun(plan=ran, cfg=self, start_replicas=start, min_replicas=m)
 
 
-@dataclass
+@dataclass(frozen=True)
+class LaunchTarget:
+    """Where this rank's process joins the run (dist_runner.resolve_launch: flags, else
+    torchrun's environment)."""
+
+    rank: int
+    """This process's device id in the plan."""
+    world_size: int
+    """Processes in the run."""
+    url: str
+    """tcp://HOST:PORT of the rendezvous store."""
+    coordinator: bool
+    """A coordinator process hosts the store and leads membership (--coordinator)."""
+    store_elsewhere: bool
+    """No rank hosts the store: a coordinator's, or torchrun's agent store."""
+
+    @property
+    def flag(self) -> str:
+        """The flag that gave `url` (named in errors about it)."""
+        return "--coordinator" if self.coordinator else "--dist-url"
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """One rank's run, resolved once (`RunConfig.resolve`) and passed down unchanged: the
+    effective plan, the settings as given, and what was derived from both. Nothing below
+    dist_runner applies an override or re-parses a flag."""
+
+    plan: Plan
+    """The plan as this rank runs it: --fragments, --overlap and --pipeline-compression
+    applied (the plan copy --run-dir keeps, what `explain` replays)."""
+    cfg: RunConfig
+    """The settings as given (their lists parsed once, when made)."""
+    start_replicas: tuple[int, ...] | None
+    """Replicas that start now (--replicas; None: all of the plan's)."""
+    min_replicas: int
+    """DiLoCo: below this many live replicas the run stops (--min-replicas or its default)."""
+    target: LaunchTarget | None = None
+    """Where this rank joins (set by dist_runner; None where only the plan was checked)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """DiLoCo's outer all-reduces run in the background (sync.overlap, after --overlap)."""
+        return self.plan.sync.mode == "diloco" and self.plan.sync.overlap
+
+    @property
+    def overlap_alpha(self) -> float | None:
+        """--overlap-alpha where it is used (overlapped DiLoCo), else None."""
+        return self.cfg.outer.overlap_alpha if self.overlapped else None
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Which plan, which rank, and where the rendezvous is."""
 
-    plan: str = field(default="", metadata={"required": True})
+    plan: str = setting("", required=True)
     """plan/1 JSON file"""
-    rank: int | None = None
+    rank: int | None = setting(None, lo=0, hi=MAX_DEVICE_ID)
     """device id of this process (default: $RANK)"""
-    world_size: int | None = None
+    world_size: int | None = setting(None, lo=1, hi=MAX_DEVICE_ID + 1)
     """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
     dist_url: str | None = None
     """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""
@@ -547,10 +584,7 @@ class LaunchConfig:
     """cluster/1 file: check that the plan was made for it"""
 
     def __post_init__(self) -> None:
-        if self.rank is not None:
-            _int_at_least(LaunchConfig, "rank", self.rank, 0, MAX_DEVICE_ID)
-        if self.world_size is not None:
-            _int_at_least(LaunchConfig, "world_size", self.world_size, 1, MAX_DEVICE_ID + 1)
+        check(self, flag_of)
         if self.coordinator is not None and self.dist_url is not None:
             raise UserError("--coordinator and --dist-url exclude each other: with a "
                             "coordinator every rank reaches the store at --coordinator")

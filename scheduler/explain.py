@@ -123,7 +123,7 @@ def mean_timing(records: list[dict[str, Any]]) -> Measured:
         recs = sorted(recs, key=lambda r: r["step"])[1:]
     if not recs:
         raise UserError("no timing records with step_s, compute_s and comm_s (seconds, "
-                        "finite and >= 0)")
+                        "finite and >= 0; 1e15 at most)")
 
     def mean(key: str) -> float:
         return float(np.mean([number(r, key) or 0.0 for r in recs]))
@@ -215,6 +215,9 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
                            pred.ranks[int(d)]) for (r, s), d in np.ndenumerate(pipe)),
                   key=lambda x: (x.stage, x.rank))
     step_m = float(np.mean([m.step_s for m in meas.values()]))
+    if step_m <= 0:
+        raise UserError("--metrics: every rank's step_s is 0: the run recorded no time to "
+                        "compare with the prediction (damaged timing records?)")
     return Explanation(rows, diagnose(rows, plan, config), step_m, pred.step_s)
 
 
@@ -250,7 +253,7 @@ def _slow_stage_causes(rows: list[RankRow], plan: Plan) -> list[StageCause]:
         if len(mine) < 2 or not ref:
             continue
         g = statistics.median(ref)
-        if min(mine) > STRAGGLER_FACTOR * g:
+        if g > 0 and min(mine) > STRAGGLER_FACTOR * g:
             seconds = statistics.median(x.measured.compute_s - g * x.predicted.compute_s
                                         for x in rows if x.stage == s)
             out.append(StageCause(
@@ -268,7 +271,9 @@ def _flops_causes(rows: list[RankRow], config: SimConfig,
     """Mis-estimated FLOP/s (the median rank) and stragglers (beyond the median; the ranks of
     a slow stage are named with it instead)."""
     g = statistics.median(_ratio(x) for x in rows)
-    out = []
+    out: list[Cause] = []
+    if g <= 0:  # the median rank recorded no compute: no ratio to judge by
+        return out
     if not 1 / FLOPS_TOLERANCE <= g <= FLOPS_TOLERANCE:
         off = statistics.median(abs(x.measured.compute_s - x.predicted.compute_s) for x in rows)
         word = "slower" if g > 1 else "faster"

@@ -17,6 +17,16 @@ Per device holding layers [a, b) of the model (P = model.stage_params(a, b) para
   fp32 softmax); all m of them without recomputation;
 - `reserved_gb` for the CUDA context, allocator fragmentation and communication buffers.
 
+A stage held by a shard group of D devices (FSDP2, plan/2) divides the parameters, gradients,
+AdamW state and DiLoCo's outer state by D on each device (its 1/D shard). Activations are not
+sharded: each device runs its own micro-batches (a lane, docs/hierarchical.md). FSDP adds the
+gathered full parameters transiently: with reshard_after_forward one unit at a time (a block,
+or the embedding / the head, whichever is largest) in fp32 plus its unsharded fp32 gradient
+before the reduce-scatter; without it the whole stage's (parameters and gradients stay
+gathered through the step). DiLoCo's outer state (anchor + outer momentum, 8 bytes a
+parameter, per shard) is on the device with outer_state `device`, in host memory with `host`
+(counted in host_bytes, not in what the device must hold).
+
 Everything is in bytes, GB = 1e9 bytes (as `memory_gb` in the cluster file).
 """
 
@@ -26,9 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.cluster import Cluster
+from formats.cluster import Cluster, Device
 from formats.errors import UserError
 from formats.models import ModelSpec
+from formats.plan import Entry, as_group
 
 STATE_BYTES_PER_PARAM = 4 + 4 + 8
 """fp32 weights + fp32 gradients + AdamW's two fp32 moments."""
@@ -62,22 +73,49 @@ class StageMemory:
     """Bytes a device needs for one stage, by part."""
 
     state_bytes: float
+    """Parameters, gradients, AdamW state (and DiLoCo's outer state on the device): the
+    device's 1/D shard of them."""
     activation_bytes: float
     reserved_bytes: float
+    gathered_bytes: float = 0.0
+    """FSDP's all-gathered full parameters and unsharded gradients, transiently (0 when D = 1)."""
+    host_bytes: float = 0.0
+    """DiLoCo's outer state kept in host memory (outer_state `host`); not on the device."""
 
     @property
     def total_bytes(self) -> float:
         """Everything the device must hold."""
-        return self.state_bytes + self.activation_bytes + self.reserved_bytes
+        return self.state_bytes + self.activation_bytes + self.reserved_bytes + self.gathered_bytes
+
+
+def gathered_bytes(model: ModelSpec, start: int, end: int, shard_degree: int,
+                   reshard_after_forward: bool = True) -> float:
+    """FSDP's transient full fp32 parameters + unsharded fp32 gradients on a device of a shard
+    group holding layers [start, end): the largest unit (block, embedding, head) with
+    reshard_after_forward, else the whole stage; 0 when D = 1."""
+    if shard_degree <= 1:
+        return 0.0
+    if not reshard_after_forward:
+        return float(model.stage_params(start, end)) * 8.0
+    units = [model.layer_params()]
+    if start == 0:
+        units.append(model.embedding_params())
+    if end == model.num_layers:
+        units.append(model.stage_params(end - 1, end) - model.layer_params())
+    return float(max(units)) * 8.0
 
 
 def stage_memory(model: ModelSpec, start: int, end: int, micro_batch_size: int,
                  num_micro_batches: int, diloco: bool,
-                 config: MemoryConfig | None = None) -> StageMemory:
-    """Bytes needed by a device holding layers [start, end) under GPipe."""
+                 config: MemoryConfig | None = None, shard_degree: int = 1,
+                 reshard_after_forward: bool = True,
+                 outer_state: str = "device") -> StageMemory:
+    """Bytes needed by a device holding layers [start, end) under GPipe, as one of the
+    `shard_degree` devices of a shard group (1: the whole stage)."""
     config = config or MemoryConfig()
-    per_param = STATE_BYTES_PER_PARAM + (DILOCO_EXTRA_BYTES_PER_PARAM if diloco else 0)
-    state = float(model.stage_params(start, end)) * per_param
+    params = float(model.stage_params(start, end)) / shard_degree
+    outer = params * DILOCO_EXTRA_BYTES_PER_PARAM if diloco else 0.0
+    state = params * STATE_BYTES_PER_PARAM + (outer if outer_state == "device" else 0.0)
     layers = end - start
     seqs_in_flight = micro_batch_size * num_micro_batches
     last = end == model.num_layers
@@ -88,7 +126,9 @@ def stage_memory(model: ModelSpec, start: int, end: int, micro_batch_size: int,
     else:
         act = seqs_in_flight * layers * layer_activation_bytes(model)
         act += seqs_in_flight * logits_bytes(model) if last else 0.0
-    return StageMemory(state, float(act), config.reserved_gb * 1e9)
+    return StageMemory(state, float(act), config.reserved_gb * 1e9,
+                       gathered_bytes(model, start, end, shard_degree, reshard_after_forward),
+                       outer if outer_state == "host" else 0.0)
 
 
 def memory_table(model: ModelSpec, micro_batch_size: int, num_micro_batches: int, diloco: bool,
@@ -104,21 +144,38 @@ def memory_table(model: ModelSpec, micro_batch_size: int, num_micro_batches: int
 
 
 def check_plan_memory(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
-                      pipelines: list[list[int]] | np.ndarray, micro_batch_size: int,
+                      pipelines: list[list[Entry]] | np.ndarray, micro_batch_size: int,
                       num_micro_batches: int, diloco: bool,
-                      config: MemoryConfig | None = None) -> None:
-    """UserError naming the first device whose stage does not fit in its memory_gb."""
-    for r, chain in enumerate(np.asarray(pipelines).tolist()):
-        for s, dev_id in enumerate(chain):
+                      config: MemoryConfig | None = None, reshard_after_forward: bool = True,
+                      outer_state: str = "device") -> None:
+    """UserError naming the first device whose stage (its shard of it, in a shard group) does
+    not fit in its memory_gb."""
+    rows = pipelines.tolist() if isinstance(pipelines, np.ndarray) else pipelines
+    for r, chain in enumerate(rows):
+        for s, entry in enumerate(chain):
             a, b = stages[s]
-            need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco, config)
-            dev = cluster.devices[int(dev_id)]
-            if need.total_bytes > dev.memory_gb * 1e9:
-                raise UserError(
-                    f"memory: device {dev.id} ({dev.name}, {dev.gpu}, {dev.memory_gb:g} GB) runs "
-                    f"stage {s} (layers [{a}, {b}]) of replica {r} and needs "
-                    f"{need.total_bytes / 1e9:.2f} GB (parameters + optimizer state "
-                    f"{need.state_bytes / 1e9:.2f} GB, activations of {num_micro_batches} "
-                    f"micro-batches {need.activation_bytes / 1e9:.2f} GB, reserved "
-                    f"{need.reserved_bytes / 1e9:.2f} GB); give that stage fewer layers, use "
-                    f"fewer or smaller micro-batches, or put a bigger GPU there")
+            group = as_group(entry)
+            need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco, config,
+                                len(group), reshard_after_forward, outer_state)
+            for dev_id in group:
+                dev = cluster.devices[int(dev_id)]
+                if need.total_bytes > dev.memory_gb * 1e9:
+                    raise UserError(_overflow_message(dev, r, s, (a, b), len(group), need,
+                                                      num_micro_batches))
+
+
+def _overflow_message(dev: Device, r: int, s: int, layers: tuple[int, int], degree: int,
+                      need: StageMemory, num_micro_batches: int) -> str:
+    """The memory error: which device, what it needs by part, what to change."""
+    a, b = layers
+    shard = f" as 1 of {degree} shards" if degree > 1 else ""
+    gathered = (f", FSDP's gathered parameters {need.gathered_bytes / 1e9:.2f} GB"
+                if degree > 1 else "")
+    more = ", shard the stage over more devices" if degree > 1 else ""
+    return (f"memory: device {dev.id} ({dev.name}, {dev.gpu}, {dev.memory_gb:g} GB) runs "
+            f"stage {s} (layers [{a}, {b}]) of replica {r}{shard} and needs "
+            f"{need.total_bytes / 1e9:.2f} GB (parameters + optimizer state "
+            f"{need.state_bytes / 1e9:.2f} GB, activations of {num_micro_batches} "
+            f"micro-batches {need.activation_bytes / 1e9:.2f} GB, reserved "
+            f"{need.reserved_bytes / 1e9:.2f} GB{gathered}); give that stage fewer layers, use "
+            f"fewer or smaller micro-batches{more}, or put a bigger GPU there")

@@ -15,7 +15,15 @@ import numpy as np
 from formats.cluster import MAX_DENSE_DEVICES, Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
-from formats.plan import PIPELINE_COMPRESSIONS, Plan, SyncConfig
+from formats.plan import (
+    MAX_BATCH_COUNT,
+    MAX_DEVICE_ID,
+    OUTER_STATES,
+    PIPELINE_COMPRESSIONS,
+    Plan,
+    SyncConfig,
+)
+from formats.settings import MAX_COUNT, check, setting
 from scheduler.baselines import (
     best_of_random,
     hand_structured,
@@ -36,65 +44,64 @@ from scheduler.search.matching import PairCache
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.step import simulate_plan
 
+MAX_SHARD = 1024
+"""Most devices per shard group the planner tries (the model's shard limit also bounds it)."""
+OBJECTIVE_NAMES = ("dtfm", "simulated")
+"""The cost models a plan can minimise (OBJECTIVES holds their factories)."""
+MAX_TOKENS = 1e15
+"""Largest token budget per replica per step."""
+
 
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything `plan` needs besides the cluster and the model. Checked when made: a bad
     field is a UserError naming it (`PlanRequest.num_stages`)."""
 
-    num_stages: int
-    """Pipeline stages S; 0: try every S x R that uses all devices (with num_replicas 0), or
-    the S that goes with a given num_replicas."""
-    num_replicas: int
-    """Data-parallel replicas R; 0: derived as for num_stages."""
-    micro_batch_size: int = 1
-    """Sequences per micro-batch."""
-    num_micro_batches: int = 0
-    """Micro-batches per replica per step; 0 = derive from `tokens_per_replica` (the DT-FM
-    budget: 61 micro-batches for gpt3-xl)."""
-    objective: str = "dtfm"
-    """Name of the cost model to minimise (a key of OBJECTIVES)."""
+    num_stages: int = setting(flag="--stages", lo=0, hi=MAX_DEVICE_ID)
+    """pipeline stages S (0: try every S x R = devices and keep the cheapest; with R given,
+    the S that goes with it)"""
+    num_replicas: int = setting(flag="--replicas", lo=0, hi=MAX_DEVICE_ID)
+    """data-parallel replicas R (S x R = devices; 0: derived)"""
+    micro_batch_size: int = setting(1, lo=1, hi=MAX_BATCH_COUNT)
+    """sequences per micro-batch"""
+    num_micro_batches: int = setting(0, flag="--micro-batches", lo=0, hi=MAX_BATCH_COUNT)
+    """micro-batches per replica per step (0: derived from the tokens per replica: tokens /
+    (seq_len x micro-batch size), i.e. 61 for gpt3-xl)"""
+    objective: str = setting("dtfm", choices=OBJECTIVE_NAMES, noun="objective")
+    """cost model to minimise"""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the replicas of a stage keep their parameters in step."""
     search: SearchConfig = field(default_factory=SearchConfig)
     """Budget (per searched shape) and seed of the evolutionary search; its time limit bounds
     the whole of plan_best_shape: every shape's set-up and search, and the baselines."""
-    random_samples: int = 1000
-    """Random plans scored for the best-of-random baseline."""
-    tokens_per_replica: float = DTFM_TOKENS_PER_REPLICA
-    """Tokens each replica processes per step, used when num_micro_batches is 0."""
+    random_samples: int = setting(1000, lo=1, hi=MAX_COUNT)
+    """random plans of the best-of-random baseline"""
+    tokens_per_replica: float = setting(DTFM_TOKENS_PER_REPLICA, lo=0.0, lo_open=True,
+                                        hi=MAX_TOKENS)
+    """token budget per replica per step that sets the default micro-batch count (the DT-FM
+    setting: 1.25e5)"""
     sim: SimConfig = field(default_factory=SimConfig)
     """Performance model of the simulated objective (runtime profile, MFU, activation bytes,
     recompute, collective latency); recorded in the plan's search.sim_config."""
-    pipeline_compression: str = "none"
-    """How activations and their gradients cross pipeline links (Plan.pipeline_compression);
-    only the simulated objective models it."""
+    pipeline_compression: str = setting("none", choices=PIPELINE_COMPRESSIONS)
+    """how activations and their gradients cross pipeline links: none (compute dtype), bf16
+    (2 bytes per value), int8 (1 byte per value + one fp32 scale per token); objective
+    simulated only (the plan's pipeline_compression)"""
+    max_shard: int = setting(1, lo=1, hi=MAX_SHARD)
+    """most devices per shard group (FSDP2 inside a replica, docs/hierarchical.md); 1 (the
+    default) plans exactly as before, above 1 the D = 1 plan is compared with every sharded
+    layout by the simulator's time per sequence (scheduler/shard_search.py)"""
+    reshard_after_forward: bool = setting(True, hidden=True)
+    """sharded plans: free each block's gathered parameters after its forward (Plan field)"""
+    outer_state: str = setting("device", choices=OUTER_STATES)
+    """sharded DiLoCo plans: where the memory model puts each shard's anchor and outer
+    momentum, device or host (the plan's outer_state; the runner's --outer-state decides)"""
 
     def __post_init__(self) -> None:
-        """UserError naming the first bad field."""
-        s, r = self.num_stages, self.num_replicas
-        if s < 0 or r < 0:
-            raise UserError(f"PlanRequest.num_stages and PlanRequest.num_replicas must be >= 1, "
-                            f"got {s} and {r}")
-        if self.micro_batch_size < 1:
-            raise UserError(f"PlanRequest.micro_batch_size: must be >= 1, got "
-                            f"{self.micro_batch_size}")
-        if self.num_micro_batches < 0:
-            raise UserError(f"PlanRequest.num_micro_batches: must be >= 1 (0: derived), got "
-                            f"{self.num_micro_batches}")
-        if self.objective not in OBJECTIVES:
-            raise UserError(f"PlanRequest.objective: unknown {self.objective!r}; known: "
-                            f"{', '.join(OBJECTIVES)}")
-        if self.random_samples < 1:
-            raise UserError(f"PlanRequest.random_samples: must be >= 1, got "
-                            f"{self.random_samples}")
-        if not 0 < self.tokens_per_replica < float("inf"):
-            raise UserError(f"PlanRequest.tokens_per_replica: must be > 0, got "
-                            f"{self.tokens_per_replica}")
+        """UserError naming the first bad field (the fields' declared rules, then the rules
+        between fields)."""
+        check(self)
         self.sync.validate()
-        if self.pipeline_compression not in PIPELINE_COMPRESSIONS:
-            raise UserError(f"PlanRequest.pipeline_compression: {self.pipeline_compression!r} "
-                            f"is not one of {', '.join(PIPELINE_COMPRESSIONS)}")
         if self.pipeline_compression != "none" and self.objective != "simulated":
             raise UserError(f"PlanRequest.pipeline_compression: the {self.objective} objective "
                             f"does not model it; plan with objective 'simulated'")
@@ -145,7 +152,8 @@ OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = 
     "dtfm": make_dtfm,
     "simulated": make_simulated,
 }
-"""Objective factories by name; a new objective registers here and the CLI offers it."""
+"""Objective factories by name; a new objective registers here and in OBJECTIVE_NAMES."""
+assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
 DEFAULT_OBJECTIVE = "simulated"
 """What `plan` and `evaluate` use when no objective is named."""
 BASELINE_SHARE = 0.15

@@ -22,6 +22,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 if __package__ in (None, ""):
     # Run as a script: this file shares the package's name, so put the repo root first.
@@ -29,7 +30,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from formats import argtypes  # noqa: E402
+from formats import argtypes, settings  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402
 from formats.cluster import (  # noqa: E402
     CLUSTER_FORMAT,
@@ -40,14 +41,10 @@ from formats.cluster import (  # noqa: E402
     save_cluster,
 )
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.models import PRESETS, get_model  # noqa: E402
+from formats.models import PRESETS, ModelSpec, get_model  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
-    MAX_BATCH_COUNT,
-    MAX_DEVICE_ID,
     MAX_FRAGMENTS,
-    MAX_INNER_STEPS,
-    PIPELINE_COMPRESSIONS,
     SYNC_MODES,
     Plan,
     SyncConfig,
@@ -55,7 +52,7 @@ from formats.plan import (  # noqa: E402
     load_plan,
     save_plan,
 )
-from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA  # noqa: E402
+from formats.settings import MAX_SEED  # noqa: E402
 from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
 from scheduler.memory import check_plan_memory  # noqa: E402
 from scheduler.objective import CostBreakdown  # noqa: E402
@@ -70,6 +67,7 @@ from scheduler.planning import (  # noqa: E402
 )
 from scheduler.scenarios import SCENARIOS, make_scenario  # noqa: E402
 from scheduler.search import SearchConfig  # noqa: E402
+from scheduler.shard_search import Candidate, plan_hierarchical  # noqa: E402
 from scheduler.simulator.config import (  # noqa: E402
     RUNTIME_PROFILES,
     RUNTIME_SETTINGS,
@@ -79,41 +77,59 @@ from scheduler.simulator.config import (  # noqa: E402
 from scheduler.simulator.report import format_sim_table, sync_label  # noqa: E402
 from scheduler.simulator.runtime import load_calibration, resolve_sim_config  # noqa: E402
 from scheduler.simulator.step import simulate_plan  # noqa: E402
-from scheduler.sync_search import AutoOutcome, SyncBounds, plan_sync_auto  # noqa: E402
+from scheduler.sync_search import (  # noqa: E402
+    AutoOutcome,
+    SyncBounds,
+    anchor_choices,
+    plan_sync_auto,
+)
 
-FLAG_OF_FIELD: dict[str, str] = {
-    "PlanRequest.num_stages": "--stages",
-    "PlanRequest.num_replicas": "--replicas",
-    "PlanRequest.micro_batch_size": "--micro-batch-size",
-    "PlanRequest.num_micro_batches": "--micro-batches",
-    "PlanRequest.objective": "--objective",
-    "PlanRequest.random_samples": "--random-samples",
-    "PlanRequest.tokens_per_replica": "--tokens-per-replica",
-    "SearchConfig.budget": "--budget",
-    "SearchConfig.time_limit_s": "--time-limit",
-    "SearchConfig.seed": "--search-seed",
-    "SimConfig.runtime": "--runtime",
-    "SimConfig.mfu": "--mfu",
-    "SimConfig.activation_bytes": "--activation-bytes",
-    "SimConfig.recompute": "--recompute",
-    "SimConfig.collective_latency_factor": "--collective-latency-factor",
-    "SimConfig.outer_store_round_trips": "--outer-store-round-trips",
-    "PlanRequest.pipeline_compression": "--pipeline-compression",
-    "SyncBounds.max_inner_steps": "--max-inner-steps",
-    "SyncBounds.max_compression": "--compression",
-    "SyncBounds.max_pipeline_compression": "--allow-pipeline-compression",
+PLAN_FLAGS: dict[type, tuple[str, ...]] = {
+    PlanRequest: ("num_stages", "num_replicas", "objective", "micro_batch_size",
+                  "num_micro_batches", "tokens_per_replica"),
+    SearchConfig: ("budget", "time_limit_s", "seed"),
 }
+"""The library fields `plan` has a flag for, generated from their declarations
+(formats.settings), in --help order; the sync and performance-model groups add theirs."""
+SYNC_FLAGS: dict[type, tuple[str, ...]] = {
+    PlanRequest: ("pipeline_compression",),
+    SyncBounds: ("max_inner_steps", "max_pipeline_compression"),
+}
+SHARD_FLAGS = ("max_shard", "outer_state")
+"""The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
+SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips")
+"""The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
+FLAG_OF_FIELD: dict[str, str] = {
+    settings.qualified(cls, name): settings.flag_of(cls, name)
+    for cls, names in (*PLAN_FLAGS.items(), *SYNC_FLAGS.items(),
+                       (SyncBounds, ("max_compression",)), (PlanRequest, ("random_samples",)),
+                       (SimConfig, (*SIM_FLAGS, "runtime", "recompute")),
+                       (PlanRequest, SHARD_FLAGS))
+    for name in names} | {"PlanRequest.reshard_after_forward": "--no-reshard-after-forward"}
 """The flag that sets each library field: the library's errors name fields, ours name flags."""
-
-
-MAX_SEED = 2 ** 63 - 1
-SEED = argtypes.integer(0, MAX_SEED)
+CLI_DEFAULTS: dict[type, dict[str, Any]] = {
+    PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
+                  "pipeline_compression": None},
+    SearchConfig: {"budget": None, "time_limit_s": 60.0},
+    SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None},
+    SimConfig: {name: None for name in SIM_FLAGS},
+}
+"""Where a flag's default differs from its field's (None: not given; the command resolves it:
+--budget by objective, the performance model from the plan, profile and calibration)."""
+DEFAULT_WORDS = {
+    "SearchConfig.budget": "default: " + ", ".join(f"{v} for {k}"
+                                                   for k, v in DEFAULT_BUDGETS.items()),
+    "SearchConfig.time_limit_s": "default 60, a safety net; here it bounds the whole command: "
+    "loading the cluster, the search of every shape (sharing it), the baselines; not --plot. A "
+    "search cut by it is not reproducible, one ended by the budget or convergence is",
+    "PlanRequest.pipeline_compression": "default none",
+    "SyncBounds.max_inner_steps": "default 1: allreduce only",
+    "SyncBounds.max_pipeline_compression": "default none",
+}
+"""What --help says of a flag's default where the command, not the field, decides it."""
 MAX_SCENARIO_DEVICES = 1_000_000
 """Largest random scenario (compact form: 1M devices take about 30 s and 170 MB)."""
-MAX_TOKENS = 1e15
-MAX_COUNT = 10 ** 9
-"""Most evaluations or random samples a search may be given (far beyond any time limit)."""
-MAX_SECONDS = 1e7
+SEED = argtypes.integer(0, MAX_SEED)
 
 
 def in_flag_words(message: str) -> str:
@@ -121,6 +137,22 @@ def in_flag_words(message: str) -> str:
     for name in sorted(FLAG_OF_FIELD, key=len, reverse=True):
         message = message.replace(name, FLAG_OF_FIELD[name])
     return message
+
+
+def add_field_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    names: tuple[str, ...]) -> None:
+    """Flags for fields `names` of `cls`: rules and help from their declarations, the command's
+    defaults (CLI_DEFAULTS), values checked by the fields' rules (argparse errors, exit 2)."""
+    words = {n: DEFAULT_WORDS[settings.qualified(cls, n)] for n in names
+             if settings.qualified(cls, n) in DEFAULT_WORDS}
+    settings.add_flags(parser, cls, names, defaults=CLI_DEFAULTS.get(cls, {}),
+                       default_words=words, bounded=True, flag_metavar=True,
+                       help_words=in_flag_words)
+
+
+def arg(args: argparse.Namespace, cls: type, name: str) -> Any:
+    """The value of a generated flag (add_field_flags)."""
+    return settings.value_of(args, cls, name)
 
 
 def _cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -158,17 +190,7 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
                         "outer_store_round_trips, all optional)")
-    g.add_argument("--mfu", type=float, help="fraction of each device's tflops that training "
-                   "reaches (1.0 when tflops were measured for this model)")
-    g.add_argument("--activation-bytes", type=int, choices=(1, 2, 4),
-                   help="bytes per activation value sent between stages (4: the fp32 CPU "
-                   "runtime)")
-    g.add_argument("--collective-latency-factor", type=float,
-                   help="one-way latencies per all-reduce step (2: gloo's rendezvous "
-                   "point-to-point, the CPU runtime; 1: NCCL)")
-    g.add_argument("--outer-store-round-trips", type=int,
-                   help="DiLoCo: round trips to the store on device 0 per outer step (3: the "
-                   "elastic runtime)")
+    add_field_flags(g, SimConfig, SIM_FLAGS)
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the CPU runtime)")
 
@@ -181,10 +203,11 @@ def sim_config_from_args(args: argparse.Namespace, plan: Plan | None = None) -> 
         base = sim_config_from_record(plan.search.get("sim_config"),
                                       f"{args.plan}: search.sim_config")
     calibration = load_calibration(args.calibration) if args.calibration else None
-    given = {name: getattr(args, name) for name in RUNTIME_SETTINGS
-             if getattr(args, name) is not None}
-    if "recompute" in given:
-        given["recompute"] = given["recompute"] == "on"
+    given = {name: arg(args, SimConfig, name) for name in SIM_FLAGS
+             if arg(args, SimConfig, name) is not None}
+    if args.recompute is not None:
+        given["recompute"] = args.recompute == "on"
+    assert set(RUNTIME_SETTINGS) == {*SIM_FLAGS, "recompute"}
     return resolve_sim_config(base, args.runtime, calibration, **given)
 
 
@@ -270,20 +293,23 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
     if args.sync == "auto":
         for flag, value in (("--inner-steps", args.inner_steps), ("--fragments", args.fragments),
                             ("--overlap", True if args.overlap else None),
-                            ("--pipeline-compression", args.pipeline_compression)):
+                            ("--pipeline-compression",
+                             arg(args, PlanRequest, "pipeline_compression"))):
             if value is not None:
                 raise UserError(f"{flag}: --sync auto chooses it; bound the choice with "
                                 f"--max-inner-steps, --compression and "
                                 f"--allow-pipeline-compression instead")
-        if args.objective != "simulated":
-            raise UserError(f"--objective {args.objective}: --sync auto needs --objective "
+        objective = arg(args, PlanRequest, "objective")
+        if objective != "simulated":
+            raise UserError(f"--objective {objective}: --sync auto needs --objective "
                             f"simulated (the only cost model of overlap, fragments and "
                             f"pipeline compression)")
-        bounds = SyncBounds(args.max_inner_steps or 1, args.compression,
-                            args.allow_pipeline_compression or "none")
+        bounds = SyncBounds(arg(args, SyncBounds, "max_inner_steps") or 1, args.compression,
+                            arg(args, SyncBounds, "max_pipeline_compression") or "none")
         return SyncConfig(), bounds
-    for flag, value in (("--max-inner-steps", args.max_inner_steps),
-                        ("--allow-pipeline-compression", args.allow_pipeline_compression)):
+    for flag, value in (("--max-inner-steps", arg(args, SyncBounds, "max_inner_steps")),
+                        ("--allow-pipeline-compression",
+                         arg(args, SyncBounds, "max_pipeline_compression"))):
         if value is not None:
             raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
                             f"{args.sync} give the setting itself")
@@ -300,6 +326,21 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
                       fragments=fragments), None
 
 
+def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRequest:
+    """The PlanRequest of `plan`'s flags (the generated flags' values, the budget by objective
+    when not given); the fields' rules check every value."""
+    search = {f: arg(args, SearchConfig, f) for f in PLAN_FLAGS[SearchConfig]}
+    given = {f: arg(args, PlanRequest, f) for f in (*PLAN_FLAGS[PlanRequest], "random_samples")}
+    if search["budget"] is None:
+        search["budget"] = DEFAULT_BUDGETS[given["objective"]]
+    return PlanRequest(**given, sync=sync, search=SearchConfig(**search),
+                       sim=sim_config_from_args(args),
+                       pipeline_compression=arg(args, PlanRequest, "pipeline_compression")
+                       or "none", max_shard=arg(args, PlanRequest, "max_shard"),
+                       outer_state=arg(args, PlanRequest, "outer_state"),
+                       reshard_after_forward=args.reshard_after_forward)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan, print it beside the baselines (or, with --sync auto, beside the best
     allreduce plan), write it atomically."""
@@ -313,54 +354,109 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sync, bounds = sync_from_args(args)
     cluster = _cluster_from_args(args)
     model = get_model(args.model)
-    budget = DEFAULT_BUDGETS[args.objective] if args.budget is None else args.budget
-    # argparse's bounded types, SyncConfig, SearchConfig and PlanRequest check every value
-    req = PlanRequest(
-        num_stages=args.stages, num_replicas=args.replicas,
-        micro_batch_size=args.micro_batch_size, num_micro_batches=args.micro_batches,
-        objective=args.objective, sync=sync,
-        search=SearchConfig(budget=budget, time_limit_s=args.time_limit, seed=args.search_seed),
-        random_samples=args.random_samples, tokens_per_replica=args.tokens_per_replica,
-        sim=sim_config_from_args(args), pipeline_compression=args.pipeline_compression or "none")
+    req = plan_request_from_args(args, sync)
     progress = None if args.quiet else _progress
-    auto = None
-    if bounds is not None:
-        auto = plan_sync_auto(cluster, model, req, bounds, progress, STARTED)
-        out = auto.outcome
-    else:
-        out = plan_best_shape(cluster, model, req, progress, STARTED)
-    if not args.quiet:
-        print(file=sys.stderr)
-        if out.plan.search["stopped_by"] == "time":
-            print(f"note: the --time-limit of {args.time_limit:g} s ended the search: the plan "
-                  f"may differ from run to run (raise --time-limit, or lower --budget, to "
-                  f"reproduce it from --search-seed)", file=sys.stderr)
-        taken = out.plan.search.get("taken_from")
-        if taken:
-            print(f"note: the search, cut short by --time-limit, ended at "
-                  f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
-                  f"plan is the one written", file=sys.stderr)
-        skipped = out.plan.search.get("shapes_skipped")
-        if skipped:
-            print(f"note: the --time-limit ran out before shapes "
-                  f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
-                  f"more time, or --stages/--replicas)", file=sys.stderr)
-        if out.random_scored < args.random_samples:
-            print(f"note: the --time-limit left time to score {out.random_scored} of "
-                  f"{args.random_samples} random plans for the baseline", file=sys.stderr)
+    out, auto, shards = _search(cluster, model, req, bounds, progress)
+    if not args.quiet and out is not None:
+        _print_search_notes(args, out)
+    chosen = shards[0].plan if shards else out.plan  # type: ignore[union-attr]
+    if args.plot and (out is None or chosen is not out.plan):
+        raise UserError("--plot: draws D = 1 plans only; the plan chosen has shard groups "
+                        "(leave out --plot, or --max-shard 1)")
     if args.plot:  # first: a plot that fails leaves no plan file behind
         from scheduler.plots import plot_plan  # matplotlib only when asked
-        plot_plan(cluster, out.plan, out.history, args.plot)
-    save_plan(out.plan, args.out)
+        plot_plan(cluster, out.plan, out.history, args.plot)  # type: ignore[union-attr]
+    save_plan(chosen, args.out)
     if auto is not None and args.allreduce_out:
         save_plan(auto.allreduce, args.allreduce_out)
     if args.json:
-        print(json.dumps(_auto_json(auto, args.out) if auto else _plan_json(out, args.out)))
+        found = {} if out is None else \
+            _auto_json(auto, args.out) if auto else _plan_json(out, args.out)
+        print(json.dumps({**found, **(_shard_json(shards, args.out) if shards else {})}))
     else:
-        print(_auto_table(auto) if auto else _plan_table(out))
+        if out is not None:
+            print(_auto_table(auto) if auto else _plan_table(out))
+        if shards is not None:
+            print(_shard_table(shards))
         extra = [f for f in (args.allreduce_out if auto else None, args.plot) if f]
         print(f"wrote {args.out}" + "".join(f" and {f}" for f in extra))
     return 0
+
+
+def _search(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds: SyncBounds | None,
+            progress: Callable[[int, float], None] | None
+            ) -> tuple[PlanOutcome | None, AutoOutcome | None,
+                       tuple[Candidate, list[Candidate]] | None]:
+    """The D = 1 search (with --sync auto or not) and, with --max-shard above 1, the sharded
+    layouts beside it: (outcome or None when no D = 1 plan fits, auto, shards or None)."""
+    out = auto = None
+    try:
+        if bounds is not None:
+            auto = plan_sync_auto(cluster, model, req, bounds, progress, STARTED)
+            out = auto.outcome
+        else:
+            out = plan_best_shape(cluster, model, req, progress, STARTED)
+    except UserError:
+        if req.max_shard <= 1:
+            raise
+        # no D = 1 plan (e.g. the model fits no device): the sharded layouts may fit
+    if req.max_shard <= 1:
+        return out, auto, None
+    syncs = (req.sync,) if bounds is None else tuple(c.sync for c in anchor_choices(bounds))
+    shards = plan_hierarchical(cluster, model, req, syncs, out.plan if out else None, STARTED)
+    return out, auto, shards
+
+
+
+def _print_search_notes(args: argparse.Namespace, out: PlanOutcome) -> None:
+    """The notes on stderr that say where the --time-limit cut the search short."""
+    print(file=sys.stderr)
+    if out.plan.search["stopped_by"] == "time":
+        print(f"note: the --time-limit of {arg(args, SearchConfig, 'time_limit_s'):g} s ended "
+              f"the search: the plan "
+              f"may differ from run to run (raise --time-limit, or lower --budget, to "
+              f"reproduce it from --search-seed)", file=sys.stderr)
+    taken = out.plan.search.get("taken_from")
+    if taken:
+        print(f"note: the search, cut short by --time-limit, ended at "
+              f"{out.plan.search['search_cost']:.3f} s, behind the {taken} plan: that "
+              f"plan is the one written", file=sys.stderr)
+    skipped = out.plan.search.get("shapes_skipped")
+    if skipped:
+        print(f"note: the --time-limit ran out before shapes "
+              f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
+              f"more time, or --stages/--replicas)", file=sys.stderr)
+    samples = arg(args, PlanRequest, "random_samples")
+    if out.random_scored < samples:
+        print(f"note: the --time-limit left time to score {out.random_scored} of "
+              f"{samples} random plans for the baseline", file=sys.stderr)
+
+
+def _shard_table(shards: tuple[Candidate, list[Candidate]]) -> str:
+    """Every layout the --max-shard comparison scored, by time per sequence."""
+    best, every = shards
+    rows = ["shard groups (--max-shard): S x D-way x R by simulated time per sequence "
+            "(step / (R x D))",
+            f"  {'layout':44s} {'step (s)':>10s} {'s/sequence':>12s}"]
+    for c in every:
+        mark = "  <- written" if c.label == best.label else ""
+        rows.append(f"  {c.label:44s} {c.step_s:10.3f} {c.per_sequence_s:12.5f}{mark}")
+    if best.shard_degree > 1:
+        rows.append("  the sharded layout is written, not the D = 1 plan above (predicted "
+                    f"{every[0].per_sequence_s / best.per_sequence_s:.2f}x its sequences/s)"
+                    if every[0].shard_degree == 1 else "  no D = 1 plan fits: the sharded "
+                    "layout is written")
+    return "\n".join(rows)
+
+
+def _shard_json(shards: tuple[Candidate, list[Candidate]], path: str) -> dict:
+    """The --max-shard comparison for --json."""
+    best, every = shards
+    return {"plan": path, "shard_degree": best.shard_degree, "chosen": best.label,
+            "shard_candidates": [{"label": c.label, "stages": c.num_stages,
+                                  "shard_degree": c.shard_degree, "replicas": c.num_replicas,
+                                  "step_s": c.step_s, "per_sequence_s": c.per_sequence_s}
+                                 for c in every]}
 
 
 AUTO_ROWS = (("step time (s)", "step_s", 1.0), ("  compute (busiest device)", "compute_s", 1.0),
@@ -438,7 +534,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Print the cost of any plan file under an objective."""
     cluster, plan = _load_cluster_and_plan(args)
     model = get_model(plan.model)
-    if args.objective == "simulated":
+    if plan.is_sharded:
+        return _evaluate_sharded(args, cluster, plan)
+    objective_name = arg(args, PlanRequest, "objective")
+    if objective_name == "simulated":
         sim = sim_config_from_args(args, plan)
         try:  # a plan that does not fit costs inf to the search; here it is the user's error
             check_plan_memory(cluster, model, list(plan.stages), plan.pipelines,
@@ -452,8 +551,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                        pipeline_compression=plan.pipeline_compression)
     else:
         req = PlanRequest(plan.num_stages, plan.num_replicas, plan.micro_batch_size,
-                          plan.num_micro_batches, args.objective, plan.sync)
-        objective = OBJECTIVES[args.objective](cluster, model, req)
+                          plan.num_micro_batches, objective_name, plan.sync)
+        objective = OBJECTIVES[objective_name](cluster, model, req)
     result = objective.breakdown(np.asarray(plan.pipelines))
     if args.json:
         print(json.dumps({"objective": result.objective, "cost": result.cost_s, **result.parts}))
@@ -463,6 +562,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         parts = ", ".join(f"{k} {v:.3f}{unit(k)}" for k, v in result.parts.items())
         print(f"{args.plan} on {cluster.name}: {result.objective} cost {result.cost_s:.3f} s "
               f"({parts})")
+    return 0
+
+
+def _evaluate_sharded(args: argparse.Namespace, cluster: Cluster, plan: Plan) -> int:
+    """`evaluate` of a plan with shard groups: the simulator's step (the only objective that
+    models FSDP and the per-shard sync)."""
+    objective = arg(args, PlanRequest, "objective")
+    if objective != "simulated":
+        raise UserError(f"--objective {objective}: {args.plan} has shard groups, which only "
+                        f"the simulated objective models; use --objective simulated")
+    try:
+        result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
+                               timeline=False)
+    except UserError as e:
+        raise UserError(f"{args.plan}: {e}") from None
+    parts = {**result.parts(), "fsdp_comm_s": result.fsdp_comm_s,
+             "tokens_per_s": result.tokens_per_s,
+             "pp_bytes_per_step": result.pp_bytes_per_step,
+             "dp_bytes_per_step": result.dp_bytes_per_step,
+             "fsdp_bytes_per_step": result.fsdp_bytes_per_step}
+    if args.json:
+        print(json.dumps({"objective": "simulated", "cost": result.step_s, **parts}))
+    else:
+        text = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        print(f"{args.plan} on {cluster.name}: simulated cost {result.step_s:.3f} s "
+              f"(D = {result.shard_degree}; {text})")
     return 0
 
 
@@ -492,35 +617,37 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--seed", type=SEED, help="scenario seed: shuffles device ids (default 0)")
     src.add_argument("--cluster", help="cluster JSON file (cluster/1, or cluster/2: compact)")
     pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    pl.add_argument("--stages", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
-                    help="pipeline stages S (default: try every S x R = devices and keep the "
-                         "cheapest)")
-    pl.add_argument("--replicas", type=argtypes.integer(0, MAX_DEVICE_ID), default=0,
-                    help="data-parallel replicas R (S x R = devices; default: derived)")
-    pl.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
-                    help=f"cost model to minimise (default {DEFAULT_OBJECTIVE})")
-    pl.add_argument("--micro-batch-size", type=argtypes.integer(1, MAX_BATCH_COUNT), default=1,
-                    help="sequences per micro-batch")
-    pl.add_argument("--micro-batches", type=argtypes.integer(0, MAX_BATCH_COUNT), default=0,
-                    help="micro-batches per replica per step (default: derived from "
-                         "--tokens-per-replica: tokens / (seq_len x micro-batch size), i.e. 61 "
-                         "for gpt3-xl)")
-    pl.add_argument("--tokens-per-replica", type=argtypes.number(0, MAX_TOKENS, lo_open=True),
-                    default=DTFM_TOKENS_PER_REPLICA,
-                    help="token budget per replica per step that sets the default micro-batch "
-                         "count (default 1.25e5, the DT-FM setting)")
+    add_field_flags(pl, PlanRequest, PLAN_FLAGS[PlanRequest])
+    add_sync_args(pl)
+    add_shard_args(pl)
+    add_field_flags(pl, SearchConfig, PLAN_FLAGS[SearchConfig])
+    add_field_flags(pl, PlanRequest, ("random_samples",))
+    pl.add_argument("--out", required=True, help="plan file to write (atomically)")
+    pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
+    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_perf_model_args(pl)
+    pl.set_defaults(func=cmd_plan)
+
+
+SYNC_HELP = (
+    "--sync auto searches the sync configuration together with the assignment (objective "
+    "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
+    "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
+    "--compression and each pipeline compression up to --allow-pipeline-compression; it "
+    "takes the least risky configuration within 2% of the fastest predicted step and "
+    "prints it beside the best allreduce plan. A shorter step is not a better model: a "
+    "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
+    "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
+    "bounds are how much of that risk you accept; the defaults "
+    "accept none (allreduce, no compression).")
+
+
+def add_sync_args(pl: argparse.ArgumentParser) -> None:
+    """The sync group of `plan`: the plan's sync config (or --sync auto and its bounds)."""
     sy = pl.add_argument_group(
         "sync (how replicas of a stage stay in step, and how activations cross pipeline links)",
-        "--sync auto searches the sync configuration together with the assignment (objective "
-        "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
-        "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
-        "--compression and each pipeline compression up to --allow-pipeline-compression; it "
-        "takes the least risky configuration within 2% of the fastest predicted step and "
-        "prints it beside the best allreduce plan. A shorter step is not a better model: a "
-        "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
-        "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
-        "bounds are how much of that risk you accept; the defaults "
-        "accept none (allreduce, no compression).")
+        SYNC_HELP)
     sy.add_argument("--sync", default="allreduce", choices=(*SYNC_MODES, "auto"),
                     help="allreduce (default), diloco, or auto (see above)")
     sy.add_argument("--inner-steps", type=argtypes.integer(),  # SyncConfig checks
@@ -531,39 +658,24 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     sy.add_argument("--fragments", type=argtypes.integer(1, MAX_FRAGMENTS),
                     help="--sync diloco: sync the stage's parameters in F fragments by layer, "
                          "each at its own offset in the round (Streaming DiLoCo; F <= H)")
+    # --compression sets SyncConfig.compression, or with --sync auto SyncBounds.max_compression
     sy.add_argument("--compression", default="none", choices=COMPRESSIONS,
                     help="data-parallel payload (default none = fp32); with --sync auto the "
                          "most lossy one it may choose")
-    sy.add_argument("--pipeline-compression", choices=PIPELINE_COMPRESSIONS,
-                    help="how activations and their gradients cross pipeline links: none "
-                         "(compute dtype, default), bf16 (2 bytes per value), int8 (1 byte "
-                         "per value + one fp32 scale per token); objective simulated only")
-    sy.add_argument("--max-inner-steps", type=argtypes.integer(1, MAX_INNER_STEPS),
-                    help="--sync auto: largest DiLoCo H it may choose (default 1: allreduce "
-                         "only)")
-    sy.add_argument("--allow-pipeline-compression", choices=PIPELINE_COMPRESSIONS,
-                    help="--sync auto: most lossy pipeline compression it may choose (default "
-                         "none)")
+    add_field_flags(sy, PlanRequest, SYNC_FLAGS[PlanRequest])
+    add_field_flags(sy, SyncBounds, SYNC_FLAGS[SyncBounds])
     sy.add_argument("--allreduce-out", metavar="FILE",
                     help="--sync auto: also write the best allreduce plan there")
-    pl.add_argument("--budget", type=argtypes.integer(1, MAX_COUNT),
-                    help="max objective evaluations per searched shape (default: " +
-                         ", ".join(f"{v} for {k}" for k, v in DEFAULT_BUDGETS.items()) + ")")
-    pl.add_argument("--time-limit", type=argtypes.number(0, MAX_SECONDS, lo_open=True),
-                    default=60.0,
-                    help="wall limit in s of the whole command (default 60, a safety net): "
-                         "loading the cluster, the search of every shape (sharing it), the "
-                         "baselines; not --plot. A search cut by it is not reproducible, one "
-                         "ended by the budget or convergence is")
-    pl.add_argument("--search-seed", type=SEED, default=0, help="seed of the search (default 0)")
-    pl.add_argument("--random-samples", type=argtypes.integer(1, MAX_COUNT), default=1000,
-                    help="random plans of the best-of-random baseline (default 1000)")
-    pl.add_argument("--out", required=True, help="plan file to write (atomically)")
-    pl.add_argument("--plot", help="PNG: assignment by region and convergence curve")
-    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    pl.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    add_perf_model_args(pl)
-    pl.set_defaults(func=cmd_plan)
+
+
+def add_shard_args(pl: argparse.ArgumentParser) -> None:
+    """The shard-group group of `plan` (hierarchical replicas)."""
+    sh = pl.add_argument_group("shard groups (hierarchical replicas, docs/hierarchical.md)")
+    add_field_flags(sh, PlanRequest, SHARD_FLAGS)
+    sh.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                    action="store_false",
+                    help="sharded plans: keep each stage's parameters gathered for the whole "
+                         "step (fewer all-gathers, more memory)")
 
 
 def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
@@ -571,9 +683,8 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("evaluate", help="cost of any plan file")
     ev.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    ev.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
-    ev.add_argument("--objective", default=DEFAULT_OBJECTIVE, choices=sorted(OBJECTIVES),
-                    help=f"cost model (default {DEFAULT_OBJECTIVE})")
+    ev.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
+    add_field_flags(ev, PlanRequest, ("objective",))
     ev.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_perf_model_args(ev)
     ev.set_defaults(func=cmd_evaluate)
@@ -584,6 +695,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         check_output_path(args.timeline, "--timeline", ".png")
     cluster, plan = _load_cluster_and_plan(args)
+    if args.timeline and plan.is_sharded:
+        raise UserError(f"--timeline: {args.plan} has shard groups; the event timeline draws "
+                        f"D = 1 plans only (leave out --timeline)")
     try:
         result = simulate_plan(cluster, None, plan, sim_config_from_args(args, plan),
                                timeline=bool(args.timeline))
@@ -606,7 +720,7 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
     si = sub.add_parser("simulate", help="replay one step of a plan: step time and breakdown")
     si.add_argument("--cluster", required=True,
                     help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    si.add_argument("--plan", required=True, help="plan/1 JSON file (ours or anyone's)")
+    si.add_argument("--plan", required=True, help="plan/1 or plan/2 JSON file (ours or anyone's)")
     si.add_argument("--timeline", help="Gantt chart PNG: one row per device")
     si.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_perf_model_args(si)

@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from formats import checks
 from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec
 from formats.plan import COMPRESSIONS, MAX_INNER_STEPS, PIPELINE_COMPRESSIONS, Plan, SyncConfig
+from formats.settings import check, setting
 from scheduler.cost_simulated import SimulatedObjective
 from scheduler.objective import CostBreakdown
 from scheduler.planning import (
@@ -65,23 +65,18 @@ POLISH_REPLAYS = 400
 class SyncBounds:
     """What `--sync auto` may choose from: the user's bounds on quality risk."""
 
-    max_inner_steps: int = 1
-    """Largest DiLoCo H; 1: allreduce only (DiLoCo is tried with H = 2, 4, 8, ... and this)."""
-    max_compression: str = "none"
-    """Most lossy data-parallel payload allowed: none < fp16 < int8."""
-    max_pipeline_compression: str = "none"
-    """Most lossy pipeline compression allowed: none < bf16 < int8."""
+    max_inner_steps: int = setting(1, lo=1, hi=MAX_INNER_STEPS)
+    """--sync auto: largest DiLoCo H it may choose (1: allreduce only; DiLoCo is tried with
+    H = 2, 4, 8, ... and this)"""
+    max_compression: str = setting("none", flag="--compression", choices=COMPRESSIONS)
+    """--sync auto: most lossy data-parallel payload it may choose: none < fp16 < int8"""
+    max_pipeline_compression: str = setting("none", flag="--allow-pipeline-compression",
+                                            choices=PIPELINE_COMPRESSIONS)
+    """--sync auto: most lossy pipeline compression it may choose: none < bf16 < int8"""
 
     def __post_init__(self) -> None:
         """UserError naming the bad field (`SyncBounds.max_inner_steps`)."""
-        checks.integer(self.max_inner_steps, "SyncBounds.max_inner_steps", 1, MAX_INNER_STEPS)
-        if self.max_compression not in COMPRESSIONS:
-            raise UserError(f"SyncBounds.max_compression: {self.max_compression!r} is not one "
-                            f"of {', '.join(COMPRESSIONS)}")
-        if self.max_pipeline_compression not in PIPELINE_COMPRESSIONS:
-            raise UserError(f"SyncBounds.max_pipeline_compression: "
-                            f"{self.max_pipeline_compression!r} is not one of "
-                            f"{', '.join(PIPELINE_COMPRESSIONS)}")
+        check(self)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,15 @@ if ! "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" run -- \
   exit 2
 fi
 "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" sync "$PLAN" --dest "$REMOTE_REPO"
+# the run secret (docs/security.md): ST_RUN_SECRET / ST_RUN_SECRET_FILE here, else this user's
+# ~/.config/st-runtime/run_secret; every host gets it as a private file (mode 600), never on a
+# command line. Start a COORDINATOR=1 coordinator with the same secret.
+SECRET_DIR=$(mktemp -d)
+(umask 077 && cd "$ROOT" && "$PY" -c 'import sys; from modules.control.auth import load_secret; sys.stdout.write(load_secret().decode())' > "$SECRET_DIR/run_secret") \
+  || { rm -rf "$SECRET_DIR"; exit 2; }
+"$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" sync "$SECRET_DIR/run_secret" --dest "$REMOTE_REPO/.scattered" \
+  || { rm -rf "$SECRET_DIR"; exit 1; }
+rm -rf "$SECRET_DIR"
 EXTRA=$(printf ' %q' "$@")
 if [ -n "${GPUS_PER_HOST:-}" ] && ! [[ "$GPUS_PER_HOST" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: GPUS_PER_HOST: expected a positive number of CUDA devices per host, got '$GPUS_PER_HOST'" >&2
@@ -31,7 +40,7 @@ if [ -n "${GPUS_PER_HOST:-}" ] && ! [[ "$GPUS_PER_HOST" =~ ^[1-9][0-9]*$ ]]; the
 fi
 # GPUS_PER_HOST=N: the ranks of a host take its CUDA devices round robin (--cuda-device i % N)
 GPU_ARG=${GPUS_PER_HOST:+ --cuda-device \$((i % $GPUS_PER_HOST))}
-CMD="cd $REMOTE_REPO && mkdir -p logs && i=0 && for r in \$(seq \$SCATTERED_HOST_INDEX $HOSTS $((WORLD - 1))); do \
+CMD="cd $REMOTE_REPO && export ST_RUN_SECRET_FILE=$REMOTE_REPO/.scattered/run_secret && mkdir -p logs && i=0 && for r in \$(seq \$SCATTERED_HOST_INDEX $HOSTS $((WORLD - 1))); do \
 $REMOTE_PY dist_runner.py --plan $PLAN_NAME --rank \$r --world-size $WORLD $STORE_FLAG $URL$EXTRA$GPU_ARG \
 > logs/rank\$r.log 2>&1 & i=\$((i + 1)); done; wait"
 exec "$PY" "$HERE/cluster_ssh.py" "${SSH_ARGS[@]}" start --name train -- "$CMD"

@@ -5,11 +5,12 @@ training host is a single point of failure (modules/control/coordinator.py).
     # then every rank: python dist_runner.py --plan plan.json --rank R \
     #                      --coordinator tcp://HOST:PORT ...
 
-Run it on a host that trains nothing (e.g. the rendezvous host). torch's store listens on PORT
-on every interface; HOST is the address the ranks reach it at. It serves one launch and exits
-0 once every rank of the newest generation finished, 1 when the run stopped or every rank was
-lost (2 on bad input). If it dies, every rank saves a checkpoint and exits 1 naming it: start
-it again, then every rank with --resume.
+Run it on a host that trains nothing (e.g. the rendezvous host). The store listens on HOST:PORT
+only (HOST is the address the ranks reach it at). It needs the ranks' run secret
+(ST_RUN_SECRET or ST_RUN_SECRET_FILE, else ~/.config/st-runtime/run_secret; docs/security.md).
+It serves one launch and exits 0 once every rank of the newest generation finished, 1 when
+the run stopped or every rank was lost (2 on bad input). If it dies or freezes, every rank
+saves a checkpoint and exits 1 naming it: start it again, then every rank with --resume.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Host the rendezvous store of a run and lead its "
                                 "membership, so that no training host is special.")
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="address the ranks reach the store at (it listens on PORT on every "
-                   "interface); the ranks get --coordinator tcp://HOST:PORT")
+                   help="address the ranks reach the store at (it listens there only); the "
+                   "ranks get --coordinator tcp://HOST:PORT")
     p.add_argument("--plan", required=True, help="plan/1 JSON file (the ranks' plan)")
     p.add_argument("--start-timeout-s", type=argtypes.number(0, MAX_START_TIMEOUT_S, lo_open=True),
                    default=600.0,
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(CoordinatorConfig(host, port, plan, args.plan, args.start_timeout_s,
                                           log))
     port = coord.listen()
-    log(f"listening on port {port} (every interface) for {args.plan} ({plan.num_replicas} "
+    log(f"listening on port {port} ({host} only) for {args.plan} ({plan.num_replicas} "
         f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank with "
         f"--coordinator tcp://{host}:{port}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

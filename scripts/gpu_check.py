@@ -1,19 +1,25 @@
 """The checks behind scripts/gpu_check.sh, the one command to run first on a GPU host.
 
-    python scripts/gpu_check.py --gpus N [--out-dir out/gpu_check] [--steps 20]
+    python scripts/gpu_check.py --gpus N [--out out/gpu_check] [--steps 10] [--budget-s 500]
         [--peak-tflops X] [--nvcc nvcc]
 
-Every N: every module imports; the int8 kernel compiles to PTX for sm_80 and sm_90 with nvcc
-(SKIP, said, when nvcc is missing: cupy compiles it with NVRTC at run time, so nvcc is not
-needed to train); dist_runner.py has the GPU flags this check uses (WARN without a GPU).
-N >= 1 adds: every `-m gpu` test; the int8 kernels' GB/s against the memory's peak
-(benchmarks/kernel_bandwidth.py, target >= 70%); the pipeline's per-row int8 on the GPU against
-the CPU path (same bytes); a 2-stage gpt-small pipeline with both ranks
-on GPU 0 over gloo, and a 1x2 DiLoCo run with int8 on the GPU, each against the same plan on
-CPU; bf16 and --compile against fp32 eager on the GPU. N >= 2 adds the NCCL all-reduce (1x2)
-and a 2-stage NCCL pipeline (torchrun, one GPU per rank), each against CPU.
-Prints one summary table (also OUT/summary.md and OUT/results.json; OUT/NAME.log per step) and
-exits 1 if any check failed.
+Runs in the interpreter it is started with (gpu_check.sh picks one that imports CUDA torch and
+cupy; it never makes a venv or calls pip). Rows, each PASS, FAIL, SKIP, WARN or UNVERIFIED:
+every N: the GPU path imports (other modules too; a missing optional dependency, e.g.
+paramiko, tensorboard or tokenizers, is a SKIP naming it); int8.cu compiles to PTX with nvcc
+under cupy's own flags (-ftz=true) and holds no flushing arithmetic; dist_runner.py has the GPU
+flags. N >= 1 adds: torch and cupy see the GPUs; the kernel's bytes against the CPU codec,
+compiled through cupy (denormals included); its bandwidth as a share of the device's measured
+copy bandwidth (CUDA events around the launches alone; WARN, not FAIL, below 70%); the NCCL
+stream ordering on one GPU (torch.cuda._sleep before an all-gather on a one-rank
+communicator); every `-m gpu` test; GPU against CPU losses for a 2-stage pipeline, DiLoCo int8
+with --overlap and fragments, --pipeline-compression int8, bf16/fp16, --compile and a resume on
+CUDA. NCCL across ranks (all-reduce, pipeline) needs 2 GPUs: with one it is UNVERIFIED, never
+PASS. On a GPU host, a GPU row that cannot run is a FAIL naming why, and any SKIP other than a
+missing optional dependency fails the verdict.
+OUT/results.json ({"rows": [{"name", "status", "detail", "seconds"}], "verdict"}) and
+OUT/logs.tar are rewritten after every row, so a run that is cut off still leaves what it
+measured; OUT/summary.md at the end. Exit 1 when the verdict is FAILED.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,13 +47,26 @@ if not __package__:
 from formats.errors import run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
+from modules.comm.errors import first_line  # noqa: E402
 from modules.data.dataset import DEFAULT_CORPUS  # noqa: E402
 from modules.device.mfu import check_peak_tflops, flops_per_token, mfu  # noqa: E402
 from modules.train.metrics import read_metrics, replica_metrics_path  # noqa: E402
 
 PACKAGES = ("formats", "scheduler", "modules", "testkit", "scripts", "udp_hole_punching_test")
-GPU_FLAGS = ("--device", "--cuda-device", "--comm", "--precision", "--compile", "--peak-tflops")
-MODEL = "gpt-small"
+GPU_PATH = ("modules.comm.nccl", "modules.comm.watchdog", "modules.quant.cuda",
+            "modules.quant.codec", "modules.quant.rows", "modules.quant.kernel_model",
+            "modules.pipeline.stage", "modules.sync.overlap", "modules.train.trainer",
+            "scripts.gpu_rows", "dist_runner")
+"""What a GPU run needs: these must import (the rest may lack an optional dependency)."""
+OPTIONAL = {"paramiko": "SSH launchers (scripts/cluster_ssh.py)",
+            "tensorboard": "--tracker tensorboard", "tokenizers": "--tokenizer, BPE training",
+            "wandb": "--tracker wandb", "netfilterqueue": "the NAT emulator"}
+"""Optional dependencies: missing -> a SKIP row naming it, never a failure."""
+GPU_FLAGS = ("--device", "--cuda-device", "--comm", "--precision", "--compile", "--peak-tflops",
+             "--pipeline-compression", "--overlap", "--fragments", "--resume")
+CUPY_FLAGS = ("-ftz=true",)
+"""What cupy.RawModule adds to our options (cupy/cuda/compiler.py): the PTX is checked under it."""
+MODEL = "gpt-tiny"
 SAME_LOSS_REL = 5e-3
 """Per-step relative loss difference allowed between devices (or eager vs compiled) in fp32:
 both compute the same arithmetic in another order (~1e-7 per op, 1.1e-7 after 5 steps for
@@ -53,35 +74,49 @@ compiled vs eager on CPU); wrong data or a missing gradient sum moves the loss b
 more. Not measured on a GPU yet: the table prints the measured difference."""
 BF16_FINAL_REL = 0.03
 """bf16's final loss against fp32's (the CPU test's bar)."""
+STATUSES = ("PASS", "FAIL", "SKIP", "WARN", "UNVERIFIED")
 
 
 @dataclass
 class Row:
     """One line of the summary table."""
 
-    check: str
+    name: str
     status: str
-    """PASS, FAIL, SKIP or WARN (only FAIL fails the check)."""
-    seconds: float
+    """PASS, FAIL, SKIP, WARN or UNVERIFIED (see `verdict`)."""
     detail: str
+    seconds: float = 0.0
+    expected: bool = False
+    """A SKIP that is expected on a GPU host (a missing optional dependency)."""
 
 
 class Checker:
-    """Runs commands from the repo root with a log per step, and collects the table's rows."""
+    """Runs commands from the repo root with a log per step, collects the rows and rewrites
+    OUT/results.json and OUT/logs.tar after each one."""
 
-    def __init__(self, out_dir: Path, python: str, timeout_s: float) -> None:
-        self.out, self.python, self.timeout_s = out_dir, python, timeout_s
+    def __init__(self, out_dir: Path, python: str, timeout_s: float, gpus: int = 0,
+                 budget_s: float = 500.0) -> None:
+        self.out, self.python, self.timeout_s, self.gpus = out_dir, python, timeout_s, gpus
         self.rows: list[Row] = []
-        out_dir.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + budget_s
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def add(self, check: str, status: str, t0: float, detail: str) -> None:
-        """Record a row and print it at once (long runs show progress)."""
-        self.rows.append(Row(check, status, round(time.monotonic() - t0, 1), detail))
-        print(f"gpu_check: {status} {check}: {detail}", flush=True)
+    def add(self, name: str, status: str, t0: float, detail: str,
+            expected: bool = False) -> None:
+        """Record a row, print it at once and write the results so far."""
+        assert status in STATUSES, status
+        self.rows.append(Row(name, status, detail, round(time.monotonic() - t0, 1), expected))
+        print(f"gpu_check: {status} {name}: {detail}", flush=True)
+        self.save()
+
+    def left_s(self) -> float:
+        """Seconds left of the run's time budget."""
+        return self.deadline - time.monotonic()
 
     def run(self, name: str, cmd: list[str], timeout_s: float | None = None) -> tuple[int, str]:
-        """(exit status, output) of `cmd`, logged to OUT/name.log; 124 when it timed out."""
-        limit = timeout_s or self.timeout_s
+        """(exit status, output) of `cmd`, logged to OUT/logs/name.log; 124 when it timed out
+        (its own limit, or what is left of the budget)."""
+        limit = max(1.0, min(timeout_s or self.timeout_s, self.left_s()))
         try:
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
             code, out = r.returncode, r.stdout + r.stderr
@@ -90,12 +125,29 @@ class Checker:
             out = f"{_text(e.stdout)}{_text(e.stderr)}\ngpu_check: timed out after {limit:g} s"
         except OSError as e:
             code, out = 127, f"gpu_check: cannot run {cmd[0]}: {e}"
-        (self.out / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{out}")
+        (self.out / "logs" / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{out}")
         return code, out
+
+    def verdict(self) -> str:
+        """FAILED on a FAIL, or on a GPU host on a SKIP that is not expected; else passed."""
+        unexpected = self.gpus > 0 and any(r.status == "SKIP" and not r.expected
+                                           for r in self.rows)
+        return "FAILED" if self.failed() or unexpected else "passed"
 
     def failed(self) -> bool:
         """Whether any row is a FAIL."""
         return any(r.status == "FAIL" for r in self.rows)
+
+    def save(self) -> None:
+        """results.json and logs.tar as they stand (temp file + rename each)."""
+        data = {"gpus": self.gpus, "python": self.python, "verdict": self.verdict(),
+                "rows": [asdict(r) for r in self.rows]}
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.out / "results.json")
+        with tarfile.open(self.out / "logs.tar.tmp", "w") as tar:
+            tar.add(self.out / "logs", arcname="logs")
+        (self.out / "logs.tar.tmp").replace(self.out / "logs.tar")
 
 
 def _text(b: bytes | str | None) -> str:
@@ -120,55 +172,76 @@ def module_names() -> list[str]:
     return names + ["dist_runner"]
 
 
-def check_imports(c: Checker) -> None:
-    """Import every module and benchmark script (module-level code only)."""
-    t0, bad = time.monotonic(), []
-    names = module_names()
+def _import_all(names: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(broken modules with their error, {missing dependency: modules that need it})."""
+    broken, missing = [], {}
     for name in names:
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            top = (e.name or "?").split(".")[0]
+            if top in PACKAGES or top == "dist_runner":
+                broken.append(f"{name}: {e}")
+            else:
+                missing.setdefault(top, []).append(name)
         except Exception as e:  # report every broken module, not just the first
-            bad.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
-    benches = sorted((ROOT / "benchmarks").glob("*.py"))
-    for f in benches:
-        name = f"_gpu_check_bench_{f.stem}"
-        spec = importlib.util.spec_from_file_location(name, f)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up there
-        try:
-            spec.loader.exec_module(mod)
-        except Exception as e:
-            bad.append(f"benchmarks/{f.name}: {type(e).__name__}: {str(e)[:120]}")
-    total = len(names) + len(benches)
-    c.add("imports", "FAIL" if bad else "PASS", t0,
-          "; ".join(bad) if bad else f"{total} modules and benchmark scripts import")
+            broken.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    return broken, missing
+
+
+def check_imports(c: Checker) -> None:
+    """The GPU path must import; every other module too, unless a dependency is missing (a
+    SKIP row naming it: optional for a GPU run)."""
+    t0 = time.monotonic()
+    names = module_names()
+    broken, missing = _import_all(list(GPU_PATH) + [n for n in names if n not in GPU_PATH])
+    gpu_missing = {dep: mods for dep, mods in missing.items() if set(mods) & set(GPU_PATH)}
+    if broken or gpu_missing:
+        c.add("imports", "FAIL", t0, "; ".join(broken + [f"{', '.join(m)} need {d} (not "
+                                                         f"installed)" for d, m in
+                                                         gpu_missing.items()]))
+    else:
+        c.add("imports", "PASS", t0, f"the GPU path ({len(GPU_PATH)} modules) and "
+              f"{len(names) - sum(map(len, missing.values()))} of {len(names)} modules import")
+    for dep in sorted(set(OPTIONAL) | set(missing)):
+        if dep in gpu_missing:
+            continue
+        if dep in missing or importlib.util.find_spec(dep) is None:
+            mods = missing.get(dep, [])
+            c.add(f"optional: {dep}", "SKIP", time.monotonic(), f"{dep} is not installed ("
+                  f"{OPTIONAL.get(dep, 'not needed by the GPU path')}); not imported: "
+                  f"{', '.join(mods) or 'none'}", expected=True)
 
 
 def check_nvcc(c: Checker, nvcc: str) -> None:
-    """Compile modules/quant/int8.cu to PTX for sm_80 and sm_90 and find both kernels."""
-    t0 = time.monotonic()
+    """Compile modules/quant/int8.cu to PTX for sm_80 and sm_90 with cupy's flags; both
+    kernels present and no flushing (.ftz) arithmetic."""
+    from modules.quant.cuda import COMPILE_OPTIONS, KERNEL_SOURCE
+
+    t0, name = time.monotonic(), "kernel PTX under cupy's flags (nvcc)"
     exe = shutil.which(nvcc)
     if exe is None:
-        c.add("kernel compiles (nvcc)", "SKIP", t0, f"{nvcc!r} not found: the CUDA toolkit is "
-              "not installed, the kernel was not compiled here (on a GPU host cupy compiles it "
-              "with NVRTC at run time)")
+        c.add(name, "SKIP", t0, f"{nvcc!r} not found: the CUDA toolkit is not installed, the "
+              "kernel was not compiled here (on a GPU host cupy compiles it with NVRTC at run "
+              "time, checked by the kernel row)", expected=True)
         return
-    kernel = ROOT / "modules" / "quant" / "int8.cu"
     for arch in ("sm_80", "sm_90"):
         ptx = c.out / f"int8_{arch}.ptx"
-        code, out = c.run(f"nvcc_{arch}", [exe, "-ptx", f"-arch={arch}", "-o", str(ptx),
-                                           str(kernel)], 300)
+        code, out = c.run(f"nvcc_{arch}", [exe, "-ptx", *COMPILE_OPTIONS, *CUPY_FLAGS,
+                                           f"-arch={arch}", "-o", str(ptx),
+                                           str(KERNEL_SOURCE)], 300)
         text = ptx.read_text() if code == 0 and ptx.exists() else ""
         missing = [k for k in ("quantize_blocks", "dequantize_blocks")
                    if f".entry {k}" not in text]
-        if code != 0 or missing:
-            c.add("kernel compiles (nvcc)", "FAIL", t0, f"{arch}: exit {code}, missing "
-                  f"kernels {missing}: {_tail(out)}")
+        flushing = [ln.strip() for ln in text.splitlines() if ".ftz" in ln]
+        if code != 0 or missing or flushing:
+            c.add(name, "FAIL", t0, f"{arch}: exit {code}, missing kernels {missing}, "
+                  f"{len(flushing)} .ftz instructions {flushing[:2]}: {_tail(out)}")
             return
     found = re.search(r"release [\d.]+", c.run("nvcc_version", [exe, "--version"], 60)[1])
     version = f"nvcc {found.group(0)}" if found else "nvcc version unknown"
-    c.add("kernel compiles (nvcc)", "PASS", t0, f"int8.cu -> PTX for sm_80 and sm_90, both "
-          f"kernels present ({version})")
+    c.add(name, "PASS", t0, f"int8.cu -> PTX for sm_80 and sm_90 with {' '.join(CUPY_FLAGS)}: "
+          f"both kernels, no .ftz instruction ({version})")
 
 
 def check_runtime_flags(c: Checker, strict: bool) -> bool:
@@ -186,110 +259,70 @@ def check_runtime_flags(c: Checker, strict: bool) -> bool:
 
 
 # -- GPU checks --------------------------------------------------------------------------------
-def check_torch_sees(c: Checker, gpus: int) -> bool:
-    """torch sees the GPUs nvidia-smi listed, and cupy imports (the gpu extra)."""
-    import torch
-
-    t0 = time.monotonic()
-    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def gpu_blocker(gpus: int) -> str:
+    """Why the GPU rows cannot run in this interpreter ('' when they can)."""
     try:
-        import cupy
-        cupy_version = cupy.__version__
+        import torch
     except ImportError as e:
-        cupy_version = f"missing ({e})"
-    ok = seen >= gpus and not cupy_version.startswith("missing")
-    names = ", ".join(torch.cuda.get_device_name(i) for i in range(seen)) or "none"
-    c.add("torch + cupy see the GPUs", "PASS" if ok else "FAIL", t0,
-          f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees {seen} of {gpus}: "
-          f"{names}; cupy {cupy_version}")
-    return seen >= 1
-
-
-def check_gpu_tests(c: Checker) -> None:
-    """Every test marked gpu (pytest exit 0, at least one test run)."""
-    t0 = time.monotonic()
-    code, out = c.run("pytest_gpu", [c.python, "-m", "pytest", "-m", "gpu", "-q", "-rs",
-                                     "-p", "no:cacheprovider", "tests"], 420)
-    summary = next((ln for ln in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed|"
-                                                                        r"error)", ln)), "")
-    ok = code == 0 and "passed" in summary
-    c.add("pytest -m gpu", "PASS" if ok else "FAIL", t0,
-          summary.strip("= ") or f"exit {code}: {_tail(out)}")
-
-
-def check_kernel_bandwidth(c: Checker) -> None:
-    """benchmarks/kernel_bandwidth.py: both int8 kernels >= 70% of the memory's peak."""
-    t0 = time.monotonic()
-    result = c.out / "kernel_bandwidth.json"
-    code, out = c.run("kernel_bandwidth", [c.python, "benchmarks/kernel_bandwidth.py", "--json",
-                                           str(result)], 300)
-    if not result.exists():
-        c.add("int8 kernels GB/s >= 70% of peak", "FAIL", t0, f"exit {code}: {_tail(out)}")
-        return
-    res = json.loads(result.read_text())
-    rates = ", ".join(f"{r['kernel'].split(' ')[0]} {r['gbps']:.0f} GB/s"
-                      + (f" ({r['percent_of_peak']:.0f}%)" if r["percent_of_peak"] else "")
-                      for r in res["rows"])
-    peak = f"{res['peak_gbps']:.0f} GB/s" if res["peak_gbps"] else "unknown"
-    c.add("int8 kernels GB/s >= 70% of peak", "PASS" if res["met"] else "FAIL", t0,
-          f"{rates}; peak {peak}")
-
-
-def row_codec_mismatch(device: str, shape: tuple[int, ...] = (2, 1024, 2048)) -> str:
-    """Empty when the pipeline's per-row int8 (modules.quant.rows) on `device` writes the same
-    message as on the CPU and decodes it to the same values, non-finite rows (-> NaN) included;
-    else what differs."""
-    import torch
-
-    from modules.quant.rows import decode_rows, encode_rows
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 10
-    x[0, shape[1] // 2, 3 % shape[-1]], x[-1, -1, 0] = float("inf"), float("nan")
-    want, got = encode_rows(x), encode_rows(x.to(device))
-    if got.device.type != torch.device(device).type:
-        return f"the message was made on {got.device}, not {device}"
-    if not torch.equal(want, got.cpu()):
-        diff = int((want != got.cpu()).sum())
-        return f"{diff} of {want.numel()} message bytes differ from the CPU path"
-    a, b = decode_rows(want, shape), decode_rows(got, shape).cpu()
-    if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())):
-        return "decoded values differ from the CPU path"
-    bad = ~torch.isfinite(x).all(-1)
-    if not (a[bad].isnan().all() and a[~bad].isfinite().all()):
-        return "the rows holding inf/NaN did not (only) decode to NaN"
+        return f"torch does not import ({e})"
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen == 0:
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device "
+                f"though nvidia-smi lists {gpus}")
+    if importlib.util.find_spec("cupy") is None:
+        return "needs cupy (cupy-cuda12x/13x) in this interpreter: pass --python with one"
     return ""
 
 
-def check_row_codec(c: Checker) -> None:
-    """The pipeline's per-row int8 on the GPU (int8.cu, one warp per token row) against the CPU
-    path: the same message bytes, and how long encoding a llama-1b activation takes."""
+def check_torch_sees(c: Checker, gpus: int) -> str:
+    """torch sees the GPUs nvidia-smi listed and cupy imports; returns the blocker ('' if none)."""
+    t0 = time.monotonic()
+    why = gpu_blocker(gpus)
+    if why:
+        c.add("torch + cupy see the GPUs", "FAIL", t0, f"{why} ({c.python})")
+        return why
+    import cupy
     import torch
 
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    c.add("torch + cupy see the GPUs", "PASS", t0, f"torch {torch.__version__} (CUDA "
+          f"{torch.version.cuda}) sees {torch.cuda.device_count()} of {gpus}: {names}; cupy "
+          f"{cupy.__version__} ({c.python})")
+    return ""
+
+
+MULTI_GPU_SKIP = re.compile(r"2\+ CUDA devices|2 GPUs")
+"""A -m gpu test's skip reason that is expected on a one-GPU host."""
+
+
+def check_gpu_tests(c: Checker) -> None:
+    """Every test marked gpu: exit 0, at least one test run; a skip other than a multi-GPU
+    test's on one GPU is a SKIP row (which fails the verdict on a GPU host)."""
     t0 = time.monotonic()
-    name = "pipeline int8 rows: CUDA = CPU"
+    code, out = c.run("pytest_gpu", [c.python, "-m", "pytest", "-m", "gpu", "-q", "-rs",
+                                     "-p", "no:cacheprovider", "tests"], 180)
+    summary = next((ln for ln in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed|"
+                                                                        r"error)", ln)), "")
+    skips = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
+    unexpected = [ln for ln in skips if not MULTI_GPU_SKIP.search(ln)]
+    if code != 0 or "passed" not in summary:
+        c.add("pytest -m gpu", "FAIL", t0, summary.strip("= ") or f"exit {code}: {_tail(out)}")
+    elif unexpected:
+        c.add("pytest -m gpu", "SKIP", t0, f"{summary.strip('= ')}; unexpected: "
+              + "; ".join(ln[:160] for ln in unexpected[:3]))
+    else:
+        note = f" ({len(skips)} skip line(s) of multi-GPU tests: UNVERIFIED)" if skips else ""
+        c.add("pytest -m gpu", "PASS", t0, summary.strip("= ") + note)
+
+
+def in_process_row(c: Checker, name: str, fn: Callable[[], tuple[str, str]]) -> None:
+    """A row computed in this process (scripts/gpu_rows.py); an exception is its FAIL."""
+    t0 = time.monotonic()
     try:
-        import cupy  # noqa: F401 - without it the CUDA tensors would take the torch path
-
-        why = row_codec_mismatch("cuda")
-        if why:
-            c.add(name, "FAIL", t0, why)
-            return
-        from modules.quant.rows import encode_rows
-
-        x = torch.randn(1, 2048, 2048, device="cuda")  # llama-1b: micro-batch 1, seq x d_model
-        encode_rows(x)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            encode_rows(x)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) / 20 * 1e3
-    except Exception as e:  # a missing cupy or a kernel that fails to build is a FAIL row
-        c.add(name, "FAIL", t0, f"{type(e).__name__}: {str(e)[:200]}")
-        return
-    c.add(name, "PASS", t0, f"same message bytes, inf/NaN rows -> NaN; encoding a "
-          f"(1, 2048, 2048) activation takes {ms:.3f} ms")
+        status, detail = fn()
+    except Exception as e:
+        status, detail = "FAIL", f"{type(e).__name__}: {first_line(e)[:240]}"
+    c.add(name, status, t0, detail)
 
 
 @dataclass
@@ -401,25 +434,31 @@ def final_loss_row(c: Checker, check: str, t0: float, got: Run | str, want: Run 
 
 
 def check_one_gpu_runs(c: Checker, t: Trainer) -> Run | str:
-    """gloo with both ranks on GPU 0 (pipeline, DiLoCo int8) against CPU; the CPU pipeline
-    run is returned for the NCCL pipeline to compare with."""
-    pp = t.plan("pp", [(0, 3), (3, 6)], [[0, 1]], 4, 2, SyncConfig())
+    """gloo with both ranks on GPU 0 against the same plan on CPU: a 2-stage pipeline (fp32
+    and int8 messages) and DiLoCo int8 with --overlap and 2 fragments. Returns the CPU
+    pipeline run (the NCCL pipeline's reference)."""
+    pp = t.plan("pp", [(0, 2), (2, 4)], [[0, 1]], 4, 2, SyncConfig())
     t0 = time.monotonic()
     pp_cpu = t.train("pp_cpu", pp, CPU)
     compare(c, "2-stage pipeline, 2 ranks on GPU 0, gloo, vs CPU", t0,
             t.train("pp_gpu_gloo", pp, GPU0 + ["--comm", "gloo"]), pp_cpu, SAME_LOSS_REL)
-    diloco = t.plan("diloco", [(0, 6)], [[0], [1]], 4, 2,
+    t0, int8 = time.monotonic(), ["--pipeline-compression", "int8"]
+    compare(c, "--pipeline-compression int8, 2 ranks on GPU 0, vs CPU", t0,
+            t.train("pp_int8_gpu", pp, GPU0 + ["--comm", "gloo"] + int8),
+            t.train("pp_int8_cpu", pp, CPU + int8), SAME_LOSS_REL)
+    diloco = t.plan("diloco", [(0, 4)], [[0], [1]], 4, 2,
                     SyncConfig("diloco", inner_steps=5, compression="int8"))
-    t0 = time.monotonic()
-    compare(c, "1x2 DiLoCo H=5 int8, 2 ranks on GPU 0, vs CPU", t0,
-            t.train("diloco_gpu", diloco, GPU0 + ["--comm", "gloo"]),
-            t.train("diloco_cpu", diloco, CPU), SAME_LOSS_REL)
+    flags, t0 = ["--overlap", "on", "--fragments", "2"], time.monotonic()
+    compare(c, "1x2 DiLoCo H=5 int8 --overlap --fragments 2, GPU 0 vs CPU", t0,
+            t.train("diloco_gpu", diloco, GPU0 + ["--comm", "gloo"] + flags),
+            t.train("diloco_cpu", diloco, CPU + flags), SAME_LOSS_REL)
     return pp_cpu
 
 
-def check_precision_and_compile(c: Checker, t: Trainer) -> None:
-    """bf16 and fp16 against fp32 (final loss), --compile against eager (every step)."""
-    single = t.plan("single", [(0, 6)], [[0]], 8, 1, SyncConfig())
+def check_precision_and_compile(c: Checker, t: Trainer) -> Run | str:
+    """bf16 and fp16 against fp32 (final loss), --compile against eager (every step); returns
+    the fp32 run."""
+    single = t.plan("single", [(0, 4)], [[0]], 8, 1, SyncConfig())
     t0 = time.monotonic()
     fp32 = t.train("single_fp32", single, GPU0 + ["--precision", "fp32"])
     for name in ("bf16", "fp16"):
@@ -427,20 +466,40 @@ def check_precision_and_compile(c: Checker, t: Trainer) -> None:
         final_loss_row(c, f"{name} vs fp32 on GPU 0", t0, run, fp32)
         c.rows[-1].detail += f"; {speed(run, t)} vs {speed(fp32, t)}"
         t0 = time.monotonic()
-    compiled = t.train("single_compile", single, GPU0 + ["--compile"], timeout_s=420)
+    compiled = t.train("single_compile", single, GPU0 + ["--compile"], timeout_s=240)
     compare(c, "--compile vs eager on GPU 0", t0, compiled, fp32, SAME_LOSS_REL)
     c.rows[-1].detail += f"; {speed(compiled, t)} vs {speed(fp32, t)}"
+    return fp32
+
+
+def check_resume(c: Checker, t: Trainer, whole: Run | str) -> None:
+    """Train half the steps with a checkpoint on CUDA, resume to the end: the resumed steps'
+    losses against the uninterrupted run's same steps."""
+    t0, half = time.monotonic(), t.steps // 2
+    ckpt = c.out / "resume_ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    single = c.out / "single.json"
+    flags = GPU0 + ["--precision", "fp32", "--ckpt-dir", str(ckpt)]
+    first = t.train("resume_first", single, flags + ["--steps", str(half)])
+    second = t.train("resume_second", single, flags + ["--resume"]) \
+        if not isinstance(first, str) else first
+    if isinstance(whole, Run) and isinstance(second, Run):
+        whole = Run({r: v[half:] for r, v in whole.losses.items()}, whole.tokens_per_s)
+    compare(c, f"resume on CUDA at step {half} vs an uninterrupted run", t0, second, whole,
+            SAME_LOSS_REL)
 
 
 def check_nccl_runs(c: Checker, t: Trainer, gpus: int, pp_cpu: Run | str) -> None:
-    """With 2+ GPUs: the NCCL all-reduce (1x2) and the 2-stage NCCL pipeline against CPU."""
+    """With 2+ GPUs: the NCCL all-reduce (1x2) and the 2-stage NCCL pipeline against CPU; with
+    one GPU they are UNVERIFIED (NCCL refuses two ranks on one device)."""
     names = ("NCCL all-reduce, 1x2, one GPU each, vs CPU",
              "2-stage NCCL pipeline, one GPU each, vs CPU")
     if gpus < 2:
         for name in names:
-            c.add(name, "SKIP", time.monotonic(), f"needs 2 GPUs ({gpus} visible)")
+            c.add(name, "UNVERIFIED", time.monotonic(), f"needs 2 GPUs ({gpus} visible): NCCL "
+                  "across ranks has not run here")
         return
-    dp = t.plan("dp", [(0, 6)], [[0], [1]], 4, 2, SyncConfig())
+    dp = t.plan("dp", [(0, 4)], [[0], [1]], 4, 2, SyncConfig())
     t0 = time.monotonic()
     compare(c, names[0], t0, t.train("dp_nccl", dp, NCCL, torchrun=2),
             t.train("dp_cpu", dp, CPU), SAME_LOSS_REL)
@@ -449,42 +508,57 @@ def check_nccl_runs(c: Checker, t: Trainer, gpus: int, pp_cpu: Run | str) -> Non
             pp_cpu, SAME_LOSS_REL)
 
 
+GPU_ROWS = ("kernel bytes = CPU codec (through cupy, denormals)",
+            "kernel bandwidth vs device copy", "NCCL stream ordering on one GPU",
+            "pytest -m gpu", "training runs on the GPU vs CPU",
+            "NCCL all-reduce, 1x2, one GPU each, vs CPU",
+            "2-stage NCCL pipeline, one GPU each, vs CPU")
+
+
 def gpu_checks(c: Checker, args: argparse.Namespace, flags_ok: bool) -> None:
-    """Everything that needs a GPU, in order; runs are skipped when the runtime lacks flags."""
-    if not check_torch_sees(c, args.gpus):
-        c.add("GPU checks", "SKIP", time.monotonic(), "torch sees no CUDA device")
+    """Everything that needs a GPU, in order; each row that cannot run FAILs by name."""
+    why = check_torch_sees(c, args.gpus)
+    if why:
+        for name in GPU_ROWS:
+            c.add(name, "FAIL", time.monotonic(), f"not run: {why}")
         return
+    from scripts import gpu_rows
+
+    in_process_row(c, GPU_ROWS[0], gpu_rows.kernel_identity)
+    in_process_row(c, GPU_ROWS[1], gpu_rows.kernel_bandwidth)
+    in_process_row(c, GPU_ROWS[2], gpu_rows.stream_ordering)
     check_gpu_tests(c)
-    check_kernel_bandwidth(c)
-    check_row_codec(c)
     if not flags_ok:
-        c.add("training runs", "SKIP", time.monotonic(), "dist_runner.py lacks the GPU flags")
+        c.add(GPU_ROWS[4], "FAIL", time.monotonic(), "dist_runner.py lacks the GPU flags")
         return
     t = Trainer(c, args.steps, args.peak_tflops)
     pp_cpu = check_one_gpu_runs(c, t)
-    check_precision_and_compile(c, t)
+    check_resume(c, t, check_precision_and_compile(c, t))
     check_nccl_runs(c, t, args.gpus, pp_cpu)
 
 
 def summary(c: Checker, gpus: int, wall_s: float) -> str:
     """The markdown table of every row, with the verdict and the wall time."""
     lines = ["| check | result | s | detail |", "|---|---|---|---|"]
-    lines += [f"| {r.check} | {r.status} | {r.seconds:.1f} | {r.detail} |" for r in c.rows]
-    verdict = "FAILED" if c.failed() else "passed"
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.detail} |" for r in c.rows]
     where = f"{gpus} GPU(s)" if gpus else "no GPU (imports and kernel compilation only)"
-    lines.append(f"\ngpu_check {verdict} on {where} in {wall_s:.0f} s")
+    counts = ", ".join(f"{sum(r.status == s for r in c.rows)} {s}" for s in STATUSES)
+    lines.append(f"\ngpu_check {c.verdict()} on {where} in {wall_s:.0f} s ({counts})")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags (see the module docstring)."""
     p = argparse.ArgumentParser(description="GPU check: imports, kernel compilation and, on a "
-                                "GPU host, GPU tests, kernel GB/s and GPU training runs.")
+                                "GPU host, the kernel, stream ordering, GPU tests and GPU "
+                                "training runs against CPU; one verdict.")
     p.add_argument("--gpus", type=int, required=True,
                    help="GPUs nvidia-smi lists (0: the no-GPU checks only)")
-    p.add_argument("--out-dir", default=str(ROOT / "out" / "gpu_check"),
-                   help="logs, plans, metrics, summary.md and results.json")
-    p.add_argument("--steps", type=int, default=20, help="steps of each training run")
+    p.add_argument("--out", "--out-dir", dest="out", default=str(ROOT / "out" / "gpu_check"),
+                   help="results.json, logs.tar, summary.md, plans and metrics")
+    p.add_argument("--steps", type=int, default=10, help="steps of each training run")
+    p.add_argument("--budget-s", type=float, default=500.0,
+                   help="the whole run's time limit: commands are cut at what is left")
     p.add_argument("--peak-tflops", type=float,
                    help="the GPU's peak TFLOP/s, passed to the GPU runs and used for the MFU "
                    "in the table (one value for every run: fp32 and bf16 peaks differ)")
@@ -495,10 +569,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the checks for --gpus, print and write the summary; 1 if any check failed."""
+    """Run the checks for --gpus, print and write the summary; 1 if the verdict is FAILED."""
     args = parse_args(argv)
     start = time.monotonic()
-    c = Checker(Path(args.out_dir), sys.executable, 300)
+    c = Checker(Path(args.out), sys.executable, 300, args.gpus, args.budget_s)
     check_imports(c)
     check_nvcc(c, args.nvcc)
     flags_ok = check_runtime_flags(c, strict=args.gpus > 0)
@@ -507,10 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(c, args.gpus, time.monotonic() - start)
     print(f"\n{text}")
     (c.out / "summary.md").write_text(text + "\n")
-    (c.out / "results.json").write_text(json.dumps(
-        {"gpus": args.gpus, "failed": c.failed(), "rows": [asdict(r) for r in c.rows]},
-        indent=1))
-    return 1 if c.failed() else 0
+    c.save()
+    return 1 if c.verdict() == "FAILED" else 0
 
 
 def entry() -> None:

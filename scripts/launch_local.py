@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,11 +43,12 @@ from formats import argtypes, checks  # noqa: E402
 from formats.addresses import resolve  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.jsonfile import load_json  # noqa: E402
-from formats.plan import Plan, load_plan  # noqa: E402
+from formats.plan import Entry, Plan, as_group, load_plan  # noqa: E402
+from formats.run_metrics import STATUS_ENV, format_status, parse_status  # noqa: E402
 from modules.cli_config import from_args, runner_parser  # noqa: E402
 from modules.config import MAX_CUDA_DEVICE, MAX_THREADS, RunConfig  # noqa: E402
+from modules.control.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret  # noqa: E402
 
-PROGRESS = re.compile(r"step (\d+)/(\d+) loss ([\d.naif]+) tok/s (\d+)")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread dies."""
@@ -209,16 +210,18 @@ def start_rank(rank: int, cmd: list[str], env: dict[str, str]) -> subprocess.Pop
 
 def stream(rank: int, proc: subprocess.Popen, progress: dict[int, str],
            lock: threading.Lock) -> None:
-    """Copy a rank's output with a `[rank R]` prefix; remember its latest progress line."""
+    """Copy a rank's output with a `[rank R]` prefix; remember its latest status record
+    (formats.run_metrics: `STATUS {json}` lines, passed on only when $SCATTERED_STATUS asks)."""
     assert proc.stdout is not None
+    pass_status = os.environ.get(STATUS_ENV) == "1"
     for line in proc.stdout:
         line = line.rstrip("\n").removeprefix(f"rank {rank}: ")
-        m = PROGRESS.search(line)
+        rec = parse_status(line)
         with lock:
-            if m:
-                progress[rank] = (f"step {m.group(1)}/{m.group(2)} loss {m.group(3)} "
-                                  f"tok/s {m.group(4)}")
-            print(f"[rank {rank}] {line}", flush=True)
+            if rec is not None:
+                progress[rank] = format_status(rec)
+            if rec is None or pass_status:
+                print(f"[rank {rank}] {line}", flush=True)
 
 
 def start_coordinator(plan: str, host: str, port: int, env: dict[str, str], timeout_s: float,
@@ -287,9 +290,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child's own group (start_new_session), by its pid
 
 
-def keep_going_status(pipelines: list[list[int]], failed: dict[int, int]) -> int:
+def keep_going_status(pipelines: list[list[Entry]], failed: dict[int, int]) -> int:
     """0 if every rank of some replica finished, else the first failed rank's status."""
-    finished = [r for r, chain in enumerate(pipelines) if not set(chain) & set(failed)]
+    finished = [r for r, chain in enumerate(pipelines)
+                if not {d for entry in chain for d in as_group(entry)} & set(failed)]
     print(f"launch: ranks {sorted(failed)} failed; replicas {finished} finished", flush=True)
     if finished:
         return 0
@@ -310,71 +314,93 @@ def main(argv: list[str] | None = None) -> int:
     url = f"tcp://{args.host}:{port}"
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // len(ranks))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env[STATUS_ENV] = "1"  # ranks print status records; stream() reads them
+    if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):  # one secret per launch,
+        env[SECRET_ENV] = new_secret()  # through the environment only (docs/security.md)
     if args.gloo_ifname:
         env["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "
           f"{plan.num_stages} stages), rendezvous {url}"
           f"{' (coordinator process)' if args.coordinator else ''}, {threads} thread(s) per "
           "rank", flush=True)
-    procs: dict[int, subprocess.Popen] = {}
-    coord: tuple[subprocess.Popen, threading.Thread] | None = None
-    done: queue.Queue = queue.Queue()
-    progress: dict[int, str] = {}
-    lock = threading.Lock()
+    run = Ranks(threading.Lock())
     t0 = time.monotonic()
     status = 0
-    failed: dict[int, int] = {}
     try:
         install_stop_handlers()
         if args.coordinator:
-            coord = start_coordinator(args.plan, args.host, port, env,
-                                      args.coordinator_timeout_s, lock)
+            run.coord = start_coordinator(args.plan, args.host, port, env,
+                                          args.coordinator_timeout_s, run.lock)
         for i, r in enumerate(ranks):
             gpu = ["--cuda-device", str(i % args.gpus)] if args.gpus else []
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
                    "--world-size", str(len(ranks)),
                    "--coordinator" if args.coordinator else "--dist-url", url,
                    "--threads", str(threads), *gpu, *rest]
-            if r in netns:
-                cmd = ["ip", "netns", "exec", netns[r], *cmd]
-            procs[r] = start_rank(r, cmd, env)
-            print(f"launch: rank {r} pid {procs[r].pid}" + (f" in netns {netns[r]}"
-                                                            if r in netns else ""), flush=True)
-            out = threading.Thread(target=stream, args=(r, procs[r], progress, lock),
-                                   daemon=True)
-            out.start()
-            threading.Thread(target=lambda r=r, out=out: (procs[r].wait(), out.join(),
-                                                          done.put(r)), daemon=True).start()
-        for _ in ranks:
-            r = done.get()
-            rc = procs[r].returncode
-            if rc != 0 and args.keep_going:
-                print(f"launch: rank {r} exited with status {rc}; the others go on "
-                      "(--keep-going)", flush=True)
-                failed[r] = rc
-            elif rc != 0:
-                print(f"launch: rank {r} exited with status {rc}; stopping the other ranks",
-                      flush=True)
-                status = rc if rc > 0 else 1
-                break
-        if failed:
-            status = keep_going_status(plan.pipelines, failed)
-        if coord is not None and status == 0:
-            finish_coordinator(*coord, args.coordinator_timeout_s)
+            run.start(r, ["ip", "netns", "exec", netns[r], *cmd] if r in netns else cmd, env,
+                      netns.get(r))
+        status = run.wait_all(len(ranks), args.keep_going, plan.pipelines)
+        if run.coord is not None and status == 0:
+            finish_coordinator(*run.coord, args.coordinator_timeout_s)
     except Stop as e:
         print(f"launch: {e}; stopping every rank", flush=True)
         status = 128 + e.signum
     finally:
         ignore_stop_signals()
-        stop_all({**procs, -1: coord[0]} if coord is not None else procs, args.grace_s)
-    wall = time.monotonic() - t0
-    for r in sorted(progress):
-        print(f"launch: rank {r} last: {progress[r]}")
-    if status == 0:
-        print(f"launch: {'all ' if not failed else ''}{len(ranks) - len(failed)} ranks finished "
-              f"in {wall:.1f} s")
+        stop_all({**run.procs, -1: run.coord[0]} if run.coord is not None else run.procs,
+                 args.grace_s)
+    run.report(status, len(ranks), time.monotonic() - t0)
     return status
 
+
+@dataclass
+class Ranks:
+    """The launched rank processes, their latest progress and how they ended."""
+
+    lock: threading.Lock
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    coord: tuple[subprocess.Popen, threading.Thread] | None = None
+    done: queue.Queue = field(default_factory=queue.Queue)
+    progress: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, int] = field(default_factory=dict)
+
+    def start(self, r: int, cmd: list[str], env: dict[str, str], netns: str | None) -> None:
+        """Start rank `r`, stream its output, and put `r` on `done` when it has exited."""
+        self.procs[r] = start_rank(r, cmd, env)
+        print(f"launch: rank {r} pid {self.procs[r].pid}" + (f" in netns {netns}"
+                                                             if netns else ""), flush=True)
+        out = threading.Thread(target=stream, args=(r, self.procs[r], self.progress, self.lock),
+                               daemon=True)
+        out.start()
+        threading.Thread(target=lambda r=r, out=out: (self.procs[r].wait(), out.join(),
+                                                      self.done.put(r)), daemon=True).start()
+
+    def wait_all(self, count: int, keep_going: bool, pipelines: list[list[int]]) -> int:
+        """Wait for the ranks in the order they exit: the exit status of the launch."""
+        status = 0
+        for _ in range(count):
+            r = self.done.get()
+            rc = self.procs[r].returncode
+            if rc != 0 and keep_going:
+                print(f"launch: rank {r} exited with status {rc}; the others go on "
+                      "(--keep-going)", flush=True)
+                self.failed[r] = rc
+            elif rc != 0:
+                print(f"launch: rank {r} exited with status {rc}; stopping the other ranks",
+                      flush=True)
+                status = rc if rc > 0 else 1
+                break
+        if self.failed:
+            status = keep_going_status(pipelines, self.failed)
+        return status
+
+    def report(self, status: int, count: int, wall: float) -> None:
+        """Each rank's last progress, and how many ranks finished."""
+        for r in sorted(self.progress):
+            print(f"launch: rank {r} last: {self.progress[r]}")
+        if status == 0:
+            print(f"launch: {'all ' if not self.failed else ''}{count - len(self.failed)} ranks "
+                  f"finished in {wall:.1f} s")
 
 
 def entry() -> None:

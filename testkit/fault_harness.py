@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modules.control.auth import new_secret
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,6 +40,8 @@ class Ranks:
     started: dict[int, float] = field(default_factory=dict)
     coordinator: subprocess.Popen | None = None
     """scripts/coordinator.py hosting the store at `url` (None: rank 0 hosts it)."""
+    secret: str = field(default_factory=new_secret)
+    """The run secret every process of the run gets (ST_RUN_SECRET)."""
 
     def start_coordinator(self, timeout: float = 60) -> None:
         """Start scripts/coordinator.py at `url` (output to out_dir/coordinator.log) and wait
@@ -45,7 +49,7 @@ class Ranks:
         host_port = self.url.removeprefix("tcp://")
         cmd = [sys.executable, str(ROOT / "scripts" / "coordinator.py"), "--listen", host_port,
                "--plan", str(self.plan)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ST_RUN_SECRET=self.secret)
         log = open(self.out_dir / "coordinator.log", "w")  # noqa: SIM115
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             cwd=ROOT, start_new_session=True)
@@ -85,7 +89,8 @@ class Ranks:
                "--rank", str(rank), store_flag, self.url, "--threads", "1", *args]
         if world_size is not None:
             cmd += ["--world-size", str(world_size)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   ST_RUN_SECRET=self.secret)
         log = open(self.out_dir / f"rank{rank}.log", "w")  # noqa: SIM115
         self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             cwd=ROOT, start_new_session=True)

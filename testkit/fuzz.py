@@ -72,7 +72,19 @@ class Sparse:
     size: int
 
 
-Content = bytes | Folder | Sparse
+@dataclass(frozen=True)
+class Fifo:
+    """A named pipe where the case expects a file (opening it to read blocks forever)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A symbolic link to `target` (e.g. /dev/zero, which never ends, or a missing path)."""
+
+    target: str
+
+
+Content = bytes | Folder | Sparse | Fifo | Link
 
 
 @dataclass(frozen=True)

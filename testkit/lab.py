@@ -19,6 +19,7 @@ from formats.cluster import Cluster, load_cluster, save_cluster
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import load_plan
+from formats.run_metrics import STATUS_ENV, STATUS_PREFIX, format_status, parse_status
 from scheduler.scenarios import make_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,10 +173,14 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) 
            "--metrics", str(metrics), "--log-every", str(max(1, steps // 5)),
            "--timeout-s", "120", *extra]
     with open(run_dir / "launch.log", "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, STATUS_ENV: "1"})  # pass status lines on
         for line in proc.stdout:
             logf.write(line)
-            if " step " in line or (line.startswith("launch:") and " pid " not in line):
+            status = parse_status(line)
+            if status is not None:
+                print(f"    {line.split(STATUS_PREFIX)[0]}{format_status(status)}", flush=True)
+            elif line.startswith("launch:") and " pid " not in line:
                 print(f"    {line.rstrip()}", flush=True)
         if proc.wait() != 0:
             raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "

@@ -8,13 +8,14 @@ import torch.distributed as dist
 
 from formats.errors import UserError
 from modules.control.agreement import agree
+from modules.control.auth import Auth, AuthStore
 
 RUN = {"--tokenizer": {"vocab_size": 256, "sha256": "bytes"}, "--pipeline-compression": "none",
        "--fragments": 2, "--overlap": True, "--overlap-alpha": 0.5}
 
 
 def test_the_first_rank_sets_and_equal_ranks_pass():
-    store = dist.HashStore()
+    store = AuthStore(dist.HashStore(), Auth(b"test-secret-0123456789"))
     agree(store, RUN, 0)
     agree(store, dict(RUN), 1)  # same values, any key order
 
@@ -27,7 +28,7 @@ def test_the_first_rank_sets_and_equal_ranks_pass():
      "vocab 1024, sha256 abababababab but the run's other ranks have vocab 256"),
 ])
 def test_a_rank_with_another_value_is_refused_naming_the_flag(flag, value, shown):
-    store = dist.HashStore()
+    store = AuthStore(dist.HashStore(), Auth(b"test-secret-0123456789"))
     agree(store, RUN, 0)
     with pytest.raises(UserError, match=f"^{flag}: rank 3 has ") as e:
         agree(store, {**RUN, flag: value}, 3)

@@ -6,6 +6,7 @@ logic is the one rank 0 runs otherwise; plans and settings are checked against t
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from formats.errors import UserError
 from formats.plan import Plan, SyncConfig, save_plan
+from modules.control.auth import Auth, AuthStore
 from modules.control.coordinator import Coordinator, CoordinatorConfig, RunSettings, check_in
 from modules.control.leader import Generation, Leader, first_generation, read_generation
 from modules.control.protocol import RUN_SETTINGS, join_key
@@ -24,24 +26,25 @@ from testkit.fault_harness import Ranks, free_port, kill_trial, write_trial_plan
 from tests.conftest import run_entry
 
 HB = 2.0  # heartbeat timeout of the trials (s)
+SECRET = b"test-secret-0123456789"
 DILOCO_3X1 = Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1], [2]], micro_batch_size=1,
                   sync=SyncConfig(mode="diloco", inner_steps=2))
 
 
 # -- the leader and the check-in, in one process --------------------------------------------------
 def test_leader_drops_lost_replicas_admits_complete_joiners_and_stops_below_min():
-    store, plan = dist.HashStore(), plan_3x2()
+    store, plan = AuthStore(dist.HashStore(), Auth(SECRET)), plan_3x2()
     g0 = first_generation(plan, (0, 1))
     leader = Leader(plan, min_replicas=2)
     assert leader.decide(store, g0, [], {}) is None  # nothing changed: nothing published
-    store.add(join_key(4), 1)  # replica 2 = ranks 4, 5: only half of it asks
+    store.put(join_key(4), "1")  # replica 2 = ranks 4, 5: only half of it asks
     assert leader.decide(store, g0, [], {}) is None
-    store.add(join_key(5), 1)
+    store.put(join_key(5), "1")
     g1 = leader.decide(store, g0, [], {})
     assert g1 == read_generation(store, 1)
     assert (g1.replicas, g1.members, g1.joined, g1.stop) == ((0, 1, 2), (0, 1, 2, 3, 4, 5),
                                                              (2,), False)
-    assert store.add(join_key(4), 0) == 0  # consumed
+    assert store.read(join_key(4)) == "0"  # consumed
     g2 = leader.decide(store, g1, [0], {0: "rank 0 (host h, replica 0, stage 0)"})
     assert (g2.gen, g2.replicas, g2.dropped, g2.stop) == (2, (1, 2), (0,), False)
     assert "dropped replica(s) 0: rank 0 (host h, replica 0, stage 0) gone" in g2.reason
@@ -56,13 +59,15 @@ def plan_3x2() -> Plan:
 
 def test_check_in_names_the_flag_that_differs_from_the_coordinator_or_the_run():
     plan = plan_3x2()
-    coord = Coordinator(CoordinatorConfig("127.0.0.1", 0, plan, "plan.json", log=lambda m: None))
+    coord = Coordinator(CoordinatorConfig("127.0.0.1", 0, plan, "plan.json", log=lambda m: None,
+                                          secret=SECRET))
     port = coord.listen()
     url = f"tcp://127.0.0.1:{port}"
-    client = dist.TCPStore("127.0.0.1", port, None, False, wait_for_workers=False)
+    client = AuthStore(dist.TCPStore("127.0.0.1", port, None, False, wait_for_workers=False),
+                       Auth(SECRET))
     first = RunSettings((0, 1, 2), 2, 5.0)
     check_in(client, plan, first, False, url, 5)  # the first rank sets the run's settings
-    assert RunSettings.from_json(client.get(RUN_SETTINGS)) == first
+    assert RunSettings.from_json(client.read(RUN_SETTINGS)) == first
     check_in(client, plan, first, False, url, 5)
     with pytest.raises(UserError, match=r"--min-replicas: this rank has 1 but the run has 2"):
         check_in(client, plan, RunSettings((0, 1, 2), 1, 5.0), False, url, 5)
@@ -79,8 +84,10 @@ def test_check_in_names_the_flag_that_differs_from_the_coordinator_or_the_run():
 
 def test_a_rank_0_store_is_no_coordinator():
     port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    with pytest.raises(RuntimeError, match="no coordinator record after 1 s"):
+    host = AuthStore(dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False),
+                     Auth(SECRET))
+    with pytest.raises(RuntimeError, match="no coordinator record signed with this run's secret "
+                       "after 1 s"):
         check_in(host, DILOCO_3X1, RunSettings((0, 1, 2), 2, 5.0), False,
                  f"tcp://127.0.0.1:{port}", 1)
 
@@ -111,7 +118,8 @@ def test_a_rank_with_another_plan_is_refused_naming_the_flag(tmp_path):
     try:
         ranks.start_coordinator()
         r = run_entry("dist_runner.py", "--plan", str(tmp_path / "other.json"), "--steps", "2",
-                      "--rank", "0", "--fake-data", "--coordinator", ranks.url, timeout=100)
+                      "--rank", "0", "--fake-data", "--coordinator", ranks.url, timeout=100,
+                      env=dict(os.environ, ST_RUN_SECRET=ranks.secret))  # the run's secret
     finally:
         ranks.stop()
     assert r.returncode == 2, r.stdout + r.stderr

@@ -118,7 +118,8 @@ def test_two_workers_with_threads_end_each_outer_step_identical():
         assert torch.equal(pa, pb)
 
 
-# The README's example, verbatim: it must run alone and under torchrun.
+# The example of docs/runtime.md, verbatim (tests/test_docs_links.py checks): it must run
+# alone and under torchrun.
 README_EXAMPLE = """\
 import os
 

@@ -5,6 +5,8 @@ from a checkpoint taken with fragments in flight ends bit-identical to an uninte
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import ElasticConfig, OuterSyncConfig, RunConfig
 from modules.data.dataset import FakeData, Sharder
-from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, sync_slots
+from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, outer_param_order, sync_slots
 from modules.sync.overlap import OuterJob
 from modules.train.checkpoint import load_checkpoint, step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
@@ -47,11 +49,7 @@ def _final_params(ck, rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def _ordered(model: StageModel, fragments: int) -> list[torch.nn.Parameter]:
     """The runtime's DiLoCo parameter order: with fragments, the tied copies first."""
-    params = list(model.parameters())
-    if fragments == 1:
-        return params
-    tied = {id(p) for p in model.tied_pair()}
-    return [p for p in params if id(p) in tied] + [p for p in params if id(p) not in tied]
+    return outer_param_order(list(model.parameters()), model.tied_pair(), fragments)
 
 
 def _nesterov(g: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -211,12 +209,23 @@ def test_overlapped_run_matches_the_serial_reference_of_the_delayed_rule(overlap
     assert all("outer_wait_s" in r and r["outer_wait_s"] >= 0 for r in recs)
     assert sum(r["dp_bytes_sent"] for r in recs) > 0
     assert sum(r["dp_bytes_sent"] for r in recs) <= sum(r["bytes_sent"] for r in recs)
+    # the rounds still in flight after the last step count in its record: the records add up
+    # to rank 0's total (before, the last sends were in the total only)
+    total = re.search(r"^\[rank 0\] done; (\d+) data-parallel bytes", proc.stdout, re.M)
+    assert total and sum(r["dp_bytes_sent"] for r in recs) == int(total[1]), proc.stdout[-2000:]
 
 
 @pytest.mark.timeout(200)
 def test_fragments_without_overlap_match_the_serial_reference(tmp_path):
     plan = _plan(False, fragments=3)
-    _launch(tmp_path, plan, "--steps", "8", "--ckpt-dir", str(tmp_path / "ck"))
+    proc = _launch(tmp_path, plan, "--steps", "8", "--ckpt-dir", str(tmp_path / "ck"))
+    # each round's log line counts its F fragment syncs, which fall on different steps
+    recs = read_metrics(replica_metrics_path(tmp_path / "m.jsonl", 0))
+    per_round = [sum(r["dp_bytes_sent"] for r in recs if (r["step"] - 1) // H == k)
+                 for k in range(2)]
+    logged = [int(n) for n in re.findall(r"^\[rank 0\] outer_step \d: (\d+) bytes sent",
+                                         proc.stdout, re.M)]
+    assert logged == per_round and per_round[0] > 0, proc.stdout[-2000:]
     want = _reference(plan, 8, 0.0)
     for r in range(2):
         got = _final_params(tmp_path / "ck", r, 8)

@@ -1,5 +1,5 @@
-"""Fuzz every entry point with malformed flags and files (testkit/fuzz.py and
-testkit/fuzz_runs.py make the cases).
+"""Fuzz every entry point with malformed flags and files (testkit/fuzz.py,
+testkit/fuzz_runs.py and testkit/fuzz_files.py make the cases).
 
 Each case must end with exit status 2, an `error:` message naming the flag or field at fault,
 no traceback, and nothing written in the folder it ran in. The cases run in this process
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from formats.errors import run_main
-from testkit.fuzz import DEFAULT_SEED, ENTRY_POINTS, Case, Folder, Sparse
-from testkit.fuzz_runs import all_cases, base_scenarios
+from testkit.fuzz import DEFAULT_SEED, ENTRY_POINTS, Case, Fifo, Folder, Link, Sparse
+from testkit.fuzz_files import all_base_scenarios, all_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = all_cases(DEFAULT_SEED)
@@ -102,6 +102,10 @@ def make_files(case: Case, folder: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, Folder):
             path.mkdir()
+        elif isinstance(content, Fifo):
+            os.mkfifo(path)
+        elif isinstance(content, Link):
+            path.symlink_to(content.target)
         elif isinstance(content, Sparse):
             with path.open("wb") as f:
                 f.truncate(content.size)
@@ -270,7 +274,7 @@ def test_the_newer_cases_break_command_lines_that_are_accepted(
     from scripts.netemu.sshd import sshd_missing
 
     refused = []
-    for i, s in enumerate(base_scenarios()):
+    for i, s in enumerate(all_base_scenarios()):
         if s.entry == "local_cluster" and (sshd_missing() or
                                            missing_root_tools(("ip", "tc", "iptables"))):
             continue  # refused for the machine; the --sshd file check comes before that one

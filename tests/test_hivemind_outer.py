@@ -17,6 +17,7 @@ pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -
 
 from formats.errors import UserError  # noqa: E402
 from modules.control.dht import SplitGuard, parse_maddrs, start_dht, visible_maddrs  # noqa: E402
+from modules.control.signals import TERM_STATUS  # noqa: E402
 from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
 from modules.sync.diloco import DiLoCoOptimizer, OuterRoundSkipped, OuterState  # noqa: E402
 from modules.sync.hivemind_exact import CodecWire, ExactAverager  # noqa: E402
@@ -248,7 +249,8 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path):
         assert run.wait_for(0, r"step 1/1000", 40), run.output(0)
         run.procs[0].send_signal(signal.SIGTERM)
         code = run.wait(20)[0]
-        assert code == 130, run.output(0)
+        assert code == TERM_STATUS, run.output(0)  # the store backend's emergency exit
+        assert "stopped by SIGTERM" in run.output(0), run.output(0)
         assert "Traceback" not in run.output(0), run.output(0)
         assert run.p2pd_left() == [], "p2pd outlived its replica"
     finally:
@@ -269,3 +271,21 @@ def test_kill_9_of_the_rank_alone_leaves_no_p2pd(tmp_path):
         assert run.p2pd_left(grace_s=5) == [], "p2pd outlived its rank"
     finally:
         run.stop()
+
+
+def test_shard_groups_and_allreduce_refused_by_name():
+    """--outer-backend hivemind on a plan it does not run exits 2 naming the flag: shard groups
+    (one averager per stage, not per shard) and sync mode allreduce."""
+    from formats.plan import plan_from_dict
+    from modules.config import HivemindConfig, RunConfig
+    from testkit.fuzz import plan_dict
+
+    hv = RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind"))
+    sharded = plan_dict("diloco")
+    sharded.update(format="plan/2", pipelines=[[[0, 1]], [[2, 3]]], num_stages=1,
+                   num_replicas=2, stages=[{"layers": [0, 4]}])
+    with pytest.raises(UserError, match="--outer-backend hivemind: not with shard groups"):
+        hv.resolve(plan_from_dict(sharded))
+    assert RunConfig(steps=4).resolve(plan_from_dict(sharded)).plan.is_sharded  # store: runs
+    with pytest.raises(UserError, match="--outer-backend hivemind: needs sync mode diloco"):
+        hv.resolve(plan_from_dict(plan_dict("allreduce")))

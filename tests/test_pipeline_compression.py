@@ -108,20 +108,20 @@ def _cuda_ready() -> bool:
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and cupy (the gpu extra)")
 @pytest.mark.parametrize("shape", [(2, 1024, 2048), (3, 7, 100), (1, 1, 8192)])
 def test_cuda_rows_match_cpu_bit_for_bit(shape):
-    """int8.cu with one warp per token row writes the CPU path's message (scripts/gpu_check.py
-    also runs this comparison and times it)."""
-    from scripts.gpu_check import row_codec_mismatch
+    """int8.cu with one warp per token row writes the CPU path's message (scripts/gpu_rows.py
+    also runs this comparison)."""
+    from scripts.gpu_rows import row_codec_mismatch
 
     assert row_codec_mismatch("cuda", shape) == ""
 
 
 def test_the_gpu_checks_comparison_passes_on_the_cpu(monkeypatch):
-    """The comparison scripts/gpu_check.py runs on a GPU, run against the CPU itself: it finds
+    """The comparison scripts/gpu_rows.py runs on a GPU, run against the CPU itself: it finds
     no difference, and it finds a corrupted message."""
     from modules.quant import rows
-    from scripts import gpu_check
+    from scripts import gpu_rows
 
-    assert gpu_check.row_codec_mismatch("cpu", (2, 9, 64)) == ""
+    assert gpu_rows.row_codec_mismatch("cpu", (2, 9, 64)) == ""
     calls = []
     real = rows.encode_rows
 
@@ -133,7 +133,7 @@ def test_the_gpu_checks_comparison_passes_on_the_cpu(monkeypatch):
         return msg
 
     monkeypatch.setattr(rows, "encode_rows", corrupt_second)
-    assert gpu_check.row_codec_mismatch("cpu", (2, 9, 64)) == \
+    assert gpu_rows.row_codec_mismatch("cpu", (2, 9, 64)) == \
         "1 of 1224 message bytes differ from the CPU path"
 
 

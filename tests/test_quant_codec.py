@@ -124,8 +124,9 @@ def test_int8_payload_is_a_quarter_of_fp32():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_cuda_kernel_compiles_to_ptx_with_ieee_division(tmp_path, arch):
     out = tmp_path / f"int8_{arch}.ptx"
-    r = subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-o", str(out), str(KERNEL_SOURCE)],
-                       capture_output=True, text=True, timeout=120)
+    # -ftz=true as cupy.RawModule always adds it (tests/test_gpu_seams.py: cupy's options)
+    r = subprocess.run(["nvcc", "-ptx", "-ftz=true", f"-arch={arch}", "-o", str(out),
+                        str(KERNEL_SOURCE)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     for kernel in KERNELS:

@@ -23,3 +23,18 @@ def test_read_jsonl_skips_lines_it_cannot_parse(tmp_path):
     path.write_bytes(b'{"step": 1}\n' + b"[" * 100_000 + b"\n" + b'{"step": 2, "lo\n[]\n'
                      + b'{"step": 3}\n')
     assert [r["step"] for r in read_jsonl(path)] == [1, 3]
+
+
+def test_status_lines_round_trip_and_ignore_other_lines():
+    from formats.run_metrics import format_status, parse_status, status_line
+
+    line = status_line({"step": 5, "steps": 10, "loss": 2.34567, "tokens_per_s": 1234.4,
+                        "step_s": 0.5, "comm_s": 0.1, "mfu": 0.2})
+    assert line.startswith("STATUS {") and "mfu" not in line
+    rec = parse_status(f"[rank 3] rank 3: {line}")
+    assert rec == {"step": 5, "steps": 10, "loss": 2.34567, "tokens_per_s": 1234.4,
+                   "step_s": 0.5, "comm_s": 0.1}
+    assert format_status(rec) == "step 5/10 loss 2.3457 tok/s 1234"
+    for other in ("step 5/10 loss 2.3 tok/s 12", "STATUS {not json", 'STATUS {"loss": 1}',
+                  "STATUS [1]"):
+        assert parse_status(other) is None

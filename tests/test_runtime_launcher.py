@@ -103,6 +103,10 @@ def test_keep_going_lets_diloco_drop_a_lost_replica_and_finish(tmp_path):
     assert "launch: rank 2 exited with status 1; the others go on (--keep-going)" in proc.stdout
     assert "launch: ranks [2] failed; replicas [0, 1] finished" in proc.stdout
     assert re.search(r"^\[rank 0\] step 8/8 loss", proc.stdout, re.M), proc.stdout[-3000:]
+    # the summary comes from the ranks' status records, which are not echoed
+    assert re.search(r"^launch: rank 0 last: step 8/8 loss [\d.]+ tok/s \d+$", proc.stdout,
+                     re.M), proc.stdout[-3000:]
+    assert "STATUS {" not in proc.stdout
 
 
 STUB_RANK = """import os, sys, time

@@ -218,6 +218,9 @@ def test_aws_wrappers_run_batch_kill_copy_logs(fleet, tmp_path) -> None:
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert (repo / "plan.json").exists()
+        secret = repo / ".scattered" / "run_secret"  # the run secret: a private file, not argv
+        assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text()) >= 16
+        assert not list(repo.rglob("*.tmp")), "a sync left a temporary file"
         logs = [repo / "logs" / f"rank{k}.log" for k in range(6)]
         deadline = time.monotonic() + 20
         while not all(p.exists() and p.read_text() for p in logs) and \

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-router-firewall",
         action="store_true",
-        help="accept all WAN input on the NAT boxes (breaks punching; see README.md)",
+        help="accept all WAN input on the NAT boxes (breaks punching; see docs/nat.md)",
     )
     args = ap.parse_args(argv)
     why = missing_requirements()

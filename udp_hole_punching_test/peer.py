@@ -506,20 +506,7 @@ def bring_up_tunnel(
         ok = tunnel.wait_handshake(timeout_s=HANDSHAKE_TIMEOUT_S)
         if ok and role == "b":
             tunnel.keep_alive(other.wg)
-        puncher.result.tunnel = {
-            "ok": ok,
-            "interface": tunnel.name,
-            "implementation": tunnel.implementation,
-            "role": role,
-            "address": mine,
-            "peer_address": theirs,
-            "listen_port": tunnel.listen_port,
-            "endpoint": list(tunnel.endpoint),
-            "keepalive_s": wg.KEEPALIVE_S,
-            "up_s": round(t_listen - t_up, 3),
-            "handshake_s": round(time.monotonic() - t_listen, 3),
-            "wall_time": round(time.time(), 3),
-        }
+        puncher.result.tunnel = _tunnel_record(tunnel, ok, role, t_up, t_listen)
         if not ok:  # what WireGuard saw, for the diagnosis
             puncher.result.tunnel["wg_status"] = tunnel.status()
         _report(puncher.result, result_json)
@@ -539,6 +526,27 @@ def bring_up_tunnel(
         tunnel.down()
 
 
+def _tunnel_record(tunnel: Any, ok: bool, role: str, t_up: float, t_listen: float
+                   ) -> dict[str, Any]:
+    """The result's `tunnel` entry: the interface, its addresses, and how long it took."""
+    from udp_hole_punching_test import wireguard as wg
+
+    return {
+        "ok": ok,
+        "interface": tunnel.name,
+        "implementation": tunnel.implementation,
+        "role": role,
+        "address": tunnel.address,
+        "peer_address": tunnel.peer_address,
+        "listen_port": tunnel.listen_port,
+        "endpoint": list(tunnel.endpoint),
+        "keepalive_s": wg.KEEPALIVE_S,
+        "up_s": round(t_listen - t_up, 3),
+        "handshake_s": round(time.monotonic() - t_listen, 3),
+        "wall_time": round(time.time(), 3),
+    }
+
+
 def _report(result: PunchResult, path: Path | None) -> None:
     line = json.dumps(asdict(result))
     print(line, flush=True)
@@ -546,8 +554,8 @@ def _report(result: PunchResult, path: Path | None) -> None:
         atomic_write_json(path, asdict(result))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point."""
+def build_parser() -> argparse.ArgumentParser:
+    """The peer's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="rendezvous server HOST:PORT")
     ap.add_argument("--session", required=True, help="session name shared by the two peers")
@@ -580,7 +588,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="tunnel lifetime (0: until signal)")
     ap.add_argument("--result-json", type=Path, default=None, help="also write the result here")
     ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s peer %(message)s",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -29,7 +29,32 @@ class CommStats:
     """Bytes put on the wire: p2p payloads exactly, collectives as a ring sends them
     (2 (W-1)/W x payload per all-reduce), compressed means their codes and scales."""
     wait_s: float = 0.0
-    """Seconds spent waiting on communication (waiting for a slow peer included)."""
+    """Seconds spent waiting on communication (waiting for a slow peer included). NCCL's
+    operations are timed on their stream by CUDA events: call `settle` before reading."""
+    pending: list = field(default_factory=list, repr=False)
+    """NCCL: (start event, end event, communicator) spans not yet added to wait_s."""
+
+    def time_on_stream(self, start: Any, end: Any, owner: GroupMembership) -> None:
+        """Count the stream time between two recorded CUDA events (at the next `settle`) into
+        these stats and `owner.wait_s`."""
+        self.pending.append((start, end, owner))
+        if len(self.pending) >= 256:  # stats nobody settles (a background thread's) stay small
+            self.settle(finished_only=True)
+
+    def settle(self, finished_only: bool = False) -> None:
+        """Add the spans timed on CUDA streams so far to wait_s (waits for their end events:
+        call it where the step syncs anyway, e.g. after reading the loss). `finished_only`:
+        only the spans already over, without waiting."""
+        keep = []
+        for start, end, owner in self.pending:
+            if finished_only and not end.query():
+                keep.append((start, end, owner))
+                continue
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            self.wait_s += seconds
+            owner.wait_s += seconds
+        self.pending = keep
 
 
 @dataclass
@@ -131,7 +156,11 @@ class Communicator(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the backend's resources."""
+        """Release the backend's resources (NCCL: flushing pending operations first)."""
+        ...
+
+    def abort(self) -> None:
+        """Release them without waiting for pending operations (a group that lost a peer)."""
         ...
 
 
@@ -153,7 +182,8 @@ class GroupMembership:
         self.timeout_s = timeout_s
         self.stats = stats if stats is not None else CommStats()
         self.wait_s = 0.0
-        """Seconds this communicator spent waiting (stats.wait_s adds up all of the rank's)."""
+        """Seconds this communicator spent waiting (stats.wait_s adds up all of the rank's;
+        NCCL: after `stats.settle()`)."""
 
     @property
     def size(self) -> int:

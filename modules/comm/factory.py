@@ -3,13 +3,14 @@ compressed mean all-reduce (over a communicator or a torch process group)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from modules.comm.base import CommStats, Communicator
 from modules.comm.compressed import mean_all_reduce
+from modules.comm.errors import CommError
 from modules.comm.gloo import GlooCommunicator
 from modules.comm.nccl import CupyNcclCommunicator
 from modules.quant.allreduce import SEGMENT
@@ -24,7 +25,9 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int,
                         backend: str | Sequence[str] = "gloo", store: dist.Store | None = None,
                         device: torch.device | None = None, name: str = "group",
                         timeout_s: float = 300.0, rank_of: Mapping[int, int] | None = None,
-                        stats: CommStats | None = None) -> dict[tuple[int, ...], Communicator]:
+                        stats: CommStats | None = None,
+                        on_failure: Callable[[CommError], None] | None = None,
+                        ) -> dict[tuple[int, ...], Communicator]:
     """Call on EVERY rank with the same `groups` list; returns {ranks: comm} for my groups.
 
     Groups are given by the global ranks peers are named by; keys are those sorted ascending
@@ -34,7 +37,8 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int,
     nccl: a CupyNcclCommunicator per nccl group this rank is in, created after the gloo groups
     in list order (a total order, so the blocking NCCL inits cannot wait on each other in a
     cycle); needs the rendezvous `store` and this rank's CUDA `device`. Groups of one member
-    are included. Communicators share `stats` when given.
+    are included. Communicators share `stats` when given. `on_failure`: called by an NCCL
+    communicator's watchdog right after it aborted a timed-out operation (e.g. to end the run).
     """
     backends = [backend] * len(groups) if isinstance(backend, str) else list(backend)
     if len(backends) != len(groups):
@@ -56,7 +60,7 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int,
             if store is None or device is None:
                 raise ValueError("build_communicators(backend='nccl') needs store and device")
             out[key] = CupyNcclCommunicator(key, rank, store, f"{name}{i}", device, timeout_s,
-                                            stats)
+                                            stats, on_failure)
     return out
 
 

@@ -135,6 +135,9 @@ class GlooCommunicator(GroupMembership):
     def close(self) -> None:
         """Nothing to release: the process group belongs to torch.distributed."""
 
+    def abort(self) -> None:
+        """As close: gloo's calls already returned (or failed) within the timeout."""
+
     # -- waiting -----------------------------------------------------------------------------
     def _start(self, call: Callable[[], dist.Work], what: str, peers: Sequence[int]) -> dist.Work:
         """Start a backend call; a closed connection is a CommError naming the peer(s)."""

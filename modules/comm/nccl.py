@@ -4,7 +4,11 @@ The members first meet in the rendezvous TCPStore (a member that does not come i
 naming it, not a hung NCCL init); the NCCL unique id is then made by the group's first rank and
 handed to the others through the store (keys: modules.control.protocol). Calls take torch CUDA
 tensors (contiguous, on `device`) and are enqueued on torch's current CUDA stream of that device
-unless a stream handle is given. NCCL has no timeout of its own: a Watchdog aborts the communicator
+unless a torch Stream is given. The torch Stream object is kept for everything torch does around
+an operation (its done-event, the all-gather's copies, the allocator's view of buffers); only
+NCCL gets its raw handle. (`torch.cuda.ExternalStream(0)` would NOT wrap the legacy default
+stream: torch hands out a fresh pooled stream for a null pointer, unordered with the operation.)
+NCCL has no timeout of its own: a Watchdog aborts the communicator
 when an operation is not done within the timeout, and the next call (or `synchronize`) raises
 a CommError naming the operation and its peers, as the gloo path does. cupy (the `gpu` extra)
 is imported lazily.
@@ -12,7 +16,6 @@ is imported lazily.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -20,26 +23,47 @@ import torch
 import torch.distributed as dist
 
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
+from modules.comm.compressed import mean_all_reduce
 from modules.comm.errors import CommError, first_line
 from modules.comm.watchdog import Watchdog
 from modules.control.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
+from modules.quant.allreduce import SEGMENT
+from modules.quant.blocks import DEFAULT_BLOCK
 
 UNIQUE_ID_BYTES = 128
 
 
 def encode_unique_id(uid: Sequence[int]) -> bytes:
-    """cupy's unique id (128 signed chars) -> 128 bytes for the store."""
+    """cupy's unique id (128 C `char`s) -> 128 bytes for the store. `char` is signed on x86-64
+    and unsigned on aarch64 (GH200), so cupy hands out -128..127 or 0..255: both map to the
+    same byte."""
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"NCCL unique id has {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
+    bad = [int(v) for v in uid if not -128 <= int(v) <= 255]
+    if bad:
+        raise ValueError(f"NCCL unique id holds {bad[0]}, which is no C char")
     return bytes(int(v) & 0xFF for v in uid)
 
 
-def decode_unique_id(data: bytes) -> tuple[int, ...]:
-    """128 bytes from the store -> the signed-char tuple cupy's NcclCommunicator takes."""
+def char_is_signed(machine: str | None = None) -> bool:
+    """Whether C `char` is signed on `machine` (default this one): x86-64 yes; aarch64 (GH200),
+    ppc64le, s390x no (their ABIs make plain char unsigned)."""
+    import platform
+
+    arch = (machine or platform.machine()).lower()
+    return arch not in ("aarch64", "arm64", "armv7l", "ppc64le", "s390x")
+
+
+def decode_unique_id(data: bytes, signed: bool | None = None) -> tuple[int, ...]:
+    """128 bytes from the store -> the tuple of C chars cupy's NcclCommunicator takes: -128..127
+    where `char` is signed, 0..255 where it is unsigned (aarch64: cupy's Cython conversion of a
+    negative value to an unsigned char raises OverflowError). `signed`: default this machine's."""
     if len(data) != UNIQUE_ID_BYTES:
         raise CommError(f"NCCL unique id in the store has {len(data)} bytes, expected "
                         f"{UNIQUE_ID_BYTES}", op="NCCL unique id")
-    return tuple(b - 256 if b >= 128 else b for b in data)
+    if signed is None:
+        signed = char_is_signed()
+    return tuple(b - 256 if signed and b >= 128 else b for b in data)
 
 
 def share_unique_id(store: dist.Store, key: str, is_first: bool,
@@ -121,44 +145,72 @@ class CupyNcclCommunicator(GroupMembership):
                               nccl.get_unique_id, timeout_s)
         with cupy.cuda.Device(self.device.index):
             self._comm = nccl.NcclCommunicator(self.size, uid, self.group_rank)
-        self.watchdog = Watchdog(timeout_s, self._comm.abort, on_failure=on_failure)
-        """Aborts the communicator when an operation is not done within the timeout."""
+        index = self.device.index
+        self.watchdog = Watchdog(timeout_s, self._comm.abort, on_failure=on_failure,
+                                 thread_init=lambda: torch.cuda.set_device(index))
+        """Aborts the communicator when an operation is not done within the timeout (its thread
+        queries events on this rank's device: no extra context on GPU 0)."""
+        self._timing: list[torch.cuda.Event] | None = None
+        """Inside `mean_all_reduce`: the start event of the whole mean (inner calls untimed)."""
 
-    def _stream(self, stream: int | None) -> int:
-        return stream if stream is not None else torch.cuda.current_stream(self.device).cuda_stream
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        """The torch Stream to run on: `stream`, or the device's current one (never a wrapper
+        made from a raw handle)."""
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
 
     def _check(self, t: torch.Tensor) -> None:
         if t.device != self.device or not t.is_contiguous():
             raise ValueError(f"NCCL communicator on {self.device}: got a tensor on {t.device} "
                              f"(contiguous={t.is_contiguous()})")
 
-    def _enqueue(self, call: Callable[[], None], stream: int, what: str,
+    def _enqueue(self, call: Callable[[int], None], stream: torch.cuda.Stream, what: str,
                  peers: Sequence[int]) -> None:
-        """Enqueue one NCCL call on `stream` and watch it; a backend failure, or an earlier
-        operation that timed out, is a CommError."""
+        """Enqueue one NCCL call (given the raw handle of `stream`) and watch it; a backend
+        failure, or an earlier operation that timed out, is a CommError. Its time on the stream
+        is measured with CUDA events around it (the enqueue itself returns at once)."""
         self.watchdog.check()
-        t0 = time.perf_counter()
+        start = self._event(stream) if self._timing is None else None
         try:
-            call()
+            call(stream.cuda_stream)
         except Exception as e:  # cupy raises NcclError (not a RuntimeError)
             raise CommError(f"{what}: NCCL failed ({first_line(e)})", op=what,
                             peers=peers) from None
-        finally:
-            self._count_wait(time.perf_counter() - t0)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.ExternalStream(stream, device=self.device))
+        done = self._event(stream)
+        if start is not None:
+            self.stats.time_on_stream(start, done, self)
         self.watchdog.watch(done.query, what, peers)
+
+    @staticmethod
+    def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """An event recorded on `stream` now (timing enabled: it also marks a start or end)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def mean_all_reduce(self, tensor: torch.Tensor, compression: str = "int8",
+                        what: str | None = None, block: int = DEFAULT_BLOCK,
+                        segment: int = SEGMENT) -> int:
+        """The compressed mean (modules.comm.compressed), timed as one span on the stream from
+        before its first call to after its last (codec kernels included, as on gloo)."""
+        stream = self._stream(None)
+        self._timing = [self._event(stream)]
+        try:
+            return mean_all_reduce(tensor, self, compression, block, segment,
+                                   what or f"mean all-reduce over ranks {list(self.ranks)}")
+        finally:
+            start, self._timing = self._timing[0], None
+            self.stats.time_on_stream(start, self._event(stream), self)
 
     # -- point to point ----------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0,
-              stream: int | None = None) -> Posted:
+              stream: torch.cuda.Stream | None = None) -> Posted:
         """Enqueue a send of a contiguous CUDA tensor to global rank `dst` (tags: NCCL matches
         the messages of a pair in order)."""
         self.exchange([(tensor, dst)], [], stream=stream)
         return Posted(dst, "send", None, tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0,
-              stream: int | None = None) -> Posted:
+              stream: torch.cuda.Stream | None = None) -> Posted:
         """A receive from `src` into `tensor`, enqueued when it is waited on."""
         self._check(tensor)
         self.group_index(src)
@@ -173,19 +225,19 @@ class CupyNcclCommunicator(GroupMembership):
         return posted.buffer
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, what: str | None = None,
-             stream: int | None = None) -> None:
+             stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue a send of a contiguous CUDA tensor to global rank `dst`."""
         self.exchange([(tensor, dst)], [], what, stream)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, what: str | None = None,
-             stream: int | None = None) -> torch.Tensor:
+             stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Enqueue a receive into `tensor` from global rank `src`; returns it."""
         self.exchange([], [(tensor, src)], what, stream)
         return tensor
 
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
                  recvs: Sequence[tuple[torch.Tensor, int]], what: str | None = None,
-                 stream: int | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None) -> None:
         """Many sends and receives in one NCCL group call (runs them concurrently)."""
         nccl, s = self._nccl, self._stream(stream)
         for t, peer in [*sends, *recvs]:
@@ -193,15 +245,15 @@ class CupyNcclCommunicator(GroupMembership):
             self.group_index(peer)
         peers = tuple(sorted({p for _, p in [*sends, *recvs]}))
 
-        def group_call() -> None:
+        def group_call(handle: int) -> None:
             nccl.groupStart()
             try:
                 for t, dst in sends:
                     self._comm.send(t.data_ptr(), t.numel(), _dtype(nccl, t.dtype),
-                                    self.group_index(dst), s)
+                                    self.group_index(dst), handle)
                 for t, src in recvs:
                     self._comm.recv(t.data_ptr(), t.numel(), _dtype(nccl, t.dtype),
-                                    self.group_index(src), s)
+                                    self.group_index(src), handle)
             finally:
                 nccl.groupEnd()
 
@@ -210,7 +262,7 @@ class CupyNcclCommunicator(GroupMembership):
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str | None = None,
-                   stream: int | None = None) -> None:
+                   stream: torch.cuda.Stream | None = None) -> None:
         """In-place reduction (`sum`, `max` or `min`) over the group."""
         check_op(op)
         self._check(tensor)
@@ -218,35 +270,36 @@ class CupyNcclCommunicator(GroupMembership):
         code = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
         self._count_sent(self._ring_bytes(tensor))
         s = self._stream(stream)
-        self._enqueue(lambda: self._comm.allReduce(
+        self._enqueue(lambda h: self._comm.allReduce(
             tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _dtype(nccl, tensor.dtype),
-            code, s), s, what or f"all_reduce over ranks {list(self.ranks)}", self.others())
+            code, h), s, what or f"all_reduce over ranks {list(self.ranks)}", self.others())
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
-                   what: str | None = None, stream: int | None = None) -> None:
+                   what: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """outputs[i] <- the `tensor` of group rank i (through one flat receive buffer)."""
         self._check(tensor)
-        flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=self.device)
-        self._count_sent((self.size - 1) * nbytes(tensor))
         s = self._stream(stream)
-        self._enqueue(lambda: self._comm.allGather(
-            tensor.data_ptr(), flat.data_ptr(), tensor.numel(),
-            _dtype(self._nccl, tensor.dtype), s),
-            s, what or f"all_gather over ranks {list(self.ranks)}", self.others())
-        with torch.cuda.stream(torch.cuda.ExternalStream(s, device=self.device)):
+        with torch.cuda.stream(s):  # allocated, filled and read on s: the allocator keeps
+            flat = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype,  # it for s
+                               device=tensor.device)
+            self._count_sent((self.size - 1) * nbytes(tensor))
+            self._enqueue(lambda h: self._comm.allGather(
+                tensor.data_ptr(), flat.data_ptr(), tensor.numel(),
+                _dtype(self._nccl, tensor.dtype), h),
+                s, what or f"all_gather over ranks {list(self.ranks)}", self.others())
             for out, part in zip(outputs, flat.view(self.size, -1)):
-                out.view(-1).copy_(part)
+                out.view(-1).copy_(part)  # ordered after the allGather on the same stream
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None,
-                  stream: int | None = None) -> None:
+                  stream: torch.cuda.Stream | None = None) -> None:
         """In place: every member ends with global rank `src`'s tensor."""
         self._check(tensor)
         root = self.group_index(src)
         if self.rank == src:
             self._count_sent(nbytes(tensor))
         s = self._stream(stream)
-        self._enqueue(lambda: self._comm.bcast(
-            tensor.data_ptr(), tensor.numel(), _dtype(self._nccl, tensor.dtype), root, s),
+        self._enqueue(lambda h: self._comm.bcast(
+            tensor.data_ptr(), tensor.numel(), _dtype(self._nccl, tensor.dtype), root, h),
             s, what or f"broadcast from rank {src}", (src,))
 
     def barrier(self, what: str | None = None) -> None:
@@ -258,18 +311,23 @@ class CupyNcclCommunicator(GroupMembership):
 
     def synchronize(self, what: str | None = None) -> None:
         """Block until this device's current stream has run everything enqueued so far, at
-        most the timeout (CommError naming the late operation otherwise)."""
-        t0 = time.perf_counter()
-        try:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self.watchdog.watch(done.query, what or "waiting for the stream", self.others())
-            self.watchdog.wait_all()
-        finally:
-            self._count_wait(time.perf_counter() - t0)
+        most the timeout (CommError naming the late operation otherwise). Not counted as
+        waiting: the operations' own time on the stream is (CUDA events)."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.watchdog.watch(done.query, what or "waiting for the stream", self.others())
+        self.watchdog.wait_all()
 
     def close(self) -> None:
-        """Free the NCCL communicator (an aborted one is already gone)."""
+        """Free the NCCL communicator (ncclCommDestroy, which first flushes every operation:
+        only for a healthy group; an aborted one is already gone)."""
         self.watchdog.close()
         if self.watchdog.failure is None:
             self._comm.destroy()
+
+    def abort(self) -> None:
+        """Drop the communicator without flushing (ncclCommAbort): for a group that held a
+        lost peer, whose pending operations would never finish under destroy()."""
+        self.watchdog.close()
+        if self.watchdog.failure is None:  # the watchdog aborted it already
+            self._comm.abort()

@@ -27,8 +27,12 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, abort: Callable[[], None], poll_s: float = 0.05,
                  on_failure: Callable[[CommError], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self.timeout_s, self.poll_s, self.clock = timeout_s, poll_s, clock
+        self._thread_init = thread_init
+        """Run first on the watchdog's thread (NCCL: select the rank's CUDA device, so that
+        querying events does not create a context on GPU 0)."""
         self._abort = abort
         self._on_failure = on_failure
         """Called once, on the watchdog's thread, right after the abort (e.g. to end the run)."""
@@ -62,6 +66,12 @@ class Watchdog:
                     return
             time.sleep(self.poll_s)
 
+    def in_flight(self) -> int:
+        """How many watched operations are not done yet."""
+        with self._lock:
+            self._forget_done()
+            return len(self._pending)
+
     def close(self) -> None:
         """Stop watching (the thread ends within poll_s)."""
         self._halt.set()
@@ -70,6 +80,8 @@ class Watchdog:
         self._pending = deque(w for w in self._pending if not w.done())
 
     def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
         while not self._halt.wait(self.poll_s):
             with self._lock:
                 self._forget_done()

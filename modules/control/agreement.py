@@ -12,14 +12,30 @@ import json
 from typing import Any
 
 from formats.errors import UserError
+from modules.config import ResolvedRun
 from modules.control.protocol import RUN_AGREED
+from modules.data.tokenizer import TokenizerId
+
+
+def agreed_fields(run: ResolvedRun, tokenizer: TokenizerId) -> dict[str, Any]:
+    """The fields of a rank's resolved run that every rank must share, by the flag that sets
+    them (`tokenizer`: the identity of the data's tokenizer)."""
+    sync = run.plan.sync
+    return {"--tokenizer": tokenizer.meta(),
+            "--pipeline-compression": run.plan.pipeline_compression,
+            "--fragments": sync.fragments, "--overlap": sync.overlap,
+            "--overlap-alpha": run.overlap_alpha}
+
+
+def agree_run(store: Any, run: ResolvedRun, tokenizer: TokenizerId, rank: int) -> None:
+    """`agree` on the shared fields of this rank's resolved run (UserError naming the flag)."""
+    agree(store, agreed_fields(run, tokenizer), rank)
 
 
 def agree(store: Any, mine: dict[str, Any], rank: int) -> None:
     """Record `mine` ({flag: value}) as the run's, or check it against the recorded one."""
     offer = json.dumps(mine, sort_keys=True)
-    run = store.compare_set(RUN_AGREED, "", offer)
-    run = run.decode() if isinstance(run, bytes) else run
+    run = store.claim(RUN_AGREED, offer)  # signed (modules.control.auth): a forgery is replaced
     if run == offer:
         return
     theirs = json.loads(run)

@@ -29,16 +29,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
-from modules.config import RunConfig
-from modules.control.fault import HeartbeatWatch, describe_rank
+from modules.config import ResolvedRun
+from modules.control.auth import Auth, AuthStore, host_store, load_secret
+from modules.control.fault import HeartbeatWatch, describe_rank, is_done, parse_beat
 from modules.control.leader import Generation, Leader, first_generation, publish
-from modules.control.protocol import COORDINATOR_INFO, RUN_SETTINGS, done_key, heartbeat_key
+from modules.control.protocol import COORDINATOR_INFO, RUN_SETTINGS, heartbeat_key
 
 STORE_TIMEOUT_S = 30.0
 """Timeout of the coordinator's own client of the store it hosts (local calls)."""
@@ -61,12 +60,11 @@ class RunSettings:
                            "heartbeat_timeout_s": self.heartbeat_timeout_s})
 
     @staticmethod
-    def of(cfg: RunConfig, num_replicas: int) -> RunSettings:
-        """A rank's settings, resolved for a plan with `num_replicas` replicas."""
-        start = cfg.elastic.start_replicas(num_replicas)
-        return RunSettings(start if start is not None else tuple(range(num_replicas)),
-                           cfg.elastic.resolved_min_replicas(num_replicas),
-                           cfg.elastic.heartbeat_timeout_s)
+    def of(run: ResolvedRun) -> RunSettings:
+        """A rank's settings, as its resolved run has them."""
+        start = run.start_replicas
+        return RunSettings(start if start is not None else tuple(range(run.plan.num_replicas)),
+                           run.min_replicas, run.cfg.elastic.heartbeat_timeout_s)
 
     @staticmethod
     def from_json(text: str | bytes) -> RunSettings:
@@ -82,7 +80,7 @@ def plan_record(plan: Plan) -> dict[str, object]:
 
 
 # -- the ranks' side -----------------------------------------------------------------------------
-def check_in(store: dist.Store, plan: Plan, mine: RunSettings, join: bool, url: str,
+def check_in(store: AuthStore, plan: Plan, mine: RunSettings, join: bool, url: str,
              timeout_s: float) -> None:
     """A rank's first words with the coordinator at `url`: its plan must be the coordinator's
     and its settings the run's (the first rank's, which the coordinator leads by; a joiner's
@@ -107,30 +105,35 @@ def check_in(store: dist.Store, plan: Plan, mine: RunSettings, join: bool, url: 
                             "same value")
 
 
-def _read_run(store: dist.Store, mine: RunSettings, join: bool,
+def _read_run(store: AuthStore, mine: RunSettings, join: bool,
               timeout_s: float) -> tuple[dict[str, Any], RunSettings]:
     """(the coordinator's record, the run's settings); a non-joining rank offers `mine` as the
-    run's (the first offer wins). RuntimeError saying what is missing."""
-    if not _wait(store, COORDINATOR_INFO, timeout_s):
-        raise RuntimeError(f"the store there has no coordinator record after {timeout_s:g} s; "
-                           "start scripts/coordinator.py there (a rank 0's --dist-url is no "
+    run's (the first signed offer wins; a forged one is replaced). RuntimeError saying what is
+    missing."""
+    info = _wait(store, COORDINATOR_INFO, timeout_s)
+    if info is None:
+        raise RuntimeError(f"the store there has no coordinator record signed with this run's "
+                           f"secret after {timeout_s:g} s; start scripts/coordinator.py there "
+                           "with the ranks' ST_RUN_SECRET (a rank 0's --dist-url is no "
                            "coordinator)")
-    theirs = json.loads(store.get(COORDINATOR_INFO))
+    theirs = json.loads(info)
     if not join:
-        return theirs, RunSettings.from_json(store.compare_set(RUN_SETTINGS, "", mine.to_json()))
-    if not _wait(store, RUN_SETTINGS, timeout_s):
+        return theirs, RunSettings.from_json(store.claim(RUN_SETTINGS, mine.to_json()))
+    run = _wait(store, RUN_SETTINGS, timeout_s)
+    if run is None:
         raise RuntimeError(f"--join: no rank of a run checked in within {timeout_s:g} s")
-    return theirs, RunSettings.from_json(store.get(RUN_SETTINGS))
+    return theirs, RunSettings.from_json(run)
 
 
-def _wait(store: dist.Store, key: str, timeout_s: float) -> bool:
-    """Whether `key` appears within timeout_s (RuntimeError if the store stops answering)."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            return False
+def _wait(store: AuthStore, key: str, timeout_s: float | None) -> str | None:
+    """The signed record at `key` once it appears (a forged one is ignored), None after
+    `timeout_s` (None: wait forever); RuntimeError if the store stops answering."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while (value := store.read(key)) is None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         time.sleep(0.05)
-    return True
+    return value
 
 
 # -- the coordinator's side ----------------------------------------------------------------------
@@ -139,7 +142,7 @@ class CoordinatorConfig:
     """Where the coordinator listens, for which plan, and how long it waits for a start."""
 
     host: str
-    """Address the ranks reach it at (torch's store listens on every interface)."""
+    """Address the ranks reach it at; the store listens there only."""
     port: int
     """TCP port of the store (0: any free one)."""
     plan: Plan
@@ -148,6 +151,8 @@ class CoordinatorConfig:
     start_timeout_s: float = 600.0
     """Give up (exit 1) when no rank started training this long after the first checked in."""
     log: Callable[[str], None] = print
+    secret: bytes | None = None
+    """The run secret (None: from the environment, modules.control.auth.load_secret)."""
 
 
 class Coordinator:
@@ -155,7 +160,7 @@ class Coordinator:
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
-        self.store: dist.Store | None = None
+        self.store: AuthStore | None = None
         self.elastic = cfg.plan.sync.mode == "diloco"
         """DiLoCo: drop lost replicas, admit joiners; allreduce: only host and watch."""
         self.lost: dict[int, str] = {}
@@ -167,13 +172,13 @@ class Coordinator:
         cannot listen)."""
         cfg = self.cfg
         try:
-            self.store = dist.TCPStore(cfg.host, cfg.port, None, True,
-                                       timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                                       wait_for_workers=False)
+            raw = host_store(cfg.host, cfg.port, None, timedelta(seconds=STORE_TIMEOUT_S))
         except (RuntimeError, OSError) as e:
             raise UserError(f"--listen: cannot listen on {cfg.host}:{cfg.port} "
                             f"({first_line(e)})") from None
-        self.store.set(COORDINATOR_INFO, json.dumps({
+        secret = cfg.secret if cfg.secret is not None else load_secret()
+        self.store = AuthStore(raw, Auth(secret, cfg.log))
+        self.store.put(COORDINATOR_INFO, json.dumps({
             "host": socket.gethostname(), "pid": os.getpid(), "plan": cfg.plan_path,
             **plan_record(cfg.plan)}))
         return self.store.port
@@ -182,9 +187,8 @@ class Coordinator:
         """Wait for the run, lead it to its end; returns the exit status (0: finished)."""
         store, plan = self.store, self.cfg.plan
         assert store is not None, "listen() first"
-        while not store.check([RUN_SETTINGS]):  # a service: wait for the first rank (polling,
-            time.sleep(0.2)  # so that Ctrl+C is not held up by a blocking wait)
-        run = RunSettings.from_json(store.get(RUN_SETTINGS))
+        # a service: wait for the first rank (polling, so that Ctrl+C is not held up)
+        run = RunSettings.from_json(_wait(store, RUN_SETTINGS, None))
         self.cfg.log(f"run settings from the first rank: replicas {list(run.replicas)}, "
                      f"--min-replicas {run.min_replicas}, heartbeat timeout "
                      f"{run.heartbeat_timeout_s:g} s")
@@ -199,7 +203,7 @@ class Coordinator:
         """Wait until a member started training (its heartbeat counts), as rank 0's own
         monitor would; False after cfg.start_timeout_s."""
         store, deadline = self.store, time.monotonic() + self.cfg.start_timeout_s
-        while not any(store.add(heartbeat_key(r), 0) > 0 for r in members):
+        while not any(parse_beat(store.read(heartbeat_key(r))) for r in members):
             if time.monotonic() > deadline:
                 self.cfg.log(f"error: no rank of {list(members)} started training within "
                              f"{self.cfg.start_timeout_s:g} s of the first one's check-in; "
@@ -239,7 +243,7 @@ class Coordinator:
         """The exit status once no member of `current` is still running, else None."""
         store = self.store
         running = [r for r in current.members
-                   if r not in self.lost and store.add(done_key(r), 0) == 0]
+                   if r not in self.lost and not is_done(store, r)]
         if running:
             return None
         lost = [r for r in self.lost if r in current.members]  # in the order they were lost

@@ -94,8 +94,9 @@ _GUARDED = False
 
 def install_orphan_guard(poll_s: float = 1.0) -> None:
     """Make the hivemind processes this rank forks (DHT, averager) stop their p2pd and exit
-    when the rank dies without cleaning up (kill -9): each watches its parent from a thread.
-    Ctrl+C and SIGTERM stop them through HivemindOuter.close instead."""
+    when the rank dies without cleaning up (kill -9, or SIGTERM's emergency exit during
+    training): each watches its parent from a thread. Ctrl+C stops them through
+    HivemindOuter.close instead."""
     global _GUARDED
     if _GUARDED:
         return

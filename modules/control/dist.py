@@ -7,6 +7,7 @@ and turns a silent peer into a `CommError` (a `PeerError`) naming it and the ope
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
+from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.protocol import generation_prefix, member_key
 
 
@@ -39,7 +41,21 @@ class Topology:
     next_rank: int | None
     """Device of the next stage of my replica (None on the last stage)."""
     ends: tuple[int, int]
-    """(first-stage device, last-stage device) of my replica: they hold the tied embeddings."""
+    """(first-stage device, last-stage device) of my lane: they hold the tied embeddings."""
+    shard: int = 0
+    """My index in my stage's shard group (0 without shard groups)."""
+    shard_group: tuple[int, ...] = ()
+    """Devices holding my stage of my replica together (FSDP2); () without shard groups."""
+
+    @property
+    def shard_degree(self) -> int:
+        """D: devices per shard group (1 without shard groups)."""
+        return max(1, len(self.shard_group))
+
+    @property
+    def lane(self) -> int:
+        """My lane (replica r's shard i runs lane r*D + i): which micro-batches I read."""
+        return self.replica * self.shard_degree + self.shard
 
     @property
     def is_first(self) -> bool:
@@ -67,15 +83,17 @@ def check_world(plan: Plan, world_size: int) -> None:
 def topology(plan: Plan, rank: int, world_size: int) -> Topology:
     """Place `rank` in the plan (UserError when it is not there or sizes disagree)."""
     check_world(plan, world_size)
-    replica, stage = plan.stage_of(rank)
-    chain = plan.pipelines[replica]
+    replica, stage, shard = plan.locate(rank)
+    degree = plan.shard_degree(stage)
+    chain = plan.lanes()[replica * degree + shard]  # my replica's chain when D = 1
     return Topology(
         rank=rank, world_size=world_size, replica=replica, stage=stage,
         num_stages=plan.num_stages, num_replicas=plan.num_replicas,
-        stage_ranks=tuple(p[stage] for p in plan.pipelines),
+        stage_ranks=tuple(plan.shard_peers(stage, shard)),
         prev_rank=chain[stage - 1] if stage > 0 else None,
         next_rank=chain[stage + 1] if stage + 1 < plan.num_stages else None,
-        ends=(chain[0], chain[-1]),
+        ends=(chain[0], chain[-1]), shard=shard,
+        shard_group=tuple(plan.shard_group(replica, stage)) if plan.is_sharded else (),
     )
 
 
@@ -93,8 +111,8 @@ def parse_dist_url(url: str, flag: str = "--dist-url") -> tuple[str, int]:
 
 def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
                agent_store: bool = False, members: tuple[int, ...] | None = None,
-               on_store: Callable[[dist.Store], None] | None = None,
-               store_rank: int = 0) -> dist.Store:
+               on_store: Callable[[AuthStore], None] | None = None,
+               auth: Auth | None = None, store_rank: int = 0) -> AuthStore:
     """Connect to the TCPStore at `url` (rank 0 hosts it unless `agent_store`) and init the
     gloo world group.
 
@@ -105,26 +123,20 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     `members`: the ranks that start now (default all); when fewer, the group is formed among
     them under generation 0's store prefix with ranks renumbered in ascending order, and a rank
     not among them (a later --join) only connects to the store. `on_store` runs as soon as the
-    store is reachable (before the group is formed). `store_rank`: the rank that hosts the store
-    (rank 0; with --outer-backend hivemind the first device of each replica hosts its own).
+    store is reachable (before the group is formed). Rank 0 listens on the url's address
+    only. The store comes back as an `AuthStore`: control records signed with `auth` (the
+    run secret; modules.control.auth), loaded from the environment when None. `store_rank`:
+    the rank that hosts the store (rank 0; with --outer-backend hivemind the first device of
+    each replica hosts its own).
     """
-    host, port = parse_dist_url(url)
     timeout = timedelta(seconds=timeout_s)
-    try:
-        # the client retries a failed connect once after a pause as long as its timeout: half
-        # the budget each keeps the whole attempt within timeout_s
-        hosts = rank == store_rank and not agent_store
-        store = dist.TCPStore(host, port, world_size, is_master=hosts,
-                              timeout=timedelta(seconds=timeout_s / 2), wait_for_workers=False)
-        store.set_timeout(timeout)
-    except (RuntimeError, OSError) as e:
-        what = "cannot listen on" if hosts else "cannot reach"
-        raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
-                        f"({first_line(e)})") from None
+    store = _connect(url, world_size, timeout_s, rank == store_rank and not agent_store,
+                     store_rank)
+    signed = AuthStore(store, auth if auth is not None else Auth(load_secret()))
     if on_store is not None:
-        on_store(store)
+        on_store(signed)
     if members is not None and rank not in members:
-        return store
+        return signed
     try:
         if members is None or list(members) == list(range(world_size)):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -137,12 +149,43 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     except (RuntimeError, OSError) as e:
         raise PeerError(f"rendezvous: not all {world_size} ranks joined at {url} within "
                         f"{timeout_s:g} s ({first_line(e)})") from None
-    return store
+    return signed
+
+
+def _connect(url: str, world_size: int, timeout_s: float, hosts: bool,
+             store_rank: int) -> dist.TCPStore:
+    """Host (`hosts`: on the url's address only) or reach the TCPStore at `url`; PeerError,
+    or UserError when the address to host on is not this host's."""
+    host, port = parse_dist_url(url)
+    try:
+        # the client retries a failed connect once after a pause as long as its timeout: half
+        # the budget each keeps the whole attempt within timeout_s
+        if hosts:
+            store = host_store(host, port, world_size, timedelta(seconds=timeout_s / 2))
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s / 2),
+                                  wait_for_workers=False)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL or not hosts:
+            what = "cannot listen on" if hosts else "cannot reach"
+            raise PeerError(f"rendezvous: {what} {url} ({e.strerror or e})") from None
+        raise UserError(f"--dist-url: {host} is not an address of this host, and rank "
+                        f"{store_rank} listens only on the address it is given; give one of "
+                        "this host's addresses, or tcp://0.0.0.0:PORT to listen on every "
+                        "interface") from None
+    except RuntimeError as e:
+        what = "cannot listen on" if hosts else "cannot reach"
+        raise PeerError(f"rendezvous: {what} {url} within {timeout_s:g} s "
+                        f"({first_line(e)})") from None
 
 
 def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """Every device of the given replicas, ascending."""
-    return tuple(sorted(d for r in replicas for d in plan.pipelines[r]))
+    return tuple(sorted(d for r in replicas for s in range(plan.num_stages)
+                        for d in plan.shard_group(r, s)))
 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],

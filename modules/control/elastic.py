@@ -3,10 +3,10 @@
 generation, join, and DiLoCo's outer-step protocol.
 
 Inputs are explicit: the rendezvous store, the plan and this rank's topology, the run settings
-it reads (`MembershipSettings`: RunConfig has them), a `GroupBuilder` that forms a generation's
-communicators and the `CommStats` its store waits count into. Every change of membership comes
-out as one `GenerationChange` (groups, live replicas, and on a joiner the state it received)
-that the Trainer applies in one place. What it does:
+it reads (`MembershipSettings`, taken from the resolved run), a `GroupBuilder` that forms a
+generation's communicators and the `CommStats` its store waits count into. Every change of
+membership comes out as one `GenerationChange` (groups, live replicas, and on a joiner the
+state it received) that the Trainer applies in one place. What it does:
 - start the heartbeat thread (modules.control.fault.Monitor), which calls the Trainer's `on_fatal`
   when the run cannot go on for this rank (a peer or the store lost in allreduce mode, the
   replica dropped, fewer than --min-replicas left);
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
-from modules.config import RunConfig
+from modules.config import ResolvedRun
 from modules.control.dist import Topology, members_of, wait_for_peers
-from modules.control.fault import Monitor, MonitorConfig
+from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.groups import GroupBuilder, Groups
 from modules.control.leader import first_generation, publish
 from modules.control.protocol import (
@@ -48,7 +48,7 @@ from modules.control.protocol import (
     join_source_key,
     outer_arrival_prefix,
 )
-from modules.sync.average import GroupAverage
+from modules.sync.average import GroupAverage, complete
 from modules.sync.diloco import OuterState
 
 
@@ -75,16 +75,14 @@ class MembershipSettings:
     generations, rank 0 included."""
 
     @staticmethod
-    def of(cfg: RunConfig, num_replicas: int, store_addr: tuple[str, int] | None,
-           coordinator: bool = False) -> MembershipSettings:
-        """The settings of a run with `num_replicas` replicas in the plan."""
-        el = cfg.elastic
+    def of(run: ResolvedRun, store_addr: tuple[str, int] | None) -> MembershipSettings:
+        """The membership settings of a resolved run."""
+        el, target = run.cfg.elastic, run.target
         return MembershipSettings(
-            timeout_s=cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
-            min_replicas=el.resolved_min_replicas(num_replicas),
-            wait_for_peers=el.wait_for_peers, store_addr=store_addr,
-            start_replicas=el.start_replicas(num_replicas), join=el.join,
-            coordinator=coordinator)
+            timeout_s=run.cfg.timeout_s, heartbeat_timeout_s=el.heartbeat_timeout_s,
+            min_replicas=run.min_replicas, wait_for_peers=el.wait_for_peers,
+            store_addr=store_addr, start_replicas=run.start_replicas, join=el.join,
+            coordinator=target is not None and target.coordinator)
 
 
 @dataclass
@@ -159,7 +157,8 @@ class Membership:
             timeout_s=cfg.heartbeat_timeout_s,
             interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=self.elastic,
             min_replicas=cfg.min_replicas, members=() if cfg.join else members,
-            coordinator=cfg.coordinator, log=self.log, on_fatal=on_fatal))
+            coordinator=cfg.coordinator, auth=getattr(self.store, "auth", None), log=self.log,
+            on_fatal=on_fatal))
         self.monitor.start()
 
     @property
@@ -192,12 +191,12 @@ class Membership:
         if not self.hosts_store:
             mon.stop()
             mon.join(timeout=5)
-            self.store.add(done_key(self.topo.rank), 1)
+            self.store.put(done_key(self.topo.rank), "1")
             return
-        self.store.add(done_key(0), 1)
+        self.store.put(done_key(0), "1")
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:  # members that are lost meanwhile are dropped by the monitor
-            left = [r for r in mon.members if r != 0 and self.store.add(done_key(r), 0) == 0]
+            left = [r for r in mon.members if r != 0 and not is_done(self.store, r)]
             if not left:
                 break
             if time.monotonic() > deadline and not self.elastic:
@@ -214,7 +213,7 @@ class Membership:
         assert mon is not None and self.cfg.join
         t0 = time.monotonic()
         try:
-            self.store.add(join_key(self.topo.rank), 1)
+            self.store.put(join_key(self.topo.rank), "1")
         except RuntimeError as e:
             raise PeerError(f"--join: the rendezvous store does not answer (the run is over or "
                             f"its host is gone): {str(e).strip()[:200]}") from None
@@ -222,7 +221,8 @@ class Membership:
         while mon.generation is None or self.topo.rank not in mon.generation.members:
             if time.monotonic() - t0 > self.cfg.timeout_s:
                 raise PeerError(f"--join: not admitted within {self.cfg.timeout_s:g} s (is the "
-                                "run alive, and did every rank of my replica start with --join?)")
+                                "run alive, did every rank of my replica start with --join, and "
+                                "does this rank have the run's secret? docs/security.md)")
             mon.changed.wait(0.2)
             mon.changed.clear()
         change = self.poll(handover)
@@ -244,7 +244,7 @@ class Membership:
             raise PeerError(f"generation {g.gen} does not continue with me ({g.reason})")
         t0 = time.monotonic()
         if self.groups is not None:
-            self.groups.close()
+            self._release(self.groups, set(self.replicas) - set(g.replicas))
         self.groups = self.builder.build(g.gen, g.replicas)
         self.replicas, self.gen = tuple(sorted(g.replicas)), g.gen
         self.log(f"generation {g.gen}: groups re-formed over replicas {list(self.replicas)} in "
@@ -255,6 +255,17 @@ class Membership:
         received = self._hand_over(handover)
         return GenerationChange(g.gen, self.replicas, self.groups, received, g.reason)
 
+    def _release(self, groups: Groups, lost: set[int]) -> None:
+        """Let go of the previous generation's communicators: abort them when a replica was
+        lost (NCCL's destroy would flush operations that involve the dead peer and can hang),
+        close them when the generation only admitted joiners."""
+        if lost:
+            self.log(f"aborting the communicators of generation {self.gen} (lost replica(s) "
+                     f"{sorted(lost)})")
+            groups.abort()
+        else:
+            groups.close()
+
     def _hand_over(self, handover: Callable[[], Handover]) -> Handover | None:
         """After re-forming: a live peer of my stage sends the outer state to each joiner."""
         joiners = [r for r in self.replicas if r not in self.active]
@@ -263,11 +274,15 @@ class Membership:
         stage = self.topo.stage
         key = join_source_key(self.gen, stage)
         if self.topo.replica in joiners:
-            self.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
-            return self._recv_handover(int(self.store.get(key)), handover())
+            try:
+                src = int(self.store.wait_signed(key, self.cfg.timeout_s))
+            except (RuntimeError, ValueError) as e:
+                raise PeerError(f"--join: no source of the outer state of stage {stage} "
+                                f"({first_line(e)})") from None
+            return self._recv_handover(src, handover())
         source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
         if self.topo.rank == source:
-            self.store.set(key, str(source))
+            self.store.put(key, str(source))
             state = handover()
             for r in joiners:
                 self._send_handover(self.plan.pipelines[r][stage], state)
@@ -333,6 +348,7 @@ class Membership:
                 return None
             try:
                 sent = average(flat)
+                complete(average, what)  # NCCL: enqueued only; commit what has arrived
             except PeerError:
                 if not self._await_generation(gen):
                     raise
@@ -348,7 +364,8 @@ class Membership:
 
     def stage_ranks(self) -> tuple[int, ...]:
         """Devices of my stage in every live replica."""
-        return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
+        peers = self.plan.shard_peers(self.topo.stage, self.topo.shard)
+        return tuple(peers[r] for r in self.replicas)
 
     def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
                     abandon: Callable[[], bool] | None, stats: CommStats | None = None) -> bool:
@@ -377,12 +394,15 @@ class Membership:
         first writer wins."""
         mon = self.monitor
         assert mon is not None
-        self.store.set(commit_done_key(prefix, self.topo.rank), "1")
+        self.store.put(commit_done_key(prefix, self.topo.rank), "1")
         keys = [commit_done_key(prefix, r) for r in ranks]
         t0 = time.monotonic()
         while True:
             try:
                 self.store.wait(keys, timedelta(seconds=0.5))
+                if any(self.store.read(k) != "1" for k in keys):  # a forgery: not arrived
+                    time.sleep(0.5)
+                    raise RuntimeError("a forged confirmation in the store")
                 decision = "commit"
             except RuntimeError as e:
                 if mon.gen <= self.gen:
@@ -391,8 +411,8 @@ class Membership:
                                         f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
                     continue
                 decision = "abort"
-            got = self.store.compare_set(commit_decision_key(prefix), "", decision)
-            if got != b"commit":
+            got = self.store.claim(commit_decision_key(prefix), decision)
+            if got != "commit":
                 self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
                          "retrying with the live replicas")
-            return got == b"commit"
+            return got == "commit"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from formats.plan import Plan
 from modules.comm.errors import first_line
+from modules.control.auth import Auth, AuthStore, load_secret
 from modules.control.dist import members_of
 from modules.control.leader import (
     Generation,
@@ -46,50 +48,82 @@ __all__ = ["Generation", "HeartbeatWatch", "Monitor", "MonitorConfig", "describe
            "members_of", "newest_generation", "publish", "read_generation", "register"]
 
 
-def register(store: dist.Store, rank: int, replica: int, stage: int) -> None:
+def register(store: AuthStore, rank: int, replica: int, stage: int) -> None:
     """Record this rank's host, pid and role in the store (named in failure messages)."""
-    store.set(info_key(rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                              "replica": replica, "stage": stage}))
+    store.put(info_key(rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                          "replica": replica, "stage": stage}))
 
 
-def describe_rank(store: dist.Store | None, rank: int, cache: dict[int, dict[str, Any]]) -> str:
+def describe_rank(store: AuthStore | None, rank: int, cache: dict[int, dict[str, Any]]) -> str:
     """'rank R (host H, replica r, stage s)' from the store's info records (kept in `cache`)."""
     info = cache.get(rank)
     if info is None and store is not None:
         try:
-            if store.check([info_key(rank)]):
-                info = cache[rank] = json.loads(store.get(info_key(rank)))
-        except RuntimeError:
+            text = store.read(info_key(rank))
+            info = json.loads(text) if text is not None else None
+            if not isinstance(info, dict) or not {"host", "replica", "stage"} <= set(info):
+                info = None
+            else:
+                cache[rank] = info
+        except (RuntimeError, ValueError):
             info = None
     if not info:
         return f"rank {rank}"
     return f"rank {rank} (host {info['host']}, replica {info['replica']}, stage {info['stage']})"
 
 
+def beat_value(nonce: str, count: int) -> str:
+    """A heartbeat record: this process's random nonce and its beat count."""
+    return f"{nonce}:{count}"
+
+
+def parse_beat(value: str | None) -> tuple[str, int] | None:
+    """(nonce, count) of a heartbeat record; None when absent or malformed."""
+    nonce, _, count = (value or "").partition(":")
+    return (nonce, int(count)) if nonce and count.isdigit() else None
+
+
+def is_done(store: AuthStore, rank: int) -> bool:
+    """Whether `rank` said (signed) that it finished its run."""
+    return store.read(done_key(rank)) == "1"
+
+
 class HeartbeatWatch:
-    """Which ranks went silent: their heartbeat counters compared over time on this host's
-    clock. A rank's clock (re)starts when it is first watched or `restart`ed."""
+    """Which ranks went silent: their signed heartbeat records compared over time on this
+    host's clock. A beat counts only when its count grows (per process nonce), so a replayed
+    old record is no sign of life. A rank's clock (re)starts when it is first watched or
+    `restart`ed."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._seen: dict[int, tuple[int, float]] = {}
-        """rank -> (counter, time.monotonic() when it last changed)."""
+        self._since: dict[int, float] = {}
+        """rank -> time.monotonic() when its heartbeat last moved."""
+        self._counts: dict[int, dict[str, int]] = {}
+        """rank -> {process nonce: highest count seen}."""
 
     def restart(self, ranks: Iterable[int]) -> None:
         """Start the clock of `ranks` anew (a new generation, or their first beat)."""
         for r in ranks:
-            self._seen.pop(r, None)
+            self._since.pop(r, None)
 
-    def silent(self, store: dist.Store, ranks: Iterable[int], now: float) -> list[int]:
-        """Those of `ranks` whose counter has not moved for timeout_s and that did not say
+    def _moved(self, rank: int, beat: tuple[str, int] | None) -> bool:
+        if beat is None:
+            return False
+        counts = self._counts.setdefault(rank, {})
+        if beat[1] <= counts.get(beat[0], -1):
+            return False
+        counts[beat[0]] = beat[1]
+        return True
+
+    def silent(self, store: AuthStore, ranks: Iterable[int], now: float) -> list[int]:
+        """Those of `ranks` whose heartbeat has not moved for timeout_s and that did not say
         they finished."""
         gone = []
         for r in ranks:
-            count = store.add(heartbeat_key(r), 0)
-            prev = self._seen.get(r)
-            if prev is None or prev[0] != count:
-                self._seen[r] = (count, now)
-            elif now - prev[1] > self.timeout_s and store.add(done_key(r), 0) == 0:
+            moved = self._moved(r, parse_beat(store.read(heartbeat_key(r))))
+            if moved or r not in self._since:
+                self._since[r] = now
+            elif now - self._since[r] > self.timeout_s and not is_done(store, r):
                 gone.append(r)
         return gone
 
@@ -113,6 +147,8 @@ class MonitorConfig:
     coordinator: bool = False
     """An external coordinator at host:port hosts the store and leads: no rank leads, and
     rank 0 is an ordinary rank."""
+    auth: Auth | None = None
+    """The run secret's signer (control records; None: a new one from the environment)."""
     log: Callable[[str], None] = print
     on_fatal: Callable[[str], None] = field(default=lambda reason: os._exit(1))
     """Called once with the reason when the run cannot go on for this rank (must not return)."""
@@ -152,18 +188,24 @@ class Monitor(threading.Thread):
         self._coordinator: dict[str, Any] = {}
         """The coordinator's record (host, pid), read at connect: named if it is lost."""
         self._fatal_once = threading.Lock()
-        self._client: dist.Store | None = None
+        self._client: AuthStore | None = None
+        self._nonce = secrets.token_hex(4)
+        self._beats = 0
+        self._last_ok = (time.monotonic(), time.time())
+        """When the store last answered a whole beat (monotonic, wall clock)."""
 
     # -- public ------------------------------------------------------------------------------
     def describe(self, rank: int) -> str:
         """'rank R (host H, replica r, stage s)' from the store's records."""
         return describe_rank(self._client, rank, self._info)
 
-    def describe_store(self) -> str:
-        """Who hosts the rendezvous store, for the message when it stops answering."""
+    def describe_store(self, cached: bool = False) -> str:
+        """Who hosts the rendezvous store, for the message when it stops answering (`cached`:
+        from what was read before only, no store call)."""
         cfg = self.cfg
         if not cfg.coordinator:
-            return f"the rendezvous store (hosted by {self.describe(0)}, {cfg.host}:{cfg.port})"
+            host = describe_rank(None, 0, self._info) if cached else self.describe(0)
+            return f"the rendezvous store (hosted by {host}, {cfg.host}:{cfg.port})"
         info = self._coordinator
         where = f", host {info['host']} pid {info['pid']}" if info else ""
         return (f"the coordinator tcp://{cfg.host}:{cfg.port} (rendezvous store and membership "
@@ -181,12 +223,15 @@ class Monitor(threading.Thread):
             time.sleep(3600)
 
     # -- the thread --------------------------------------------------------------------------
-    def _connect(self) -> dist.Store:
-        client = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=False,
-                               timeout=timedelta(seconds=max(1.0, self.cfg.timeout_s)),
-                               wait_for_workers=False)
-        if self.cfg.coordinator and client.check([COORDINATOR_INFO]):
-            self._coordinator = json.loads(client.get(COORDINATOR_INFO))
+    def _connect(self) -> AuthStore:
+        raw = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=False,
+                            timeout=timedelta(seconds=max(1.0, self.cfg.timeout_s)),
+                            wait_for_workers=False)
+        auth = self.cfg.auth or Auth(load_secret(), self.cfg.log)
+        client = AuthStore(raw, auth)
+        info = client.read(COORDINATOR_INFO) if self.cfg.coordinator else None
+        self._coordinator = json.loads(info) if info is not None else {}
+        describe_rank(client, 0, self._info)  # named (from this cache) if the store freezes
         return client
 
     def run(self) -> None:
@@ -197,10 +242,15 @@ class Monitor(threading.Thread):
         except (RuntimeError, OSError) as e:
             self.fatal(f"heartbeat: cannot reach the rendezvous store ({first_line(e)})")
             return
+        self._last_ok = (time.monotonic(), time.time())
+        if not cfg.hosts_store:  # a frozen or cut-off store may block a call for good
+            threading.Thread(target=self._watch_store, name=f"store-watch-{cfg.rank}",
+                             daemon=True).start()
         while not self._halt.is_set():
             try:
                 self._beat()
                 last_ok = time.monotonic()
+                self._last_ok = (last_ok, time.time())
             except (RuntimeError, OSError) as e:  # the store (rank 0 or coordinator) is silent
                 if time.monotonic() - last_ok > cfg.timeout_s:
                     self.fatal(f"{self.describe_store()} is gone: no answer for "
@@ -212,13 +262,32 @@ class Monitor(threading.Thread):
                 raise
             self._halt.wait(cfg.interval_s)
 
+    def _watch_store(self) -> None:
+        """Stop this rank (checkpoint, exit 1) once the store has not answered a beat for the
+        heartbeat timeout, even while a store call hangs (a SIGSTOPped host, DROPped packets:
+        the connection stays open and nothing times out)."""
+        cfg = self.cfg
+        while not self._halt.wait(min(cfg.interval_s, 0.5)):
+            mono, wall = self._last_ok
+            silent = time.monotonic() - mono
+            if silent > cfg.timeout_s + cfg.interval_s:
+                since = time.strftime("%H:%M:%S", time.gmtime(wall))
+                self.fatal(f"{self.describe_store(cached=True)} does not answer: no reply since "
+                           f"{since} UTC ({silent:.1f} s, over the heartbeat timeout "
+                           f"{cfg.timeout_s:g} s): frozen, cut off or gone; stopping with a "
+                           "checkpoint (restart with --resume once it is back)")
+                return
+
     def _beat(self) -> None:
         cfg, c = self.cfg, self._client
         assert c is not None
-        c.add(heartbeat_key(cfg.rank), 1)
+        self._beats += 1
+        c.put(heartbeat_key(cfg.rank), beat_value(self._nonce, self._beats))
         newest = max(0, newest_generation(c))
         if newest > self.gen:
-            self._new_generation(read_generation(c, newest))
+            g = read_generation(c, newest)
+            if g is not None:  # None: forged (logged) or not written yet
+                self._new_generation(g)
         watch = [r for r in self.members if r != cfg.rank and r not in self.lost]
         now = time.monotonic()
         gone = self._watch.silent(c, watch, now)

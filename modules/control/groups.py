@@ -32,9 +32,20 @@ from modules.comm.choice import (
     local_device,
     read_devices,
 )
-from modules.comm.errors import first_line
+from modules.comm.errors import CommError, first_line
+from modules.control.auth import raw_store
 from modules.control.dist import Topology, members_of
 from modules.control.protocol import generation_prefix
+
+
+def stage_group_name(stage: int, shard: int, sharded: bool) -> str:
+    """The name of the group averaging shard `shard` of `stage` across replicas."""
+    return f"stage{stage}.{shard}" if sharded else f"stage{stage}"
+
+
+def lane_name(replica: int, shard: int, sharded: bool) -> str:
+    """The name of a lane (its tied pair and pipeline are tied<name>, pipeline<name>)."""
+    return f"{replica}.{shard}" if sharded else f"{replica}"
 
 
 @dataclass
@@ -59,11 +70,20 @@ class Groups:
     without sync.overlap or where the group has one member."""
 
     def close(self) -> None:
-        """Release every communicator (before a new generation replaces them)."""
-        for comm in {id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
-                                        self.outer)
-                     if c is not None}.values():
+        """Release every communicator of a healthy generation (NCCL: destroy, which flushes)."""
+        for comm in self._all():
             comm.close()
+
+    def abort(self) -> None:
+        """Drop every communicator without flushing (NCCL: ncclCommAbort): before a new
+        generation replaces one that lost a peer, whose pending operations would hang a
+        destroy."""
+        for comm in self._all():
+            comm.abort()
+
+    def _all(self) -> list[Communicator]:
+        return list({id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
+                                        self.outer) if c is not None}.values())
 
 
 class GroupBuilder:
@@ -77,7 +97,8 @@ class GroupBuilder:
         """`outer_stats`: build each stage group's background communicator (sync.overlap),
         counting into these stats (the background thread's own: the training thread's are
         not touched from two threads)."""
-        self.plan, self.topo, self.store = plan, topo, store
+        self.plan, self.topo = plan, topo
+        self.store = raw_store(store)  # process groups and NCCL ids: the plain store
         self.outer_stats = outer_stats
         self.tie_embeddings = tie_embeddings
         self.timeout_s = timeout_s
@@ -106,12 +127,14 @@ class GroupBuilder:
         comms = build_communicators(list(built), self.topo.rank, list(built.values()),
                                     self.store, self.device,
                                     f"g{gen}/", self.timeout_s,
-                                    {d: i for i, d in enumerate(members)}, self.stats)
+                                    {d: i for i, d in enumerate(members)}, self.stats,
+                                    self._nccl_aborted)
         world = GlooCommunicator(None, self.timeout_s, ids=members, stats=self.stats)
         mine = {c.group: c for c in choices if self.topo.rank in c.ranks}
-        r = self.topo.replica
-        stage, tied, chain = (mine.get(f"stage{self.topo.stage}"), mine.get(f"tied{r}"),
-                              mine.get(f"pipeline{r}"))
+        sharded, topo = self.plan.is_sharded, self.topo
+        lane = lane_name(topo.replica, topo.shard, sharded)
+        stage, tied, chain = (mine.get(stage_group_name(topo.stage, topo.shard, sharded)),
+                              mine.get(f"tied{lane}"), mine.get(f"pipeline{lane}"))
         pipeline = None if chain is None else world if chain.backend == "gloo" \
             else comms[chain.ranks]
         if self.options.backend != "gloo" and mine:
@@ -133,18 +156,28 @@ class GroupBuilder:
                                     [c.backend for c in groups], self.store, self.device,
                                     f"g{gen}/outer", self.timeout_s,
                                     {d: i for i, d in enumerate(members)},
-                                    self.outer_stats)
+                                    self.outer_stats, self._nccl_aborted)
         return comms.get(stage.ranks) if stage else None
+
+    def _nccl_aborted(self, error: CommError) -> None:
+        """An NCCL watchdog aborted a communicator: say so at once (the training thread's
+        next call on it raises the error and the run's failure handling takes over)."""
+        self.log(f"NCCL communicator aborted: {error}")
 
     def _named_groups(self, replicas: list[int]) -> list[tuple[str, tuple[int, ...]]]:
         """Every group of the generation with more than one rank, in one fixed order."""
         plan = self.plan
-        named = [(f"stage{s}", tuple(sorted(plan.pipelines[r][s] for r in replicas)))
-                 for s in range(plan.num_stages)]
+        # shard groups (issue 22): one stage group per shard index, one tied pair and one
+        # pipeline per lane (replica r's shard i, named r.i); D = 1 keeps the old names
+        named = [(stage_group_name(s, d, plan.is_sharded),
+                  tuple(sorted(plan.shard_peers(s, d)[r] for r in replicas)))
+                 for s in range(plan.num_stages) for d in range(plan.shard_degree(s))]
+        lanes = [(lane_name(r, i, plan.is_sharded), plan.lanes()[r * plan.shard_degree(0) + i])
+                 for r in replicas for i in range(plan.shard_degree(0))]
         if self.tie_embeddings and plan.num_stages > 1:
-            named += [(f"tied{r}", tuple(sorted((plan.pipelines[r][0], plan.pipelines[r][-1]))))
-                      for r in replicas]
-        named += [(f"pipeline{r}", tuple(sorted(plan.pipelines[r]))) for r in replicas]
+            named += [(f"tied{name}", tuple(sorted((chain[0], chain[-1]))))
+                      for name, chain in lanes]
+        named += [(f"pipeline{name}", tuple(sorted(chain))) for name, chain in lanes]
         return [(name, ranks) for name, ranks in named if len(ranks) > 1]
 
     def _choose(self, named: list[tuple[str, tuple[int, ...]]],

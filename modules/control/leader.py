@@ -16,9 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from formats.plan import Plan
+from modules.control.auth import AuthStore
 from modules.control.dist import members_of
 from modules.control.protocol import GENERATION_COUNTER, generation_key, join_key
 
@@ -57,20 +56,28 @@ def first_generation(plan: Plan, replicas: Sequence[int]) -> Generation:
     return Generation(0, start, members_of(plan, start), reason="start")
 
 
-def publish(store: dist.Store, g: Generation) -> None:
-    """Write generation g, then advance the counter that announces it."""
-    store.set(generation_key(g.gen), g.to_json())
-    store.set(GENERATION_COUNTER, str(g.gen))
+def publish(store: AuthStore, g: Generation) -> None:
+    """Write generation g, then advance the counter that announces it (both signed)."""
+    store.put(generation_key(g.gen), g.to_json())
+    store.put(GENERATION_COUNTER, str(g.gen))
 
 
-def read_generation(store: dist.Store, g: int) -> Generation:
-    """Generation g from the store."""
-    return Generation.from_json(store.get(generation_key(g)))
+def read_generation(store: AuthStore, g: int) -> Generation | None:
+    """Generation g from the store; None when absent, forged (logged) or malformed."""
+    text = store.read(generation_key(g))
+    if text is None:
+        return None
+    try:
+        gen = Generation.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        store.auth.log(f"warning: ignored a malformed generation {g} record ({e!r})")
+        return None
+    return gen if gen.gen == g else None
 
 
-def newest_generation(store: dist.Store) -> int:
-    """The newest published generation number (-1 when none is)."""
-    return int(store.get(GENERATION_COUNTER)) if store.check([GENERATION_COUNTER]) else -1
+def newest_generation(store: AuthStore) -> int:
+    """The newest published generation number (-1 when none is, or the counter is forged)."""
+    return store.read_int(GENERATION_COUNTER, -1)
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class Leader:
     min_replicas: int
     """Below this many live replicas the new generation says stop (--min-replicas)."""
 
-    def decide(self, store: dist.Store, current: Generation, gone: Sequence[int],
+    def decide(self, store: AuthStore, current: Generation, gone: Sequence[int],
                lost: Mapping[int, str]) -> Generation | None:
         """The generation after `current` given the ranks newly found `gone` (`lost` describes
         them) and the joiners waiting in the store; published, or None when nothing changed."""
@@ -89,7 +96,7 @@ class Leader:
         replicas = set(current.replicas)
         dropped = sorted({plan.stage_of(r)[0] for r in gone} & replicas)
         joined = [k for k in range(plan.num_replicas) if k not in replicas and
-                  all(store.add(join_key(d), 0) > 0 for d in plan.pipelines[k])]
+                  all(store.read(join_key(d)) == "1" for d in members_of(plan, [k]))]
         if not dropped and not joined:
             return None
         new = sorted((replicas - set(dropped)) | set(joined))
@@ -102,6 +109,6 @@ class Leader:
         g = Generation(current.gen + 1, tuple(new), members_of(plan, new), tuple(dropped),
                        tuple(joined), "; ".join(parts), stop=len(new) < self.min_replicas)
         for d in members_of(plan, joined):
-            store.set(join_key(d), "0")  # consumed: a replica dropped later must ask again
+            store.put(join_key(d), "0")  # consumed: a replica dropped later must ask again
         publish(store, g)
         return g

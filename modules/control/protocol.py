@@ -1,6 +1,9 @@
 """The runtime's wire protocol outside the tensors: every key it reads or writes in the
 rendezvous TCPStore (hosted by rank 0, or by the coordinator process with `--coordinator`) and
-every point-to-point tag, named once.
+every point-to-point tag, named once. Control records (generations and their counter, info,
+heartbeats, done, join, the coordinator's and the run's records, commit confirmations and
+decisions, a joiner's source, checkpoint steps) are signed with the run secret
+(modules.control.auth); arrival flags and process-group keys are plain.
 
 Ranks are device ids of the plan. Keys by who writes them:
 - every rank: `ft/info/{rank}` (host, pid, role; named in failure messages), `ft/hb/{rank}`
@@ -63,6 +66,12 @@ def done_key(rank: int) -> str:
 def join_key(rank: int) -> str:
     """Counter > 0 while a rank asks to join (the leader resets it to 0 once admitted)."""
     return f"ft/join/{rank}"
+
+
+def checkpoint_key(rank: int) -> str:
+    """A rank's newest complete checkpoint step (-1: none): the oldest over the live ranks
+    is never pruned (modules.train.checkpoint.shared_floor)."""
+    return f"ckpt/last/{rank}"
 
 
 def generation_key(gen: int) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from formats.errors import UserError
+from formats.safe_open import check_regular, open_regular
 
 DEFAULT_CORPUS = Path("/usr/share/games/fortunes")
 TEXT_SUFFIXES = ("", ".txt", ".text", ".md")
@@ -151,7 +152,7 @@ def _read_error(path: Path, e: OSError) -> UserError:
 
 def _text_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[bytes]]:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "data file") as f:
             stats.documents += 1
             yield _lines(f.readline)
     except OSError as e:
@@ -160,7 +161,7 @@ def _text_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[by
 
 def _jsonl_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[bytes]]:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "data file") as f:
             for lineno, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
@@ -184,22 +185,50 @@ def _jsonl_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[b
         raise _read_error(path, e) from None
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _parquet_column(pf: object, path: Path, field: str) -> None:
+    """UserError unless `field` is exactly one column of strings (plain, large or
+    dictionary-encoded: all ordinary text)."""
+    import pyarrow as pa
+
+    schema = pf.schema_arrow  # type: ignore[attr-defined]
+    found = schema.get_all_field_indices(field)
+    if not found:
+        raise UserError(f"data: {path}: no column {field!r} (columns: "
+                        f"{', '.join(schema.names)}); name the text column with --text-field")
+    if len(found) > 1:
+        raise UserError(f"data: {path}: {len(found)} columns are named {field!r}; a parquet "
+                        "corpus needs one text column (rewrite the file with unique names)")
+    kind = schema.field(found[0]).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
+        raise UserError(f"data: {path}: column {field!r} holds {kind}, not strings")
+
+
 def _parquet_docs(path: Path, field: str, stats: ReadStats) -> Iterator[Iterator[bytes]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_regular(path, "data file")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise UserError(f"data: {path}: not a readable parquet file ({e})") from None
-    schema = pf.schema_arrow
-    if field not in schema.names:
-        raise UserError(f"data: {path}: no column {field!r} (columns: "
-                        f"{', '.join(schema.names)}); name the text column with --text-field")
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"data: {path}: column {field!r} holds {kind}, not strings")
-    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        raise UserError(f"data: {path}: not a readable parquet file ({_one_line(e)})") from None
+    _parquet_column(pf, path, field)
+    batches = pf.iter_batches(batch_size=1024, columns=[field])
+    while True:
+        try:  # a corrupt page or a cut file shows only here: its error, not the cache's
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"data: {path}: damaged parquet file ({_one_line(e)}); "
+                            "rewrite it or leave it out of --data") from None
         for text in batch.column(0).to_pylist():
             if text is None:
                 stats.skipped += 1

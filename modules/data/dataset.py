@@ -33,7 +33,13 @@ from formats.models import ModelSpec
 from modules.config import DataConfig
 from modules.data.corpus import DEFAULT_CORPUS, ReadStats, corpus_files
 from modules.data.token_cache import open_tokens, token_stream
-from modules.data.tokenizer import BYTES_ID, ByteTokenizer, TokenizerId, load_tokenizer
+from modules.data.tokenizer import (
+    BYTES_ID,
+    ByteTokenizer,
+    TokenizerId,
+    load_tokenizer,
+    vocab_memory,
+)
 
 __all__ = ["DEFAULT_CORPUS", "FakeData", "Sharder", "TextData", "corpus_files", "load_data",
            "load_tokens", "run_vocab"]
@@ -58,7 +64,8 @@ def load_data(cfg: DataConfig, spec: ModelSpec, seed: int,
     vocab = run_vocab(spec, tok.ident)
     if vocab != spec.vocab_size:
         log(f"model vocab {vocab} from --tokenizer {cfg.tokenizer} (the preset {spec.name} "
-            f"has {spec.vocab_size}; the plan's memory and FLOPs figures assumed that)")
+            f"has {spec.vocab_size}; the plan's memory and FLOPs figures assumed that); its "
+            f"embedding needs {vocab_memory(vocab, spec.d_model)} of training memory")
     if cfg.fake_data:
         return FakeData(spec.seq_len, vocab, seed=seed, tokenizer=tok.ident)
     files = corpus_files(cfg.data or DEFAULT_CORPUS)

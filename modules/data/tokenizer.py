@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 
 from formats.errors import UserError
+from formats.safe_open import read_bytes
 
+MAX_VOCAB = 1 << 20
+"""Largest vocabulary accepted (as scripts/train_tokenizer.py): 2M tokens would need 33 GB of
+training memory for the embedding of a 1,024-wide model, and ~30 s just to load the file."""
+MAX_TOKENIZER_BYTES = 256 << 20
+"""Largest tokenizer file read (a 1M-token vocabulary with merges is ~60 MB)."""
 BYTES = "bytes"
 """--tokenizer value of the byte tokenizer."""
 END_OF_TEXT = "<|endoftext|>"
@@ -72,13 +78,21 @@ class HFTokenizer:
         raw = _read(path)
         try:
             self.tok = Tokenizer.from_str(raw.decode("utf-8"))
-        except Exception as e:  # tokenizers raises plain Exception for any bad JSON
+        except BaseException as e:  # plain Exception for bad JSON, PanicException (Rust)
+            _reraise_interrupts(e)
             raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizers JSON file "
-                            f"({str(e).splitlines()[0][:200]}); make one with "
+                            f"({_first_line(e)}); make one with "
                             "scripts/train_tokenizer.py or pass --tokenizer bytes") from None
         vocab = self.tok.get_vocab_size(with_added_tokens=True)
         if vocab < 1:
             raise UserError(f"--tokenizer {path}: has an empty vocabulary")
+        if vocab > MAX_VOCAB:
+            raise _too_many(vocab, path)
+        # A stream of whole documents is tokenized: the file's inference settings would pad
+        # every piece (Fixed 4M: 8M tokens of 10 KB) or cut it (to 0: "no text").
+        self.tok.no_padding()
+        self.tok.no_truncation()
+        self.path = path
         self.ident = TokenizerId(path.name, vocab, hashlib.sha256(raw).hexdigest())
 
     def separator(self) -> np.ndarray:
@@ -90,21 +104,47 @@ class HFTokenizer:
     def encode(self, pieces: list[bytes], where: str) -> list[np.ndarray]:
         """Token ids of each UTF-8 piece (UserError naming `where` for bytes that are not)."""
         texts = [_utf8(p, where) for p in pieces]
-        return [np.array(e.ids, dtype=np.int64)
-                for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            encoded = self.tok.encode_batch(texts, add_special_tokens=False)
+        except BaseException as e:  # e.g. WordLevel without unk_token, a Rust panic
+            _reraise_interrupts(e)
+            raise UserError(f"--tokenizer {self.path}: cannot encode {where} "
+                            f"({_first_line(e)}); fix the tokenizer file (e.g. give WordLevel "
+                            "an unk_token) or pass --tokenizer bytes") from None
+        return [np.array(e.ids, dtype=np.int64) for e in encoded]
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
+def vocab_memory(vocab: int, d_model: int = 1024) -> str:
+    """Training memory of a vocab x d_model embedding (fp32 weights, gradients and AdamW's
+    two moments: 16 bytes a parameter), e.g. '32.0 GB'."""
+    return f"{vocab * d_model * 16 / 1e9:.1f} GB"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:200]
+
+
+def _reraise_interrupts(e: BaseException) -> None:
+    """Re-raise what is no tokenizer error: Ctrl-C, exit (a Rust panic is a BaseException)."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, UserError)):
+        raise e
+
+
+def _too_many(vocab: int, path: Path) -> UserError:
+    return UserError(f"--tokenizer {path}: {vocab} tokens, more than the {MAX_VOCAB} a model "
+                     f"here may have (its embedding alone: {vocab_memory(vocab)} of training "
+                     "memory per 1,024 model dimensions); use a smaller vocabulary")
+
+
 def _read(path: Path) -> bytes:
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--tokenizer {path}: no such file; pass `bytes` or a tokenizer.json "
                         "(make one with scripts/train_tokenizer.py)")
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UserError(f"--tokenizer {path}: cannot read it ({e.strerror})") from None
+    return read_bytes(path, "--tokenizer", MAX_TOKENIZER_BYTES)
 
 
 def _utf8(piece: bytes, where: str) -> str:

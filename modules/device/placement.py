@@ -43,7 +43,7 @@ def replica_peak_tflops(cfg: RunConfig, plan: Plan, replica: int,
                         cluster: Cluster | None) -> float | None:
     """The peak the replica's MFU divides by: --peak-tflops per device, else the cluster's
     `tflops` of each device of the replica's pipeline, else None."""
-    devices = plan.pipelines[replica]
+    devices = [d for s in range(plan.num_stages) for d in plan.shard_group(replica, s)]
     if cfg.metrics.peak_tflops is not None:
         return cfg.metrics.peak_tflops * len(devices)
     if cluster is None:

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from formats.errors import UserError
+from modules.config import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 AgreeMax = Callable[[torch.Tensor], None]

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from formats.errors import UserError
-
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+from modules.config import DEVICE_CHOICES
 
 
 def resolve_device(choice: str, cuda_device: int | None,

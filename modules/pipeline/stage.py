@@ -54,6 +54,9 @@ class PipelineStage:
         """How activations and their gradients are encoded on the pipeline's links."""
         self.bytes_sent = 0
         """Bytes of the messages this stage sent (activations and gradients, eval included)."""
+        self.before_backward: Callable[[bool], None] | None = None
+        """Called before each micro-batch's backward with whether it is the step's last
+        (shard groups: FSDP2's gradient sync; modules.shard)."""
 
     def _buffer(self) -> torch.Tensor:
         """An empty receive buffer for one micro-batch's message (its encoded size)."""
@@ -96,6 +99,8 @@ class PipelineStage:
         sends = []
         for m in reversed(range(M)):
             out = saved_out[m]
+            if self.before_backward is not None:
+                self.before_backward(m == 0)
             if topo.is_last:
                 (scale_loss(out) if scale_loss else out).backward()
             else:

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
+from formats import wire
 from formats.plan import PIPELINE_COMPRESSIONS
 from modules.device.precision import Precision
-from modules.quant.rows import decode_rows, encode_rows, row_message_bytes
+from modules.quant.rows import decode_rows, encode_rows
 
 
 def message_bytes(compression: str, shape: tuple[int, ...], compute_bytes: int = 4) -> int:
     """Bytes of one pipeline message of an activation of `shape` (last dim d_model);
-    `compute_bytes`: bytes per value of the compute dtype (what `none` sends)."""
-    if compression == "int8":
-        return row_message_bytes(shape)
-    return math.prod(shape) * (2 if compression == "bf16" else compute_bytes)
+    `compute_bytes`: bytes per value of the compute dtype (what `none` sends); the formula is
+    formats.wire's, the planner's too."""
+    return wire.pipeline_message_bytes(compression, math.prod(shape), shape[-1], compute_bytes)
 
 
 @dataclass(frozen=True)

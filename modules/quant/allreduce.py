@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from formats.plan import COMPRESSIONS
 from modules.quant.codec import (
     DEFAULT_BLOCK,
     QuantizedTensor,
@@ -32,7 +33,6 @@ from modules.quant.codec import (
     quantize_int8,
 )
 
-COMPRESSIONS = ("none", "fp16", "int8")
 SEGMENT = 1 << 21
 """Values per pipelined segment of the compressed all-reduce (8 MiB of fp32); results depend
 on it (it fixes which rank sums which values), so every rank must use the same."""

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BLOCK = 256
+from formats.wire import INT8_BLOCK, SCALE_BYTES
+
+DEFAULT_BLOCK = INT8_BLOCK
+"""Values per fp32 scale (formats.wire.INT8_BLOCK: the planner assumes the same)."""
 SCALE_FLOOR = 2.0**-126
 """FLT_MIN, the smallest normal fp32: the lower bound of every scale."""
 SCALE_CEIL = float(torch.tensor(0x7C010203, dtype=torch.int32).view(torch.float32))
@@ -30,8 +33,9 @@ class QuantizedTensor:
     block: int
 
     def nbytes(self) -> int:
-        """Bytes on the wire: codes plus scales."""
-        return self.codes.numel() + 4 * self.scales.numel()
+        """Bytes on the wire: codes plus scales (= formats.wire.payload_bytes, the planner's
+        size: tests/test_wire_sizes.py)."""
+        return self.codes.numel() + SCALE_BYTES * self.scales.numel()
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:

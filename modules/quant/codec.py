@@ -70,7 +70,7 @@ def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTenso
     CUDA tensors go to the int8.cu kernel when cupy is importable, CPU tensors to torch.
     """
     _check_args(x, block)
-    if x.is_cuda and _cupy_available():
+    if x.is_cuda and cupy_available():
 
         return quantize_int8_cuda(x.contiguous(), block)
     return quantize_int8_torch(x, block)
@@ -110,7 +110,7 @@ def quantize_int8_torch(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> Quantize
 
 def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
     """fp32 flat tensor back from codes and scales (on their device): code * scale."""
-    if q.codes.is_cuda and _cupy_available():
+    if q.codes.is_cuda and cupy_available():
 
         return dequantize_int8_cuda(q)
     out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
@@ -124,7 +124,7 @@ def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
     return out
 
 
-def _cupy_available() -> bool:
+def cupy_available() -> bool:
     try:
         import cupy  # noqa: F401
     except ImportError:

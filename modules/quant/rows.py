@@ -26,23 +26,25 @@ import math
 
 import torch
 
+from formats import wire
+from formats.wire import SCALE_BYTES
 from modules.quant.blocks import NonFiniteError, QuantizedTensor
-from modules.quant.codec import dequantize_int8, quantize_int8
-
-SCALE_BYTES = 4
-"""One fp32 scale per row."""
+from modules.quant.codec import cupy_available, dequantize_int8, quantize_int8
+from modules.quant.cuda import quantize_int8_cuda
 
 
 def row_message_bytes(shape: tuple[int, ...]) -> int:
     """Bytes of the int8 message of a tensor of `shape` (rows = the last dimension)."""
-    numel = math.prod(shape)
-    return numel + SCALE_BYTES * (numel // shape[-1] if numel else 0)
+    return wire.pipeline_message_bytes("int8", math.prod(shape), shape[-1])
 
 
 def encode_rows(x: torch.Tensor) -> torch.Tensor:
     """The uint8 message of `x` (any float dtype, quantised per row of its last dimension)."""
     row = x.shape[-1]
     flat = x.detach().to(torch.float32).contiguous().reshape(-1)
+    if _on_gpu(flat):  # the kernel marks NaN/inf rows itself: no host sync per message
+        q = quantize_int8_cuda(flat, row, mark_nonfinite=True)
+        return torch.cat([q.scales.view(torch.uint8), q.codes.view(torch.uint8)])
     try:
         q = quantize_int8(flat, row)
     except NonFiniteError:  # rare (fp16 overflow, divergence): find the rows, then mark them
@@ -60,6 +62,11 @@ def decode_rows(message: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     scales = message[: SCALE_BYTES * nrows].view(torch.float32)
     codes = message[SCALE_BYTES * nrows:].view(torch.int8)
     return dequantize_int8(QuantizedTensor(codes, scales, numel, shape[-1])).view(shape)
+
+
+def _on_gpu(flat: torch.Tensor) -> bool:
+    """Whether `flat` goes to the CUDA kernel (a CUDA tensor and cupy importable)."""
+    return flat.is_cuda and cupy_available()
 
 
 def _quantize_marking_non_finite(flat: torch.Tensor, row: int) -> QuantizedTensor:

@@ -8,6 +8,7 @@ function it returns.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -27,20 +28,43 @@ def make_group_average(comm: Communicator | None, compression: str, what: str) -
     """The averaging function of one stage group (identity without a group or alone in it).
 
     Returns the bytes this rank put on the wire: for `none` what a ring all-reduce sends,
-    2 (W-1)/W x 4 bytes per element; for fp16/int8 what the compressed mean sends.
+    2 (W-1)/W x 4 bytes per element; for fp16/int8 what the compressed mean sends. On NCCL the
+    average is only enqueued when it returns: `complete(average, what)` waits for it.
     """
     if comm is None or comm.size == 1:
         return no_average
-    if compression != "none":
-        return lambda tensor: comm.mean_all_reduce(tensor, compression, what)
+    return CommAverage(comm, compression, what)
 
-    def average(tensor: torch.Tensor) -> int:
+
+@dataclass
+class CommAverage:
+    """The average over a stage group's communicator (a GroupAverage)."""
+
+    comm: Communicator
+    compression: str
+    what: str
+
+    def __call__(self, tensor: torch.Tensor) -> int:
+        """Average `tensor` in place; the bytes this rank sent."""
+        comm = self.comm
+        if self.compression != "none":
+            return comm.mean_all_reduce(tensor, self.compression, self.what)
         before = comm.bytes_sent
-        comm.all_reduce(tensor, "sum", what)
+        comm.all_reduce(tensor, "sum", self.what)
         tensor /= comm.size
         return comm.bytes_sent - before
 
-    return average
+    def complete(self, what: str) -> None:
+        """Block until the averages enqueued so far are done (NCCL: the stream has run them,
+        within the timeout; gloo: they already are)."""
+        self.comm.synchronize(what)
+
+
+def complete(average: GroupAverage, what: str) -> None:
+    """Wait until `average`'s enqueued work is done (nothing to wait for without a group)."""
+    wait = getattr(average, "complete", None)
+    if wait is not None:
+        wait(what)
 
 
 def average_grads(params: list[torch.nn.Parameter], average: GroupAverage) -> int:

@@ -83,6 +83,16 @@ def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def outer_param_order(params: list[torch.nn.Parameter], tied: list[torch.nn.Parameter],
+                      fragments: int) -> list[torch.nn.Parameter]:
+    """DiLoCo's parameter order on a stage: with fragments the tied embedding copies first, so
+    the first and the last stage sync them in the same slot and the copies stay equal."""
+    if fragments == 1:
+        return list(params)
+    ids = {id(p) for p in tied}
+    return [p for p in params if id(p) in ids] + [p for p in params if id(p) not in ids]
+
+
 def sync_slots(inner_steps: int, fragments: int) -> list[int]:
     """Inner step of the round (1..H) after which each fragment syncs: floor((f+1) H / F)."""
     return [(f + 1) * inner_steps // fragments for f in range(fragments)]
@@ -118,7 +128,11 @@ class DiLoCoOptimizer:
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, inner_steps: int = 500,
                  all_reduce_fn: AllReduceFn | None = None, nesterov: bool = True,
                  fragments: int = 1, overlap: bool = False, overlap_alpha: float = 0.5,
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None,
+                 anchor_device: torch.device | str | None = None) -> None:
+        """`anchor_device`: where the anchors and outer momentum live (default: with each
+        parameter; "cpu" keeps them in host memory, the pseudo-gradient is still taken and
+        averaged on the parameters' device)."""
         self.params = [p for p in params if p.requires_grad]
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -135,7 +149,8 @@ class DiLoCoOptimizer:
         self.inner = inner_optimizer
         self.inner_steps = inner_steps
         self.all_reduce_fn = all_reduce_fn or default_all_reduce
-        self.anchor = [p.detach().clone() for p in self.params]
+        self.anchor = [p.detach().to(anchor_device or p.device, copy=True)
+                       for p in self.params]
         """The global (outer) model; the outer optimizer steps it."""
         self.bounds = fragment_bounds([p.numel() for p in self.params], fragments)
         """Parameter index range [start, end) of each fragment."""
@@ -217,7 +232,7 @@ class DiLoCoOptimizer:
 
     def _pseudo(self, f: int) -> torch.Tensor:
         a, b = self.bounds[f]
-        return torch.cat([(x - p.detach()).reshape(-1)
+        return torch.cat([(x.to(p.device) - p.detach()).reshape(-1)
                           for x, p in zip(self.anchor[a:b], self.params[a:b])])
 
     @torch.no_grad()
@@ -228,13 +243,13 @@ class DiLoCoOptimizer:
         off = 0
         for x in self.anchor[a:b]:
             n = x.numel()
-            x.grad = average[off:off + n].view_as(x).to(x.dtype)
+            x.grad = average[off:off + n].view_as(x).to(x.device, x.dtype)
             off += n
         self.outers[f].step()
         for x, p in zip(self.anchor[a:b], self.params[a:b]):
             x.grad = None
             if self.alpha:
-                p.mul_(self.alpha).add_(x, alpha=1 - self.alpha)
+                p.mul_(self.alpha).add_(x.to(p.device), alpha=1 - self.alpha)
             else:
                 p.copy_(x)
 

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from formats.cluster import Cluster
-from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.control.dht import (
@@ -50,6 +50,9 @@ from modules.control.dht import (
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.outer_deadlines import OuterDeadlines, derive
+
+if TYPE_CHECKING:
+    from modules.config import ResolvedRun
 
 ROUND_BITS = 16
 """Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
@@ -356,29 +359,18 @@ def quiet_hivemind() -> None:
         logging.getLogger("hivemind").setLevel(logging.CRITICAL)
 
 
-def settings_of(cfg: object, plan: Plan, min_replicas: int) -> HivemindSettings:
-    """HivemindSettings from a RunConfig (its `hivemind` component) and the plan."""
-    hv = cfg.hivemind  # type: ignore[attr-defined]
+def settings_of(run: ResolvedRun) -> HivemindSettings:
+    """HivemindSettings from a resolved run (its settings' `hivemind` component and plan)."""
+    cfg, plan = run.cfg, run.plan
+    hv = cfg.hivemind
     agreed = {"plan": plan.to_dict(), "compression": plan.sync.compression}
-    run = run_id(agreed, hv.run_id)
     return HivemindSettings(
         initial_peers=tuple(parse_maddrs(hv.initial_peers, "--initial-peers")),
         host_maddrs=tuple(parse_maddrs(hv.host_maddrs, "--host-maddrs", need_peer_id=False)),
         announce_maddrs=tuple(parse_maddrs(hv.announce_maddrs, "--announce-maddrs",
                                            need_peer_id=False)),
-        client_mode=hv.client_mode, run=run, timeout_s=cfg.timeout_s,  # type: ignore[attr-defined]
-        heartbeat_s=cfg.elastic.heartbeat_timeout_s,  # type: ignore[attr-defined]
-        min_replicas=min_replicas, compression=plan.sync.compression,
-        starting=len(cfg.elastic.start_replicas(plan.num_replicas)  # type: ignore[attr-defined]
-                     or range(plan.num_replicas)),
+        client_mode=hv.client_mode, run=run_id(agreed, hv.run_id), timeout_s=cfg.timeout_s,
+        heartbeat_s=cfg.elastic.heartbeat_timeout_s, min_replicas=run.min_replicas,
+        compression=plan.sync.compression,
+        starting=len(run.start_replicas or range(plan.num_replicas)),
         matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)
-
-
-def check_supported(plan: Plan) -> None:
-    """UserError for what the hivemind backend does not do (yet)."""
-    if plan.sync.mode != "diloco":
-        raise UserError("--outer-backend hivemind: needs sync mode diloco (the plan's is "
-                        f"{plan.sync.mode!r}); allreduce averages every step")
-    if plan.sync.fragments > 1 or plan.sync.overlap:
-        raise UserError("--outer-backend hivemind: not with sync.fragments > 1 or sync.overlap "
-                        "yet; pass --fragments 1 --overlap off")

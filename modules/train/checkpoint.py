@@ -19,6 +19,7 @@ import math
 import pickle
 import queue
 import re
+import shutil
 import struct
 import sys
 import threading
@@ -32,6 +33,7 @@ import torch
 
 from formats.atomic_io import atomic_write_bytes
 from formats.errors import UserError
+from formats.safe_open import open_regular
 
 CKPT_FORMAT = "ckpt/2"
 """ckpt/1 had no checksum; its files are refused (they cannot be verified)."""
@@ -39,6 +41,8 @@ MAGIC = b"STCKPT2\n"
 HEADER = struct.Struct("<8s32sQ")
 """magic, sha256 of the payload, payload length in bytes (little-endian)."""
 STEP_FILE = re.compile(r"^step(\d+)\.pt$")
+TEMP_FILE = re.compile(r"^\.step\d+\.pt\..+\.tmp$")
+"""A write's temporary file (formats.atomic_io's name): left over only by a killed write."""
 _RANK_NAME = re.compile(r"^rank(\d+)")
 _READ_CHUNK_BYTES = 1 << 20
 META_HINTS = {"tokenizer": "it was trained with another vocabulary: resume with the "
@@ -147,7 +151,7 @@ def _check_header(head: bytes, size: int) -> tuple[str | None, bytes, int]:
 def verify_checkpoint(path: Path) -> str | None:
     """None if `path` is a complete checkpoint whose checksum verifies, else why not."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "checkpoint") as f:  # a FIFO here would block the resume
             size = f.seek(0, io.SEEK_END)
             f.seek(0)
             why, digest, _ = _check_header(f.read(HEADER.size), size)
@@ -158,15 +162,78 @@ def verify_checkpoint(path: Path) -> str | None:
                 h.update(chunk)
     except OSError as e:
         return f"cannot read it: {e.strerror or e}"
+    except UserError as e:
+        return str(e).split(": ", 1)[-1]
     if h.digest() != digest:
         return "sha256 of its bytes does not match the one written with it (changed on disk)"
     return None
 
 
-def prune(ckpt_dir: str | Path, rank: int, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoint files of `rank`."""
+def prune(ckpt_dir: str | Path, rank: int, keep: int, floor: int | None = None) -> None:
+    """Delete all but the newest `keep` checkpoint files of `rank`, never one of step
+    `floor` or newer (the newest step every rank has: --resume needs it on every rank)."""
     for step in step_files(ckpt_dir, rank)[:-keep] if keep > 0 else []:
-        step_path(ckpt_dir, rank, step).unlink(missing_ok=True)
+        if floor is None or step < floor:
+            step_path(ckpt_dir, rank, step).unlink(missing_ok=True)
+
+
+def remove_stale_temps(ckpt_dir: str | Path, rank: int) -> list[Path]:
+    """Delete the temporary files a killed write left in `rank`'s folder (call before any
+    writer of this rank runs); returns them."""
+    d = rank_dir(ckpt_dir, rank)
+    try:
+        stale = [f for f in d.iterdir() if TEMP_FILE.match(f.name) and f.is_file()]
+    except OSError:
+        return []
+    for f in stale:
+        f.unlink(missing_ok=True)
+    return stale
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem of `path` (its nearest existing folder)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def write_step(ckpt_dir: str | Path, rank: int, step: int, meta: dict[str, Any],
+               state: dict[str, Any], hook: Callable[[], None] | None = None) -> str | None:
+    """Write `rank`'s checkpoint of `step` (temp + rename); None when it is on disk, else why
+    not: the path, the error, the bytes it needed and the free bytes there. A failed write
+    leaves no temporary file and the previous checkpoints as they were."""
+    path = step_path(ckpt_dir, rank, step)
+    chunks = encode_checkpoint(meta, state)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, chunks, hook)
+    except OSError as e:
+        need = sum(memoryview(c).nbytes for c in chunks)
+        free = _free_bytes(path.parent)
+        where = f", {free} free there" if free is not None else ""
+        return (f"cannot write {path} ({e.strerror or e}; it needs {need} bytes{where}; "
+                f"--ckpt-dir {ckpt_dir})")
+    return None
+
+
+def shared_floor(store: Any, rank: int, ranks: Iterable[int], last: int | None,
+                 publish: bool = True) -> int | None:
+    """Publish `last` (this rank's newest complete step; unless not `publish`) and return the
+    oldest such step over `ranks` (-1 while one has none): `prune` keeps it, so --resume finds
+    a step every rank has even when some rank's saves failed. None when the store does not
+    answer."""
+    from modules.control.protocol import checkpoint_key
+
+    try:
+        if publish:
+            store.put(checkpoint_key(rank), str(-1 if last is None else last))
+        return min(store.read_int(checkpoint_key(r), -1) for r in ranks)
+    except (RuntimeError, OSError):
+        return None
 
 
 DebugHook = Callable[[int, str], None]
@@ -181,9 +248,17 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, ckpt_dir: str | Path, rank: int, keep: int = 2,
-                 debug_hook: DebugHook | None = None) -> None:
+                 debug_hook: DebugHook | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.ckpt_dir, self.rank, self.keep = Path(ckpt_dir), rank, keep
         self.debug_hook = debug_hook
+        self.log = log or _stderr
+        for f in remove_stale_temps(ckpt_dir, rank):
+            self.log(f"checkpoint: removed {f}, left over by a write that was killed")
+        self.floor: int | None = None
+        """The newest step every rank has completely (`shared_floor`): never pruned."""
+        self.failures: list[str] = []
+        """Why each failed write failed (the run goes on without that checkpoint)."""
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -234,21 +309,30 @@ class AsyncCheckpointer:
         while True:
             step, meta, snap, prune_old = self._queue.get()
             try:
-                self._write(step, meta, snap)
+                why = self._write(step, meta, snap)
+                if why is not None:
+                    self.report_failure(step, why)
+                    continue
                 self.last_step = step
                 if prune_old:
-                    prune(self.ckpt_dir, self.rank, self.keep)
+                    prune(self.ckpt_dir, self.rank, self.keep, self.floor)
             except BaseException as e:  # reported to the training thread
                 self._error = e
             finally:
                 self._idle.set()
 
-    def _write(self, step: int, meta: dict[str, Any], snap: dict[str, Any]) -> None:
-        path = step_path(self.ckpt_dir, self.rank, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _write(self, step: int, meta: dict[str, Any], snap: dict[str, Any]) -> str | None:
         hook = self.debug_hook
-        atomic_write_bytes(path, encode_checkpoint(meta, snap),
-                           (lambda: hook(step, "half")) if hook is not None else None)
+        return write_step(self.ckpt_dir, self.rank, step, meta, snap,
+                          (lambda: hook(step, "half")) if hook is not None else None)
+
+    def report_failure(self, step: int, why: str) -> None:
+        """A failed save never ends the run: say so, keep the older steps (no pruning)."""
+        self.failures.append(why)
+        kept = (f"step {self.last_step} stays the newest complete one" if self.last_step
+                is not None else "no complete checkpoint of this run yet")
+        self.log(f"warning: checkpoint of step {step} failed: {why}; {kept} (nothing pruned); "
+                 "training goes on and the next checkpoint tries again")
 
 
 def _rank_of(path: Path, expect_meta: dict[str, Any]) -> str:
@@ -266,9 +350,12 @@ def _read_verified(path: Path, rank: str) -> io.BytesIO:
                          "delete it or resume from another --ckpt-dir")
 
     try:
-        data = path.read_bytes()
+        with open_regular(path, "checkpoint") as f:  # a FIFO here would block the resume
+            data = f.read()
     except OSError as e:
         raise corrupt(f"cannot read it: {e.strerror or e}") from None
+    except UserError as e:
+        raise corrupt(str(e).split(": ", 1)[-1]) from None
     why, digest, _ = _check_header(data[:HEADER.size], len(data))
     if why is not None:
         raise corrupt(why)
@@ -304,6 +391,10 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     for name, value in (("meta", meta), ("state", state)):
         if not isinstance(value, dict):
             raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
+    saved_d, want_d = meta.get("shard_degree", 1), expect_meta.get("shard_degree", 1)
+    if saved_d != want_d:  # shard groups (issue 22): checked first, a shard's rows depend on D
+        raise UserError(f"checkpoint {path}: written with shard degree D = {saved_d}, this run "
+                        f"has D = {want_d}; resume with a plan of D = {saved_d} or start fresh")
     for key, want in expect_meta.items():
         if meta.get(key) != want:
             hint = META_HINTS.get(key, "it was written for another plan or rank")

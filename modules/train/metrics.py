@@ -1,4 +1,4 @@
-"""metrics.jsonl (see README, File formats): one JSON object per step and replica; the run
+"""metrics.jsonl (see docs/formats.md): one JSON object per step and replica; the run
 folder's per-rank timing files use the same writer (names: formats/run_metrics.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from formats.atomic_io import atomic_write_bytes
-from formats.run_metrics import rank_timing_path, replica_metrics_path
+from formats.run_metrics import MAX_JSONL_BYTES, rank_timing_path, replica_metrics_path
+from formats.safe_open import read_bytes
 
 __all__ = ["MetricsWriter", "rank_timing_path", "read_metrics", "replica_metrics_path"]
 
@@ -40,14 +41,16 @@ class MetricsWriter:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    text = read_bytes(path, "metrics file", MAX_JSONL_BYTES).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _lines_up_to(path: Path, step: int) -> bytes:
     """The lines of a metrics file whose record has no step or one <= `step` (a line cut off by
     a crash is dropped)."""
     keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    text = read_bytes(path, "--metrics", MAX_JSONL_BYTES).decode("utf-8", errors="replace")
+    for line in text.splitlines():
         try:
             rec = json.loads(line)
         except ValueError:

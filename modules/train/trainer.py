@@ -1,6 +1,8 @@
 """The training loop of one rank: pipeline step, tied-embedding sum, data-parallel sync, metrics,
-checkpoints. dist_runner.py parses arguments and calls `Trainer(...).run()`; who the rank
-trains with is the Trainer's `Membership` (modules.control.elastic).
+checkpoints. dist_runner.py resolves the run once and calls `Trainer(run, ...).run()`. The loop
+is composed of parts that hold what they use: who the rank trains with is its `Membership`
+(modules.control.elastic), DiLoCo's outer sync its `OuterSync` (modules.train.outer_sync), the
+checkpoint lifecycle its `Checkpointing` (modules.train.checkpointing).
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -17,23 +18,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from formats.errors import UserError
 from formats.models import get_model
-from formats.plan import Plan
+from formats.run_metrics import STATUS_ENV, status_line
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
-from modules.config import RunConfig
-from modules.control.dist import Topology
-from modules.control.elastic import GenerationChange, Handover, Membership, MembershipSettings
+from modules.config import ResolvedRun, RunConfig
+from modules.control.dist import Topology, members_of
+from modules.control.elastic import GenerationChange, Membership, MembershipSettings
 from modules.control.groups import GroupBuilder, Groups
+from modules.control.signals import TERM_STATUS, on_terminate
 from modules.data.dataset import FakeData, Sharder, TextData
-from modules.data.tokenizer import BYTES_ID, TokenizerId
 from modules.device.compile import maybe_compile
 from modules.device.mfu import flops_per_token, mfu
 from modules.device.placement import Placement
 from modules.device.precision import LossScaling
 from modules.device.select import rng_states, set_rng_states, to_device
 from modules.pipeline.stage import PipelineStage
+from modules.shard.runtime import ShardRuntime
 from modules.sync.average import (
     GroupAverage,
     average_grads,
@@ -42,19 +43,10 @@ from modules.sync.average import (
     sum_tied_grads,
 )
 from modules.sync.diloco import DiLoCoOptimizer
-from modules.sync.overlap import OverlapSync
-from modules.train.checkpoint import (
-    AsyncCheckpointer,
-    check_finite_state,
-    complete_steps,
-    fallback_note,
-    load_checkpoint,
-    prune,
-    save_checkpoint,
-    snapshot,
-    step_path,
-)
+from modules.train.checkpoint import check_finite_state
+from modules.train.checkpointing import Checkpointing, checkpoint_meta
 from modules.train.model import StageModel
+from modules.train.outer_sync import OuterSync
 from modules.train.tracking import open_rank_timing, open_trackers
 
 if TYPE_CHECKING:
@@ -86,85 +78,74 @@ def set_lr(opt: torch.optim.Optimizer, step: int, cfg: RunConfig) -> None:
         group["lr"] = cfg.optim.lr * lr_factor(step, cfg)
 
 
-def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
-                    tokenizer: TokenizerId = BYTES_ID) -> dict[str, Any]:
-    """What a rank's checkpoint must match to be resumed (model, split, rank, sync, batch,
-    tokenizer)."""
-    return {"model": plan.model, "stages": [list(s) for s in plan.stages], "rank": topo.rank,
-            "replica": topo.replica, "stage": topo.stage, "world_size": topo.world_size,
-            "sync_mode": plan.sync.mode, "inner_steps": plan.sync.inner_steps,
-            "micro_batch_size": plan.micro_batch_size,
-            "num_micro_batches": plan.num_micro_batches, "seed": seed,
-            "tokenizer": tokenizer.meta()}
-
-
 class TrainingDiverged(Exception):  # noqa: N818 - the name says what happened
     """A non-finite loss or parameter: the run stops (exit 1) after saving the last finite
     state. Not a RuntimeError, which the loop reads as a lost peer."""
 
 
 class Trainer:
-    """One rank's share of the run described by a plan. Who it trains with (groups, failures,
-    joining) is its composed `Membership` (modules.control.elastic), whose changes `_apply`
-    takes."""
+    """One rank's share of the run: the loop, over composed parts. Who it trains with (groups,
+    failures, joining) is its `Membership` (modules.control.elastic), whose changes `_apply`
+    takes; DiLoCo's outer sync is its `OuterSync`, checkpoints its `Checkpointing`."""
 
-    def __init__(self, plan: Plan, topo: Topology, store: dist.Store,
-                 data: TextData | FakeData, cfg: RunConfig, log=print,
-                 placement: Placement | None = None,
-                 store_addr: tuple[str, int] | None = None, coordinator: bool = False,
-                 outer_backend: HivemindOuter | None = None) -> None:
-        """`placement`: device, precision, compile and backend (default: CPU, fp32, gloo);
-        `store_addr`: (host, port) of the rendezvous store for the heartbeat thread's own
-        connection (None: no heartbeat, e.g. single-process tests); `coordinator`: a
-        coordinator process hosts that store and leads membership (no rank does);
-        `outer_backend`: DiLoCo's outer average goes through hivemind (the store is my
-        replica's own: membership across replicas is the DHT's)."""
-        plan = cfg.outer.apply(plan)  # --fragments / --overlap override the plan's
-        self.outer_backend = outer_backend
-        self.plan, self.topo, self.cfg, self.log = plan, topo, cfg, log
+    def __init__(self, run: ResolvedRun, topo: Topology, store: dist.Store,
+                 data: TextData | FakeData, log=print, placement: Placement | None = None,
+                 store_addr: tuple[str, int] | None = None,
+                 hivemind: HivemindOuter | None = None) -> None:
+        """`run`: the resolved run (effective plan and settings, launch target); `placement`:
+        device, precision, compile and backend (default: CPU, fp32, gloo); `store_addr`: (host,
+        port) of the rendezvous store for the heartbeat thread's own connection (None: no
+        heartbeat, e.g. single-process tests); `hivemind`: DiLoCo's outer average goes through
+        it (--outer-backend hivemind: the store is my replica's own)."""
+        plan, cfg = run.plan, run.cfg
+        self.hivemind = hivemind
+        self.resolved, self.plan, self.topo, self.cfg, self.log = run, plan, topo, cfg, log
         self.placement = placement or Placement()
         self.device = self.placement.device
         self._init_model_and_data(data)
         self.stats = CommStats()
         """Bytes sent and seconds waited by every communicator of this rank."""
-        self._init_overlap()
+        self.shard: ShardRuntime | None = self._make_shard(store)
+        """Shard groups (plan/2): this rank's FSDP2 shard group; None without."""
         self.pipe = PipelineStage(self.model, topo, None, plan.micro_batch_size,
-                                  self.placement.precision,
-                                  cfg.device.resolved_pipeline_compression(plan))
+                                  self.placement.precision, plan.pipeline_compression)
+        if self.shard is not None:
+            self.pipe.before_backward = self.shard.before_backward
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
-        self.diloco: DiLoCoOptimizer | None = self._make_diloco()
-        """The outer optimizer around `inner` in sync mode diloco (None in allreduce mode)."""
-        self.opt: torch.optim.Optimizer | DiLoCoOptimizer = self.diloco or self.inner
-        """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
         self.step = 0
         self.tokens = 0
-        self.tokens_per_step = plan.num_micro_batches * plan.micro_batch_size * self.spec.seq_len
+        self.tokens_per_step = (plan.num_micro_batches * plan.micro_batch_size
+                                * self.spec.seq_len * topo.shard_degree)  # D lanes a replica
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
+        self.round_dp0 = 0
+        """dp_bytes when the current DiLoCo round began (a round's F fragment syncs fall on
+        different steps; its log line counts them all)."""
         self.mfu_values: list[float] = []
         """MFU of each measured step (empty without a peak)."""
         self.flops_per_token = flops_per_token(self.spec)
         """Training FLOPs per token of the whole model (the MFU's numerator per token)."""
         self.state_lock = threading.Lock()
         """Held by the training thread while it changes parameters / optimizer state."""
-        self.ckpt: AsyncCheckpointer | None = (
-            AsyncCheckpointer(cfg.ckpt.dir, topo.rank, cfg.ckpt.keep,
-                              debug_hook=self._debug_ckpt_hook) if cfg.ckpt.dir else None)
-        self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
-        """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
-        self.membership = self._make_membership(store, store_addr, coordinator)
+        background = CommStats() if run.overlapped else None  # the outer sync's own accounting
+        self.membership = self._make_membership(store, store_addr, background)
+        self.outer: OuterSync | None = self._make_outer_sync(background)
+        """DiLoCo's outer sync around `inner` (None in allreduce mode)."""
+        self.opt: torch.optim.Optimizer | DiLoCoOptimizer = (
+            self.outer.optimizer if self.outer is not None else self.inner)
+        """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
+        self.ckpt = self._make_checkpointing()
+        """Saves, resume, and the saves of a failing rank (writes nothing without --ckpt-dir)."""
         self.groups: Groups | None = None
         """The current generation's communicators (None on a joiner until admitted)."""
         self.replicas: tuple[int, ...] = self.membership.replicas
         """Live replicas of the current generation."""
         self.average: GroupAverage = no_average
         """Averages a flat tensor over my stage group (sync.compression's payload)."""
-        if not cfg.elastic.join or outer_backend is not None:
+        if not cfg.elastic.join or hivemind is not None:  # a hivemind joiner: its own replica
             self._apply(self.membership.first_generation())
-        if outer_backend is not None:
-            self._attach_hivemind()
 
     def _init_model_and_data(self, data: TextData | FakeData) -> None:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
@@ -177,381 +158,139 @@ class Trainer:
         self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
                                    .to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
-        self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
+        self.sharder = Sharder(data, len(plan.lanes()), plan.num_micro_batches,
                                plan.micro_batch_size)
         self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
                               self.device) if cfg.data.eval_sequences else [])
 
-    def _init_overlap(self) -> None:
-        """sync.overlap: the background outer all-reduces and their own accounting."""
-        overlapped = self.plan.sync.mode == "diloco" and self.plan.sync.overlap
-        self.outer_stats: CommStats | None = CommStats() if overlapped else None
-        """What the background all-reduces sent and waited (their communicator's own; added
-        to a step's record when counted)."""
-        self.outer_seen = (0, 0.0)
-        """(background bytes, exposed wait s) already attributed to a step's record."""
-        self.overlap: OverlapSync | None = (
-            OverlapSync(self._outer_attempt, self._refresh, self.log)
-            if overlapped else None)
-        """Runs the outer all-reduces in the background (modules.sync.overlap)."""
-        self.outer_average: GroupAverage = no_average
-        """Averages a flat tensor over my stage group's background communicator."""
+    def _make_checkpointing(self) -> Checkpointing:
+        """This rank's checkpoints (its shard's too, with shard groups)."""
+        topo, cfg = self.topo, self.cfg
+        meta = checkpoint_meta(self.plan, topo, cfg.seed, self.tokenizer)
+        if self.shard is not None:
+            meta = {**self.shard.meta(), **meta}
+        return Checkpointing(
+            cfg.ckpt, topo.rank, meta, self.state,
+            lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=self.log,
+            die_at=cfg.debug.ckpt_die_at(topo.rank))
+
+    def _make_shard(self, store: dist.Store) -> ShardRuntime | None:
+        """Shard groups: form mine and shard my stage with FSDP2 (before any optimizer)."""
+        if not self.plan.is_sharded:
+            return None
+        flag = self.cfg.device.reshard_after_forward
+        shard = ShardRuntime(self.topo, store, self.model, self.device, self.cfg.timeout_s,
+                             self.plan.reshard_after_forward if flag == "plan" else flag == "on",
+                             self.stats)
+        self.params = list(self.model.parameters())  # now DTensors
+        self.log(f"shard {self.topo.shard} of {self.topo.shard_degree} of stage "
+                 f"{self.topo.stage} with devices {list(self.topo.shard_group)} (FSDP2)")
+        return shard
 
     def _make_membership(self, store: dist.Store, store_addr: tuple[str, int] | None,
-                         coordinator: bool) -> Membership:
+                         background: CommStats | None) -> Membership:
         """Who this rank trains with; its groups are built with the placement's backend."""
         plan, cfg = self.plan, self.cfg
         builder = GroupBuilder(plan, self.topo, store, self.spec.tie_embeddings, cfg.timeout_s,
-                               self.stats, self.placement.comm, self.log, self.outer_stats)
-        settings = MembershipSettings.of(cfg, plan.num_replicas, store_addr, coordinator)
-        if self.outer_backend is not None:  # my replica alone here; the others in the DHT
+                               self.stats, self.placement.comm, self.log, background)
+        settings = MembershipSettings.of(self.resolved, store_addr)
+        if self.hivemind is not None:  # my replica alone here; the others in the DHT
             settings = dataclasses.replace(settings, start_replicas=(self.topo.replica,),
                                            store_addr=None, join=False)
         return Membership(store, plan, self.topo, settings, builder, self.stats, self.log)
 
-    def _make_diloco(self) -> DiLoCoOptimizer | None:
-        """DiLoCo around the inner AdamW (its anchor: the parameters as they are now, on the
-        device), or None in allreduce mode."""
-        sync = self.plan.sync
-        if sync.mode != "diloco":
+    def _make_outer_sync(self, background: CommStats | None) -> OuterSync | None:
+        """DiLoCo around the inner AdamW, or None in allreduce mode."""
+        if self.plan.sync.mode != "diloco":
             return None
-        if sync.fragments > len(self.params):
-            raise UserError(f"sync.fragments: {sync.fragments} fragments, but stage "
-                            f"{self.topo.stage} has only {len(self.params)} parameters")
-        # the tied embedding copies first: with fragments they then sync in the same slot on
-        # the first and the last stage, so the copies stay equal
-        tied = {id(p) for p in self.model.tied_pair()} if sync.fragments > 1 else set()
-        params = ([p for p in self.params if id(p) in tied]
-                  + [p for p in self.params if id(p) not in tied])
-        return DiLoCoOptimizer(params, self.inner, outer_lr=sync.outer_lr,
-                               outer_momentum=sync.outer_momentum,
-                               inner_steps=sync.inner_steps, all_reduce_fn=self._outer_all_reduce,
-                               fragments=sync.fragments, overlap=sync.overlap,
-                               overlap_alpha=self.cfg.outer.overlap_alpha, reducer=self.overlap)
+        return OuterSync(self.resolved, self.topo.stage, self.model, self.inner, self.membership,
+                         background, self._apply, self._count_dp_bytes, lambda: self.step,
+                         self.log, self.shard, self.hivemind)
+
+    def _count_dp_bytes(self, sent: int) -> None:
+        self.dp_bytes += sent
 
     def _apply(self, change: GenerationChange) -> None:
         """Take a generation: its groups and live replicas and, on a joiner, the outer state
         and step handed over by a live peer. The one place membership changes the Trainer."""
         self.groups, self.replicas = change.groups, change.replicas
+        if self.shard is not None:
+            self.shard.refresh()
         self.pipe.comm = change.groups.pipeline
         self.average = make_group_average(change.groups.stage, self.plan.sync.compression,
                                           f"all-reduce of stage {self.topo.stage}")
-        self.outer_average = make_group_average(change.groups.outer, self.plan.sync.compression,
-                                                f"background all-reduce of stage "
-                                                f"{self.topo.stage}")
+        if self.outer is not None:
+            self.outer.take(change.groups)
         if change.handover is not None:
-            assert self.diloco is not None
+            assert self.outer is not None
             with self.state_lock:
-                self.diloco.load_outer_state(change.handover.outer)
+                self.outer.optimizer.load_outer_state(change.handover.outer)
                 self.step = change.handover.step
 
     def _agree_overflow(self, flag: torch.Tensor) -> None:
         """MAX of the fp16 overflow flag over the ranks that step together: every rank in
         allreduce mode (stage groups average gradients), my replica's pipeline in DiLoCo."""
-        comm = self.groups.world if self.diloco is None else self.groups.pipeline
+        comm = self.groups.world if self.outer is None else self.groups.pipeline
         if comm is not None:
             comm.all_reduce(flag, "max", "agreeing on an fp16 gradient overflow")
 
     @property
     def outer_count(self) -> int | None:
         """DiLoCo outer steps done (None in allreduce mode)."""
-        return self.diloco.outer_count if self.diloco is not None else None
-
-    def _debug_ckpt_hook(self, step: int, where: str) -> None:
-        if step == self.cfg.debug.ckpt_die_at(self.topo.rank) != 0:
-            self.log(f"debug: killing myself while checkpoint step {step} is {where} written")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _stage_ranks(self) -> tuple[int, ...]:
-        """Devices of my stage in every live replica."""
-        return tuple(self.plan.pipelines[r][self.topo.stage] for r in self.replicas)
-
-    # -- DiLoCo's outer step and joining -----------------------------------------------------
-    def _outer_all_reduce(self, flat: torch.Tensor) -> int:
-        """DiLoCo's outer communication: take any new generation, then let the membership
-        average (every member there, commit everywhere); retry with the input otherwise."""
-        if self.outer_backend is not None:  # hivemind: the whole round counts as waiting
-            t0 = time.perf_counter()
-            try:
-                sent = self.outer_backend.all_reduce(flat, self.diloco.syncs)
-            finally:
-                self.stats.wait_s += time.perf_counter() - t0
-            self.dp_bytes += sent
-            return sent
-        keep = flat.clone()
-        while True:
-            change = self.membership.poll(self._handover)
-            if change is not None:
-                self._apply(change)
-            sent = self.membership.outer_round(flat, self.average, self.diloco.syncs)
-            if sent is not None:
-                self.dp_bytes += sent
-                return sent
-            flat.copy_(keep)
-
-    def _outer_attempt(self, flat: torch.Tensor, index: int) -> int | None:
-        """sync.overlap: one outer round on the background communicator (any thread)."""
-        return self.membership.outer_round(flat, self.outer_average, index, self.outer_stats)
-
-    def _refresh(self) -> None:
-        """Take a newer generation if the leader published one (nothing in flight)."""
-        change = self.membership.poll(self._handover)
-        if change is not None:
-            self._apply(change)
-
-    def _handover(self) -> Handover:
-        """What this rank would hand a joiner of its stage: the step after this outer step's
-        and the outer state."""
-        assert self.diloco is not None
-        return Handover(self.step + 1, self.diloco.outer_state())
-
-    def _join(self) -> None:
-        """--join: be admitted, take the outer state of my stage from a live peer, and take
-        part in the next outer step (with pseudo-gradient 0 and weight 0)."""
-        assert self.diloco is not None
-        t0 = time.monotonic()
-        self._apply(self.membership.join(self._handover))
-        self.diloco.outer_step()  # the same outer step as everybody
-        self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
-                 f"{time.monotonic() - t0:.2f} s")
-
-    # -- the hivemind outer backend (modules.sync.hivemind_outer) ------------------------------
-    def _attach_hivemind(self) -> None:
-        """Give the backend my stage's size and outer state (what a joining peer loads)."""
-        assert self.diloco is not None and self.outer_backend is not None
-        self.outer_backend.attach(sum(p.numel() for p in self.diloco.params),
-                                  self.diloco.outer_state(), joining=self.cfg.elastic.join)
-
-    def _hivemind_after_round(self) -> None:
-        """After an outer step: publish the outer state (what joiners load); if it was a later
-        round's state taken from a peer, continue at that round's step, in phase with them."""
-        count, h = self.diloco.outer_count, self.plan.sync.inner_steps
-        if count * h > self.step:
-            self.log(f"took the state of outer round {count}: continuing at step {count * h} "
-                     f"(was {self.step}), in phase with the other replicas")
-            self.step = count * h
-        self.outer_backend.publish(self.diloco.outer_state())
-
-    def _hivemind_join(self) -> None:
-        """--join over hivemind: load the outer state of my stage from the most advanced peer,
-        take part in the next round with weight 0, continue at that round's step."""
-        assert self.diloco is not None and self.outer_backend is not None
-        t0 = time.monotonic()
-        state = self.outer_backend.join()
-        with self.state_lock:
-            self.diloco.load_outer_state(state)
-        self.diloco.outer_step()  # weight 0: the others' average, bit-identical after it
-        self.outer_backend.catching_up = False
-        self.outer_backend.publish(self.diloco.outer_state())
-        self.step = self.diloco.outer_count * self.plan.sync.inner_steps
-        self.log(f"joined at step {self.step} (outer step {self.diloco.outer_count}) after "
-                 f"{time.monotonic() - t0:.2f} s")
+        return self.outer.optimizer.outer_count if self.outer is not None else None
 
     # -- failures ----------------------------------------------------------------------------
-    def _on_fatal(self, reason: str) -> None:
-        """Say why, checkpoint what can be checkpointed, and leave with status 1 (any thread)."""
+    def _on_fatal(self, reason: str, status: int = 1) -> None:
+        """Say why, checkpoint what can be checkpointed, and leave with `status` (any thread)."""
         print(f"rank {self.topo.rank}: error: {reason}", file=sys.stderr, flush=True)
         try:
-            saved = self.emergency_checkpoint()
+            saved = self.ckpt.emergency()
         except Exception as e:  # never let a failed save keep a dying rank alive
             saved = f"no checkpoint ({type(e).__name__}: {e})"
         if saved:
             self.log(saved)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(status)
 
-    def emergency_checkpoint(self) -> str:
-        """Finish the write in flight, then save the last consistent state: in DiLoCo the one
-        right after the last committed outer step (the same step on every rank, so --resume
-        agrees on it); in allreduce the current one if the training thread is not inside an
-        update (it is usually blocked waiting on the lost peer)."""
-        if self.ckpt is None or not self.cfg.ckpt.dir:
-            return ""
-        if not self.ckpt.flush(timeout=2.0):
-            return "checkpoint: the background write did not finish within 2 s"
-        if self.diloco is not None:
-            return self._save_outer_snapshot()
-        if not self.state_lock.acquire(timeout=1.0):
-            return self._newest_checkpoint()
-        # keep the lock: the training thread must not change the state while it is saved
-        if self.step == 0 or self.ckpt.last_step == self.step:
-            return f"checkpoint: step {self.step} is already on disk"
-        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
-        save_checkpoint(path, self._meta(), snapshot(self.state()))
-        return f"checkpoint: saved step {self.step} to {path}"
-
-    def _newest_checkpoint(self) -> str:
-        last = self.ckpt.last_step if self.ckpt is not None else None
-        return (f"checkpoint: newest complete one is step {last}" if last is not None
-                else "checkpoint: none written yet")
-
-    def _save_outer_snapshot(self) -> str:
-        """DiLoCo: write the state kept at the last committed outer step (unless this run's
-        periodic checkpoint already did). A rank that was inside an outer step's commit when
-        the store vanished keeps the previous one; --resume then agrees on an older step that
-        every rank has."""
-        kept = self.outer_snapshot
-        if kept is None:
-            return self._newest_checkpoint()
-        step, outer, snap = kept
-        path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
-        if self.ckpt.last_step != step:  # not written by this run's periodic checkpoint
-            save_checkpoint(path, self._meta(), snap)
-        newest = max(step, self.ckpt.last_step or 0)
-        return (f"checkpoint: newest complete one is step {newest}; step {step} (right after "
-                f"outer step {outer}, which every member averaged) is in {path}")
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def _meta(self) -> dict[str, Any]:
-        return checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
-
+    # -- the state a checkpoint holds --------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """This rank's full training state (live tensors: snapshot before keeping it)."""
-        return {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
-                "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        state = {"step": self.step, "tokens": self.tokens, "dp_bytes": self.dp_bytes,
+                 "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                 "rng": rng_states(self.device), "scaler": self.scaling.state_dict()}
+        return self.shard.state(state) if self.shard is not None else state
 
-    def save(self) -> float:
-        """Checkpoint this step (model, optimizers, data position = step, RNG); returns the
-        seconds the training thread was blocked (snapshot; the whole write with
-        cfg.ckpt.sync)."""
-        assert self.ckpt is not None and self.cfg.ckpt.dir
-        if self.cfg.ckpt.sync:
-            t0 = time.perf_counter()
-            self.ckpt.flush()
-            save_checkpoint(step_path(self.cfg.ckpt.dir, self.topo.rank, self.step),
-                            self._meta(), snapshot(self.state()))
-            prune(self.cfg.ckpt.dir, self.topo.rank, self.cfg.ckpt.keep)
-            return time.perf_counter() - t0
-        return self.ckpt.save(self.step, self._meta(), self.state())
-
-    def _all_min(self, value: int, what: str) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        self.groups.world.all_reduce(t, "min", what)
-        return int(t[0])
-
-    def agree_resume_step(self) -> int:
-        """The newest step with a complete checkpoint on every rank (all ranks agree)."""
-        mine = complete_steps(self.cfg.ckpt.dir, self.topo.rank)
-        cand = mine[-1] if mine else -1
-        while True:
-            cand = self._all_min(cand, "agreeing on the checkpoint step with every rank")
-            if cand < 0:
-                raise UserError(f"--resume: no step has a complete checkpoint on every rank in "
-                                f"{self.cfg.ckpt.dir} (rank {self.topo.rank} has steps {mine}); "
-                                "run without --resume to start fresh")
-            if self._all_min(int(cand in mine), "agreeing on the checkpoint step") == 1:
-                return cand
-            older = [s for s in mine if s < cand]
-            cand = older[-1] if older else -1
-
-    def load(self) -> None:
-        """Restore the newest checkpoint that every rank has completely written."""
-        step = self.agree_resume_step()
-        note = fallback_note(self.cfg.ckpt.dir, self.topo.rank, step)
-        if note:
-            self.log(note)
-        path = step_path(self.cfg.ckpt.dir, self.topo.rank, step)
-        state = load_checkpoint(path, self._meta())
-        try:
-            self.model.load_state_dict(state["model"])  # copies the CPU tensors onto the device
-            self.opt.load_state_dict(state["opt"])  # torch moves optimizer state to the params'
-            self.step, self.tokens = int(state["step"]), int(state["tokens"])
-            self.dp_bytes = int(state["dp_bytes"])
-            set_rng_states(state["rng"], self.device)
-            if state.get("scaler"):
-                self.scaling.load_state_dict(state["scaler"])
-        except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise UserError(f"checkpoint {path}: does not fit this stage "
-                            f"({str(e).splitlines()[0]})") from None
-        if self.step != step:
-            raise UserError(f"checkpoint {path}: holds step {self.step}, not {step}")
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a state that `state()` saved (a loaded checkpoint's CPU tensors)."""
+        if self.shard is not None:  # local shards into the DTensors
+            self.shard.load(state, self.opt, self.params)
+        else:
+            self.model.load_state_dict(state["model"])  # copies CPU tensors onto the device
+            self.opt.load_state_dict(state["opt"])  # torch moves it to the params' device
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.dp_bytes = self.round_dp0 = int(state["dp_bytes"])
+        set_rng_states(state["rng"], self.device)
+        if state.get("scaler"):
+            self.scaling.load_state_dict(state["scaler"])
 
     # -- the loop ----------------------------------------------------------------------------
-    def train_step(self) -> float | None:
-        """One optimizer step of this rank; returns the replica's mean loss on the last stage."""
-        topo, plan = self.topo, self.plan
-        self.opt.zero_grad(set_to_none=True)
-        x = y = None
-        if topo.is_first or topo.is_last:
-            x, y = to_device(self.sharder.micro_batches(self.step, topo.replica), self.device,
-                             non_blocking=True)
-        loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
-        sum_tied_grads(self.model.tied_pair(), self.groups.tied)
-        overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
-        if not overflow:
-            self._check_finite(loss)
-        if self.diloco is None and not overflow:
-            self.dp_bytes += average_grads(self.params, self.average)
-        outer0, dp0 = self.outer_count, self.dp_bytes
-        with self.state_lock:
-            set_lr(self.inner, self.step, self.cfg)
-            # DiLoCo: inner step, and every H steps the outer (communicating) one
-            self.scaling.step(self.opt, self.inner, overflow)
-            self.step += 1
-            self.tokens += self.tokens_per_step
-        if self.outer_count != outer0 and self.overlap is not None:
-            self.log(f"outer_step {self.outer_count}: {plan.sync.fragments} fragment "
-                     f"all-reduce(s) running in the background on stage group "
-                     f"{list(self._stage_ranks())} (stage {topo.stage})")
-        elif self.outer_count != outer0:  # DiLoCo's only communication: every rank says what
-            # it sent, spelt like the metrics field (benchmarks/end_to_end.py echoes " step ")
-            self.log(f"outer_step {self.outer_count}: {self.dp_bytes - dp0} bytes sent to stage "
-                     f"group {list(self._stage_ranks())} (stage {topo.stage}, after "
-                     f"{plan.sync.inner_steps} inner steps)")
-        if self.outer_count != outer0 and self.outer_backend is not None:
-            self._hivemind_after_round()
-        if self.outer_count != outer0 and self.ckpt is not None:
-            # taken here, on the only thread that changes the state, at the same round's end on
-            # every rank; with overlap the rounds in flight are in it as sent (resume redoes them)
-            self.outer_snapshot = (self.step, self.outer_count, snapshot(self.state()))
-        return loss
-
-    def _check_finite(self, loss: float | None) -> None:
-        """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
-        the update: the model and optimizer still hold the last finite state)."""
-        why = check_finite_state(loss, self.model.named_parameters())
-        if why is not None:
-            raise TrainingDiverged(f"step {self.step + 1}: {why}")
-
-    def save_diverged(self, e: TrainingDiverged) -> str:
-        """Save the last finite state (the step before the divergence) and say where."""
-        if self.ckpt is None or not self.cfg.ckpt.dir:
-            return f"{e}; no --ckpt-dir, nothing saved"
-        self.ckpt.flush()
-        path = step_path(self.cfg.ckpt.dir, self.topo.rank, self.step)
-        if self.ckpt.last_step != self.step:
-            save_checkpoint(path, self._meta(), snapshot(self.state()))
-        return f"{e}; the last finite state (step {self.step}) is in {path}"
-
-    def evaluate(self) -> float | None:
-        """Mean validation loss over the fixed validation set (returned on the last stage)."""
-        if not self.val:
-            return None
-        self.model.eval()
-        xs = [b[0] for b in self.val] if self.topo.is_first else None
-        ys = [b[1] for b in self.val] if self.topo.is_last else None
-        loss = self.pipe.eval_loss(xs, ys, len(self.val))
-        self.model.train()
-        return loss
-
     def run(self) -> list[dict[str, Any]]:
         """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps."""
         cfg, topo = self.cfg, self.topo
         self.membership.start(on_fatal=self._on_fatal)
-        if cfg.elastic.join and self.outer_backend is not None:
-            self._hivemind_join()
-        elif cfg.elastic.join:
-            self._join()
+        on_terminate(lambda why: self._on_fatal(why, TERM_STATUS))  # emergency checkpoint
+        if cfg.elastic.join:
+            assert self.outer is not None
+            self.step = self.outer.join()
         elif cfg.ckpt.resume:
-            self.load()
+            self.ckpt.load(self.groups.world, self.restore)
             self.log(f"resumed from step {self.step}")
         resume = self.step if cfg.ckpt.resume else None
-        writer = open_trackers(cfg.metrics, topo.replica, resume) if topo.is_last else None
-        # the plan as this rank runs it (--pipeline-compression too): what explain replays
-        ran = dataclasses.replace(self.plan, pipeline_compression=self.pipe.wire.compression)
-        timing = open_rank_timing(cfg.metrics, topo.rank, ran, resume)
+        reports = topo.is_last and topo.shard == 0  # one writer per replica
+        writer = open_trackers(cfg.metrics, topo.replica, resume) if reports else None
+        # the plan as this rank runs it (its overrides applied): what explain replays
+        timing = open_rank_timing(cfg.metrics, topo.rank, self.plan, resume)
         records = []
         try:
             vanish_step, status = cfg.debug.vanish_at(topo.rank)  # tests' lost-peer hook
@@ -566,43 +305,123 @@ class Trainer:
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
-                if topo.is_last:
+                if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
                 ckpt_every = cfg.ckpt.interval(cfg.steps)
                 if ckpt_every and (self.step % ckpt_every == 0 or last):
-                    rec["ckpt_block_s"] = round(self.save(), 6)
-                if writer:
-                    writer.log(rec)
-                if timing:
-                    timing.log(rec)
-            if self.overlap is not None:  # the last rounds' all-reduces: every member
-                self.overlap.drain()       # finishes them (their inputs are checkpointed)
-                self._background_share()  # their bytes count in this rank's total
-            if self.ckpt:
-                self.ckpt.flush()
+                    self._share_ckpt_floor()
+                    rec["ckpt_block_s"] = round(self.ckpt.save(), 6)
+                if last and self.outer is not None:
+                    self._last_background(rec)
+                for w in (writer, timing):
+                    if w:
+                        w.log(rec)
+            if self.outer is not None:
+                self.outer.finish()  # the last rounds' background all-reduces
+            self.ckpt.flush()
+            self._share_ckpt_floor()  # published before finish's barrier / done marks
         finally:
             for w in (writer, timing):
                 if w:
                     w.close()
-            if self.overlap is not None:
-                self.overlap.close()
+            if self.outer is not None:
+                self.outer.close()
         self.membership.finish()
+        if self.ckpt.last_step is not None:  # every rank's last save is done: prune to keep
+            floor = self._share_ckpt_floor(publish=False)
+            if floor is not None:
+                self.ckpt.prune(floor)
         return records
+
+    def _share_ckpt_floor(self, publish: bool = True) -> int | None:
+        """Publish my newest complete checkpoint step and keep the oldest such step over the
+        live ranks from being pruned, so --resume always finds a common step."""
+        if self.ckpt.writer is None:
+            return None
+        return self.ckpt.share_floor(self.membership.store, members_of(self.plan, self.replicas),
+                                     publish)
+
+    def _last_background(self, rec: dict[str, Any]) -> None:
+        """sync.overlap: finish the rounds still in flight after the last step and count their
+        bytes and wait in its record (no later record would hold them)."""
+        assert self.outer is not None
+        bg, exposed = self.outer.finish()
+        if self.resolved.overlapped:
+            rec["bytes_sent"] += bg
+            rec["dp_bytes_sent"] += bg
+            rec["outer_wait_s"] = round(rec.get("outer_wait_s", 0.0) + exposed, 6)
+
+    def train_step(self) -> float | None:
+        """One optimizer step of this rank; returns the replica's mean loss on the last stage."""
+        topo, plan = self.topo, self.plan
+        self.opt.zero_grad(set_to_none=True)
+        x = y = None
+        if topo.is_first or topo.is_last:
+            x, y = to_device(self.sharder.micro_batches(self.step, topo.lane), self.device,
+                             non_blocking=True)
+        loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
+        pair, average = self.model.tied_pair(), average_grads
+        if self.shard is not None:  # the local shards; the replica's loss over its lanes
+            pair, average = self.shard.tied(pair), self.shard.average_grads
+            loss = self.shard.mean_loss(loss)
+        sum_tied_grads(pair, self.groups.tied)
+        overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
+        if not overflow:
+            self._check_finite(loss)
+        if self.outer is None and not overflow:
+            self.dp_bytes += average(self.params, self.average)
+        outer0 = self.outer_count
+        with self.state_lock:
+            set_lr(self.inner, self.step, self.cfg)
+            # DiLoCo: inner step, and every H steps the outer (communicating) one
+            self.scaling.step(self.opt, self.inner, overflow)
+            self.step += 1
+            self.tokens += self.tokens_per_step
+        if self.outer is not None and self.outer_count != outer0:
+            self.outer.log_round(self.dp_bytes - self.round_dp0)
+            self.round_dp0 = self.dp_bytes
+            self.step = self.outer.after_round(self.step)  # hivemind: in phase with the others
+            self.ckpt.keep_outer(self.outer.optimizer.outer_count)
+        return loss
+
+    def _check_finite(self, loss: float | None) -> None:
+        """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
+        the update: the model and optimizer still hold the last finite state)."""
+        why = check_finite_state(loss, self.model.named_parameters() if self.shard is None
+                                 else self.shard.named_local())
+        if why is not None:
+            raise TrainingDiverged(f"step {self.step + 1}: {why}")
+
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the fixed validation set (returned on the last stage)."""
+        if not self.val:
+            return None
+        self.model.eval()
+        xs = [b[0] for b in self.val] if self.topo.is_first else None
+        ys = [b[1] for b in self.val] if self.topo.is_last else None
+        loss = self.pipe.eval_loss(xs, ys, len(self.val))
+        self.model.train()
+        if self.shard is not None:
+            self.shard.after_eval()
+        return loss
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
+        self.stats.settle()  # NCCL's spans timed on the stream before this step
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
         dp0, pipe, ppb0 = self.dp_bytes, self.pipe.comm, self.pipe.bytes_sent
         pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
             loss = self.train_step()
+            self.stats.settle()  # NCCL: comm_s and pp_wait_s from CUDA events, not enqueues
         except RuntimeError as e:  # PeerError, or the store's own error (its host is gone)
             raise self._peer_failure(e) from None
         except TrainingDiverged as e:
-            raise TrainingDiverged(self.save_diverged(e)) from None
+            raise TrainingDiverged(self.ckpt.save_diverged(str(e))) from None
         step_s = time.perf_counter() - t0
-        bg_bytes, exposed_s = self._background_share()
+        bg_bytes, exposed_s = (self.outer.background_share() if self.outer is not None
+                               else (0, 0.0))
         comm_s = self.stats.wait_s - wait0 + exposed_s
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
                "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
@@ -614,9 +433,9 @@ class Trainer:
                "replica": self.topo.replica, "wall_time": round(time.time(), 3),
                "rank": self.topo.rank, "stage": self.topo.stage,
                "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
-        if self.membership.monitor is not None and self.diloco is not None:
+        if self.membership.monitor is not None and self.outer is not None:
             rec["live_replicas"] = len(self.replicas)
-        if self.overlap is not None:  # the part of the background sync the step waited for
+        if self.resolved.overlapped:  # the part of the background sync the step waited for
             rec["outer_wait_s"] = round(exposed_s, 6)
         rec["comm"] = {c.group: c.backend for c in self.groups.choices} or {"all": "gloo"}
         value = mfu(self.tokens_per_step / step_s, self.flops_per_token,
@@ -625,17 +444,6 @@ class Trainer:
             rec["mfu"] = round(value, 6)
             self.mfu_values.append(value)
         return rec
-
-    def _background_share(self) -> tuple[int, float]:
-        """sync.overlap: background bytes sent and exposed wait since the last call; the bytes
-        are added to the data-parallel count (the step they were counted in sent them)."""
-        if self.overlap is None or self.outer_stats is None:
-            return 0, 0.0
-        sent, waited = self.outer_stats.bytes_sent, self.overlap.wait_s
-        bg, exposed = sent - self.outer_seen[0], waited - self.outer_seen[1]
-        self.outer_seen = (sent, waited)
-        self.dp_bytes += bg
-        return bg, exposed
 
     def _peer_failure(self, e: RuntimeError) -> PeerError:
         """The error to end the run with after a failed step: the heartbeat first gets time
@@ -660,3 +468,5 @@ class Trainer:
         self.log(f"step {self.step}/{self.cfg.steps} loss {rec['loss']:.4f} "
                  f"tok/s {rec['tokens_per_s']:.0f} step_s {rec['step_s']:.3f} "
                  f"comm_s {rec['comm_s']:.3f}{extra}")
+        if os.environ.get(STATUS_ENV) == "1":  # a launcher reads this line, not the one above
+            self.log(status_line({**rec, "step": self.step, "steps": self.cfg.steps}))

@@ -1,4 +1,4 @@
-"""Evolutionary search with local search over stage-group partitions (README: Search)."""
+"""Evolutionary search with local search over stage-group partitions (docs/planner.md: Search)."""
 
 from scheduler.search.evolutionary import (
     SearchConfig,

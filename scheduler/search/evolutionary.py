@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from formats.errors import UserError
+from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, setting
 from scheduler.link_costs import LinkCosts, as_link_costs
 from scheduler.objective import Objective
 from scheduler.search.islands import (
@@ -38,34 +38,27 @@ from scheduler.search.matching import PairCache
 class SearchConfig:
     """Knobs of the evolutionary search."""
 
-    budget: int = 20_000
-    """Maximum objective evaluations."""
-    time_limit_s: float = 10.0
-    """Wall-clock limit in seconds (the search stops at whichever limit comes first)."""
-    population: int = 24
+    budget: int = setting(20_000, lo=1, hi=MAX_COUNT)
+    """max objective evaluations per searched shape"""
+    time_limit_s: float = setting(10.0, flag="--time-limit", lo=0.0, lo_open=True,
+                                  hi=MAX_SECONDS)
+    """wall limit in s (the search stops at whichever limit comes first)"""
+    population: int = setting(24, lo=1, hi=MAX_COUNT)
     """Candidates kept alive."""
-    local_tries: int = 40
+    local_tries: int = setting(40, lo=0, hi=MAX_COUNT)
     """Swap proposals of the local search applied to each child."""
-    patience: int = 3_000
+    patience: int = setting(3_000, lo=1, hi=MAX_COUNT)
     """Evaluations without a better plan after which the population restarts (or, without
     restarts, the evolution stops)."""
     restarts: bool = True
     """Restart from a fresh random population (plus the best plan) when stuck, until the
     evolution's share of the budget (four fifths) is spent."""
-    seed: int = 0
-    """Seed of every random choice."""
+    seed: int = setting(0, flag="--search-seed", lo=0, hi=MAX_SEED)
+    """seed of the search (of every random choice)"""
 
     def __post_init__(self) -> None:
         """UserError naming the first bad field (`SearchConfig.budget`)."""
-        checks = (("budget", self.budget >= 1, ">= 1"),
-                  ("time_limit_s", self.time_limit_s > 0, "> 0"),
-                  ("population", self.population >= 1, ">= 1"),
-                  ("local_tries", self.local_tries >= 0, ">= 0"),
-                  ("patience", self.patience >= 1, ">= 1"),
-                  ("seed", self.seed >= 0, ">= 0"))
-        for name, ok, rule in checks:
-            if not ok:
-                raise UserError(f"SearchConfig.{name}: must be {rule}, got {getattr(self, name)}")
+        check(self)
 
 
 @dataclass
@@ -258,6 +251,56 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
 
+    given, given_history, structured = _score_given_plans(objective, scorer, initial_plans)
+    orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
+    structured += structured_partitions(orders, s, r)
+    population, best_structured = _score_structured(structured, scorer, cache)
+    target = config.population + len(population) // 2
+    while len(population) < target and not scorer.exhausted():
+        groups = cache.order(_random_partition(devices, s, r, rng))
+        population.append((scorer.score(groups), groups))
+    population = _select(population, config.population)
+    if not np.isfinite(scorer.best[0][0]) and not np.isfinite(given[1]):
+        # Nothing in a whole population fits (e.g. memory): every candidate costs inf, so the
+        # search has no slope to follow; say so now instead of spending the budget on a plateau.
+        return SearchResult(cache.chains(scorer.best[1]), float("inf"), scorer.evaluations,
+                            time.perf_counter() - start, [], best_structured, "infeasible",
+                            cache)
+    _evolve(population, scorer, cache, config, rng, progress)
+    _final_polish(scorer, config, start, progress)
+    (best_cost, _), best_groups = scorer.best
+    best_plan = cache.chains(best_groups)
+    if given[1] < best_structured[1]:
+        best_structured = (given[0], given[1])
+    if given[1] < best_cost:  # a given plan as built beats everything the search decoded
+        best_cost, best_plan = given[1], given[2]
+    chain_history: list[tuple[int, float]] = []
+    best_plan, best_cost = _polish_chains(best_plan, best_cost, scorer, chain_history)
+    if progress:
+        progress(scorer.evaluations, best_cost)
+    return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
+                        _merge_history(given_history, scorer.history, chain_history),
+                        best_structured, scorer.stopped_by(), cache)
+
+
+def _final_polish(scorer: _Scorer, config: SearchConfig, start: float,
+                  progress: Callable[[int, float], None] | None) -> None:
+    """Polish the best groups with what is left of the whole budget and time."""
+    # Polishing gets what is left of the budget and time, so that the best plan is a swap-local
+    # optimum whenever they allow; `budget` stays a hard cap on evaluations.
+    scorer.budget = config.budget
+    scorer.deadline = start + config.time_limit_s
+    _polish(scorer.best[1], scorer.best[0], scorer)
+    if progress:
+        progress(scorer.evaluations, scorer.best[0][0])
+
+
+def _score_given_plans(objective: Objective, scorer: _Scorer,
+                       initial_plans: list[tuple[str, np.ndarray]] | None
+                       ) -> tuple[tuple[str, float, np.ndarray], list[tuple[int, float]],
+                                  list[tuple[str, Groups]]]:
+    """Score each named plan as given: (the best (name, cost, plan), its improvements as
+    history, every plan's stage groups for the population)."""
     given: tuple[str, float, np.ndarray] = ("", float("inf"), np.empty(0))
     given_history: list[tuple[int, float]] = []
     structured: list[tuple[str, Groups]] = []
@@ -272,8 +315,13 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
         if cost < given[1]:
             given = (name, cost, plan)
             given_history.append((scorer.evaluations, cost))
-    orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
-    structured += structured_partitions(orders, s, r)
+    return given, given_history, structured
+
+
+def _score_structured(structured: list[tuple[str, Groups]], scorer: _Scorer, cache: PairCache
+                      ) -> tuple[list[tuple[Key, Groups]], tuple[str, float]]:
+    """Score each distinct structured partition: (the starting population, the best one's
+    (name, cost))."""
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))
     seen: set[tuple[tuple[int, ...], ...]] = set()
@@ -289,19 +337,15 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
         if c[0] < best_structured[1]:
             best_structured = (name, c[0])
         population.append((c, groups))
-    target = config.population + len(population) // 2
-    while len(population) < target and not scorer.exhausted():
-        groups = cache.order(_random_partition(devices, s, r, rng))
-        population.append((scorer.score(groups), groups))
-    population = _select(population, config.population)
-    first_population = list(population)
-    if not np.isfinite(scorer.best[0][0]) and not np.isfinite(given[1]):
-        # Nothing in a whole population fits (e.g. memory): every candidate costs inf, so the
-        # search has no slope to follow; say so now instead of spending the budget on a plateau.
-        return SearchResult(cache.chains(scorer.best[1]), float("inf"), scorer.evaluations,
-                            time.perf_counter() - start, [], best_structured, "infeasible",
-                            cache)
+    return population, best_structured
 
+
+def _evolve(population: list[tuple[Key, Groups]], scorer: _Scorer, cache: PairCache,
+            config: SearchConfig, rng: np.random.Generator,
+            progress: Callable[[int, float], None] | None) -> None:
+    """Evolve `population` (crossover, mutation, local search) until the scorer's budget or
+    deadline, restarting from it when stuck for `config.patience` evaluations."""
+    first_population = list(population)
     last_report = 0.0
     epoch_start = scorer.evaluations
     while not scorer.exhausted():
@@ -325,26 +369,6 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
         if progress and time.perf_counter() - last_report > 0.5:
             progress(scorer.evaluations, scorer.best[0][0])
             last_report = time.perf_counter()
-    # Polishing gets what is left of the budget and time, so that the best plan is a swap-local
-    # optimum whenever they allow; `budget` stays a hard cap on evaluations.
-    scorer.budget = config.budget
-    scorer.deadline = start + config.time_limit_s
-    _polish(scorer.best[1], scorer.best[0], scorer)
-    if progress:
-        progress(scorer.evaluations, scorer.best[0][0])
-    (best_cost, _), best_groups = scorer.best
-    best_plan = cache.chains(best_groups)
-    if given[1] < best_structured[1]:
-        best_structured = (given[0], given[1])
-    if given[1] < best_cost:  # a given plan as built beats everything the search decoded
-        best_cost, best_plan = given[1], given[2]
-    chain_history: list[tuple[int, float]] = []
-    best_plan, best_cost = _polish_chains(best_plan, best_cost, scorer, chain_history)
-    if progress:
-        progress(scorer.evaluations, best_cost)
-    return SearchResult(best_plan, best_cost, scorer.evaluations, time.perf_counter() - start,
-                        _merge_history(given_history, scorer.history, chain_history),
-                        best_structured, scorer.stopped_by(), cache)
 
 
 def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,

@@ -6,8 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from formats import checks
+from formats import settings
 from formats.errors import UserError
+from formats.settings import setting
+from formats.wire import INT8_BLOCK
 from scheduler.memory import MemoryConfig
 
 RUNTIME_NAMES = ("cpu", "gpu")
@@ -19,39 +21,14 @@ RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
-def _is_number(value: Any) -> bool:
-    return checks.as_finite(value) is not None  # (an int beyond the float range is not)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def setting_problem(name: str, value: Any) -> str | None:
     """What is wrong with `value` for the SimConfig field `name`, or None when it is fine.
 
-    One rule per field, worded without the field's name, so that every front end (the
-    dataclass, the CLI's flags, a calibration file, a plan's record) can name it its own way.
+    The field's declared rule (formats.settings), worded without the field's name, so that
+    every front end (the dataclass, the CLI's flags, a calibration file, a plan's record) can
+    name it its own way.
     """
-    if name == "mfu" and not (_is_number(value) and 0.0 < value <= 1.0):
-        return f"must be in (0, 1], got {checks.shown(value)}"
-    if name == "activation_bytes" and not (_is_int(value) and value in (1, 2, 4)):
-        return f"must be 1, 2 or 4, got {checks.shown(value)}"
-    if name == "recompute" and not isinstance(value, bool):
-        return f"must be true or false, got {checks.shown(value)}"
-    if name == "collective_latency_factor" and not (_is_number(value) and 1.0 <= value <= 10.0):
-        return f"must be in [1, 10], got {checks.shown(value)}"
-    if name == "outer_store_round_trips" and not (_is_int(value) and 0 <= value <= 100):
-        return f"must be in [0, 100], got {checks.shown(value)}"
-    if name == "reserved_gb" and not (_is_number(value) and value >= 0.0):
-        return f"must be a number >= 0, got {checks.shown(value)}"
-    if name == "int8_block" and not (_is_int(value) and 1 <= value <= MAX_INT8_BLOCK):
-        return f"must be an integer in [1, {MAX_INT8_BLOCK}], got {checks.shown(value)}"
-    if name == "runtime" and value is not None and value not in RUNTIME_NAMES:
-        return f"unknown runtime {checks.shown(value)}; known: {', '.join(RUNTIME_NAMES)}"
-    if name == "calibration" and value is not None and not isinstance(value, str):
-        return f"must be a file name, got {checks.shown(value)}"
-    return None
+    return settings.problem(SimConfig, name, value)
 
 
 @dataclass(frozen=True)
@@ -59,30 +36,30 @@ class SimConfig:
     """Knobs of the performance model. The defaults are the generic model (GPU-like, no runtime
     overheads); RUNTIME_PROFILES holds the values of this project's runtimes."""
 
-    mfu: float = 0.4
+    mfu: float = setting(0.4, lo=0.0, lo_open=True, hi=1.0)
     """Fraction of a device's peak `tflops` that training reaches on the FLOPs it runs (a
     recomputed forward counts)."""
     recompute: bool = True
     """Activation checkpointing: backward re-runs the forward (1 extra forward of FLOPs)."""
-    reserved_gb: float = 1.0
+    reserved_gb: float = setting(1.0, lo=0.0)
     """Per-device memory overhead (CUDA context, buffers), GB."""
-    int8_block: int = 256
+    int8_block: int = setting(INT8_BLOCK, lo=1, hi=MAX_INT8_BLOCK)
     """Values per fp32 scale in the int8 all-reduce payload."""
-    activation_bytes: int = 2
+    activation_bytes: int = setting(2, choices=(1, 2, 4))
     """Bytes per value of the hidden state sent between stages: 2 for fp16/bf16 activations on
     GPUs, 4 for the fp32 CPU runtime."""
-    collective_latency_factor: float = 1.0
+    collective_latency_factor: float = setting(1.0, lo=1.0, hi=10.0)
     """One-way latencies each all-reduce step costs. 1: data leaves as soon as it is ready;
     2: gloo, whose point-to-point is a rendezvous (a step's receiver announces its buffer
     before the data flows; measured: a 2-rank all-reduce of 0.9-4 MB over a 59 ms link takes
     2 x (2 x 59 ms + transfer))."""
-    outer_store_round_trips: int = 0
+    outer_store_round_trips: int = setting(0, lo=0, hi=100)
     """DiLoCo: sequential round trips to the rendezvous store (hosted by device 0) that each
     outer step spends agreeing on the live replicas before and after averaging. The elastic
     runtime does 3: wait for every member, wait for every member's confirmation, the
     commit decision (a TCPStore `set` is one-way; `wait` and `compare_set` take one round trip,
     measured over a 67 ms link)."""
-    runtime: str | None = None
+    runtime: str | None = setting(None, choices=RUNTIME_NAMES, noun="runtime")
     """The RUNTIME_PROFILES entry these settings started from (None: the generic defaults).
     Recorded in the plan; fields given explicitly afterwards may differ from the profile."""
     calibration: str | None = None
@@ -90,10 +67,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         """UserError naming the field (`SimConfig.mfu`) that is out of range."""
-        for f in fields(self):
-            problem = setting_problem(f.name, getattr(self, f.name))
-            if problem:
-                raise UserError(f"SimConfig.{f.name}: {problem}")
+        settings.check(self)
 
     def memory(self) -> MemoryConfig:
         """The memory estimate's settings."""

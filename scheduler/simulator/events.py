@@ -7,6 +7,7 @@ A general engine (any task graph), a few hundred times slower than the vectorise
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,67 +52,23 @@ class EventEngine:
     def run(self) -> tuple[np.ndarray, np.ndarray]:
         """Replay every task -> (start, end) arrays indexed by task id."""
         n, n_res = len(self.duration), len(self._res_ordered)
-        duration, latency, resource_of = self.duration, self.latency, self.resource_of
-        ordered = self._res_ordered
-        dependents: list[list[int]] = [[] for _ in range(n)]
-        remaining = [len(d) for d in self.deps]
-        for t, ds in enumerate(self.deps):
-            for d in ds:
-                dependents[d].append(t)
-        program: list[list[int]] = [[] for _ in range(n_res)]
-        for t, res in enumerate(resource_of):
-            program[res].append(t)
-        for prog in program:
-            prog.append(-1)  # sentinel: program finished
-        pointer = [0] * n_res
+        resource_of, ordered = self.resource_of, self._res_ordered
+        dependents, remaining, program = self._wiring()
         queue: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
-        busy = [False] * n_res
         ready = [False] * (n + 1)
         start = [float("nan")] * n
         end = [float("nan")] * n
         # (time, kind, id): kind 0 = task `id` ended, 1 = resource `id` free, 2 = both at once
         # (a task without latency; id is the task). Ends sort before frees at equal times.
         events: list[tuple[float, int, int]] = []
-        push, pop = heapq.heappush, heapq.heappop
-
-        def try_start(res: int, now: float) -> None:
-            if busy[res]:
-                return
-            if ordered[res]:
-                t = program[res][pointer[res]]
-                if not ready[t]:  # also stops at the sentinel (ready[-1] stays False)
-                    return
-                pointer[res] += 1
-            else:
-                if not queue[res]:
-                    return
-                t = pop(queue[res])[1]
-            busy[res] = True
-            start[t] = now
-            free = now + duration[t]
-            if latency[t] == 0.0:
-                end[t] = free
-                push(events, (free, 2, t))
-            else:
-                end[t] = free + latency[t]
-                push(events, (free, 1, res))
-                push(events, (end[t], 0, t))
-
-        def finished(t: int, now: float) -> None:
-            for d in dependents[t]:
-                remaining[d] -= 1
-                if remaining[d] == 0:
-                    ready[d] = True
-                    res = resource_of[d]
-                    if not ordered[res]:
-                        push(queue[res], (now, d))
-                    try_start(res, now)
-
+        pop = heapq.heappop
+        try_start, finished, busy = _handlers(self, program, queue, ready, start, end, events,
+                                              dependents, remaining)
         for t in range(n):
             if remaining[t] == 0:
                 ready[t] = True
                 if not ordered[resource_of[t]]:
-                    push(queue[resource_of[t]], (0.0, t))
+                    heapq.heappush(queue[resource_of[t]], (0.0, t))
         for res in range(n_res):
             try_start(res, 0.0)
         while events:
@@ -129,6 +86,71 @@ class EventEngine:
         start_a, end_a = np.array(start), np.array(end)
         assert not np.isnan(end_a).any(), "a task never ran: dependency cycle or program order"
         return start_a, end_a
+
+    def _wiring(self) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """(dependents of each task, its count of unfinished dependencies, each resource's
+        program of task ids ending in the sentinel -1)."""
+        n, n_res = len(self.duration), len(self._res_ordered)
+        dependents: list[list[int]] = [[] for _ in range(n)]
+        remaining = [len(d) for d in self.deps]
+        for t, ds in enumerate(self.deps):
+            for d in ds:
+                dependents[d].append(t)
+        program: list[list[int]] = [[] for _ in range(n_res)]
+        for t, res in enumerate(self.resource_of):
+            program[res].append(t)
+        for prog in program:
+            prog.append(-1)  # sentinel: program finished
+        return dependents, remaining, program
+
+
+def _handlers(graph: EventEngine, program: list[list[int]], queue: list[list[tuple[float, int]]],
+              ready: list[bool], start: list[float], end: list[float],
+              events: list[tuple[float, int, int]], dependents: list[list[int]],
+              remaining: list[int]) -> tuple[Callable[[int, float], None],
+                                             Callable[[int, float], None], list[bool]]:
+    """The replay's two event handlers over its state (closures: the hot loop reads cells, not
+    attributes): (try_start(resource, now), finished(task, now), busy flag per resource)."""
+    duration, latency, resource_of = graph.duration, graph.latency, graph.resource_of
+    ordered = graph._res_ordered
+    pointer = [0] * len(ordered)
+    busy = [False] * len(ordered)
+    push, pop = heapq.heappush, heapq.heappop
+
+    def try_start(res: int, now: float) -> None:
+        if busy[res]:
+            return
+        if ordered[res]:
+            t = program[res][pointer[res]]
+            if not ready[t]:  # also stops at the sentinel (ready[-1] stays False)
+                return
+            pointer[res] += 1
+        else:
+            if not queue[res]:
+                return
+            t = pop(queue[res])[1]
+        busy[res] = True
+        start[t] = now
+        free = now + duration[t]
+        if latency[t] == 0.0:
+            end[t] = free
+            push(events, (free, 2, t))
+        else:
+            end[t] = free + latency[t]
+            push(events, (free, 1, res))
+            push(events, (end[t], 0, t))
+
+    def finished(t: int, now: float) -> None:
+        for d in dependents[t]:
+            remaining[d] -= 1
+            if remaining[d] == 0:
+                ready[d] = True
+                res = resource_of[d]
+                if not ordered[res]:
+                    push(queue[res], (now, d))
+                try_start(res, now)
+
+    return try_start, finished, busy
 
 
 @dataclass

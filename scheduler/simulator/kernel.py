@@ -15,9 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from formats import wire
 from formats.cluster import Cluster
 from formats.models import ModelSpec
 from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
+from formats.wire import payload_bytes_per_param
 from scheduler.simulator.config import SimConfig
 
 RING_CACHE_LIMIT = 200_000
@@ -54,24 +56,15 @@ class LinkTables:
 # --------------------------------------------------------------------------- collectives
 
 
-def payload_bytes_per_param(compression: str, int8_block: int = 256) -> float:
-    """Bytes per parameter of the data-parallel all-reduce payload."""
-    return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / int8_block}[compression]
-
-
 def pipeline_message_bytes(model: ModelSpec, micro_batch_size: int, compression: str,
                            activation_bytes: int) -> float:
-    """Bytes of one activation (or activation-gradient) message across a stage boundary:
-    `none` sends the compute dtype (`activation_bytes` per value), `bf16` 2 bytes per value
-    (never more than the compute dtype), `int8` 1 byte per value plus one fp32 scale per token
-    row of d_model values."""
+    """Bytes of one activation (or activation-gradient) message across a stage boundary
+    (formats.wire: the same sizes the runtime's PipelineWire sends)."""
     if compression not in PIPELINE_COMPRESSIONS:
         raise ValueError(f"unknown pipeline compression {compression!r}")
-    rows = model.seq_len * micro_batch_size
-    if compression == "int8":
-        return float(rows * (model.d_model + 4))
-    per_value = activation_bytes if compression == "none" else min(2, activation_bytes)
-    return float(rows * model.d_model * per_value)
+    numel = model.seq_len * micro_batch_size * model.d_model
+    return float(wire.pipeline_message_bytes(compression, numel, model.d_model,
+                                             activation_bytes))
 
 
 def ring_step_s(payload_bytes: np.ndarray | float, n: int,
@@ -333,6 +326,9 @@ class StepInputs:
     dp_bytes_round: float = 0.0
     """Bytes the data-parallel sync puts on the wire per sync round (every fragment, group and
     ring link)."""
+    group_stage: np.ndarray | None = None
+    """Stage of each data-parallel group when there are more groups than stages (shard groups:
+    D per-shard groups per stage, simulator/sharded.py); None: group s is stage s."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
@@ -440,6 +436,8 @@ def step_times(b_done: np.ndarray, dp_time: np.ndarray, inputs: StepInputs) -> S
         b_done[:, 0] = b_done[:, -1] = np.maximum(b_done[:, 0], b_done[:, -1]) + tied_s
     makespan = float(b_done.max())
     dp_start = b_done.max(axis=0)
+    if inputs.group_stage is not None:
+        dp_start = dp_start[inputs.group_stage]
     if inputs.overlap:
         dp_time = inputs.background_dp_times(makespan)
     f, h, agree = inputs.fragments, inputs.inner_steps, inputs.agree_s

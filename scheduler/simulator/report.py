@@ -36,6 +36,12 @@ def format_sim_table(result: SimResult) -> str:
                  f" s  ({sync_label(sync, result.pipeline_compression)})")
     lines.append(f"{'pipeline bytes per step':<32}{result.pp_bytes_per_step / 1e6:>12.3f} MB")
     lines.append(f"{'data-parallel bytes per step':<32}{result.dp_bytes_per_step / 1e6:>12.3f} MB")
+    if result.shard_degree > 1:
+        lines.append(f"{'shard groups (FSDP)':<32}{result.shard_degree:>12d} devices each")
+        lines.append(f"{'  exposed FSDP collectives':<32}{result.fsdp_comm_s:>12.3f} s  "
+                     f"(part of compute)")
+        lines.append(f"{'  FSDP bytes per step':<32}"
+                     f"{result.fsdp_bytes_per_step / 1e6:>12.3f} MB")
     lines.append(f"{'tokens per step':<32}{result.tokens_per_step:>12d}")
     lines.append(f"{'tokens/s':<32}{result.tokens_per_s:>12.1f}")
     split = " ".join(str(b - a) for a, b in result.stages)

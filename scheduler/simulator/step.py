@@ -9,7 +9,7 @@ import numpy as np
 
 from formats.cluster import Cluster
 from formats.models import ModelSpec, get_model
-from formats.plan import Plan, SyncConfig, validate_plan
+from formats.plan import Entry, Plan, SyncConfig, validate_plan
 from scheduler.memory import check_plan_memory, stage_memory
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.events import TimelineBox, replay_events
@@ -21,6 +21,7 @@ from scheduler.simulator.kernel import (
     step_breakdown,
 )
 from scheduler.simulator.replay import replay_fast
+from scheduler.simulator.sharded import build_sharded_inputs, fsdp_bytes_per_step, shard_array
 
 
 @dataclass
@@ -36,6 +37,13 @@ class SimResult(StepBreakdown):
     timeline: list[TimelineBox] = field(default_factory=list)
     pipeline_compression: str = "none"
     """How activations crossed the pipeline links (Plan.pipeline_compression)."""
+    shard_degree: int = 1
+    """D: devices per shard group (1: no FSDP); `pipelines` then lists the R x D lanes."""
+    fsdp_comm_s: float = 0.0
+    """FSDP's collectives not hidden behind compute, per step on the busiest lane (a part of
+    compute_s)."""
+    fsdp_bytes_per_step: float = 0.0
+    """Bytes FSDP's all-gathers and reduce-scatters put on the wire per step (all groups)."""
 
     def parts(self) -> dict[str, float]:
         """The breakdown in seconds; compute + bubble + pp_comm + tied_comm + dp_comm = step."""
@@ -60,6 +68,9 @@ class SimResult(StepBreakdown):
                      "compression": self.sync.compression, "overlap": self.sync.overlap,
                      "fragments": self.sync.fragments},
             "pipeline_compression": self.pipeline_compression,
+            **({"shard_degree": self.shard_degree, "fsdp_comm_s": round(self.fsdp_comm_s, 6),
+                "fsdp_bytes_per_step": self.fsdp_bytes_per_step}
+               if self.shard_degree > 1 else {}),
             "stages": [list(st) for st in self.stages],
             "memory_gb": [{"device": d, "need": round(need, 3), "have": have}
                           for d, need, have in self.memory_gb],
@@ -69,38 +80,63 @@ class SimResult(StepBreakdown):
 
 def memory_use(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
                pipelines: np.ndarray, micro_batch_size: int, num_micro_batches: int,
-               diloco: bool, config: SimConfig) -> list[tuple[int, float, float]]:
-    """(device, needed GB, available GB) of every device in the plan, by device id."""
+               diloco: bool, config: SimConfig, reshard_after_forward: bool = True,
+               outer_state: str = "device") -> list[tuple[int, float, float]]:
+    """(device, needed GB, available GB) of every device in the plan, by device id;
+    `pipelines` (R, S) or, with shard groups, (R, S, D)."""
+    groups = shard_array(pipelines)
     mem = []
     for s, (a, b) in enumerate(stages):
         need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco,
-                            config.memory()).total_bytes / 1e9
-        mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in pipelines[:, s]]
+                            config.memory(), groups.shape[2], reshard_after_forward,
+                            outer_state).total_bytes / 1e9
+        mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in groups[:, s].ravel()]
     return sorted(mem)
 
 
 def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
-             pipelines: np.ndarray | list[list[int]], sync: SyncConfig, micro_batch_size: int,
+             pipelines: np.ndarray | list[list[Entry]], sync: SyncConfig, micro_batch_size: int,
              num_micro_batches: int, config: SimConfig | None = None,
-             timeline: bool = True, pipeline_compression: str = "none") -> SimResult:
+             timeline: bool = True, pipeline_compression: str = "none",
+             reshard_after_forward: bool = True, outer_state: str = "device") -> SimResult:
     """Replay one step (memory checked first: UserError naming a device that overflows): by the
-    event engine when a timeline is asked for, else by the vectorised replay (same numbers)."""
+    event engine when a timeline is asked for, else by the vectorised replay (same numbers).
+    `pipelines` may hold shard groups (plan/2): then simulator/sharded.py builds the step (no
+    timeline: the vectorised replay)."""
     config = config or SimConfig()
-    pipe = np.asarray(pipelines, dtype=np.int64)
+    groups = shard_array(pipelines)
+    degree = groups.shape[2]
     diloco = sync.mode == "diloco"
-    check_plan_memory(cluster, model, stages, pipe, micro_batch_size, num_micro_batches, diloco,
-                      config.memory())
-    inputs = build_inputs(LinkTables(cluster, config), model, stages, pipe, sync,
-                          micro_batch_size, num_micro_batches, config, pipeline_compression)
+    check_plan_memory(cluster, model, stages, groups.tolist() if degree > 1 else groups[:, :, 0],
+                      micro_batch_size, num_micro_batches, diloco, config.memory(),
+                      reshard_after_forward, outer_state)
+    tables = LinkTables(cluster, config)
+    if degree > 1:
+        inputs = build_sharded_inputs(tables, model, stages, groups, sync, micro_batch_size,
+                                      num_micro_batches, config, pipeline_compression,
+                                      reshard_after_forward)
+        plain = build_inputs(tables, model, stages, inputs.pipelines, sync, micro_batch_size,
+                             num_micro_batches, config, pipeline_compression)
+        fsdp = float(((inputs.t_fwd + inputs.t_bwd - plain.t_fwd - plain.t_bwd)
+                      * num_micro_batches).max())
+        timeline = False
+    else:
+        inputs = build_inputs(tables, model, stages, groups[:, :, 0], sync, micro_batch_size,
+                              num_micro_batches, config, pipeline_compression)
+        fsdp = 0.0
     times, boxes = replay_events(inputs) if timeline else (replay_fast(inputs), [])
     free = replay_fast(no_transfers(inputs)).makespan_s
-    tokens = pipe.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
+    tokens = inputs.pipelines.shape[0] * num_micro_batches * micro_batch_size * model.seq_len
     breakdown = step_breakdown(inputs, times, free, tokens)
-    return SimResult(**vars(breakdown), sync=sync, stages=list(stages), pipelines=pipe.tolist(),
+    return SimResult(**vars(breakdown), sync=sync, stages=list(stages),
+                     pipelines=inputs.pipelines.tolist(),
                      pipeline_compression=pipeline_compression,
-                     memory_gb=memory_use(cluster, model, stages, pipe, micro_batch_size,
-                                          num_micro_batches, diloco, config),
-                     timeline=boxes)
+                     memory_gb=memory_use(cluster, model, stages, groups, micro_batch_size,
+                                          num_micro_batches, diloco, config,
+                                          reshard_after_forward, outer_state),
+                     timeline=boxes, shard_degree=degree, fsdp_comm_s=fsdp,
+                     fsdp_bytes_per_step=fsdp_bytes_per_step(
+                         model, stages, groups, num_micro_batches, reshard_after_forward))
 
 
 def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
@@ -110,4 +146,4 @@ def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
     validate_plan(plan, cluster, model)
     return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
                     plan.micro_batch_size, plan.num_micro_batches, config, timeline,
-                    plan.pipeline_compression)
+                    plan.pipeline_compression, plan.reshard_after_forward, plan.outer_state)

@@ -111,73 +111,92 @@ def run_remote(args: argparse.Namespace, r: Resolved) -> int:
         raise UserError(f"--known-hosts: {opt.known_hosts} does not exist; record the hosts' "
                         f"keys first: cluster_ssh.py --hosts {args.hosts} accept-keys")
     rules = build_host_rules(r.cluster, r.groups, r.addresses, args.iface, args.link_gbps)
-    hosts = r.entries
     t = max(opt.timeout_s, 30.0)
-    lat, _ = host_links(r.cluster, r.groups)
     if args.action == "reset":
-        def reset(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
-            notes = reset_host(_runner(c, args.sudo, t), rules[k])
-            s, out, err = _stop_delay_line(args, h, c, t)
-            if s != 0:
-                notes.append(f"delay_line.py --cleanup failed (exit {s})")
-            return sshctl.HostResult(h, 0 if not notes else 1,
-                                     out + "tc rules removed\n", err + "\n".join(notes))
-        return 0 if _print(sshctl.for_all(hosts, opt, reset)) else 1
+        return _reset_remote(args, r, opt, rules, t)
     if args.action == "apply":
-        netem: dict[int, bool] = {}
-
-        def phase1(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
-            res = apply_host(_runner(c, args.sudo, t), rules[k],
-                             try_netem=args.delay in ("auto", "netem"))
-            netem[k] = res.netem or not res.delays_wanted
-            return sshctl.HostResult(h, 0, "".join(f"{n}\n" for n in res.notes) +
-                                     f"{len(rules[k].classes)} class(es) applied, delay "
-                                     f"{'netem' if res.netem else 'pending'}\n")
-        ok = _print(sshctl.for_all(hosts, opt, phase1))
-        # receiver j holds packets from each sender i that could not delay them itself
-        need = [{r.addresses[i]: float(lat[i, j]) for i in range(len(hosts))
-                 if i != j and not netem.get(i, True) and lat[i, j] > 0}
-                for j in range(len(hosts))]
-        if args.delay == "none" or not any(need):
-            if any(need):
-                print("WARNING: delay NOT APPLIED (--delay none): only rates are shaped")
-            return 0 if ok else 1
-
-        def phase2(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
-            _stop_delay_line(args, h, c, t)
-            if not need[k]:
-                return sshctl.HostResult(h, 0, "no delay line needed\n")
-            into = f"delay NOT APPLIED on traffic into {r.addresses[k]}"
-            s, _, err = sshctl.exec_command(
-                c, f"{shlex.quote(args.remote_python)} -c 'import netfilterqueue'", t)
-            if s != 0:
-                return sshctl.HostResult(h, 1, "", f"{into}: {args.remote_python} has no "
-                                         f"NetfilterQueue ({err.strip().splitlines()[-1:]})\n")
-            copy_files(c, [DELAY_LINE])
-            cmd = shlex.join([args.remote_python, DELAY_LINE_REMOTE, "--delays",
-                              json.dumps(need[k])])
-            # Wait for its `ready` (rules in, queue bound), as the local path does: a delay line
-            # that dies at once (no iptables, queue taken) must not pass as applied.
-            s, out, err = sshctl.exec_command(c, sshctl.start_script(
-                k, h, cmd, DELAY_RUN, REMOTE_DIR, sudo=args.sudo, ready_s=READY_TIMEOUT_S),
-                t + READY_TIMEOUT_S)
-            if s != 0:
-                return sshctl.HostResult(h, 1, out, f"{into}: {sshctl.start_failure(err)}\n")
-            return sshctl.HostResult(h, 0, f"delay line for {need[k]}: {out}")
-        return 0 if _print(sshctl.for_all(hosts, opt, phase2)) and ok else 1
+        return _apply_remote(args, r, opt, rules, t)
     if args.action == "show":
-        reached, live, held = _live(args, r, opt, t)
-        all_ok = all(x.ok for x in reached)
-        for k, res in enumerate(reached):
-            print(f"host {k} {res.host.label} devices {list(r.groups[k])}")
-            if k not in live:
-                print(f"  {res.error}")
-                continue
-            rows, ok = compare(rules[k], live[k], sender_line_delays(r.addresses, held, k))
-            all_ok &= ok
-            print(table(["class", "to", "rate", "live", "delay", "live", "check"], rows))
-        return 0 if all_ok else 1
+        return _show_remote(args, r, opt, rules, t)
     return probe_remote(args, r, opt, rules)
+
+
+def _reset_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
+                  rules: list[HostRules], t: float) -> int:
+    """tc.py reset --hosts: remove the rules and stop the delay lines on every host."""
+    def reset(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
+        notes = reset_host(_runner(c, args.sudo, t), rules[k])
+        s, out, err = _stop_delay_line(args, h, c, t)
+        if s != 0:
+            notes.append(f"delay_line.py --cleanup failed (exit {s})")
+        return sshctl.HostResult(h, 0 if not notes else 1,
+                                 out + "tc rules removed\n", err + "\n".join(notes))
+    return 0 if _print(sshctl.for_all(r.entries, opt, reset)) else 1
+
+
+def _apply_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
+                  rules: list[HostRules], t: float) -> int:
+    """tc.py apply --hosts: the rules on every host, then a delay line on each host that
+    receives from a sender that could not delay its packets itself (no netem)."""
+    hosts = r.entries
+    lat, _ = host_links(r.cluster, r.groups)
+    netem: dict[int, bool] = {}
+
+    def phase1(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
+        res = apply_host(_runner(c, args.sudo, t), rules[k],
+                         try_netem=args.delay in ("auto", "netem"))
+        netem[k] = res.netem or not res.delays_wanted
+        return sshctl.HostResult(h, 0, "".join(f"{n}\n" for n in res.notes) +
+                                 f"{len(rules[k].classes)} class(es) applied, delay "
+                                 f"{'netem' if res.netem else 'pending'}\n")
+    ok = _print(sshctl.for_all(hosts, opt, phase1))
+    # receiver j holds packets from each sender i that could not delay them itself
+    need = [{r.addresses[i]: float(lat[i, j]) for i in range(len(hosts))
+             if i != j and not netem.get(i, True) and lat[i, j] > 0}
+            for j in range(len(hosts))]
+    if args.delay == "none" or not any(need):
+        if any(need):
+            print("WARNING: delay NOT APPLIED (--delay none): only rates are shaped")
+        return 0 if ok else 1
+
+    def phase2(k: int, h: HostEntry, c: paramiko.SSHClient) -> sshctl.HostResult:
+        _stop_delay_line(args, h, c, t)
+        if not need[k]:
+            return sshctl.HostResult(h, 0, "no delay line needed\n")
+        into = f"delay NOT APPLIED on traffic into {r.addresses[k]}"
+        s, _, err = sshctl.exec_command(
+            c, f"{shlex.quote(args.remote_python)} -c 'import netfilterqueue'", t)
+        if s != 0:
+            return sshctl.HostResult(h, 1, "", f"{into}: {args.remote_python} has no "
+                                     f"NetfilterQueue ({err.strip().splitlines()[-1:]})\n")
+        copy_files(c, [DELAY_LINE])
+        cmd = shlex.join([args.remote_python, DELAY_LINE_REMOTE, "--delays",
+                          json.dumps(need[k])])
+        # Wait for its `ready` (rules in, queue bound), as the local path does: a delay line
+        # that dies at once (no iptables, queue taken) must not pass as applied.
+        s, out, err = sshctl.exec_command(c, sshctl.start_script(
+            k, h, cmd, DELAY_RUN, REMOTE_DIR, sudo=args.sudo, ready_s=READY_TIMEOUT_S),
+            t + READY_TIMEOUT_S)
+        if s != 0:
+            return sshctl.HostResult(h, 1, out, f"{into}: {sshctl.start_failure(err)}\n")
+        return sshctl.HostResult(h, 0, f"delay line for {need[k]}: {out}")
+    return 0 if _print(sshctl.for_all(hosts, opt, phase2)) and ok else 1
+
+
+def _show_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
+                 rules: list[HostRules], t: float) -> int:
+    """tc.py show --hosts: each host's live rules and delay lines beside the wanted ones."""
+    reached, live, held = _live(args, r, opt, t)
+    all_ok = all(x.ok for x in reached)
+    for k, res in enumerate(reached):
+        print(f"host {k} {res.host.label} devices {list(r.groups[k])}")
+        if k not in live:
+            print(f"  {res.error}")
+            continue
+        rows, ok = compare(rules[k], live[k], sender_line_delays(r.addresses, held, k))
+        all_ok &= ok
+        print(table(["class", "to", "rate", "live", "delay", "live", "check"], rows))
+    return 0 if all_ok else 1
 
 
 def _delay_applied(r: Resolved, rules: list[HostRules], live: dict[int, LiveHost],

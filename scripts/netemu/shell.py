@@ -26,7 +26,7 @@ def sh(argv: list[str], check: bool = True, timeout: float = 30.0,
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               input=input_text)
     except FileNotFoundError:
-        raise CommandError(f"`{argv[0]}` not found; install it (see the README)") from None
+        raise CommandError(f"`{argv[0]}` not found; install it (see docs/emulator.md)") from None
     if check and proc.returncode != 0:
         raise CommandError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): "
                            f"{(proc.stderr or proc.stdout).strip()}")

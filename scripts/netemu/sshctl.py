@@ -12,10 +12,12 @@ process group) and `RUN_DIR/NAME@HOST_PORT.log`; `kill` signals exactly those pr
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import os
 import posixpath
+import secrets
 import shlex
 import stat
 import sys
@@ -23,12 +25,14 @@ import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 from formats.errors import UserError
+from formats.jsonfile import read_text
 from scripts.netemu.hostlist import HostEntry
 from scripts.netemu.shell import READY_LINE
 
@@ -107,6 +111,32 @@ class SSHOptions:
             raise UserError(f"--known-hosts: {self.known_hosts} does not exist; record the "
                             f"hosts' keys first: cluster_ssh.py --hosts {hosts_flag} "
                             "accept-keys")
+        if self.known_hosts.exists():
+            check_known_hosts(self.known_hosts)
+
+
+MAX_KNOWN_HOSTS_BYTES = 16 << 20
+"""Largest known_hosts file read (~100,000 keys)."""
+
+
+def check_known_hosts(path: Path) -> None:
+    """UserError naming the line paramiko would fail on later (with a traceback): a marker
+    line (@revoked, @cert-authority: paramiko cannot honour them) or a key it cannot parse."""
+    text = read_text(path, "--known-hosts", MAX_KNOWN_HOSTS_BYTES)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("@"):
+            raise UserError(f"--known-hosts {path}:{lineno}: {stripped.split()[0]} lines are "
+                            "not supported (paramiko cannot honour them, so no host is "
+                            "trusted); remove the line and record plain keys with "
+                            "`cluster_ssh.py accept-keys`")
+        try:
+            HostKeyEntry.from_line(line, lineno)
+        except Exception as e:  # InvalidHostKey (args: line, cause), SSHException
+            cause = e.args[-1] if isinstance(e, InvalidHostKey) and e.args else e
+            why = " ".join(str(cause).split())[:120]
+            raise UserError(f"--known-hosts {path}:{lineno}: not a valid host key line "
+                            f"({why}); fix or remove it") from None
 
 
 @dataclass
@@ -320,13 +350,23 @@ def kill(hosts: list[HostEntry], opt: SSHOptions, name: str | None = None,
     return for_all(hosts, opt, fn)
 
 
-def _put_tree(sftp: paramiko.SFTPClient, local: Path, remote: str) -> int:
+def _put_tree(sftp: paramiko.SFTPClient, local: Path, remote: str, tag: str) -> int:
+    """Copy `local` to `remote`; each file goes to a temporary name of this host (`tag`) and is
+    renamed into place, so hosts sharing one filesystem (an NFS home) never see each other's
+    half-written copy."""
     if local.is_dir():
         _mkdirs(sftp, remote)
-        return sum(_put_tree(sftp, p, posixpath.join(remote, p.name))
+        return sum(_put_tree(sftp, p, posixpath.join(remote, p.name), tag)
                    for p in sorted(local.iterdir()))
-    sftp.put(str(local), remote)
-    sftp.chmod(remote, local.stat().st_mode & 0o777)
+    tmp = posixpath.join(posixpath.dirname(remote), f".{posixpath.basename(remote)}.{tag}.tmp")
+    try:
+        sftp.put(str(local), tmp)
+        sftp.chmod(tmp, local.stat().st_mode & 0o777)
+        sftp.posix_rename(tmp, remote)  # atomic replace (OpenSSH's posix-rename extension)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            sftp.remove(tmp)
+        raise
     return 1
 
 
@@ -354,33 +394,109 @@ def sync(hosts: list[HostEntry], opt: SSHOptions, paths: list[Path], dest: str
     def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
         with c.open_sftp() as sftp:
             _mkdirs(sftp, dest)
-            n = sum(_put_tree(sftp, p, posixpath.join(dest, p.name)) for p in paths)
+            tag = f"{k}-{os.getpid()}-{secrets.token_hex(4)}"
+            n = sum(_put_tree(sftp, p, posixpath.join(dest, p.name), tag) for p in paths)
         return HostResult(h, 0, f"{n} file(s) -> {dest}\n")
     return for_all(hosts, opt, fn)
 
 
-def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> int:
-    st = sftp.stat(remote)
-    if stat.S_ISDIR(st.st_mode or 0):
-        local.mkdir(parents=True, exist_ok=True)
-        return sum(_get_tree(sftp, posixpath.join(remote, name), local / name)
-                   for name in sorted(sftp.listdir(remote)))
+MAX_COLLECT_DEPTH = 32
+"""Folders deeper than this under REMOTE are refused (an endless remote tree)."""
+MAX_COLLECT_BYTES = 64 << 30
+"""`collect` copies at most this much per host."""
+MAX_COLLECT_FILES = 200_000
+"""... and at most this many files per host."""
+
+
+class CollectRefused(Exception):
+    """A remote listing `collect` will not follow (the message says which name and why)."""
+
+
+@dataclass
+class _Budget:
+    """What one host's `collect` may still copy."""
+
+    bytes: int = field(default_factory=lambda: MAX_COLLECT_BYTES)
+    files: int = field(default_factory=lambda: MAX_COLLECT_FILES)
+    skipped: list[str] = field(default_factory=list)
+    """Remote symlinks and special files, not copied."""
+
+
+def _safe_child(local: Path, root: Path, name: str) -> Path:
+    """`local`/`name`, refused when `name` is not one plain path component that stays under
+    `root` (the scp CVE-2019-6111 class: '..', '/x', 'a/b' from a hostile server)."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CollectRefused(f"the host listed a file named {name!r}, which would leave the "
+                             "destination folder; refused")
+    child = local / name
+    if child.is_symlink() or not child.resolve().is_relative_to(root.resolve()):
+        raise CollectRefused(f"{child} leads outside {root} (a symlink); refused")
+    return child
+
+
+def _get_file(sftp: paramiko.SFTPClient, remote: str, local: Path, budget: _Budget) -> None:
+    """Copy one regular file to a temporary name and rename it into place (never through a
+    symlink), within the byte budget."""
     local.parent.mkdir(parents=True, exist_ok=True)
-    sftp.get(remote, str(local))
+    fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=f".{local.name[:100]}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out, sftp.open(remote, "rb") as f:
+            while chunk := f.read(min(1 << 20, budget.bytes + 1)):
+                budget.bytes -= len(chunk)
+                if budget.bytes < 0:
+                    raise CollectRefused(f"{remote}: over the {MAX_COLLECT_BYTES} bytes "
+                                         "`collect` copies from one host; refused")
+                out.write(chunk)
+        os.replace(tmp, local)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path, root: Path,
+              budget: _Budget, depth: int = 0) -> int:
+    """Copy `remote` to `local` (under `root`): regular files and folders only, bounded in
+    depth, file count and bytes."""
+    st = sftp.lstat(remote)
+    mode = st.st_mode or 0
+    if stat.S_ISDIR(mode):
+        if depth >= MAX_COLLECT_DEPTH:
+            raise CollectRefused(f"{remote}: deeper than {MAX_COLLECT_DEPTH} folders; refused")
+        local.mkdir(parents=True, exist_ok=True)
+        return sum(_get_tree(sftp, posixpath.join(remote, name), _safe_child(local, root, name),
+                             root, budget, depth + 1)
+                   for name in sorted(sftp.listdir(remote)))
+    if not stat.S_ISREG(mode):  # a remote symlink or device: not followed
+        budget.skipped.append(remote)
+        return 0
+    budget.files -= 1
+    if budget.files < 0:
+        raise CollectRefused(f"{remote}: over the {MAX_COLLECT_FILES} files `collect` copies "
+                             "from one host; refused")
+    _get_file(sftp, remote, local, budget)
     return 1
 
 
 def collect(hosts: list[HostEntry], opt: SSHOptions, remote: str, dest: Path
             ) -> list[HostResult]:
-    """Copy REMOTE (file or folder) from every host to DEST/<user@host_port>/<basename>."""
+    """Copy REMOTE (file or folder) from every host to DEST/<user@host_port>/<basename>;
+    nothing is written outside DEST (see `_safe_child`), remote symlinks are not followed."""
     def fn(k: int, h: HostEntry, c: paramiko.SSHClient) -> HostResult:
-        target = dest / f"{h.user}@{h.host}_{h.port}" / posixpath.basename(remote.rstrip("/"))
+        root = dest / f"{h.user}@{h.host}_{h.port}"
+        budget = _Budget()
         with c.open_sftp() as sftp:
             try:
-                n = _get_tree(sftp, remote, target)
+                root.mkdir(parents=True, exist_ok=True)
+                target = _safe_child(root, root, posixpath.basename(remote.rstrip("/")) or "root")
+                n = _get_tree(sftp, remote, target, root, budget)
             except FileNotFoundError:
                 return HostResult(h, 1, "", f"{remote}: no such file on the host\n")
-        return HostResult(h, 0, f"{n} file(s) -> {target}\n")
+            except CollectRefused as e:
+                return HostResult(h, 1, "", f"collect: {e}\n")
+        skipped = (f"; {len(budget.skipped)} symlink(s)/special file(s) not copied"
+                   if budget.skipped else "")
+        return HostResult(h, 0, f"{n} file(s) -> {target}{skipped}\n")
     return for_all(hosts, opt, fn)
 
 

@@ -1,0 +1,80 @@
+"""FSDP2 on a stage's module: `fully_shard` per transformer block, then the stage root (the
+embedding, final norm and head, whichever the stage has), over the shard group's mesh.
+
+The pipeline is untouched: a stage still takes and returns full activations; FSDP2 gathers a
+block's parameters around its forward and backward and reduce-scatters (averages) its
+gradients over the shard group. What the rest of the runtime touches directly (optimizer state,
+DiLoCo's anchors, checkpoints) is each device's local shard: `local` gives it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.tensor import DTensor
+
+from modules.comm import CommStats
+
+
+class CountingAllGather(DefaultAllGather):
+    """FSDP2's all-gather, adding what a ring sends to `stats`: (D-1) x my shard's bytes."""
+
+    def __init__(self, stats: CommStats, degree: int) -> None:
+        self.stats, self.degree = stats, degree
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
+        self.stats.bytes_sent += (self.degree - 1) * input_tensor.numel() * \
+            input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class CountingReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, adding what a ring sends: (D-1) x my output shard's bytes."""
+
+    def __init__(self, stats: CommStats, degree: int) -> None:
+        self.stats, self.degree = stats, degree
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+        self.stats.bytes_sent += (self.degree - 1) * output_tensor.numel() * \
+            output_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+    """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block; then make
+    FSDP2 set up its buffers now, so the local shards `local` returns stay the ones trained."""
+    root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+    for block in root.blocks.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard.state(root)._lazy_init()  # noqa: SLF001 - else done at the first forward
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every module `apply_fsdp` sharded (the blocks, then the root)."""
+    return [m for m in getattr(model, "_orig_mod", model).modules() if isinstance(m, FSDPModule)]
+
+
+def count_collectives(model: nn.Module, stats: CommStats, degree: int) -> None:
+    """Count FSDP2's collectives' bytes into `stats` (the rank's, so metrics include them)."""
+    for module in fsdp_modules(model):
+        module.set_custom_all_gather(CountingAllGather(stats, degree))
+        module.set_custom_reduce_scatter(CountingReduceScatter(stats, degree))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This device's shard of a DTensor (a view: writing it writes the parameter), else `t`."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - no public view
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter (after a forward-only pass such as evaluation, which
+    leaves them gathered when reshard_after_forward is off)."""
+    for module in fsdp_modules(model):
+        module.reshard()

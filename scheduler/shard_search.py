@@ -1,0 +1,194 @@
+"""Hierarchical plans: stages held by shard groups (FSDP2) placed inside one site, searched over
+S x D x R and compared with the best D = 1 plan by the simulator's time per sequence.
+
+Placement: a site is a region of the cluster file (devices that share fast links: a host or a
+data centre). Each site's devices, by id, are cut into shard groups of D (a site's remainder
+is left out of that D); replica r takes S consecutive shard groups, so a replica's stages stay
+in one site when the site holds S groups and the replicas sync across sites. The layer split
+balances the stages' compute on the slowest device of each stage (layer_split.split_layers),
+memory per device checked (memory.stage_memory with D). Every candidate is replayed by the
+simulator (simulator/sharded.py); the cost that ranks plans of different D and R is
+step / (R x D): each lane of a replica trains the batch a D = 1 replica does, so that is the
+time per sequence up to the same constant as planning.per_replica_cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import networkx as nx
+import numpy as np
+
+from formats.cluster import Cluster
+from formats.errors import UserError
+from formats.models import ModelSpec
+from formats.plan import Plan, SyncConfig
+from scheduler.layer_split import flops_table, split_layers
+from scheduler.memory import stage_memory
+from scheduler.planning import PlanRequest, default_micro_batches
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.step import SimResult, simulate
+
+
+def sites(cluster: Cluster) -> list[list[int]]:
+    """Devices that share a site (a region of the cluster file), each ascending, the sites in
+    order of their first device: the connected components of the same-region graph."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(cluster.num_devices))
+    by_region: dict[str, list[int]] = {}
+    for d, region in enumerate(cluster.regions()):
+        by_region.setdefault(region, []).append(d)
+    for members in by_region.values():
+        nx.add_path(graph, members)
+    return sorted((sorted(c) for c in nx.connected_components(graph)), key=lambda c: c[0])
+
+
+def shard_groups(cluster: Cluster, degree: int) -> list[list[int]]:
+    """Shard groups of `degree` devices, each inside one site (a site's remainder unused)."""
+    groups = []
+    for site in sites(cluster):
+        groups += [site[k:k + degree] for k in range(0, len(site) - degree + 1, degree)]
+    return groups
+
+
+@dataclass
+class Candidate:
+    """One sharded (or D = 1) plan the comparison scored."""
+
+    label: str
+    num_stages: int
+    shard_degree: int
+    num_replicas: int
+    step_s: float
+    """Simulated step time (inf: does not fit)."""
+    plan: Plan | None = None
+    result: SimResult | None = None
+
+    @property
+    def per_sequence_s(self) -> float:
+        """step / (R x D): what ranks plans of different widths."""
+        return self.step_s / (self.num_replicas * self.shard_degree)
+
+
+def memory_table(model: ModelSpec, req: PlanRequest, degree: int, diloco: bool) -> np.ndarray:
+    """(L+1, L+1) bytes a device of a D-way shard group needs for a stage [a, b) (inf: b <= a)."""
+    n = model.num_layers
+    table = np.full((n + 1, n + 1), np.inf)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            table[a, b] = stage_memory(model, a, b, req.micro_batch_size, req.num_micro_batches,
+                                       diloco, req.sim.memory(), degree,
+                                       req.reshard_after_forward, req.outer_state).total_bytes
+    return table
+
+
+def layer_split(cluster: Cluster, model: ModelSpec, pipelines: list[list[list[int]]],
+                need: np.ndarray) -> list[tuple[int, int]]:
+    """Stages balancing compute on each stage's slowest device, each stage's bytes per device
+    (`need`, memory_table) within its smallest device ([] when nothing fits)."""
+    s_count = len(pipelines[0])
+    if s_count > model.num_layers:
+        return []
+    flops = flops_table(model)
+    cost = np.empty((s_count, *flops.shape))
+    for s in range(s_count):
+        devs = [cluster.devices[d] for chain in pipelines for d in chain[s]]
+        speed, memory = min(d.tflops for d in devs), min(d.memory_gb for d in devs) * 1e9
+        cost[s] = np.where(need <= memory, flops / speed, np.inf)
+    stages, worst = split_layers(cost)
+    return stages if np.isfinite(worst) else []
+
+
+def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                       syncs: tuple[SyncConfig, ...], deadline: float) -> list[Candidate]:
+    """Every D in 2..req.max_shard, every S up to the shard groups, under each sync: scored
+    until `deadline` (a time.perf_counter() value; at least one layout is scored)."""
+    out: list[Candidate] = []
+    digest = cluster.sha256()
+    for degree in range(2, min(req.max_shard, model.shard_limit()) + 1):
+        groups = shard_groups(cluster, degree)
+        tables = {mode: memory_table(model, req, degree, mode == "diloco")
+                  for mode in {sync.mode for sync in syncs}} if groups else {}
+        for s_count in range(1, min(len(groups), model.num_layers) + 1):
+            r_count = len(groups) // s_count
+            pipes = [groups[r * s_count:(r + 1) * s_count] for r in range(r_count)]
+            for sync in syncs:
+                if out and time.perf_counter() > deadline:
+                    return out
+                if sync.mode == "allreduce" or r_count > 1:
+                    out.append(_score(cluster, model, req, pipes, sync, tables[sync.mode],
+                                      digest))
+    return out
+
+
+def _score(cluster: Cluster, model: ModelSpec, req: PlanRequest, pipes: list[list[list[int]]],
+           sync: SyncConfig, need: np.ndarray, digest: str) -> Candidate:
+    """Simulate one layout under one sync (inf when it does not fit)."""
+    s_count, degree, r_count = len(pipes[0]), len(pipes[0][0]), len(pipes)
+    label = f"{s_count} x {degree}-way x {r_count}, {sync.mode}"
+    stages = layer_split(cluster, model, pipes, need)
+    if not stages:
+        return Candidate(label, s_count, degree, r_count, float("inf"))
+    try:
+        result = simulate(cluster, model, stages, pipes, sync, req.micro_batch_size,
+                          req.num_micro_batches, req.sim, False,
+                          req.pipeline_compression, req.reshard_after_forward, req.outer_state)
+    except UserError:  # a device over its memory (the split's check is per stage's least)
+        return Candidate(label, s_count, degree, r_count, float("inf"))
+    plan = Plan(cluster.name, digest, model.name, stages, pipes,  # type: ignore[arg-type]
+                req.micro_batch_size, req.num_micro_batches, sync, req.pipeline_compression,
+                reshard_after_forward=req.reshard_after_forward, outer_state=req.outer_state)
+    return Candidate(label, s_count, degree, r_count, result.step_s, plan, result)
+
+
+def flat_candidate(cluster: Cluster, model: ModelSpec, plan: Plan, sim: SimConfig) -> Candidate:
+    """The D = 1 plan the ordinary planner found, replayed by the same simulator."""
+    result = simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
+                      plan.micro_batch_size, plan.num_micro_batches, sim,
+                      False, plan.pipeline_compression)
+    label = f"{plan.num_stages} x 1-way x {plan.num_replicas}, {plan.sync.mode} (D = 1 search)"
+    return Candidate(label, plan.num_stages, 1, plan.num_replicas, result.step_s, plan, result)
+
+
+def choose(flat: Candidate | None, sharded: list[Candidate], seed: int,
+           started: float) -> tuple[Candidate, list[Candidate]]:
+    """The candidate with the least time per sequence (the D = 1 plan on ties), its plan's
+    predicted and search blocks filled; UserError when none fits."""
+    every = ([flat] if flat else []) + sorted(sharded, key=lambda c: c.per_sequence_s)
+    best = min(every, key=lambda c: c.per_sequence_s, default=None)
+    if best is None or not np.isfinite(best.per_sequence_s) or best.plan is None:
+        raise UserError("no plan fits: neither a D = 1 plan nor a sharded one (raise "
+                        "--max-shard, use fewer or smaller micro-batches, or bigger devices)")
+    if best.shard_degree > 1 and best.result is not None:
+        res = best.result
+        plan = replace(best.plan, predicted={
+            "objective": "simulated", "cost": round(res.step_s, 6),
+            **{k: round(v, 6) for k, v in res.parts().items()},
+            "per_sequence_s": round(best.per_sequence_s, 9),
+            "fsdp_comm_s": round(res.fsdp_comm_s, 6),
+            "fsdp_bytes_per_step": res.fsdp_bytes_per_step,
+            "dp_bytes_per_step": res.dp_bytes_per_step},
+            search={"method": "shard-layout", "seed": seed, "evaluations": len(every),
+                    "wall_s": round(time.perf_counter() - started, 3),
+                    "stopped_by": "converged", "shard_degree": best.shard_degree})
+        best = replace(best, plan=plan)
+    return best, every
+
+
+def plan_hierarchical(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                      syncs: tuple[SyncConfig, ...], flat: Plan | None,
+                      started: float) -> tuple[Candidate, list[Candidate]]:
+    """The best of the D = 1 plan `flat` (None: none found or none fits) and every sharded
+    layout with D <= req.max_shard under each of `syncs`, by time per sequence. The layouts
+    are scored until req.search.time_limit_s after `started` (at least one)."""
+    if req.num_micro_batches == 0:
+        req = replace(req, num_micro_batches=default_micro_batches(
+            model, req.micro_batch_size, req.tokens_per_replica))
+    base = flat_candidate(cluster, model, flat, req.sim) if flat is not None else None
+    deadline = started + req.search.time_limit_s
+    best, every = choose(base, sharded_candidates(cluster, model, req, syncs, deadline),
+                         req.search.seed, started)
+    if best.shard_degree > 1 and best.plan is not None:
+        best.plan.search["sim_config"] = asdict(req.sim)
+    return best, every

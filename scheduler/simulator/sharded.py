@@ -1,0 +1,181 @@
+"""The step of a plan with shard groups (plan/2, hierarchical replicas): FSDP2 inside a replica,
+the data-parallel sync across replicas shard by shard. See docs/hierarchical.md.
+
+What the runtime does and the model charges (R replicas, S stages, D devices per shard group):
+
+- Lanes. Device i of every stage of replica r forms lane r*D + i (Plan.lanes): it runs its own
+  micro-batches (m of micro_batch_size sequences per step, as a D = 1 replica does) and sends
+  its activations to device i of the next stage. A replica therefore processes D x the
+  sequences of a D = 1 replica per step; the planner's cost per sequence is step / (R x D).
+  The pipeline replay is the kernel's, over the R x D lanes.
+- FSDP2 inside a shard group. Each device keeps 1/D of the stage's parameters. Per micro-batch
+  and block the forward all-gathers the block's fp32 parameters, the backward all-gathers them
+  again (reshard_after_forward) and reduce-scatters the fp32 gradients. An all-gather or a
+  reduce-scatter of B bytes over the group's ring (ring_order, as the data-parallel rings) is
+  (D-1) steps of max over ring links (latency x collective_latency_factor + B/D * 8 / bw):
+  half an all-reduce (ring_gather_s). FSDP2 prefetches the next block's gather while the
+  current block computes, so per micro-batch a device's forward takes
+  max(compute, gather) + gather / blocks (the first block's gather is not hidden) and its
+  backward max(compute, gather + scatter) + scatter / blocks (the last block's scatter is not
+  hidden). Without reshard_after_forward the stage's parameters are gathered once per step and
+  the gradients reduce-scattered once per step (amortised over the m micro-batches, same rule).
+  The shard group's links are not shared with the pipeline's in the model (a group sits inside
+  one site, its pipeline messages go to other devices).
+- Across replicas, per shard: device i of stage s averages its shard with device i of stage s
+  of every other replica (Plan.shard_peers): S x D rings of R devices, each carrying 1/D of the
+  stage's payload, all at once on different links. Everything else of the kernel's sync
+  (allreduce every step or DiLoCo's H, fragments, overlap and its link sharing, the store
+  agreement) applies to each ring as to a D = 1 stage group. Tied embeddings: lane i's first
+  and last devices sum their 1/D shard of the embedding gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from formats.models import ModelSpec
+from formats.plan import Entry, SyncConfig, as_group
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.kernel import (
+    LinkTables,
+    RingTable,
+    StepInputs,
+    payload_bytes_per_param,
+    plan_links,
+    ring_order,
+    step_inputs,
+)
+
+FSDP_BYTES_PER_PARAM = 4.0
+"""FSDP2 gathers fp32 parameters and reduce-scatters fp32 gradients (no MixedPrecisionPolicy)."""
+
+
+def is_sharded(pipelines: object) -> bool:
+    """Whether a pipelines array (list or numpy) holds shard groups."""
+    if isinstance(pipelines, np.ndarray):
+        return pipelines.ndim == 3
+    return any(isinstance(e, list) for chain in pipelines for e in chain)  # type: ignore[union-attr]
+
+
+def shard_array(pipelines: list[list[Entry]] | np.ndarray) -> np.ndarray:
+    """(R, S, D) device ids of a plan's pipelines (D = 1 for plain ids)."""
+    if isinstance(pipelines, np.ndarray):
+        return pipelines if pipelines.ndim == 3 else pipelines[:, :, None]
+    return np.array([[as_group(e) for e in chain] for chain in pipelines], dtype=np.int64)
+
+
+def ring_gather_s(payload_bytes: float, lat_s: np.ndarray, sec_per_bit: np.ndarray) -> float:
+    """Seconds of a ring all-gather (or reduce-scatter) of `payload_bytes` over n devices whose
+    ring links have these latencies and seconds per bit: (n-1) steps of B/n bytes, each as
+    long as its slowest link. Half the ring all-reduce's 2(n-1) steps."""
+    n = len(lat_s)
+    if n <= 1:
+        return 0.0
+    return (n - 1) * float((np.asarray(lat_s) + payload_bytes / n * 8.0
+                            * np.asarray(sec_per_bit)).max())
+
+
+def fsdp_collective_s(tables: LinkTables, group: np.ndarray, payload_bytes: float) -> float:
+    """One all-gather (= one reduce-scatter) of `payload_bytes` over a shard group's ring."""
+    if len(group) <= 1:
+        return 0.0
+    order = ring_order(group, tables.lat_s, tables.bits_per_s, payload_bytes / len(group))
+    nxt = np.roll(order, -1)
+    return ring_gather_s(payload_bytes, tables.collective_lat_s[order, nxt],
+                         tables.sec_per_bit[order, nxt])
+
+
+def fsdp_stage_times(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
+                     groups: np.ndarray) -> np.ndarray:
+    """(R, S) seconds of one all-gather of each shard group's full stage parameters (the same
+    as one reduce-scatter of its gradients)."""
+    r_count, s_count, _ = groups.shape
+    out = np.zeros((r_count, s_count))
+    for s, (a, b) in enumerate(stages):
+        payload = model.stage_params(a, b) * FSDP_BYTES_PER_PARAM
+        for r in range(r_count):
+            out[r, s] = fsdp_collective_s(tables, groups[r, s], payload)
+    return out
+
+
+def fsdp_compute(t_fwd: np.ndarray, t_bwd: np.ndarray, collective: np.ndarray,
+                 blocks: np.ndarray, num_micro_batches: int,
+                 reshard_after_forward: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-micro-batch forward and backward seconds with FSDP's collectives overlapped as FSDP2
+    prefetches them (module docstring); `collective` is one stage gather (= one scatter)."""
+    gather = collective if reshard_after_forward else collective / num_micro_batches
+    scatter = gather
+    back_gather = gather if reshard_after_forward else 0.0
+    fwd = np.maximum(t_fwd, gather) + gather / blocks
+    bwd = np.maximum(t_bwd, back_gather + scatter) + scatter / blocks
+    return fwd, bwd
+
+
+def fsdp_bytes_per_step(model: ModelSpec, stages: list[tuple[int, int]], groups: np.ndarray,
+                        num_micro_batches: int, reshard_after_forward: bool) -> float:
+    """Bytes FSDP puts on the wire per step in all shard groups: a gather or scatter of B bytes
+    over D devices moves (D-1) x B; 3 per micro-batch with reshard_after_forward, else 2 per
+    step."""
+    r_count, _, degree = groups.shape
+    count = 3 * num_micro_batches if reshard_after_forward else 2
+    params = sum(model.stage_params(a, b) for a, b in stages)
+    return float(r_count * (degree - 1) * params * FSDP_BYTES_PER_PARAM * count)
+
+
+def _interleave(arrays: list[np.ndarray]) -> np.ndarray:
+    """D arrays (R, ...) of shard i -> (R x D, ...) with row r*D + i (Plan.lanes' order)."""
+    stacked = np.stack(arrays, axis=1)
+    return stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])
+
+
+def merge_shards(per_shard: list[StepInputs], t_fwd: np.ndarray,
+                 t_bwd: np.ndarray) -> StepInputs:
+    """One StepInputs over the R x D lanes from each shard's (its lanes and its S per-shard
+    rings); t_fwd and t_bwd (R x D, S) with FSDP's collectives in."""
+    first, degree = per_shard[0], len(per_shard)
+    s_count = first.t_fwd.shape[1]
+    tied_tx = tied_lat = None
+    if first.tied_tx is not None and first.tied_lat is not None:
+        tied_tx = _interleave([x.tied_tx for x in per_shard]) / degree  # type: ignore[misc]
+        tied_lat = _interleave([x.tied_lat for x in per_shard])  # type: ignore[misc]
+    busy = None
+    if first.ring_pp_busy is not None:
+        busy = [b for x in per_shard for b in x.ring_pp_busy]  # type: ignore[union-attr]
+    return StepInputs(
+        _interleave([x.pipelines for x in per_shard]), t_fwd, t_bwd,
+        *(_interleave([getattr(x, k) for x in per_shard])
+          for k in ("fwd_tx", "fwd_lat", "bwd_tx", "bwd_lat")),
+        rings=[g for x in per_shard for g in x.rings],
+        ring_tx=[g for x in per_shard for g in x.ring_tx],
+        ring_lat=[g for x in per_shard for g in x.ring_lat],
+        num_micro_batches=first.num_micro_batches, inner_steps=first.inner_steps,
+        tied_tx=tied_tx, tied_lat=tied_lat, agree_s=first.agree_s, overlap=first.overlap,
+        fragments=first.fragments, ring_pp_busy=busy,
+        pp_bytes=sum(x.pp_bytes for x in per_shard),
+        dp_bytes_round=sum(x.dp_bytes_round for x in per_shard),
+        group_stage=np.tile(np.arange(s_count), degree))
+
+
+def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
+                         groups: np.ndarray, sync: SyncConfig, micro_batch_size: int,
+                         num_micro_batches: int, config: SimConfig,
+                         pipeline_compression: str = "none",
+                         reshard_after_forward: bool = True) -> StepInputs:
+    """The step inputs of a plan with shard groups `groups` (R, S, D): the kernel's per-link
+    arrays for each shard's lanes and rings, merged, FSDP's collectives in the compute."""
+    degree = groups.shape[2]
+    rings = RingTable(tables, model, sync.compression, config)
+    tokens = micro_batch_size * model.seq_len
+    flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
+    per_param = payload_bytes_per_param(sync.compression, config.int8_block)
+    payload = np.array([model.stage_params(a, b) * per_param for a, b in stages]) / degree
+    per_shard = [step_inputs(plan_links(tables, model, groups[:, :, i], sync, micro_batch_size,
+                                        config, rings, pipeline_compression),
+                             flops, payload, config, num_micro_batches, sync)
+                 for i in range(degree)]
+    collective = np.repeat(fsdp_stage_times(tables, model, stages, groups), degree, axis=0)
+    blocks = np.array([b - a for a, b in stages], dtype=float)
+    t_fwd, t_bwd = fsdp_compute(_interleave([x.t_fwd for x in per_shard]),
+                                _interleave([x.t_bwd for x in per_shard]), collective, blocks,
+                                num_micro_batches, reshard_after_forward)
+    return merge_shards(per_shard, t_fwd, t_bwd)

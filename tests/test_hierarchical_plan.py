@@ -1,0 +1,264 @@
+"""Hierarchical replicas (issue 22), planner side: the plan/2 format with shard groups, memory
+per device of a shard group, the simulator's FSDP collectives and per-shard outer rings against
+closed forms, and the planner's choice on a two-site cluster."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from formats.cluster import Cluster, Device
+from formats.errors import UserError
+from formats.models import get_model
+from formats.plan import Plan, SyncConfig, load_plan, plan_from_dict, save_plan, validate_plan
+from scheduler.memory import stage_memory
+from scheduler.planning import PlanRequest, plan_best_shape
+from scheduler.search import SearchConfig
+from scheduler.shard_search import plan_hierarchical, shard_groups, sites
+from scheduler.simulator import LinkTables, SimConfig, build_inputs, simulate
+from scheduler.simulator.sharded import fsdp_collective_s, fsdp_compute
+from testkit.fuzz import plan_dict
+
+
+def sharded_dict(pipelines: list, fmt: str = "plan/2", **extra) -> dict:
+    """A plan/2 object of gpt-tiny with one stage (or two when the chains say so)."""
+    obj = plan_dict()
+    s = len(pipelines[0])
+    obj.update(format=fmt, pipelines=pipelines, num_stages=s, num_replicas=len(pipelines),
+               stages=[{"layers": [0, 4]}] if s == 1 else [{"layers": [0, 2]}, {"layers": [2, 4]}],
+               **extra)
+    return obj
+
+
+# --------------------------------------------------------------------------- format
+
+
+def test_plan1_file_loads_unchanged_and_is_written_as_plan1(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(plan_dict()))
+    plan = load_plan(path)
+    assert not plan.is_sharded and plan.shard_degrees() == [1, 1]
+    assert plan.lanes() == [[0, 1], [2, 3]] and plan.shard_peers(1, 0) == [1, 3]
+    assert plan.locate(3) == (1, 1, 0) and plan.stage_of(3) == (1, 1)
+    out = plan.to_dict()
+    assert out["format"] == "plan/1" and "reshard_after_forward" not in out
+    assert out["pipelines"] == [[0, 1], [2, 3]]
+
+
+def test_plan2_round_trip_and_helpers(tmp_path):
+    obj = sharded_dict([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], reshard_after_forward=False,
+                       outer_state="host")
+    path = tmp_path / "p.json"
+    save_plan(plan_from_dict(obj), path)
+    plan = load_plan(path)
+    assert plan.to_dict()["format"] == "plan/2"
+    assert plan.pipelines == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert plan.reshard_after_forward is False and plan.outer_state == "host"
+    assert plan.shard_group(1, 0) == [4, 5] and plan.shard_degrees() == [2, 2]
+    assert plan.shard_peers(1, 1) == [3, 7]  # device 1 of stage 1 in each replica
+    assert plan.lanes() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert plan.locate(7) == (1, 1, 1) and sorted(plan.devices()) == list(range(8))
+    assert plan_from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.parametrize("pipelines, fmt, match", [
+    ([[[]], [[1]]], "plan/2", r"pipelines\[0\]\[0\]: empty shard group"),
+    ([[[0, 1]], [[2, 3, 4]]], "plan/2", r"pipelines\[1\]\[0\]: shard group of 3 devices but "
+                                        r"replica 0 holds stage 0 with 2; .*same D in every"),
+    ([[[0, 1]], [[1, 2]]], "plan/2", r"pipelines\[1\]\[0\]: device 1 appears twice"),
+    ([[[0, 1], [2]]], "plan/2", r"stage 1 has D = 1 but stage 0 has D = 2"),
+    ([[list(range(65))]], "plan/2", r"D = 65 devices per shard group.*at most 64"),
+    ([[[0, 1]], [[2, 3]]], "plan/1", r"shard groups .* need format 'plan/2'"),
+])
+def test_malformed_shard_groups_are_refused_by_name(pipelines, fmt, match):
+    with pytest.raises(UserError, match=match):
+        validate_plan(plan_from_dict(sharded_dict(pipelines, fmt)))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("outer_state", "disk", r"plan.outer_state: 'disk' is not one of device, host"),
+    ("reshard_after_forward", 1, r"plan.reshard_after_forward: expected true or false"),
+])
+def test_bad_shard_fields_are_refused_by_name(key, value, match):
+    with pytest.raises(UserError, match=match):
+        validate_plan(plan_from_dict(sharded_dict([[[0, 1]], [[2, 3]]], **{key: value})))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_with_d1_is_todays():
+    tiny = get_model("gpt-tiny")
+    # Values of main's memory.py before shard groups existed.
+    assert stage_memory(tiny, 0, 4, 2, 3, True).total_bytes == 1022120448.0
+    assert stage_memory(tiny, 0, 2, 1, 2, False).total_bytes == 1007426048.0
+    assert stage_memory(get_model("gpt3-xl"), 0, 24, 1, 4, True).total_bytes == 36948605440.0
+    assert stage_memory(tiny, 0, 4, 2, 3, True, shard_degree=1).gathered_bytes == 0.0
+
+
+@pytest.mark.parametrize("start, end", [(0, 24), (4, 20)])
+def test_memory_with_d4_holds_a_quarter_of_the_state(start, end):
+    xl, d = get_model("gpt3-xl"), 4
+    full = stage_memory(xl, start, end, 1, 4, True)
+    shard = stage_memory(xl, start, end, 1, 4, True, shard_degree=d)
+    assert shard.state_bytes == pytest.approx(full.state_bytes / d)
+    assert shard.activation_bytes == full.activation_bytes  # lanes: not sharded
+    # Transiently one block's fp32 parameters and gradients (the embedding on the first stage).
+    unit = xl.embedding_params() if start == 0 else xl.layer_params()
+    assert shard.gathered_bytes == unit * 8.0
+    if start > 0:  # a middle stage: shard + the gathered block within 1.1 / D of the whole
+        assert shard.state_bytes + shard.gathered_bytes <= 1.1 / d * full.state_bytes
+    whole = stage_memory(xl, start, end, 1, 4, True, shard_degree=d,
+                         reshard_after_forward=False)
+    assert whole.gathered_bytes == xl.stage_params(start, end) * 8.0
+
+
+def test_outer_state_on_host_leaves_the_device():
+    tiny, d = get_model("gpt-tiny"), 2
+    dev = stage_memory(tiny, 0, 4, 1, 2, True, shard_degree=d)
+    host = stage_memory(tiny, 0, 4, 1, 2, True, shard_degree=d, outer_state="host")
+    outer = tiny.stage_params(0, 4) / d * 8
+    assert dev.state_bytes - host.state_bytes == outer and host.host_bytes == outer
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def uniform(n: int, lat_ms: float, gbps: float, tflops: float = 1.0) -> Cluster:
+    devs = [Device(i, f"d{i}", "r", f"10.0.0.{i + 1}", "X", tflops, 80.0) for i in range(n)]
+    lat, bw = np.full((n, n), lat_ms), np.full((n, n), gbps)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    return Cluster("uniform", devs, lat, bw)
+
+
+def test_fsdp_gather_is_half_a_ring_allreduce():
+    config = SimConfig()
+    tables = LinkTables(uniform(4, 10.0, 1.0), config)
+    payload = 4e6
+    expect = 3 * (0.010 * config.collective_latency_factor + payload / 4 * 8 / 1e9)
+    assert fsdp_collective_s(tables, np.arange(4), payload) == pytest.approx(expect)
+    assert fsdp_collective_s(tables, np.arange(1), payload) == 0.0
+
+
+def test_fsdp_overlap_rule():
+    fwd, bwd = fsdp_compute(np.array([[1.0]]), np.array([[2.0]]), np.array([[0.5]]),
+                            np.array([2.0]), 4, True)
+    assert fwd[0, 0] == 1.25 and bwd[0, 0] == 2.25  # max(c, g) + g / blocks; scatter likewise
+    fwd, bwd = fsdp_compute(np.array([[0.1]]), np.array([[0.2]]), np.array([[0.8]]),
+                            np.array([2.0]), 4, False)  # once a step: 0.2 per micro-batch
+    assert fwd[0, 0] == pytest.approx(0.2 + 0.1) and bwd[0, 0] == pytest.approx(0.2 + 0.1)
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "diloco"])
+def test_step_and_per_shard_rings_closed_form(mode):
+    """2 replicas x 4-way shard groups, one stage: 4 outer rings of 2 devices, each 1/4 of the
+    payload; the step = m (forward + backward with FSDP) + the ring's exposed time."""
+    cluster, model, config, m, d = uniform(8, 10.0, 1.0), get_model("gpt-tiny"), SimConfig(), 3, 4
+    sync = SyncConfig(mode, 2 if mode == "diloco" else 1)
+    groups = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    res = simulate(cluster, model, [(0, 4)], groups, sync, 1, m, config, timeline=False)
+    lat = 0.010 * config.collective_latency_factor
+    payload = model.stage_params(0, 4) * 4.0
+    ring = 2 * (2 - 1) * (lat + payload / d / 2 * 8 / 1e9)  # R = 2, 1/D of the payload
+    assert res.dp_allreduce_s == pytest.approx([ring] * d)
+    plain = build_inputs(LinkTables(cluster, config), model, [(0, 4)],
+                         np.array([[0], [1], [4], [5]]), sync, 1, m, config)
+    gather = 3 * (lat + payload / d * 8 / 1e9)
+    fwd = max(plain.t_fwd[0, 0], gather) + gather / 4
+    bwd = max(plain.t_bwd[0, 0], 2 * gather) + gather / 4
+    h = sync.inner_steps
+    assert res.step_s == pytest.approx(m * (fwd + bwd) + ring / h)
+    assert res.tokens_per_step == 2 * d * m * model.seq_len  # R x D lanes
+    flat = simulate(cluster, model, [(0, 4)], [[0], [4]], sync, 1, m, config, timeline=False)
+    assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)  # D rings x 1/D
+    assert res.fsdp_bytes_per_step == 2 * (d - 1) * payload * 3 * m
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def two_sites(inside: tuple[float, float] = (0.01, 100.0),
+              across: tuple[float, float] = (40.0, 1.0)) -> Cluster:
+    """Two sites of 4 A100-40GB, fast inside, one slow link between (like `badlink`); ids
+    interleaved so that a site is not an id range."""
+    site = [0, 1, 0, 1, 1, 0, 0, 1]
+    devs = [Device(i, f"d{i}", f"site-{site[i]}", f"10.0.0.{i + 1}", "A100-40GB", 312.0, 40.0)
+            for i in range(8)]
+    same = np.array([[site[i] == site[j] for j in range(8)] for i in range(8)])
+    lat, bw = np.where(same, inside[0], across[0]), np.where(same, inside[1], across[1])
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    return Cluster("two-sites", devs, lat, bw)
+
+
+def test_sites_and_shard_groups_stay_inside_a_site():
+    cluster = two_sites()
+    assert sites(cluster) == [[0, 2, 5, 6], [1, 3, 4, 7]]
+    assert shard_groups(cluster, 4) == [[0, 2, 5, 6], [1, 3, 4, 7]]
+    assert shard_groups(cluster, 3) == [[0, 2, 5], [1, 3, 4]]
+
+
+def test_planner_picks_two_sharded_replicas_with_diloco_across_sites():
+    """llama-1b's state (36 GB with DiLoCo) fits no single 40 GB device with its activations;
+    with --max-shard 4 the planner writes 2 replicas x 4-way sharded, one per site."""
+    cluster, model = two_sites(), get_model("llama-1b")
+    sync = SyncConfig("diloco", 50, "int8", overlap=True)
+    req = PlanRequest(0, 0, micro_batch_size=8, objective="simulated", sync=sync, max_shard=4,
+                      search=SearchConfig(budget=300, time_limit_s=60, seed=0),
+                      random_samples=20)
+    flat = plan_best_shape(cluster, model, req).plan
+    assert flat.num_stages > 1  # D = 1: only a pipeline fits
+    best, every = plan_hierarchical(cluster, model, req, (sync,), flat, time.perf_counter())
+    plan = best.plan
+    assert isinstance(plan, Plan) and plan.to_dict()["format"] == "plan/2"
+    assert (plan.num_stages, plan.shard_degree(0), plan.num_replicas) == (1, 4, 2)
+    assert plan.sync.mode == "diloco"
+    assert sorted(sorted(plan.shard_group(r, 0)) for r in range(2)) == sites(cluster)
+    assert best.per_sequence_s < every[0].per_sequence_s  # every[0]: the D = 1 plan
+    assert plan.predicted["cost"] == pytest.approx(best.step_s, abs=1e-6)
+    validate_plan(plan, cluster, model)
+    # Without a D = 1 plan (none found) the sharded one is still chosen.
+    alone, _ = plan_hierarchical(cluster, model, req, (sync,), None, time.perf_counter())
+    assert alone.label == best.label
+
+
+def test_max_shard_default_is_one():
+    assert PlanRequest(1, 1).max_shard == 1
+    with pytest.raises(UserError, match=r"PlanRequest.max_shard: must be in \[1, 1024\]"):
+        PlanRequest(1, 1, max_shard=0)
+
+
+def test_cli_plans_simulates_and_evaluates_a_sharded_plan(tmp_path, capsys):
+    from formats.cluster import save_cluster
+    from scheduler.scheduler import main
+    cluster_file, plan_file = tmp_path / "c.json", tmp_path / "p.json"
+    save_cluster(two_sites(), cluster_file)
+    rc = main(["plan", "--cluster", str(cluster_file), "--model", "llama-1b", "--objective",
+               "simulated", "--sync", "diloco", "--inner-steps", "50", "--compression", "int8",
+               "--overlap", "--micro-batch-size", "8", "--max-shard", "4", "--budget", "200",
+               "--random-samples", "20", "--quiet", "--json", "--out", str(plan_file)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shard_degree"] == 4 and out["chosen"] == "1 x 4-way x 2, diloco"
+    plan = load_plan(plan_file)
+    assert plan.shard_degrees() == [4] and plan.num_replicas == 2
+    assert main(["simulate", "--cluster", str(cluster_file), "--plan", str(plan_file),
+                 "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["shard_degree"] == 4 and sim["step_s"] == pytest.approx(plan.predicted["cost"])
+    assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file)]) == 0
+    assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file),
+                 "--objective", "dtfm"]) == 2
+    assert "only the simulated objective models" in capsys.readouterr().err
+
+
+def test_a_shard_that_does_not_fit_is_named():
+    cluster = two_sites()  # 40 GB devices; llama-1b unsharded with DiLoCo does not fit
+    model, sync = get_model("llama-1b"), SyncConfig("diloco", 4)
+    with pytest.raises(UserError, match=r"device 0 .* stage 0 .* of replica 0 as 1 of 2 shards"
+                                        r".*shard the stage over more devices"):
+        simulate(cluster, model, [(0, 16)], [[[0, 2]], [[1, 3]]], sync, 8, 8, timeline=False)

@@ -1,0 +1,175 @@
+"""Shard groups in the runtime (issue 22): a stage held by D devices with FSDP2 over gloo.
+
+Every case starts real dist_runner ranks through scripts/launch_local.py (CPU, one thread per
+rank) on seeded fake tokens, and compares with a single-process reference:
+- FSDP2-sharded stages train exactly like the unsharded model on the same global batch
+  (allreduce, 1 and 2 stages);
+- DiLoCo across replicas, averaged shard by shard, equals the DiLoCo rule written serially;
+- resume from per-shard checkpoints is bit-identical; another D is refused naming both;
+- a device lost inside a replica ends that replica (its peer says why), the other finishes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from formats.models import get_model
+from formats.plan import Plan, SyncConfig, save_plan
+from modules.config import RunConfig
+from modules.data.dataset import FakeData
+from modules.train.checkpoint import step_path
+from modules.train.model import StageModel, sync_local_tied_grads
+from modules.train.trainer import make_inner_optimizer, set_lr
+from testkit.reference import reference_losses
+from tests.conftest import run_entry
+
+MODEL, STEPS = "gpt-tiny", 4
+
+
+def _launch(tmp_path, plan: Plan, *extra: str, name: str = "m", timeout: float = 200,
+            launch: tuple[str, ...] = ()):
+    """Every rank of `plan` (written to tmp_path); returns (process, metrics path)."""
+    plan_path, metrics = tmp_path / "plan.json", tmp_path / f"{name}.jsonl"
+    save_plan(plan, plan_path)
+    proc = run_entry("scripts/launch_local.py", "--plan", str(plan_path),
+                     "--threads-per-rank", "1", "--grace-s", "2", *launch, "--", "--fake-data",
+                     "--metrics", str(metrics), "--timeout-s", "60", *extra, timeout=timeout)
+    return proc, metrics
+
+
+def _losses(metrics, replica: int = 0) -> list[float]:
+    path = metrics if replica == 0 else metrics.with_suffix(f".r{replica}.jsonl")
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _data() -> FakeData:
+    spec = get_model(MODEL)
+    return FakeData(spec.seq_len, spec.vocab_size, seed=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stages,sharded,flat,reshard", [
+    ([(0, 4)], [[[0, 1]]], [[0], [1]], "on"),
+    ([(0, 2), (2, 4)], [[[0, 1], [2, 3]]], [[0, 2], [1, 3]], "on"),
+    ([(0, 2), (2, 4)], [[[0, 1], [2, 3]]], [[0, 2], [1, 3]], "off"),
+], ids=["1-stage", "2-stages", "2-stages-gathered"])
+def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded, flat,
+                                                       reshard):
+    plan = Plan("local", "", MODEL, stages, sharded, micro_batch_size=2, num_micro_batches=2)
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--reshard-after-forward",
+                            reshard)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "shard 1 of 2 of stage 0 with devices [0, 1] (FSDP2)" in out
+    # allreduce without replicas: every byte sent is FSDP's (or the pipeline's)
+    rec = json.loads(metrics.read_text().splitlines()[-1])
+    assert rec["bytes_sent"] - rec["pp_bytes_sent"] > 0
+    got = torch.tensor(_losses(metrics), dtype=torch.float64)
+    # the same global batch without shard groups: D lanes = D replicas of one device
+    flat_plan = Plan("local", "", MODEL, stages, flat, micro_batch_size=2, num_micro_batches=2)
+    torch.set_num_threads(1)
+    want = torch.tensor(reference_losses(flat_plan, _data(), RunConfig(steps=STEPS)),
+                        dtype=torch.float64)
+    assert want[-1] < want[0]  # it trains
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def _serial_diloco(plan: Plan, cfg: RunConfig, lanes_per_replica: int) -> list[list[float]]:
+    """The rule, one process: R full models; each step replica r's inner AdamW on its lanes'
+    batch; every H steps anchor <- outer Nesterov SGD step with mean_r(anchor - params_r) as
+    the gradient, params_r <- anchor."""
+    spec, data, sync = get_model(plan.model), _data(), plan.sync
+    R, per_lane = plan.num_replicas, plan.num_micro_batches * plan.micro_batch_size
+    models = [StageModel(spec, 0, spec.num_layers, seed=cfg.seed) for _ in range(R)]
+    inners = [make_inner_optimizer(m, cfg) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=sync.outer_lr, momentum=sync.outer_momentum,
+                            nesterov=True)
+    losses: list[list[float]] = [[] for _ in range(R)]
+    batch = R * lanes_per_replica * per_lane
+    for step in range(cfg.steps):
+        for r, (model, inner) in enumerate(zip(models, inners)):
+            x, y = data.samples(step * batch + r * lanes_per_replica * per_lane,
+                                lanes_per_replica * per_lane)
+            inner.zero_grad(set_to_none=True)
+            loss = model(x, y)
+            loss.backward()
+            sync_local_tied_grads(model)  # two copies of the tied embedding, like a stage
+            set_lr(inner, step, cfg)
+            inner.step()
+            losses[r].append(float(loss.detach()))
+        if (step + 1) % sync.inner_steps == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    a.grad = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
+                outer.step()
+                for m in models:
+                    for p, a in zip(m.parameters(), anchor):
+                        p.copy_(a)
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_per_shard_diloco_equals_the_serial_rule(tmp_path):
+    sync = SyncConfig(mode="diloco", inner_steps=2)
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                num_micro_batches=1, sync=sync)
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--outer-state", "host")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    # each device averages only its shard with the same shard of the other replica
+    assert "bytes sent to stage group [0, 2]" in out and "stage group [1, 3]" in out, out
+    torch.set_num_threads(1)
+    want = _serial_diloco(plan, RunConfig(steps=STEPS), lanes_per_replica=2)
+    for r in range(2):
+        torch.testing.assert_close(torch.tensor(_losses(metrics, r), dtype=torch.float64),
+                                   torch.tensor(want[r], dtype=torch.float64),
+                                   rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(400)
+def test_resume_from_shard_checkpoints_is_bit_identical_and_another_d_is_refused(tmp_path):
+    sync = SyncConfig(mode="diloco", inner_steps=2, compression="int8")
+    plan = Plan("local", "", MODEL, [(0, 2), (2, 4)], [[[0, 1], [2, 3]]],
+                micro_batch_size=2, num_micro_batches=1, sync=sync)
+    ckpt = tmp_path / "ckpt"
+    common = ("--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--keep-checkpoints", "5")
+    full, m_full = _launch(tmp_path, plan, "--steps", str(STEPS), *common, name="full")
+    assert full.returncode == 0, (full.stdout + full.stderr)[-3000:]
+    for rank in range(4):  # drop steps 4 on every shard: resume from step 2
+        step_path(ckpt, rank, 4).unlink()
+    again, m_again = _launch(tmp_path, plan, "--steps", str(STEPS), "--resume", *common,
+                             name="again")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "resumed from step 2" in again.stdout
+    assert _losses(m_again) == _losses(m_full)[2:]  # bit-identical
+    # the same devices as one stage of D = 4: refused, naming both degrees
+    other = Plan("local", "", MODEL, [(0, 4)], [[[0, 1, 2, 3]]], micro_batch_size=2,
+                 num_micro_batches=1, sync=sync)
+    bad, _ = _launch(tmp_path, other, "--steps", str(STEPS), "--resume", *common, name="bad")
+    assert bad.returncode == 2, (bad.stdout + bad.stderr)[-3000:]
+    assert "written with shard degree D = 2, this run has D = 4" in bad.stdout + bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_device_lost_inside_a_replica_ends_that_replica_only(tmp_path):
+    sync = SyncConfig(mode="diloco", inner_steps=2)
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                num_micro_batches=1, sync=sync)
+    steps = 8
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(steps), "--debug-vanish", "3:4:1",
+                            "--heartbeat-timeout-s", "3", "--min-replicas", "1",
+                            launch=("--keep-going",))
+    out = proc.stdout + proc.stderr
+    # rank 3 (replica 1, shard 1) vanished before step 4; rank 2, its shard peer, stops
+    # saying its replica was dropped; replica 0 (ranks 0 and 1) trains to the end
+    assert "[rank 3] debug: vanishing before step 4" in out, out[-4000:]
+    assert "dropped replica(s) 1: rank 3" in out, out[-4000:]
+    rank2 = "\n".join(line for line in out.splitlines() if line.startswith("[rank 2]"))
+    assert "dropped" in rank2, out[-4000:]
+    assert "Traceback" not in rank2, rank2[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-1] == steps
+    assert "[rank 0] done" in out and "[rank 1] done" in out, out[-4000:]
