@@ -108,10 +108,9 @@ def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Clust
 
 def load_data(cfg: RunConfig, plan: Plan, log=print):  # noqa: ANN201 - TextData | FakeData
     """The training text (or seeded fake tokens) the run reads, tokenized (modules.data.dataset)."""
-    from formats.models import get_model
     from modules.data.dataset import load_data as load
 
-    return load(cfg.data, get_model(plan.model), cfg.seed, log)
+    return load(cfg.data, plan.model_spec(), cfg.seed, log)
 
 
 def build_trainer(launch: LaunchConfig, cfg: RunConfig, plan: Plan, topo: Topology,

@@ -92,7 +92,9 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
             "sync_mode": plan.sync.mode, "inner_steps": plan.sync.inner_steps,
             "micro_batch_size": plan.micro_batch_size,
             "num_micro_batches": plan.num_micro_batches, "seed": seed,
-            "tokenizer": tokenizer.meta()}
+            "tokenizer": tokenizer.meta(),
+            # a config.json model: its fields (presets keep the old meta, so they resume)
+            **({"model_config": plan.model_config} if plan.model_config is not None else {})}
 
 
 class TrainingDiverged(Exception):  # noqa: N818 - the name says what happened
@@ -161,7 +163,7 @@ class Trainer:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
         plan, cfg = self.plan, self.cfg
         # the vocabulary follows the tokenizer (modules.data.dataset.run_vocab)
-        self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
+        self.spec = dataclasses.replace(plan.model_spec(), vocab_size=data.vocab_size)
         self.tokenizer = data.tokenizer
         start, end = plan.stages[self.topo.stage]
         # initialised on the CPU (the same weights on every device), then moved
