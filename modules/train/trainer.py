@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from formats.errors import UserError
-from formats.models import get_model
 from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
