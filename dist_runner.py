@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
     cfg.check_paths()
+    if cfg.ckpt.dir:  # issue 25: scripts/export_hf.py ships the tokenizer with the weights
+        from modules.train.hf_weights import keep_tokenizer
+        keep_tokenizer(cfg.ckpt.dir, cfg.data.tokenizer)
     plan, cluster = load_checked_plan(launch, cfg)
     where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
