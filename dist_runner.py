@@ -17,6 +17,7 @@ coordinator is gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -160,14 +161,26 @@ def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan
                  launch.coordinator, cfg.timeout_s)
 
 
+def hf_settings(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """Issue 25: check --init-from against the plan's model, take its tokenizer.json when
+    --tokenizer is not given, keep the tokenizer with the checkpoints (for export_hf.py)."""
+    from modules.train.hf_weights import check_init_from, init_tokenizer, keep_tokenizer
+
+    if cfg.ckpt.init_from:
+        check_init_from(cfg.ckpt.init_from, plan.model_spec())
+    tokenizer = init_tokenizer(cfg.ckpt.init_from, cfg.data.tokenizer)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+    if cfg.ckpt.dir:
+        keep_tokenizer(cfg.ckpt.dir, tokenizer)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
     cfg.check_paths()
-    if cfg.ckpt.dir:  # issue 25: scripts/export_hf.py ships the tokenizer with the weights
-        from modules.train.hf_weights import keep_tokenizer
-        keep_tokenizer(cfg.ckpt.dir, cfg.data.tokenizer)
     plan, cluster = load_checked_plan(launch, cfg)
+    cfg = hf_settings(cfg, plan)
     where = resolve_launch(launch, len(plan.devices()))  # (rank, world, url, agent store)
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them

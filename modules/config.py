@@ -106,6 +106,11 @@ class CheckpointConfig:
     """write checkpoints on the training thread (slower; for comparison)"""
     resume: bool = False
     """continue from the newest step of --ckpt-dir that every rank has completely written"""
+    init_from: str | None = None
+    """start from pretrained weights: a folder with config.json and *.safetensors (sharded
+    index included), e.g. scripts/export_hf.py's output or a Hugging Face LLaMA/GPT-2 model;
+    each rank reads its own stage's tensors; its tokenizer.json is used when --tokenizer is
+    not given (--resume's checkpoint wins over it)"""
 
     def __post_init__(self) -> None:
         _int_at_least(CheckpointConfig, "every", self.every, 0)
@@ -181,9 +186,10 @@ class DataConfig:
     data: str | None = None
     """comma-separated text/.jsonl/.parquet files, folders or (quoted) globs (default:
     /usr/share/games/fortunes, Debian's fortunes packages)"""
-    tokenizer: str = "bytes"
+    tokenizer: str | None = None
     """`bytes` (vocab 256) or a local Hugging Face tokenizer.json (scripts/train_tokenizer.py
-    makes one); the model's embedding and head get its vocab_size"""
+    makes one); the model's embedding and head get its vocab_size (default: the --init-from
+    folder's tokenizer.json, else bytes)"""
     text_field: str = "text"
     """the text field of .jsonl records and text column of .parquet files"""
     token_cache: str | None = None
@@ -202,7 +208,7 @@ class DataConfig:
         if self.data is not None and not self.data.strip(" ,"):
             raise UserError(f"--data: names no file, folder or glob, got {self.data!r}; leave "
                             "--data out for the default corpus")
-        if not self.tokenizer:
+        if self.tokenizer is not None and not self.tokenizer:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
             raise UserError("--text-field: must name a field, got ''")

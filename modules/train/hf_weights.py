@@ -147,3 +147,66 @@ def keep_tokenizer(ckpt_dir: str, tokenizer: str) -> None:
     if not dest.is_file() or dest.read_bytes() != data:
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(dest, [data])
+
+
+class WeightReader:
+    """Tensors of a Hugging Face folder, read one at a time (only what a stage needs)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.files = weight_files(self.folder)
+        self._open: dict[Path, object] = {}
+
+    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """Tensor `name`, checked for shape and a floating dtype, as fp32."""
+        from safetensors import safe_open
+
+        where = f"--init-from {self.folder}"
+        path = self.files.get(name)
+        if path is None:
+            raise UserError(f"{where}: tensor {name} is missing (the model's config needs it)")
+        if path not in self._open:
+            if not path.is_file():
+                raise UserError(f"{where}: {path.name} (holding {name}) does not exist")
+            self._open[path] = safe_open(path, framework="pt")
+        tensor = self._open[path].get_tensor(name)  # type: ignore[attr-defined]
+        if tensor.shape != shape:
+            raise UserError(f"{where}: tensor {name} has shape {list(tensor.shape)}, the model "
+                            f"needs {list(shape)} (another config or vocabulary?)")
+        if not tensor.dtype.is_floating_point:
+            raise UserError(f"{where}: tensor {name} has dtype {tensor.dtype}, not a float")
+        return tensor.float()
+
+
+def load_stage_weights(model: torch.nn.Module, spec: ModelSpec, folder: str) -> int:
+    """Copy a stage's own parameters from a Hugging Face folder; returns how many tensors."""
+    wanted = {name: p.shape for name, p in model.state_dict().items()}
+    tensors = from_hf(spec, wanted, WeightReader(folder).get)
+    model.load_state_dict(tensors, strict=True)
+    return len(tensors)
+
+
+def check_init_from(folder: str, spec: ModelSpec) -> None:
+    """UserError when the folder's config.json describes another model than the run's (the
+    name and vocabulary aside: the vocabulary follows the tokenizer, checked by shape)."""
+    from formats.hf_config import resolve_model
+
+    if not Path(folder).is_dir():
+        raise UserError(f"--init-from {folder}: not a folder (expected config.json and "
+                        "*.safetensors, as scripts/export_hf.py or transformers write)")
+    theirs = resolve_model(str(Path(folder) / "config.json"), "--init-from")
+    mine, other = spec.fields(), theirs.fields()
+    diff = [k for k in mine if k not in ("name", "vocab_size") and mine[k] != other[k]]
+    if diff:
+        shown = ", ".join(f"{k} {other[k]!r} (run: {mine[k]!r})" for k in diff)
+        raise UserError(f"--init-from {folder}: its config.json differs from the run's model "
+                        f"{spec.name}: {shown}")
+
+
+def init_tokenizer(folder: str | None, tokenizer: str | None) -> str:
+    """--tokenizer, else the --init-from folder's tokenizer.json, else bytes."""
+    if tokenizer is not None:
+        return tokenizer
+    if folder is not None and (Path(folder) / "tokenizer.json").is_file():
+        return str(Path(folder) / "tokenizer.json")
+    return "bytes"

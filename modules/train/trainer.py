@@ -53,6 +53,7 @@ from modules.train.checkpoint import (
     snapshot,
     step_path,
 )
+from modules.train.hf_weights import load_stage_weights
 from modules.train.model import StageModel
 from modules.train.tracking import open_rank_timing, open_trackers
 
@@ -166,8 +167,12 @@ class Trainer:
         self.tokenizer = data.tokenizer
         start, end = plan.stages[self.topo.stage]
         # initialised on the CPU (the same weights on every device), then moved
-        self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
-                                   .to(self.device), self.placement.compile)
+        model = StageModel(self.spec, start, end, seed=cfg.seed)
+        if cfg.ckpt.init_from:  # issue 25: pretrained weights, my stage's tensors only
+            n = load_stage_weights(model, self.spec, cfg.ckpt.init_from)
+            self.log(f"initialised {n} tensors of layers [{start}, {end}) from "
+                     f"--init-from {cfg.ckpt.init_from}")
+        self.model = maybe_compile(model.to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
         self.sharder = Sharder(data, plan.num_replicas, plan.num_micro_batches,
                                plan.micro_batch_size)
