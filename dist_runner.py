@@ -2,10 +2,13 @@
 
     python dist_runner.py --plan plan.json --rank R (--dist-url | --coordinator) tcp://HOST:PORT \
         [--world-size N] (--data PATH[,...] | --fake-data) [--tokenizer tokenizer.json] --steps N \
+    python dist_runner.py --model M [--stages S] --dist-url tcp://HOST:PORT --world-size N \
+        --rank R [--sync diloco --inner-steps H] [--total-batch-size B] [--init-from DIR] \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
-Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
+Rank = device id in the plan. Without --plan the ranks build the obvious plan (N / S replicas of
+S evenly split stages, rank r = stage r mod S of replica r div S) and print it. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT are read from the environment. With --coordinator, a coordinator
 process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
@@ -90,11 +93,25 @@ def _env_int(name: str) -> int | None:
 
 
 def load_checked_plan(launch: LaunchConfig, cfg: RunConfig) -> tuple[Plan, Cluster | None]:
-    """The plan (and --cluster's cluster), checked against each other and the run's settings."""
+    """The plan (and --cluster's cluster), checked against each other and the run's settings;
+    without --plan, the obvious one of --model, the world size and --stages (issue 25)."""
+    from modules.plan_flags import apply_overrides, check_model_flag, plan_without_file
+
+    if not launch.plan:
+        plan = plan_without_file(launch, cfg)
+        cfg.check_plan(plan)
+        return plan, None
     cluster = None
     if launch.cluster:
         cluster = load_cluster(launch.cluster)
     plan = load_plan(launch.plan, cluster)
+    check_model_flag(launch, plan)
+    changed = apply_overrides(plan, cfg)
+    if changed is not plan and launch.coordinator:
+        raise UserError("--coordinator runs its own plan: put --sync, --inner-steps, "
+                        "--outer-lr, --outer-momentum, --compression and the batch into the "
+                        "plan (scheduler.py plan) instead of overriding them")
+    plan = changed
     if plan.is_sharded:  # until the runtime part of issue 22 (FSDP2 in the Trainer) lands
         raise UserError(f"{launch.plan}: has shard groups (plan/2), which this runtime does "
                         f"not run yet; plan with --max-shard 1")
@@ -148,13 +165,15 @@ def on_store(store: dist.Store, launch: LaunchConfig, cfg: RunConfig, plan: Plan
     from modules.control.agreement import agree
     from modules.control.coordinator import RunSettings, check_in
     from modules.control.fault import register
+    from modules.plan_flags import agreed_plan_fields
 
     register(store, topo.rank, topo.replica, topo.stage)
     sync = cfg.outer.apply(plan).sync  # the plan with this rank's --fragments / --overlap
     agree(store, {"--tokenizer": tokenizer.meta(),
                   "--pipeline-compression": cfg.device.resolved_pipeline_compression(plan),
                   "--fragments": sync.fragments, "--overlap": sync.overlap,
-                  "--overlap-alpha": cfg.outer.overlap_alpha if sync.overlap else None},
+                  "--overlap-alpha": cfg.outer.overlap_alpha if sync.overlap else None,
+                  **agreed_plan_fields(plan)},  # issue 25: plan-less plans and overrides
           topo.rank)
     if launch.coordinator is not None:
         check_in(store, plan, RunSettings.of(cfg, plan.num_replicas), cfg.elastic.join,

@@ -423,11 +423,54 @@ class OuterSyncConfig:
 
 
 @dataclass
+class PlanOverrideConfig:
+    """Overrides of the plan's sync and batch (issue 25: the seed projects' flags; every rank
+    must give the same, which the ranks check through the store)."""
+
+    sync: str | None = field(default=None, metadata=choices("allreduce", "diloco"))
+    """data-parallel sync: allreduce (gradients every step) or diloco (outer step every
+    --inner-steps; default: the plan's sync.mode)"""
+    inner_steps: int | None = None
+    """DiLoCo: inner steps H between outer steps (default: the plan's sync.inner_steps)"""
+    outer_lr: float | None = None
+    """DiLoCo: outer Nesterov SGD learning rate (default: the plan's sync.outer_lr)"""
+    outer_momentum: float | None = None
+    """DiLoCo: outer Nesterov momentum (default: the plan's sync.outer_momentum)"""
+    compression: str | None = field(default=None, metadata=choices("none", "fp16", "int8"))
+    """payload of the data-parallel all-reduce (default: the plan's sync.compression)"""
+    micro_batch_size: int | None = None
+    """sequences per micro-batch (default: the plan's micro_batch_size)"""
+    total_batch_size: int | None = None
+    """sequences per step over all replicas: sets the micro-batches per replica to
+    total / (replicas x micro-batch size), refused when that does not divide (default: the
+    plan's)"""
+
+    def __post_init__(self) -> None:
+        for name in ("inner_steps", "micro_batch_size", "total_batch_size"):
+            if getattr(self, name) is not None:
+                _int_at_least(PlanOverrideConfig, name, getattr(self, name), 1)
+        if self.outer_lr is not None:
+            _finite(PlanOverrideConfig, "outer_lr", self.outer_lr, 0.0)
+        if self.outer_momentum is not None:
+            _finite(PlanOverrideConfig, "outer_momentum", self.outer_momentum, 0.0,
+                    strict=False, hi=0.999999)
+
+    def sync_fields(self) -> dict[str, object]:
+        """The SyncConfig fields these override (None: keep the plan's)."""
+        return {"mode": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "compression": self.compression}
+
+
+DEFAULT_STEPS = 1000
+"""--steps when not given (a short run; long runs say how long)."""
+
+
+@dataclass
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
 
-    steps: int
+    steps: int = DEFAULT_STEPS
     """train until this step (total)"""
     seed: int = 0
     """initialisation and data-order seed"""
@@ -443,6 +486,7 @@ class RunConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     outer: OuterSyncConfig = field(default_factory=OuterSyncConfig)
+    overrides: PlanOverrideConfig = field(default_factory=PlanOverrideConfig)
 
     def __post_init__(self) -> None:
         _int_at_least(RunConfig, "steps", self.steps, 1)
@@ -486,8 +530,14 @@ class RunConfig:
 class LaunchConfig:
     """Which plan, which rank, and where the rendezvous is."""
 
-    plan: str = field(default="", metadata={"required": True})
-    """plan/1 JSON file"""
+    plan: str = ""
+    """plan/1 JSON file (without it: the obvious plan of --model, --world-size and --stages)"""
+    model: str | None = None
+    """model preset or Hugging Face config.json (or its folder): without --plan, the model to
+    train (default: --init-from's config.json); with --plan, checked against the plan's"""
+    stages: int = 1
+    """without --plan: pipeline stages S; the ranks form world-size / S replicas, rank r
+    running stage r mod S of replica r div S"""
     rank: int | None = None
     """device id of this process (default: $RANK)"""
     world_size: int | None = None
@@ -504,6 +554,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.rank is not None:
             _int_at_least(LaunchConfig, "rank", self.rank, 0, MAX_DEVICE_ID)
+        _int_at_least(LaunchConfig, "stages", self.stages, 1, MAX_DEVICE_ID + 1)
+        if self.plan and self.stages != 1:
+            raise UserError("--stages: only without --plan (the plan has its stages)")
         if self.world_size is not None:
             _int_at_least(LaunchConfig, "world_size", self.world_size, 1, MAX_DEVICE_ID + 1)
         if self.coordinator is not None and self.dist_url is not None:
