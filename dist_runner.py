@@ -8,8 +8,9 @@
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
 Rank = device id in the plan. Without --plan the ranks build the obvious plan (N / S replicas of
-S evenly split stages, rank r = stage r mod S of replica r div S) and print it. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are read from the environment. With --coordinator, a coordinator
+S evenly split stages, rank r = stage r mod S of replica r div S) and print it. Under torchrun
+the flags may be left out: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are read from the
+environment. With --coordinator, a coordinator
 process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
