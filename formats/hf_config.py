@@ -26,7 +26,7 @@ INERT_KEYS = frozenset({
     "return_dict", "is_decoder", "task_specific_params", "tokenizer_class", "use_return_dict",
     "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
     "summary_first_dropout", "n_ctx", "max_length", "id2label", "label2id",
-    "scale_attn_weights", "problem_type", "keys_to_ignore_at_inference"})
+    "problem_type", "keys_to_ignore_at_inference"})
 """Keys that change nothing the training computes (token ids, dtype, generation, metadata)."""
 
 LLAMA_MAP = {"num_hidden_layers": "num_layers", "hidden_size": "d_model",
@@ -46,7 +46,7 @@ GPT2_DEFAULTS = {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "n_inn
                  "activation_function": "gelu_new"}
 GPT2_FIXED = {"resid_pdrop": (0, 0.0), "embd_pdrop": (0, 0.0), "attn_pdrop": (0, 0.0),
               "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
-              "add_cross_attention": (False,)}
+              "add_cross_attention": (False,), "scale_attn_weights": (True,)}
 GELUS = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 FAMILIES = {"llama": (LLAMA_MAP, LLAMA_DEFAULTS, LLAMA_FIXED),
             "gpt2": (GPT2_MAP, GPT2_DEFAULTS, GPT2_FIXED)}

@@ -89,6 +89,7 @@ def test_unsupported_llama_fields_are_refused_by_name(tmp_path, change, message)
     ({"resid_pdrop": 0.1}, "resid_pdrop = 0.1 is not supported; this runtime trains without"),
     ({"activation_function": "relu"}, "activation_function 'relu'"),
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"scale_attn_weights": False}, "scale_attn_weights = false is not supported"),
 ])
 def test_unsupported_gpt2_fields_are_refused_by_name(tmp_path, change, message):
     with pytest.raises(UserError, match=message):
