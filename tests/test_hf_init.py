@@ -115,3 +115,31 @@ def test_init_from_the_export_gives_the_runs_loss(tmp_path):
     (out / "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": 2}))
     with pytest.raises(AssertionError, match="num_layers 2"):
         train(tmp_path / "c", spec, stages, steps=1, extra=("--init-from", str(out)))
+
+
+@pytest.mark.timeout(300)
+def test_the_runs_tokenizer_travels_with_the_export_and_back(tmp_path):
+    from test_data_formats import _docs
+
+    from formats.models import get_model
+    from modules.data.tokenizer import HFTokenizer
+    from modules.train.checkpoint import load_checkpoint_meta
+    from scripts import train_tokenizer
+
+    (tmp_path / "corpus.txt").write_text("\n\n".join(_docs(300, seed=1)), encoding="utf-8")
+    tok = tmp_path / "tok.json"
+    assert train_tokenizer.main(["--data", str(tmp_path / "corpus.txt"), "--vocab-size", "400",
+                                 "--out", str(tok)]) == 0
+    spec = get_model("gpt-tiny")
+    ck = train(tmp_path / "a", spec, [(0, 4)], steps=1, extra=("--tokenizer", str(tok)))
+    out = tmp_path / "hf"
+    r = run_entry("scripts/export_hf.py", str(ck), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    vocab = HFTokenizer(tok).ident.vocab_size
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == vocab != 256
+    # no --tokenizer: the folder's tokenizer.json gives the vocabulary the weights have
+    ck_b = train(tmp_path / "b", spec, [(0, 4)], steps=1, extra=("--init-from", str(out)))
+    meta = load_checkpoint_meta(step_path(ck_b, 0, 1), {})[0]
+    assert meta["tokenizer"] == load_checkpoint_meta(step_path(ck, 0, 1), {})[0]["tokenizer"]
+    assert meta["tokenizer"]["vocab_size"] == vocab
