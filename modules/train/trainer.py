@@ -130,11 +130,8 @@ class Trainer:
         self.opt: torch.optim.Optimizer | DiLoCoOptimizer = (
             self.outer.optimizer if self.outer is not None else self.inner)
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
-        meta = checkpoint_meta(plan, topo, cfg.seed, self.tokenizer)
-        if self.shard is not None:
-            meta = {**self.shard.meta(), **meta}
         self.ckpt = Checkpointing(
-            cfg.ckpt, topo.rank, meta, self.state,
+            cfg.ckpt, topo.rank, self._checkpoint_meta(), self.state,
             lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=log,
             die_at=cfg.debug.ckpt_die_at(topo.rank))
         """Saves, resume, and the saves of a failing rank (writes nothing without --ckpt-dir)."""
@@ -166,6 +163,11 @@ class Trainer:
                                plan.micro_batch_size)
         self.val = (to_device(data.val_batches(cfg.data.eval_sequences, plan.micro_batch_size),
                               self.device) if cfg.data.eval_sequences else [])
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What my checkpoints must match to be resumed (with shard groups: the shard too)."""
+        meta = checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
+        return {**self.shard.meta(), **meta} if self.shard is not None else meta
 
     def _make_shard(self, store: dist.Store) -> ShardRuntime | None:
         """Shard groups: form mine and shard my stage with FSDP2 (before any optimizer)."""
