@@ -2,11 +2,15 @@
 
     python dist_runner.py --plan plan.json --rank R (--dist-url | --coordinator) tcp://HOST:PORT \
         [--world-size N] (--data PATH[,...] | --fake-data) [--tokenizer tokenizer.json] --steps N \
+    python dist_runner.py --model M [--stages S] --dist-url tcp://HOST:PORT --world-size N \
+        --rank R [--sync diloco --inner-steps H] [--total-batch-size B] [--init-from DIR] \
         [--ckpt-dir D --ckpt-every K --keep-checkpoints N --resume] [--metrics metrics.jsonl]
         [--timeout-s T] [--heartbeat-timeout-s T] [--min-replicas K] [--replicas LIST] [--join]
 
-Rank = device id in the plan. Under torchrun the flags may be left out: RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are read from the environment. With --coordinator, a coordinator
+Rank = device id in the plan. Without --plan the ranks build the obvious plan (N / S replicas of
+S evenly split stages, rank r = stage r mod S of replica r div S) and print it. Under torchrun
+the flags may be left out: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are read from the
+environment. With --coordinator, a coordinator
 process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
@@ -29,7 +33,7 @@ if not __package__:
 from formats.addresses import resolve, tcp_url  # noqa: E402
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError  # noqa: E402
-from formats.plan import load_plan  # noqa: E402
+from formats.plan import Plan, load_plan  # noqa: E402
 from formats.run_metrics import CLUSTER_NAME  # noqa: E402
 from modules.config import LaunchConfig, LaunchTarget, ResolvedRun, RunConfig  # noqa: E402
 
@@ -94,14 +98,16 @@ def _env_int(name: str) -> int | None:
 
 def resolve_run(launch: LaunchConfig, cfg: RunConfig) -> tuple[ResolvedRun, Cluster | None]:
     """The plan (and --cluster's cluster), checked against each other and the run's settings,
-    and the launch target: the one record every later step reads."""
-    cluster = None
-    if launch.cluster:
-        cluster = load_cluster(launch.cluster)
-    plan = load_plan(launch.plan, cluster)
-    if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
-        raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
-                        f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
+    and the launch target: the one record every later step reads. Without --plan, the obvious
+    plan of --model, the world size and --stages (docs/models.md)."""
+    if launch.plan:
+        plan, cluster = load_checked_plan(launch)
+        plan = _overridden(launch, cfg, plan)
+    else:
+        from modules.plan_flags import plan_without_file
+
+        plan, cluster = plan_without_file(launch, cfg), None
+    cfg = hf_settings(cfg, plan)
     run = cfg.resolve(plan)
     if cluster is not None and cfg.metrics.run_dir:  # what `scheduler.py explain` reads
         save_cluster(cluster, Path(cfg.metrics.run_dir) / CLUSTER_NAME)
@@ -109,12 +115,37 @@ def resolve_run(launch: LaunchConfig, cfg: RunConfig) -> tuple[ResolvedRun, Clus
     return dataclasses.replace(run, target=target), cluster
 
 
+def _overridden(launch: LaunchConfig, cfg: RunConfig, plan: Plan) -> Plan:
+    """--plan with the runner's sync and batch overrides (--sync, --inner-steps, ...) applied;
+    --model checked against the plan's model."""
+    from modules.plan_flags import apply_overrides, check_model_flag
+
+    check_model_flag(launch, plan)
+    changed = apply_overrides(plan, cfg)
+    if changed is not plan and launch.coordinator:
+        raise UserError("--coordinator runs its own plan: put --sync, --inner-steps, "
+                        "--outer-lr, --outer-momentum, --compression and the batch into the "
+                        "plan (scheduler.py plan) instead of overriding them")
+    return changed
+
+
+def load_checked_plan(launch: LaunchConfig) -> tuple[Plan, Cluster | None]:
+    """--plan (and --cluster's cluster), checked against each other."""
+    cluster = None
+    if launch.cluster:
+        cluster = load_cluster(launch.cluster)
+    plan = load_plan(launch.plan, cluster)
+    if cluster is not None and plan.cluster_sha256 and plan.cluster_sha256 != cluster.sha256():
+        raise UserError(f"{launch.plan} was made for cluster '{plan.cluster}' with a different "
+                        f"content than {launch.cluster} (cluster_sha256 differs); re-plan")
+    return plan, cluster
+
+
 def load_data(run: ResolvedRun, log=print):  # noqa: ANN201 - TextData | FakeData
     """The training text (or seeded fake tokens) the run reads, tokenized (modules.data.dataset)."""
-    from formats.models import get_model
     from modules.data.dataset import load_data as load
 
-    return load(run.cfg.data, get_model(run.plan.model), run.cfg.seed, log)
+    return load(run.cfg.data, run.plan.model_spec(), run.cfg.seed, log)
 
 
 def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
@@ -187,13 +218,27 @@ def on_store(store: dist.Store, run: ResolvedRun, topo: Topology,
                  run.cfg.timeout_s)
 
 
+def hf_settings(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """Issue 25: check --init-from against the plan's model, take its tokenizer.json when
+    --tokenizer is not given, keep the tokenizer with the checkpoints (for export_hf.py)."""
+    from modules.train.hf_weights import check_init_from, init_tokenizer, keep_tokenizer
+
+    if cfg.ckpt.init_from:
+        check_init_from(cfg.ckpt.init_from, plan.model_spec())
+    tokenizer = init_tokenizer(cfg.ckpt.init_from, cfg.data.tokenizer)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+    if cfg.ckpt.dir:
+        keep_tokenizer(cfg.ckpt.dir, tokenizer)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and check everything that can be checked alone, then rendezvous and train."""
     launch, cfg = parse_args(argv)
     cfg.check_paths()
     run, cluster = resolve_run(launch, cfg)  # the one resolved record, passed down from here
     assert run.target is not None
-    rank, plan = run.target.rank, run.plan
+    rank, plan, cfg = run.target.rank, run.plan, run.cfg
     # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
     # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")

@@ -27,6 +27,7 @@ setup(
         "st-dht = scripts.dht_node:entry",
         "st-train-tokenizer = scripts.train_tokenizer:entry",
         "st-prepare-data = scripts.prepare_data:entry",
+        "st-export-hf = scripts.export_hf:entry",
     ]},
     install_requires=[
         "numpy>=1.24",
@@ -37,11 +38,13 @@ setup(
         "torch>=2.6",  # group_dst/group_src in torch.distributed p2p and broadcast (gloo.py)
         "pyarrow>=14",  # .parquet corpora (modules/data/corpus.py)
         "tokenizers>=0.15",  # --tokenizer tokenizer.json, scripts/train_tokenizer.py
+        "safetensors>=0.4",  # --init-from, scripts/export_hf.py
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
         "netem": ["NetfilterQueue>=1.1"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.2", "ruff>=0.5"],
+        # transformers: tests load scripts/export_hf.py's output with AutoModelForCausalLM
+        "dev": ["pytest>=7", "pytest-timeout>=2.2", "ruff>=0.5", "transformers>=4.40"],
         # --tracker tensorboard (setup_env.sh installs it); wandb: pip install -e .[wandb]
         "track": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.16"],

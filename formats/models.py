@@ -9,7 +9,7 @@ Counting conventions (used by the cost model, the simulator and the runtime alik
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 from formats.errors import UserError
 
@@ -31,6 +31,28 @@ class ModelSpec:
     vocab_size: int
     tie_embeddings: bool = True
     """Whether the LM head reuses the token embedding (GPT-2 style)."""
+    n_kv_heads: int = 0
+    """LLaMA: key/value heads (grouped-query attention when fewer than n_heads; 0: n_heads)."""
+    rope_theta: float = 10000.0
+    """LLaMA: base of the rotary position embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm."""
+    gelu: str = "exact"
+    """GPT: `exact` (erf) GELU or `tanh` (GPT-2's gelu_new approximation)."""
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_heads unless grouped-query attention)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return self.kv_heads * (self.d_model // self.n_heads)
+
+    def fields(self) -> dict:
+        """The spec as a JSON object (what a plan and a checkpoint record)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
@@ -40,7 +62,7 @@ class ModelSpec:
             mlp = 2 * d * f + f + d
             norms = 4 * d
         else:
-            attn = 4 * d * d
+            attn = 2 * d * d + 2 * d * self.kv_dim
             mlp = 3 * d * f
             norms = 2 * d
         return attn + mlp + norms
@@ -84,7 +106,8 @@ class ModelSpec:
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs of one block for one token."""
         d, f = self.d_model, self.d_ff
-        matmul = 4 * d * d + (2 if self.arch == "gpt" else 3) * d * f
+        kv = d if self.arch == "gpt" else self.kv_dim
+        matmul = 2 * d * d + 2 * d * kv + (2 if self.arch == "gpt" else 3) * d * f
         return 2.0 * matmul + 4.0 * self.seq_len * d
 
     def head_flops_per_token(self) -> float:
@@ -127,3 +150,54 @@ def get_model(name: str) -> ModelSpec:
     except KeyError:
         known = ", ".join(PRESETS)
         raise UserError(f"model: unknown preset {name!r}; known presets: {known}") from None
+
+
+def model_record(spec: ModelSpec) -> dict | None:
+    """What a plan records of its model: None for an unchanged preset, else every field."""
+    return None if PRESETS.get(spec.name) == spec else spec.fields()
+
+
+def spec_from_fields(obj: object, where: str) -> ModelSpec:
+    """A ModelSpec from its JSON object (ModelSpec.fields), every field checked by name."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected an object of model fields")
+    known = ModelSpec.__dataclass_fields__
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown fields {unknown}; known: {sorted(known)}")
+    kinds = {"name": str, "arch": str, "gelu": str, "tie_embeddings": bool,
+             "rope_theta": float, "norm_eps": float}
+    for key, value in obj.items():
+        want = kinds.get(key, int)
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              if want is float else type(value) is want)
+        if not ok:
+            raise UserError(f"{where}.{key}: expected {want.__name__}, got {value!r}")
+    missing = [k for k, f in known.items() if k not in obj and f.default is MISSING]
+    if missing:
+        raise UserError(f"{where}: missing fields {missing}")
+    spec = ModelSpec(**obj)
+    check_spec(spec, where)
+    return spec
+
+
+def check_spec(spec: ModelSpec, where: str) -> None:
+    """UserError naming the first field that cannot describe a model this code builds."""
+    if spec.arch not in ("gpt", "llama"):
+        raise UserError(f"{where}.arch: must be gpt or llama, got {spec.arch!r}")
+    for key in ("num_layers", "d_model", "n_heads", "d_ff", "seq_len", "vocab_size"):
+        if not 1 <= getattr(spec, key) <= 10 ** 7:
+            raise UserError(f"{where}.{key}: must be between 1 and 10^7, got "
+                            f"{getattr(spec, key)}")
+    if spec.d_model % spec.n_heads or (spec.d_model // spec.n_heads) % 2:
+        raise UserError(f"{where}: d_model {spec.d_model} must split into {spec.n_heads} heads "
+                        "of an even width")
+    if not 0 <= spec.n_kv_heads <= spec.n_heads or spec.n_heads % spec.kv_heads:
+        raise UserError(f"{where}.n_kv_heads: must divide n_heads {spec.n_heads}, got "
+                        f"{spec.n_kv_heads}")
+    if spec.arch == "gpt" and spec.kv_heads != spec.n_heads:
+        raise UserError(f"{where}.n_kv_heads: grouped-query attention is LLaMA-only here")
+    if spec.gelu not in ("exact", "tanh"):
+        raise UserError(f"{where}.gelu: must be exact or tanh, got {spec.gelu!r}")
+    if not (spec.rope_theta > 0 and 0 < spec.norm_eps < 1):
+        raise UserError(f"{where}: rope_theta must be > 0 and norm_eps in (0, 1)")

@@ -18,7 +18,7 @@ from formats.atomic_io import atomic_write_json
 from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.jsonfile import load_json
-from formats.models import ModelSpec, get_model
+from formats.models import ModelSpec, get_model, spec_from_fields
 
 PLAN_FORMAT = "plan/1"
 """Written when every stage is held by one device (D = 1)."""
@@ -118,7 +118,7 @@ class Plan:
     cluster_sha256: str
     """Digest of that cluster file's content (Cluster.sha256), to catch a mismatch."""
     model: str
-    """Model preset name."""
+    """Model preset name (or, with model_config, the name of the config it was made for)."""
     stages: list[tuple[int, int]]
     """Half-open layer range [start, end) of each stage; contiguous, covering the model."""
     pipelines: list[list[Entry]]
@@ -145,6 +145,15 @@ class Plan:
     outer_state: str = "device"
     """DiLoCo with shard groups: where the planner assumed each shard's anchor and outer
     momentum live (`device` or `host`); the runner's `--outer-state` decides at run time."""
+    model_config: dict[str, Any] | None = None
+    """The model's fields (ModelSpec.fields) when it came from a config.json rather than a
+    preset: what the runner builds and checks its --model against (None: the preset)."""
+
+    def model_spec(self) -> ModelSpec:
+        """The model the plan was made for: its recorded config, else the preset."""
+        if self.model_config is None:
+            return get_model(self.model)
+        return spec_from_fields(self.model_config, "plan.model_config")
 
     @property
     def num_stages(self) -> int:
@@ -223,6 +232,8 @@ class Plan:
             "predicted": self.predicted,
             "search": self.search,
         }
+        if self.model_config is not None:
+            out["model_config"] = self.model_config
         if self.is_sharded:
             out.update(reshard_after_forward=self.reshard_after_forward,
                        outer_state=self.outer_state)
@@ -252,7 +263,10 @@ def validate_plan(plan: Plan, cluster: Cluster | None = None,
     if plan.outer_state not in OUTER_STATES:
         raise UserError(f"plan.outer_state: {checks.shown(plan.outer_state)} is not one of "
                         f"{', '.join(OUTER_STATES)}")
-    model = model or get_model(plan.model)
+    model = model or plan.model_spec()
+    if plan.model_config is not None and model.name != plan.model:
+        raise UserError(f"plan.model_config.name: {model.name!r} differs from plan.model "
+                        f"{plan.model!r}")
     _check_layers(plan.stages, model)
     _check_shard_degrees(plan, model)
     if cluster is not None:
@@ -395,6 +409,7 @@ def plan_from_dict(obj: Any) -> Plan:
         search=dict(obj.get("search", {})),
         reshard_after_forward=obj.get("reshard_after_forward", True),
         outer_state=obj.get("outer_state", "device"),
+        model_config=obj.get("model_config"),
     )
     for key, value in (("num_stages", plan.num_stages), ("num_replicas", plan.num_replicas)):
         if key in obj and (type(obj[key]) is not int or obj[key] != value):

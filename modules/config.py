@@ -72,6 +72,11 @@ class CheckpointConfig:
     """write checkpoints on the training thread (slower; for comparison)"""
     resume: bool = False
     """continue from the newest step of --ckpt-dir that every rank has completely written"""
+    init_from: str | None = None
+    """start from pretrained weights: a folder with config.json and *.safetensors (sharded
+    index included), e.g. scripts/export_hf.py's output or a Hugging Face LLaMA/GPT-2 model;
+    each rank reads its own stage's tensors; its tokenizer.json is used when --tokenizer is
+    not given (--resume's checkpoint wins over it)"""
 
     def __post_init__(self) -> None:
         check(self, flag_of)
@@ -144,9 +149,10 @@ class DataConfig:
     data: str | None = None
     """comma-separated text/.jsonl/.parquet files, folders or (quoted) globs (default:
     /usr/share/games/fortunes, Debian's fortunes packages)"""
-    tokenizer: str = "bytes"
+    tokenizer: str | None = None
     """`bytes` (vocab 256) or a local Hugging Face tokenizer.json (scripts/train_tokenizer.py
-    makes one); the model's embedding and head get its vocab_size"""
+    makes one); the model's embedding and head get its vocab_size (default: the --init-from
+    folder's tokenizer.json, else bytes)"""
     text_field: str = "text"
     """the text field of .jsonl records and text column of .parquet files"""
     token_cache: str | None = None
@@ -166,7 +172,7 @@ class DataConfig:
         if self.data is not None and not self.data.strip(" ,"):
             raise UserError(f"--data: names no file, folder or glob, got {self.data!r}; leave "
                             "--data out for the default corpus")
-        if not self.tokenizer:
+        if self.tokenizer is not None and not self.tokenizer:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
             raise UserError("--text-field: must name a field, got ''")
@@ -438,11 +444,47 @@ class HivemindConfig:
 
 
 @dataclass(frozen=True)
+class PlanOverrideConfig:
+    """Overrides of the plan's sync and batch (the seed projects' flags, docs/models.md; every
+    rank must give the same, which the ranks check through the store)."""
+
+    sync: str | None = setting(None, choices=("allreduce", "diloco"))
+    """data-parallel sync: allreduce (gradients every step) or diloco (outer step every
+    --inner-steps; default: the plan's sync.mode)"""
+    inner_steps: int | None = setting(None, lo=1, hi=MAX_COUNT)
+    """DiLoCo: inner steps H between outer steps (default: the plan's sync.inner_steps)"""
+    outer_lr: float | None = setting(None, lo=0.0, lo_open=True, hi=MAX_COUNT)
+    """DiLoCo: outer Nesterov SGD learning rate (default: the plan's sync.outer_lr)"""
+    outer_momentum: float | None = setting(None, lo=0.0, hi=0.999999)
+    """DiLoCo: outer Nesterov momentum (default: the plan's sync.outer_momentum)"""
+    compression: str | None = setting(None, choices=("none", "fp16", "int8"))
+    """payload of the data-parallel all-reduce (default: the plan's sync.compression)"""
+    micro_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)
+    """sequences per micro-batch (default: the plan's micro_batch_size)"""
+    total_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)
+    """sequences per step over all replicas: sets the micro-batches per replica to
+    total / (replicas x micro-batch size), refused when that does not divide (default: the
+    plan's)"""
+
+    def __post_init__(self) -> None:
+        check(self, flag_of)
+
+    def sync_fields(self) -> dict[str, object]:
+        """The SyncConfig fields these override (None: keep the plan's)."""
+        return {"mode": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "compression": self.compression}
+
+
+DEFAULT_STEPS = 1000
+"""--steps when not given (a short run; long runs say how long)."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """What a rank's run does besides the plan: the run's own settings and one config per
     component."""
 
-    steps: int = setting(lo=1, hi=MAX_COUNT)
+    steps: int = setting(DEFAULT_STEPS, lo=1, hi=MAX_COUNT)
     """train until this step (total)"""
     seed: int = setting(0, lo=0, hi=MAX_SEED)
     """initialisation and data-order seed"""
@@ -459,6 +501,7 @@ class RunConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     outer: OuterSyncConfig = field(default_factory=OuterSyncConfig)
+    overrides: PlanOverrideConfig = field(default_factory=PlanOverrideConfig)
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)
 
     def __post_init__(self) -> None:
@@ -568,8 +611,15 @@ class ResolvedRun:
 class LaunchConfig:
     """Which plan, which rank, and where the rendezvous is."""
 
-    plan: str = setting("", required=True)
-    """plan/1 JSON file"""
+    plan: str = ""
+    """plan/1 or plan/2 JSON file (without it: the obvious plan of --model, --world-size and
+    --stages)"""
+    model: str | None = None
+    """model preset or Hugging Face config.json (or its folder): without --plan, the model to
+    train (default: --init-from's config.json); with --plan, checked against the plan's"""
+    stages: int = setting(1, lo=1, hi=MAX_DEVICE_ID + 1)
+    """without --plan: pipeline stages S; the ranks form world-size / S replicas, rank r
+    running stage r mod S of replica r div S"""
     rank: int | None = setting(None, lo=0, hi=MAX_DEVICE_ID)
     """device id of this process (default: $RANK)"""
     world_size: int | None = setting(None, lo=1, hi=MAX_DEVICE_ID + 1)
@@ -585,6 +635,8 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         check(self, flag_of)
+        if self.plan and self.stages != 1:
+            raise UserError("--stages: only without --plan (the plan has its stages)")
         if self.coordinator is not None and self.dist_url is not None:
             raise UserError("--coordinator and --dist-url exclude each other: with a "
                             "coordinator every rank reaches the store at --coordinator")

@@ -31,7 +31,6 @@ import numpy as np
 
 from formats.cluster import Cluster
 from formats.errors import UserError
-from formats.models import get_model
 from formats.plan import Plan
 from formats.run_metrics import number
 from scheduler.simulator.config import SimConfig
@@ -167,7 +166,7 @@ class Prediction:
 def predict(plan: Plan, cluster: Cluster, config: SimConfig) -> Prediction:
     """Replay one step of `plan` (the simulator's kernel) and split it per rank."""
     pipe = np.asarray(plan.pipelines, dtype=np.int64)
-    inputs = build_inputs(LinkTables(cluster, config), get_model(plan.model), list(plan.stages),
+    inputs = build_inputs(LinkTables(cluster, config), plan.model_spec(), list(plan.stages),
                           pipe, plan.sync, plan.micro_batch_size, plan.num_micro_batches, config,
                           pipeline_compression=plan.pipeline_compression)
     times = replay_fast(inputs)

@@ -14,7 +14,7 @@ import numpy as np
 
 from formats.cluster import MAX_DENSE_DEVICES, Cluster
 from formats.errors import UserError
-from formats.models import ModelSpec
+from formats.models import ModelSpec, model_record
 from formats.plan import (
     MAX_BATCH_COUNT,
     MAX_DEVICE_ID,
@@ -285,7 +285,7 @@ def search_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest, deadline:
         stages=list(ours.stages), pipelines=result.pipelines.tolist(),
         micro_batch_size=req.micro_batch_size, num_micro_batches=req.num_micro_batches,
         sync=req.sync, pipeline_compression=req.pipeline_compression,
-        predicted=predicted(ours),
+        predicted=predicted(ours), model_config=model_record(model),
         search={"method": "evolutionary", "seed": req.search.seed,
                 "evaluations": result.evaluations, "wall_s": round(wall, 3),
                 "stopped_by": result.stopped_by,

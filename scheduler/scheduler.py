@@ -41,7 +41,8 @@ from formats.cluster import (  # noqa: E402
     save_cluster,
 )
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.models import PRESETS, ModelSpec, get_model  # noqa: E402
+from formats.hf_config import resolve_model  # noqa: E402
+from formats.models import PRESETS, ModelSpec  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
     MAX_FRAGMENTS,
@@ -353,7 +354,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise UserError("--allreduce-out: only with --sync auto")
     sync, bounds = sync_from_args(args)
     cluster = _cluster_from_args(args)
-    model = get_model(args.model)
+    model = resolve_model(args.model)
     req = plan_request_from_args(args, sync)
     progress = None if args.quiet else _progress
     out, auto, shards = _search(cluster, model, req, bounds, progress)
@@ -533,7 +534,7 @@ def _load_cluster_and_plan(args: argparse.Namespace) -> tuple[Cluster, Plan]:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Print the cost of any plan file under an objective."""
     cluster, plan = _load_cluster_and_plan(args)
-    model = get_model(plan.model)
+    model = plan.model_spec()
     if plan.is_sharded:
         return _evaluate_sharded(args, cluster, plan)
     objective_name = arg(args, PlanRequest, "objective")
@@ -616,7 +617,9 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--scenario", choices=sorted(SCENARIOS))
     src.add_argument("--seed", type=SEED, help="scenario seed: shuffles device ids (default 0)")
     src.add_argument("--cluster", help="cluster JSON file (cluster/1, or cluster/2: compact)")
-    pl.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    pl.add_argument("--model", required=True,
+                    help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json (or its "
+                         "folder): llama or gpt2, see docs/models.md")
     add_field_flags(pl, PlanRequest, PLAN_FLAGS[PlanRequest])
     add_sync_args(pl)
     add_shard_args(pl)

@@ -22,7 +22,7 @@ import numpy as np
 
 from formats.cluster import Cluster
 from formats.errors import UserError
-from formats.models import ModelSpec
+from formats.models import ModelSpec, model_record
 from formats.plan import Plan, SyncConfig
 from scheduler.layer_split import flops_table, split_layers
 from scheduler.memory import stage_memory
@@ -138,7 +138,8 @@ def _score(cluster: Cluster, model: ModelSpec, req: PlanRequest, pipes: list[lis
         return Candidate(label, s_count, degree, r_count, float("inf"))
     plan = Plan(cluster.name, digest, model.name, stages, pipes,  # type: ignore[arg-type]
                 req.micro_batch_size, req.num_micro_batches, sync, req.pipeline_compression,
-                reshard_after_forward=req.reshard_after_forward, outer_state=req.outer_state)
+                reshard_after_forward=req.reshard_after_forward, outer_state=req.outer_state,
+                model_config=model_record(model))
     return Candidate(label, s_count, degree, r_count, result.step_s, plan, result)
 
 

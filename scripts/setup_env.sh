@@ -50,7 +50,7 @@ if [ ! -f "$stamp" ]; then
     echo "setup: pip install failed (full log: $log)" >&2
     exit 1
   fi
-  "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest, tokenizers, pyarrow, hivemind" \
+  "$VENV/bin/python" -c "import torch, numpy, scipy, networkx, paramiko, pytest, tokenizers, pyarrow, safetensors, transformers, hivemind" \
     || { echo "setup: the installed packages do not import (log: $log)" >&2; exit 1; }
   touch "$stamp"
 fi

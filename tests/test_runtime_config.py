@@ -20,12 +20,14 @@ from modules.config import (
     MetricsConfig,
     OptimConfig,
     OuterSyncConfig,
+    PlanOverrideConfig,
     RunConfig,
 )
 from tests.conftest import run_entry
 
 CONFIGS = (LaunchConfig, RunConfig, OptimConfig, CheckpointConfig, ElasticConfig, DataConfig,
-           MetricsConfig, DeviceConfig, DebugConfig, OuterSyncConfig, HivemindConfig)
+           MetricsConfig, DeviceConfig, DebugConfig, OuterSyncConfig, PlanOverrideConfig,
+           HivemindConfig)
 
 # every flag dist_runner had before the configs generated them: none may disappear
 OLD_FLAGS = [

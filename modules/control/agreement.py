@@ -15,6 +15,7 @@ from formats.errors import UserError
 from modules.config import ResolvedRun
 from modules.control.protocol import RUN_AGREED
 from modules.data.tokenizer import TokenizerId
+from modules.plan_flags import agreed_plan_fields
 
 
 def agreed_fields(run: ResolvedRun, tokenizer: TokenizerId) -> dict[str, Any]:
@@ -24,7 +25,8 @@ def agreed_fields(run: ResolvedRun, tokenizer: TokenizerId) -> dict[str, Any]:
     return {"--tokenizer": tokenizer.meta(),
             "--pipeline-compression": run.plan.pipeline_compression,
             "--fragments": sync.fragments, "--overlap": sync.overlap,
-            "--overlap-alpha": run.overlap_alpha}
+            "--overlap-alpha": run.overlap_alpha,
+            **agreed_plan_fields(run.plan)}  # plan-less plans and the runner's overrides
 
 
 def agree_run(store: Any, run: ResolvedRun, tokenizer: TokenizerId, rank: int) -> None:

@@ -60,7 +60,7 @@ def run_vocab(spec: ModelSpec, tok: TokenizerId) -> int:
 def load_data(cfg: DataConfig, spec: ModelSpec, seed: int,
               log: Callable[[str], None] = print) -> TextData | FakeData:
     """The run's data (--data/--tokenizer/--fake-data), saying what it read."""
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer or "bytes")
     vocab = run_vocab(spec, tok.ident)
     if vocab != spec.vocab_size:
         log(f"model vocab {vocab} from --tokenizer {cfg.tokenizer} (the preset {spec.name} "

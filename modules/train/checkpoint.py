@@ -373,6 +373,11 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     mapping of the expected shape, holds non-finite values, or its meta differs from
     `expect_meta` (the field that differs is named).
     """
+    return load_checkpoint_meta(path, expect_meta)[1]
+
+
+def load_checkpoint_meta(path: Path, expect_meta: dict[str, Any]) -> tuple[dict, dict]:
+    """(meta, state) of a checkpoint, checked like load_checkpoint (scripts/export_hf.py)."""
     if not path.exists():
         raise UserError(f"--resume: no checkpoint at {path}; run without --resume to start fresh")
     rank = _rank_of(path, expect_meta)
@@ -404,7 +409,7 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     if bad:
         raise UserError(f"{where}: {bad[0]} holds non-finite values ({len(bad)} tensor(s) in "
                         "all); it was saved after training diverged, resume from an older step")
-    return state
+    return meta, state
 
 
 # -- finiteness ------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
             "sync_mode": plan.sync.mode, "inner_steps": plan.sync.inner_steps,
             "micro_batch_size": plan.micro_batch_size,
             "num_micro_batches": plan.num_micro_batches, "seed": seed,
-            "tokenizer": tokenizer.meta()}
+            "tokenizer": tokenizer.meta(),
+            # a config.json model: its fields (presets keep the old meta, so they resume)
+            **({"model_config": plan.model_config} if plan.model_config is not None else {})}
 
 
 class Checkpointing:

@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.LayerNorm(spec.d_model) if spec.arch == "gpt" else RMSNorm(spec.d_model)
+    if spec.arch == "gpt":
+        return nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
+    return RMSNorm(spec.d_model, spec.norm_eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, ...]:
@@ -63,9 +65,10 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         d, f, bias = spec.d_model, spec.d_ff, spec.arch == "gpt"
-        self.arch, self.n_heads = spec.arch, spec.n_heads
+        self.arch, self.n_heads, self.kv_heads = spec.arch, spec.n_heads, spec.kv_heads
+        self.kv_dim, self.gelu = spec.kv_dim, "none" if spec.gelu == "exact" else "tanh"
         self.norm1, self.norm2 = _norm(spec), _norm(spec)
-        self.qkv = nn.Linear(d, 3 * d, bias=bias)
+        self.qkv = nn.Linear(d, d + 2 * spec.kv_dim, bias=bias)  # q, k, v fused
         self.proj = nn.Linear(d, d, bias=bias)
         if spec.arch == "gpt":
             self.fc = nn.Linear(d, f, bias=True)
@@ -73,23 +76,25 @@ class Block(nn.Module):
             self.fc = nn.Linear(d, 2 * f, bias=False)  # gate and up projections fused
         self.out = nn.Linear(f, d, bias=bias)
         if spec.arch == "llama":
-            cos, sin = rope_tables(spec.seq_len, d // spec.n_heads)
+            cos, sin = rope_tables(spec.seq_len, d // spec.n_heads, spec.rope_theta)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, d) -> (B, T, d)."""
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for z in (q, k, v))
+        q, k, v = self.qkv(self.norm1(x)).split((d, self.kv_dim, self.kv_dim), dim=-1)
+        q, k, v = (z.view(b, t, -1, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         if self.arch == "llama":
             q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        if self.kv_heads != self.n_heads:  # grouped-query: head h reads kv head h // group
+            group = self.n_heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         h = self.fc(self.norm2(x))
         if self.arch == "gpt":
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu)
         else:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up

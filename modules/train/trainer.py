@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from formats.models import get_model
 from formats.run_metrics import STATUS_ENV, status_line
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
@@ -45,6 +44,7 @@ from modules.sync.average import (
 from modules.sync.diloco import DiLoCoOptimizer
 from modules.train.checkpoint import check_finite_state
 from modules.train.checkpointing import Checkpointing, checkpoint_meta
+from modules.train.hf_weights import load_stage_weights
 from modules.train.model import StageModel
 from modules.train.outer_sync import OuterSync
 from modules.train.tracking import open_rank_timing, open_trackers
@@ -151,12 +151,16 @@ class Trainer:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
         plan, cfg = self.plan, self.cfg
         # the vocabulary follows the tokenizer (modules.data.dataset.run_vocab)
-        self.spec = dataclasses.replace(get_model(plan.model), vocab_size=data.vocab_size)
+        self.spec = dataclasses.replace(plan.model_spec(), vocab_size=data.vocab_size)
         self.tokenizer = data.tokenizer
         start, end = plan.stages[self.topo.stage]
         # initialised on the CPU (the same weights on every device), then moved
-        self.model = maybe_compile(StageModel(self.spec, start, end, seed=cfg.seed)
-                                   .to(self.device), self.placement.compile)
+        model = StageModel(self.spec, start, end, seed=cfg.seed)
+        if cfg.ckpt.init_from:  # issue 25: pretrained weights, my stage's tensors only
+            n = load_stage_weights(model, self.spec, cfg.ckpt.init_from)
+            self.log(f"initialised {n} tensors of layers [{start}, {end}) from "
+                     f"--init-from {cfg.ckpt.init_from}")
+        self.model = maybe_compile(model.to(self.device), self.placement.compile)
         self.params = list(self.model.parameters())
         self.sharder = Sharder(data, len(plan.lanes()), plan.num_micro_batches,
                                plan.micro_batch_size)
@@ -164,15 +168,17 @@ class Trainer:
                               self.device) if cfg.data.eval_sequences else [])
 
     def _make_checkpointing(self) -> Checkpointing:
-        """This rank's checkpoints (its shard's too, with shard groups)."""
-        topo, cfg = self.topo, self.cfg
-        meta = checkpoint_meta(self.plan, topo, cfg.seed, self.tokenizer)
-        if self.shard is not None:
-            meta = {**self.shard.meta(), **meta}
+        """This rank's checkpoints: saves, resume, and the saves of a failing rank."""
+        cfg = self.cfg
         return Checkpointing(
-            cfg.ckpt, topo.rank, meta, self.state,
+            cfg.ckpt, self.topo.rank, self._checkpoint_meta(), self.state,
             lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=self.log,
-            die_at=cfg.debug.ckpt_die_at(topo.rank))
+            die_at=cfg.debug.ckpt_die_at(self.topo.rank))
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What my checkpoints must match to be resumed (with shard groups: the shard too)."""
+        meta = checkpoint_meta(self.plan, self.topo, self.cfg.seed, self.tokenizer)
+        return {**self.shard.meta(), **meta} if self.shard is not None else meta
 
     def _make_shard(self, store: dist.Store) -> ShardRuntime | None:
         """Shard groups: form mine and shard my stage with FSDP2 (before any optimizer)."""

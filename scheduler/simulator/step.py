@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from formats.cluster import Cluster
-from formats.models import ModelSpec, get_model
+from formats.models import ModelSpec
 from formats.plan import Entry, Plan, SyncConfig, validate_plan
 from scheduler.memory import check_plan_memory, stage_memory
 from scheduler.simulator.config import SimConfig
@@ -142,7 +142,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
 def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
                   config: SimConfig | None = None, timeline: bool = True) -> SimResult:
     """Validate `plan` against the cluster and model, then simulate one step of it."""
-    model = model or get_model(plan.model)
+    model = model or plan.model_spec()
     validate_plan(plan, cluster, model)
     return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
                     plan.micro_batch_size, plan.num_micro_batches, config, timeline,
