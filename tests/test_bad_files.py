@@ -247,14 +247,14 @@ def test_output_checks_name_each_unwritable_path(tmp_path: Path) -> None:
 
 def test_every_rank_path_is_checked_before_the_rendezvous(tmp_path: Path) -> None:
     from formats.plan import plan_from_dict
-    from modules.config import RunConfig
+    from modules.config import CheckpointConfig, MetricsConfig, RunConfig
     from modules.control.dist import topology
     from modules.train.outputs import check_outputs
 
     plan = plan_from_dict(plan_dict())
     run, ck = tmp_path / "run", tmp_path / "ck"
-    cfg = RunConfig(steps=1)
-    cfg.metrics.run_dir, cfg.ckpt.dir = str(run), str(ck)
+    cfg = RunConfig(steps=1, metrics=MetricsConfig(run_dir=str(run)),
+                    ckpt=CheckpointConfig(dir=str(ck)))
     last, first = topology(plan, 1, 4), topology(plan, 0, 4)
     check_outputs(cfg, last)  # nothing there yet: fine, and nothing made
     assert not run.exists() and not ck.exists()

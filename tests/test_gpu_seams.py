@@ -351,8 +351,10 @@ def _membership(log: list, monitor: object):  # noqa: ANN202
     from modules.control.elastic import Membership
 
     m = Membership.__new__(Membership)
-    m.topo = SimpleNamespace(stage=0, replica=0, rank=0)
-    m.plan = SimpleNamespace(pipelines=[[0], [1]], num_replicas=2)
+    m.topo = SimpleNamespace(stage=0, replica=0, rank=0, shard=0)
+    from formats.plan import Plan
+
+    m.plan = Plan("seam", "", "gpt-tiny", [(0, 2)], [[0], [1]])  # 2 replicas of one stage
     m.replicas, m.active, m.gen, m.monitor = (0, 1), {0, 1}, 0, monitor
     m.cfg = SimpleNamespace(min_replicas=1, heartbeat_timeout_s=1.0, timeout_s=5.0)
     m.log = lambda text: log.append(("log", text))
