@@ -174,6 +174,11 @@ class AuthStore:
             return None
         return self.auth.open(key, self.raw.get(key))
 
+    def read_present(self, keys: list[str]) -> list[str | None]:
+        """The signed records at `keys`, all known to be there (after a `wait`), in one round
+        trip to the store (None for a forged one): outer steps read every member's at once."""
+        return [self.auth.open(k, v) for k, v in zip(keys, self.raw.multi_get(keys))]
+
     def read_int(self, key: str, default: int = 0) -> int:
         """A signed integer record; `default` when absent, forged or not an integer."""
         value = self.read(key)
