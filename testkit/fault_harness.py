@@ -29,6 +29,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_all(procs: dict[int, subprocess.Popen], timeout: float) -> dict[int, int | None]:
+    """Exit status of every process within `timeout` s in all (None: still running)."""
+    deadline = time.monotonic() + timeout
+    codes: dict[int, int | None] = {}
+    for r, p in procs.items():
+        try:
+            codes[r] = p.wait(timeout=max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[r] = None
+    return codes
+
+
 @dataclass
 class Ranks:
     """Processes of one run: rank -> Popen, output files and the rendezvous URL."""
@@ -121,14 +133,7 @@ class Ranks:
     def wait(self, timeout: float) -> dict[int, int | None]:
         """Wait for every process at most `timeout` s in all; rank -> exit status (None: still
         running after the deadline)."""
-        deadline = time.monotonic() + timeout
-        codes: dict[int, int | None] = {}
-        for r, p in self.procs.items():
-            try:
-                codes[r] = p.wait(timeout=max(0.01, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[r] = None
-        return codes
+        return wait_all(self.procs, timeout)
 
 
     def stop(self) -> list[int]:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testkit.fault_harness import free_port
+from testkit.fault_harness import free_port, wait_all
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = re.compile(r"--initial-peers (\S+)")
@@ -77,14 +77,7 @@ class HivemindRun:
 
     def wait(self, timeout: float) -> dict[int, int | None]:
         """Exit status of every rank within `timeout` in all (None: still running)."""
-        deadline = time.monotonic() + timeout
-        codes: dict[int, int | None] = {}
-        for r, p in self.procs.items():
-            try:
-                codes[r] = p.wait(timeout=max(0.01, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[r] = None
-        return codes
+        return wait_all(self.procs, timeout)
 
     def stop(self) -> None:
         """kill -9 every session still there (ranks that exited included: their children)."""
