@@ -253,6 +253,17 @@ def test_random_fully_nat_fails_with_symmetric_diagnosis(tmp_path):
         assert "Traceback" not in err_a + err_b
 
 
+def _wait_for_conntrack(lab: Lab, box: str, src_ip: str, timeout_s: float) -> None:
+    """Wait until the NAT box `box` tracks a UDP flow that came from `src_ip`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listing = lab.run(box, "conntrack", "-L", "-p", "udp", "-s", src_ip, check=False)
+        if f"src={src_ip}" in listing.stdout:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no UDP flow from {src_ip} reached {box} within {timeout_s} s")
+
+
 @pytest.mark.timeout(90)
 def test_accept_all_nat_box_needs_low_ttl_first_hellos(tmp_path):
     """NAT boxes that accept unsolicited WAN input: the other's first hello becomes a conntrack
@@ -260,8 +271,15 @@ def test_accept_all_nat_box_needs_low_ttl_first_hellos(tmp_path):
     mapping first with hellos that expire before the other NAT avoids that."""
     with lab_and_server(router_firewall=False) as (lab, procs):
         plain = ("--no-wireguard", "--punch-timeout-s", "3", "--low-ttl", "0")
+        # Without netem both peers' first hellos can cross on the wire before either reaches the
+        # other NAT, and then plain punching works (a CI run saw it). Hold b's hellos at its NAT
+        # until a's first hello has arrived there: the order the clash needs, every time.
+        hold = ["-s", CLIENT_IPS["b"], "-d", NAT_WAN_IPS["a"], "-p", "udp", "-j", "DROP"]
+        lab.run("natb", "iptables", "-I", "FORWARD", *hold)
         pa = start_peer(lab, procs, "a", tmp_path / "a0.json", *plain, session="plain")
         pb = start_peer(lab, procs, "b", tmp_path / "b0.json", *plain, session="plain")
+        _wait_for_conntrack(lab, "natb", NAT_WAN_IPS["a"], timeout_s=30)
+        lab.run("natb", "iptables", "-D", "FORWARD", *hold)
         (code_a, _, err_a), (code_b, _, err_b) = finish(pa), finish(pb)
         assert code_a == 3 and code_b == 3, "plain punching unexpectedly worked"
         assert "conntrack clash" in err_a
