@@ -175,7 +175,8 @@ def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
         members = members_of(plan, [topo.replica])
     store = rendezvous(target.url, target.rank, target.world_size, run.cfg.timeout_s,
                        target.store_elsewhere, members=members,
-                       on_store=lambda s: on_store(s, run, topo, data.tokenizer), auth=auth,
+                       on_store=lambda s: on_store(s, run, topo, data.tokenizer, placement),
+                       auth=auth,
                        store_rank=members[0] if hivemind is not None else 0)
     # the Trainer forms generation 0's groups (or, on a joiner, waits to be admitted)
     return Trainer(run, topo, store, data, log=log, placement=placement, store_addr=store_addr,
@@ -202,15 +203,21 @@ def start_hivemind(run: ResolvedRun, cluster: Cluster | None, topo: Topology,
 
 
 def on_store(store: dist.Store, run: ResolvedRun, topo: Topology,
-             tokenizer: TokenizerId) -> None:
-    """As soon as the store answers: record who this rank is (named in failure messages), check
-    that every rank has the same tokenizer, pipeline payload and DiLoCo schedule and, with
-    --coordinator, this rank's plan and settings against the coordinator's."""
+             tokenizer: TokenizerId, placement: Placement) -> None:
+    """As soon as the store answers: record who this rank is (named in failure messages) and
+    its device, check that every rank has the same tokenizer, pipeline payload and DiLoCo
+    schedule and, with --coordinator, this rank's plan and settings against the
+    coordinator's."""
+    from modules.comm.choice import announce_device, local_device
     from modules.control.agreement import agree_run
     from modules.control.coordinator import RunSettings, check_in
     from modules.control.fault import register
+    from modules.control.hidden import hidden_store
 
     register(store, topo.rank, topo.replica, topo.stage)
+    if placement.comm.backend != "gloo":  # before the rendezvous' barrier: every rank's device
+        # is there once any rank chooses the backends (the GroupBuilder announces it again)
+        announce_device(hidden_store(store), topo.rank, local_device(placement.comm.device))
     agree_run(store, run, tokenizer, topo.rank)
     target = run.target
     if target is not None and target.coordinator:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in apply_local(st, cluster, args.delay):
                 if line.startswith("WARNING"):
                     print(line)
-            text, results = probe_local(st, cluster, Path(tmp) / "measured.json",
+            text, results, _ = probe_local(st, cluster, Path(tmp) / "measured.json",
                                         args.seconds, quiet=True)
             applied = st.delay_mode in ("netem", "delay-line")
         finally:

@@ -140,18 +140,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    """Measure every ordered host pair; write measured.json."""
-    from scripts.netemu.probe import probe_local
+    """Measure every ordered host pair; write measured.json. Exit 1 when a pair is outside
+    the target, or cannot be measured (then nothing is written)."""
+    from scripts.netemu.probe import check_targets, probe_local
     if args.out:
         check_output_path(args.out, "--out")
     require_root_tools(args.cmd)
     st = netns.load_state(args.prefix)
     out = Path(args.out or Path(st.out_dir) / "measured.json")
-    text, _ = probe_local(st, load_cluster(st.cluster_file), out, args.seconds,
-                          args.pings)
+    text, _, ok = probe_local(st, load_cluster(st.cluster_file), out, args.seconds,
+                              args.pings)
     print(text)
     print(f"wrote {out}")
-    return 0
+    return check_targets(ok)
 
 
 def main(argv: list[str] | None = None) -> int:

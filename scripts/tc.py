@@ -56,10 +56,11 @@ def run_local(args: argparse.Namespace) -> int:
         print(text)
         return 0 if ok else 1
     if args.action == "probe":
-        from scripts.netemu.probe import probe_local
-        print(probe_local(st, cluster, Path(args.out), args.seconds)[0])
+        from scripts.netemu.probe import check_targets, probe_local
+        text, _, ok = probe_local(st, cluster, Path(args.out), args.seconds)
+        print(text)
         print(f"wrote {args.out}")
-        return 0
+        return check_targets(ok)
     if args.action == "show":
         text, ok = show_local(st, cluster)
         print(f"delay: {st.delay_mode}")

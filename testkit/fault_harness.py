@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,7 +24,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
+    """A free TCP port on 127.0.0.1, below the kernel's ephemeral port range when it can: a
+    port from that range (what binding port 0 gives) can be taken as the source port of any
+    outgoing connection on the machine in the seconds before the rank that is given it binds
+    it (its peers would then reach whatever holds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(50 if low > 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -201,13 +218,18 @@ class TrialResult:
     coordinator_output: str = ""
 
 
+class TrialNotStarted(AssertionError):
+    """A kill trial's run never reached the step of its fault: nothing was tested."""
+
+
 def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: int,
                kill_step: int, steps: int = 400, heartbeat_s: float = 2.0,
                deadline_s: float = 90, extra: tuple[str, ...] = (),
-               coordinator: bool = False) -> TrialResult:
+               coordinator: bool = False, start_s: float = 120) -> TrialResult:
     """Start a run (with `coordinator`: behind a coordinator process), SIGKILL `kill_rank`
-    once replica 0 logged step `kill_step`, wait for the rest (at most `deadline_s`), and
-    report exits, detection time and leftovers."""
+    once replica 0 logged step `kill_step` (TrialNotStarted if it did not within `start_s`),
+    wait for the rest (at most `deadline_s`), and report exits, detection time and
+    leftovers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = write_trial_plan(out_dir / "plan.json", replicas, stages, mode)
     ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", out_dir)
@@ -220,7 +242,12 @@ def kill_trial(out_dir: Path, mode: str, replicas: int, stages: int, kill_rank: 
             ranks.start(r, "--fake-data", "--steps", str(steps), "--timeout-s", "30",
                         "--heartbeat-timeout-s", str(heartbeat_s), "--min-replicas", "1",
                         *extra)
-        ranks.wait_for_text(last0, f"step {kill_step}/", deadline_s / 2)
+        # the fault is a kill at that step: killing earlier (a slow start on a loaded
+        # machine, a rank that failed to start) would test another fault and blame the product
+        if not ranks.wait_for_text(last0, f"step {kill_step}/", start_s):
+            raise TrialNotStarted(f"rank {last0} did not log step {kill_step} within "
+                                  f"{start_s:g} s, so no rank was killed; its log ends: "
+                                  f"{ranks.output(last0)[-1500:]}")
         t_kill = ranks.kill(kill_rank)
         detect = None
         others = [r for r in range(n) if r != kill_rank]

@@ -116,6 +116,31 @@ def test_a_rank_that_never_announces_its_device_is_named():
 
 
 @pytest.mark.timeout(60)
+def test_a_store_that_goes_away_while_devices_are_read_is_named_not_a_late_rank():
+    """The store's host dies while a rank waits for the others' devices (a kill during start-up
+    in the kill trials): the error says the store stopped answering, not that a rank was late."""
+    import subprocess
+    import sys
+    port = _free_port()
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time, datetime, torch.distributed as d; "
+        f"s = d.TCPStore('127.0.0.1', {port}, None, True, wait_for_workers=False); "
+        "print('up', flush=True); time.sleep(60)")], stdout=subprocess.PIPE)
+    try:
+        assert host.stdout.readline().strip() == b"up"
+        store = dist.TCPStore("127.0.0.1", port, None, False, wait_for_workers=False,
+                              timeout=timedelta(seconds=10))
+        announce_device(store, 0, CPU)
+        threading.Timer(0.5, host.kill).start()
+        with pytest.raises(PeerError, match="the rendezvous store stopped answering") as e:
+            read_devices(store, [0, 1], 5)
+        assert "did not announce" not in str(e.value)
+    finally:
+        host.kill()
+        host.wait()
+
+
+@pytest.mark.timeout(60)
 def test_nccl_members_meet_or_the_missing_one_is_named():
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False,

@@ -130,10 +130,10 @@ def test_a_rank_with_another_plan_is_refused_naming_the_flag(tmp_path):
 # -- losing rank 0 behind a coordinator -----------------------------------------------------------
 def _rank0_trial(tmp_path, seed: int, replicas: int = 3, stages: int = 1) -> None:
     rng = random.Random(seed)
-    steps = 160
+    kill_step = rng.randrange(2, 40)
+    steps = kill_step + 40  # the survivors train 40 steps (20 outer steps) after the kill
     res = kill_trial(tmp_path / f"c{seed}", "diloco", replicas, stages, 0,
-                     kill_step=rng.randrange(2, 40), steps=steps, heartbeat_s=HB,
-                     coordinator=True)
+                     kill_step=kill_step, steps=steps, heartbeat_s=HB, coordinator=True)
     logs = "\n".join(f"[rank {r}] {t[-1500:]}" for r, t in res.outputs.items())
     logs += "\n[coordinator] " + res.coordinator_output[-1500:]
     assert res.orphans == [], logs

@@ -5,6 +5,7 @@ an entry page (<= 400 lines), and every `python X.py [SUBCOMMAND]` they show sti
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -138,17 +139,38 @@ def test_commands_found() -> None:
     assert set(_commands()) >= FLAGS_DOCUMENTED
 
 
+@pytest.fixture(scope="module")
+def help_texts() -> dict[str, list]:
+    """What every command's `--help` prints, from one interpreter (testkit/help_texts.py:
+    one torch import instead of one per command)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "testkit/help_texts.py"), json.dumps(_commands())]
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
 @pytest.mark.parametrize(("script", "sub"), _commands(), ids=lambda v: v or "-")
-def test_command_parses_help(script: str, sub: str | None) -> None:
+def test_command_parses_help(script: str, sub: str | None, help_texts) -> None:
     """`python SCRIPT [SUB] --help` exits 0 with a usage line: the command still parses; for
     the main entry points every flag it lists is mentioned in the README or a guide."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, script, *([sub] if sub else []), "--help"]
-    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "usage" in p.stdout.lower(), (
-        f"{' '.join(argv[1:])}: exit {p.returncode}\n{p.stdout[-800:]}{p.stderr[-800:]}")
+    status, out, err = help_texts[f"{script} {sub or ''}"]
+    assert status == 0 and "usage" in out.lower(), (
+        f"{script} {sub or ''} --help: exit {status}\n{out[-800:]}{err[-800:]}")
     if (script, sub) in FLAGS_DOCUMENTED:
         text = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
-        missing = [f for f in HELP_FLAG.findall(p.stdout)
+        missing = [f for f in HELP_FLAG.findall(out)
                    if f != "--help" and not re.search(re.escape(f) + r"(?![\w-])", text)]
-        assert not missing, f"{' '.join(argv[1:-1])}: flags no guide mentions: {missing}"
+        assert not missing, f"{script} {sub or ''}: flags no guide mentions: {missing}"
+
+
+def test_a_fresh_interpreter_prints_the_same_help() -> None:
+    """The one-interpreter shortcut prints what `python SCRIPT --help` does (checked on the
+    runner, whose --help imports the most)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    fresh = subprocess.run([sys.executable, "dist_runner.py", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    batch = subprocess.run([sys.executable, str(ROOT / "testkit/help_texts.py"),
+                            json.dumps([["dist_runner.py", None]])], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert json.loads(batch.stdout)["dist_runner.py "] == [0, fresh.stdout, fresh.stderr]

@@ -99,7 +99,10 @@ def test_up_shapes_rates_probe_and_down(tmp_path, prefix) -> None:
     st = run_entry("scripts/local_cluster.py", "status", "--prefix", prefix)
     assert st.returncode == 0 and "MISMATCH" not in st.stdout, st.stdout
     probe = run_entry("scripts/local_cluster.py", "probe", "--prefix", prefix, "--seconds", "1")
-    assert probe.returncode == 0, probe.stderr
+    # exit 1 (said on stderr) only when a pair missed the 10 % target that the wider bounds
+    # below still accept on a busy machine
+    assert probe.returncode == 0 or (probe.returncode == 1 and "outside the target"
+                                     in probe.stderr), probe.stderr
     meas = load_cluster(out / "measured.json")
     # htb gives a single TCP flow 92-96% of the rate here; both directions really limited.
     assert 0.85 * 0.040 <= meas.bandwidth_gbps[0, 1] <= 1.02 * 0.040, meas.bandwidth_gbps
@@ -127,7 +130,10 @@ def test_delay_line_gives_configured_rtt(tmp_path, prefix) -> None:
     if state.delay_mode == "delay-line":
         assert len(pids) == 2 and "kernel has no sch_netem" in up.stdout
     probe = run_entry("scripts/local_cluster.py", "probe", "--prefix", prefix, "--seconds", "1")
-    assert probe.returncode == 0, probe.stderr
+    # exit 1 (said on stderr) only when a pair missed the 10 % target that the wider bounds
+    # below still accept on a busy machine
+    assert probe.returncode == 0 or (probe.returncode == 1 and "outside the target"
+                                     in probe.stderr), probe.stderr
     meas = load_cluster(tmp_path / "o" / "measured.json")
     # 15 ms each way: RTT 30 ms (one-way estimate = RTT / 2). The 10% + 2 ms target is the
     # benchmark's; here a busy CI machine may add a few ms in the userspace delay line.

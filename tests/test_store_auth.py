@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,8 +19,19 @@ import torch.distributed as dist
 
 from modules.control.auth import Auth, AuthStore, host_store
 from modules.control.coordinator import RunSettings
+from modules.control.hidden import hidden_store
 from modules.control.leader import Generation
-from modules.control.protocol import GENERATION_COUNTER, RUN_SETTINGS, done_key, generation_key
+from modules.control.protocol import (
+    GENERATION_COUNTER,
+    RUN_SETTINGS,
+    commit_done_key,
+    commit_prefix,
+    device_key,
+    done_key,
+    generation_key,
+    member_key,
+    outer_arrival_prefix,
+)
 from testkit.fault_harness import Ranks, free_port, write_trial_plan
 
 STEPS = 40
@@ -169,6 +181,85 @@ def test_a_join_without_the_secret_is_not_admitted(tmp_path):
     assert code == 1 and "not admitted" in out and "secret" in out, out
     assert f"{FORGED} 'ft/join/2'" in logs, logs
     assert "generation 1" not in logs and "joined" not in logs, logs
+
+
+def plain_flag_keys(outer_steps: int) -> list[str]:
+    """The plain names of every flag and process-group key of the 1 x 3 run (as they were
+    before they were hidden): gloo's addresses of generation 0's world group, arrival and
+    commit flags of the outer steps, device records."""
+    keys = [f"0//cpu//0/{r}" for r in range(3)] + [device_key(r) for r in range(3)]
+    for k in range(outer_steps):
+        arrival, commit = outer_arrival_prefix(0, k, 0), commit_prefix(0, k)
+        keys += [member_key(arrival, r) for r in range(3)]
+        keys += [commit_done_key(commit, r) for r in range(3)]
+    return keys
+
+
+class Flood:
+    """An outsider rewriting `keys` with `value` every 20 ms until stopped (a thread)."""
+
+    def __init__(self, url: str, keys: list[str], value: bytes) -> None:
+        self.client, self.keys, self.value = outsider(url), keys, value
+        self.stop, self.writes = threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                for k in self.keys:
+                    self.client.set(k, self.value)
+                    self.writes += 1
+            except RuntimeError:  # the store is gone: the run ended
+                return
+            time.sleep(0.02)
+
+    def end(self) -> int:
+        self.stop.set()
+        self.thread.join(10)
+        return self.writes
+
+
+@pytest.mark.timeout(240)
+def test_forged_process_group_addresses_and_flags_are_not_where_the_run_looks(tmp_path):
+    """Behind a coordinator the store is up before any rank: the outsider keeps writing
+    garbage at gloo's rendezvous keys (a forged address there points a peer at the attacker),
+    at every arrival and commit flag (a fake arrival sends the others into a collective with
+    a missing peer) and at the device records, from before the first rank starts."""
+    plan = write_trial_plan(tmp_path / "plan.json", 3, 1, "diloco")
+    ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp_path)
+    try:
+        ranks.start_coordinator()
+        flood = Flood(ranks.url, plain_flag_keys(STEPS), b"\xffgarbage")
+        time.sleep(0.5)
+        for r in range(3):
+            ranks.start(r, "--fake-data", "--steps", str(STEPS), "--timeout-s", "30",
+                        "--heartbeat-timeout-s", str(HB), "--min-replicas", "2")
+        logs = finish(ranks)
+        writes = flood.end()
+        assert ranks.wait_coordinator(30) == 0, ranks.coordinator_output()
+    finally:
+        ranks.stop()
+    assert writes > 1000 and "generation 1" not in logs, logs
+
+
+def test_hidden_keys_are_the_runs_alone():
+    """A hidden key is renamed with a MAC of itself: the same name for every holder of the
+    secret, another for another secret, never the plain name; flags set through the hidden
+    store are invisible at the plain name and a plain write does not satisfy a hidden wait."""
+    store = host_store("127.0.0.1", 0, None, timedelta(seconds=5))
+    a, b = Auth(b"s" * 32), Auth(b"t" * 32)
+    assert a.name("k") == Auth(b"s" * 32).name("k") != b.name("k")
+    assert a.name("k") != a.name("k2") and a.name("k").startswith("k/#")
+    signed = AuthStore(store, a)
+    hidden = hidden_store(signed)
+    assert hidden is hidden_store(signed)  # one per AuthStore: torch's groups keep it
+    store.set("flag", "1")  # the outsider's write at the plain name
+    with pytest.raises(RuntimeError):
+        hidden.wait(["flag"], timedelta(seconds=0.3))
+    hidden.set("flag", "1")
+    hidden.wait(["flag"], timedelta(seconds=1))
+    assert hidden.check(["flag"]) and store.get(a.name("flag")) == b"1"
 
 
 def test_the_store_listens_only_on_the_address_asked_for():

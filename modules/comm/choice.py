@@ -160,6 +160,9 @@ def read_devices(store: dist.Store, ranks: Sequence[int], timeout_s: float,
     late = wait_keys(store, ranks, keys, timeout_s)
     if late is not None:
         missing, why = late
-        raise PeerError(f"choosing the backends: rank(s) {missing or list(ranks)} did not "
-                        f"announce their device within {timeout_s:g} s ({why})")
+        if missing is None:  # not a late peer: the store's host is gone (or cut off)
+            raise PeerError(f"choosing the backends: the rendezvous store stopped answering "
+                            f"({why})")
+        raise PeerError(f"choosing the backends: rank(s) {missing} did not announce their "
+                        f"device within {timeout_s:g} s ({why})")
     return {r: DeviceInfo.from_json(v) for r, v in zip(ranks, store.multi_get(keys))}

@@ -5,9 +5,11 @@ torch's TCPStore answers anyone who reaches its port. Every control record the r
 the run's records, commit decisions; keys: modules.control.protocol) is therefore written as
 `hmac1:<HMAC-SHA256 hex>:<value>`, the MAC taken with the run secret over the key and the value
 (the key names the generation, rank or outer step, so a record cannot be moved to another
-key). A record that does not verify is an outsider's (or a rank's with another secret): it is
-named once in the log and read as absent, never obeyed, never parsed. Counters a rank owns
-(heartbeats) only count when they grow, so replaying an old signed value changes nothing.
+key; flags, device records and torch's own process-group keys are hidden instead:
+modules.control.hidden). A record that does not verify is an outsider's (or a rank's with
+another secret): it is named once in the log and read as absent, never obeyed, never parsed.
+Counters a rank owns (heartbeats) only count when they grow, so replaying an old signed value
+changes nothing.
 
 The secret (docs/security.md): `ST_RUN_SECRET` (the launchers generate one per run and pass
 it through the environment), else the file named by `ST_RUN_SECRET_FILE`, else
@@ -127,6 +129,11 @@ class Auth:
         """The stored form of `value` at `key`."""
         return f"{TAG}{self._mac(key, value.encode())}:{value}"
 
+    def name(self, key: str) -> str:
+        """`key` renamed so only holders of the secret can name it (modules.control.hidden)."""
+        mac = hmac.new(self._secret, b"st-name/1\0" + key.encode(), hashlib.sha256)
+        return f"{key}/#{mac.hexdigest()[:32]}"
+
     def open(self, key: str, stored: bytes | str) -> str | None:
         """The value if `stored` is a record this run signed for `key`, else None (logged)."""
         raw = stored.encode() if isinstance(stored, str) else bytes(stored)
@@ -154,12 +161,16 @@ class Auth:
 
 class AuthStore:
     """A TCPStore with signed control records: `put`/`read`/`claim`/`read_int` sign and check;
-    every other call (the plain `set`, `get`, `wait`, `add`, ...) goes to the store as is."""
+    every other call (the plain `set`, `get`, `wait`, `add`, ...) goes to the store as is.
+    Process groups, arrival flags and device records go through `hidden_store(store)`
+    (modules.control.hidden) instead: keys only the run can name."""
 
     def __init__(self, store: Any, auth: Auth) -> None:
         self.raw = store
         """The plain store (process groups and NCCL ids use it)."""
         self.auth = auth
+        self.hidden: Any = None
+        """The HiddenStore over `raw` (modules.control.hidden.hidden_store makes it once)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.raw, name)
@@ -173,11 +184,6 @@ class AuthStore:
         if not self.raw.check([key]):
             return None
         return self.auth.open(key, self.raw.get(key))
-
-    def read_present(self, keys: list[str]) -> list[str | None]:
-        """The signed records at `keys`, all known to be there (after a `wait`), in one round
-        trip to the store (None for a forged one): outer steps read every member's at once."""
-        return [self.auth.open(k, v) for k, v in zip(keys, self.raw.multi_get(keys))]
 
     def read_int(self, key: str, default: int = 0) -> int:
         """A signed integer record; `default` when absent, forged or not an integer."""
@@ -206,11 +212,6 @@ class AuthStore:
         if value is None:
             raise RuntimeError(f"the record at {key!r} is not signed with this run's secret")
         return value
-
-
-def raw_store(store: Any) -> Any:
-    """The plain store under an AuthStore (or the store itself)."""
-    return store.raw if isinstance(store, AuthStore) else store
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

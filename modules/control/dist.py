@@ -21,6 +21,7 @@ from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
+from modules.control.hidden import hidden_store
 from modules.control.protocol import generation_prefix, member_key
 
 
@@ -133,6 +134,7 @@ def rendezvous(url: str, rank: int, world_size: int, timeout_s: float,
     store = _connect(url, world_size, timeout_s, rank == store_rank and not agent_store,
                      store_rank)
     signed = AuthStore(store, auth if auth is not None else Auth(load_secret()))
+    store = hidden_store(signed)  # the group meets under names an outsider cannot write
     if on_store is not None:
         on_store(signed)
     if members is not None and rank not in members:
@@ -197,9 +199,11 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
     Returns True once all did. Raises PeerError naming the peers that did not arrive within
     `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
     `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
-    changed: the wait is moot).
+    changed: the wait is moot). The flags go to the run's hidden keys (modules.control.hidden):
+    an outsider cannot fake an arrival.
     """
     what = what or key
+    store = hidden_store(store)
     store.set(member_key(key, rank), "1")
     keys = [member_key(key, p) for p in peers]
     t0 = time.monotonic()

@@ -33,8 +33,8 @@ from modules.comm.choice import (
     read_devices,
 )
 from modules.comm.errors import CommError, first_line
-from modules.control.auth import raw_store
 from modules.control.dist import Topology, members_of
+from modules.control.hidden import hidden_store
 from modules.control.protocol import generation_prefix
 
 
@@ -98,7 +98,8 @@ class GroupBuilder:
         counting into these stats (the background thread's own: the training thread's are
         not touched from two threads)."""
         self.plan, self.topo = plan, topo
-        self.store = raw_store(store)  # process groups and NCCL ids: the plain store
+        # process groups, NCCL ids and device records: keys only the run can name
+        self.store = hidden_store(store)
         self.outer_stats = outer_stats
         self.tie_embeddings = tie_embeddings
         self.timeout_s = timeout_s
@@ -109,7 +110,7 @@ class GroupBuilder:
         self.devices: dict[int, DeviceInfo] = {}
         """Announced devices of the ranks seen so far (a device does not change)."""
         if self.options.backend != "gloo":  # gloo for everything needs nobody's device
-            announce_device(store, topo.rank, local_device(self.device))
+            announce_device(self.store, topo.rank, local_device(self.device))
 
     def build(self, gen: int, replicas: Sequence[int]) -> Groups:
         """Groups of generation `gen` over the live `replicas` (re-forms the default process

@@ -3,7 +3,8 @@ rendezvous TCPStore (hosted by rank 0, or by the coordinator process with `--coo
 every point-to-point tag, named once. Control records (generations and their counter, info,
 heartbeats, done, join, the coordinator's and the run's records, commit confirmations and
 decisions, a joiner's source, checkpoint steps) are signed with the run secret
-(modules.control.auth); arrival flags and process-group keys are plain.
+(modules.control.auth); arrival flags, commit confirmations, device records, NCCL ids and
+process-group keys go under names only the run can compute (modules.control.hidden).
 
 Ranks are device ids of the plan. Keys by who writes them:
 - every rank: `ft/info/{rank}` (host, pid, role; named in failure messages), `ft/hb/{rank}`

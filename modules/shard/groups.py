@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from modules.comm import PeerError
 from modules.comm.errors import first_line
-from modules.control.auth import raw_store
+from modules.control.hidden import hidden_store
 
 
 @dataclass
@@ -75,8 +75,8 @@ def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank
                       device: torch.device, timeout_s: float) -> ShardGroup:
     """Form the group `name` among `ranks` (every member calls this with the same arguments);
     PeerError naming the members when one does not come within `timeout_s`."""
-    # process groups meet in the plain store (control records alone are signed: auth.py)
-    prefix = dist.PrefixStore(f"shard/{name}/", raw_store(store))
+    # process groups meet under keys only the run can name (modules.control.hidden)
+    prefix = dist.PrefixStore(f"shard/{name}/", hidden_store(store))
     me, size = ranks.index(rank), len(ranks)
     try:
         kind, backend = _backend(prefix, me, size, device, timeout_s)

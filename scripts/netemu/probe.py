@@ -10,6 +10,7 @@ probe cannot split a round trip); device pairs on the same host keep the configu
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,19 @@ PORT = 47913
 BW_TOLERANCE = 0.10
 RTT_TOLERANCE = 0.10
 RTT_SLACK_MS = 2.0
+CONNECT_TIMEOUT_S = 10.0
+"""The agent's bound on each connect and socket operation of a local probe."""
+MIN_PAIR_LIMIT_S = 120.0
+"""The least time a local probe gives one pair before calling it failed."""
+PAIR_SLACK_S = 30.0
+"""A pair's bound: 4 x CONNECT_TIMEOUT_S + 2 x --seconds + this (as scripts/measure.py's)."""
+
+
+class ProbeError(UserError):
+    """A pair could not be measured, or a measurement is outside the target: not a user
+    mistake, so exit 1, but reported the same way (one line, no traceback)."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -39,27 +53,57 @@ class PairResult:
     bit_per_s: float
 
 
-def parse_measure(out: str, where: str) -> tuple[float, float]:
-    """(rtt_ms, bit/s) from the agent's JSON line."""
+def parse_measure(out: str, where: str, err: str = "") -> tuple[float, float]:
+    """(rtt_ms, bit/s) from the agent's JSON line; ProbeError naming the pair and why when
+    the agent reported a failure (`--connect-timeout`'s {"error": ...}) or printed no result."""
     try:
         obj = json.loads(out.strip().splitlines()[-1])
-        return float(obj["rtt_ms"]), float(obj["bit_per_s"])
-    except (IndexError, KeyError, ValueError, TypeError):
-        raise UserError(f"probe {where}: unexpected agent output {out.strip()[-200:]!r}") from None
+    except (IndexError, ValueError):
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        raise ProbeError(f"probe {where}: {obj['error']} ({str(obj.get('detail'))[:200]})")
+    try:
+        return float(obj["rtt_ms"]), float(obj["bit_per_s"])  # type: ignore[index]
+    except (KeyError, ValueError, TypeError):
+        said = (out.strip() or err.strip())[-200:]
+        raise ProbeError(f"probe {where}: unexpected agent output {said!r}") from None
 
 
 def probe_pairs(num_hosts: int, measure: Callable[[int, int], tuple[float, float]],
                 log: Callable[[str], None] | None = None) -> list[PairResult]:
-    """Measure every ordered pair (src, dst) one after the other."""
-    out = []
+    """Measure every ordered pair (src, dst) one after the other. A pair that fails is named
+    and the others still measured; then ProbeError naming every failed pair."""
+    out, failed = [], []
     for i in range(num_hosts):
         for j in range(num_hosts):
-            if i != j:
+            if i == j:
+                continue
+            try:
                 rtt, bps = measure(i, j)
-                out.append(PairResult(i, j, rtt, bps))
+            except ProbeError as e:
+                failed.append(str(e).removeprefix("probe "))
                 if log:
-                    log(f"  {i}->{j}: rtt {rtt:.1f} ms, {bps / 1e6:.1f} Mbit/s")
+                    log(f"  {i}->{j}: FAILED: {failed[-1]}")
+                continue
+            out.append(PairResult(i, j, rtt, bps))
+            if log:
+                log(f"  {i}->{j}: rtt {rtt:.1f} ms, {bps / 1e6:.1f} Mbit/s")
+    if failed:
+        n = num_hosts * (num_hosts - 1)
+        raise ProbeError(f"probe: {len(failed)} of {n} host pairs could not be measured, so no "
+                         f"measured cluster was written: {'; '.join(failed)}")
     return out
+
+
+def check_targets(ok: bool) -> int:
+    """The exit status of a probe whose table says `ok` (1, said on stderr, when a pair
+    missed the target)."""
+    if ok:
+        return 0
+    print(f"error: probe: some host pairs are outside the target (bandwidth within "
+          f"{BW_TOLERANCE:.0%} of the configured rate, RTT within {RTT_TOLERANCE:.0%} + "
+          f"{RTT_SLACK_MS:g} ms): the rows not marked `ok` above", file=sys.stderr)
+    return 1
 
 
 def measured_cluster(cluster: Cluster, groups: list[tuple[int, ...]],
@@ -103,10 +147,14 @@ def comparison(cluster: Cluster, groups: list[tuple[int, ...]], results: list[Pa
 
 
 def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: ignore[no-untyped-def]
-                pings: int = 10, quiet: bool = False) -> tuple[str, list[PairResult]]:
-    """Probe the namespace hosts of `st`; write the measured cluster; (table text, results)."""
+                pings: int = 10, quiet: bool = False) -> tuple[str, list[PairResult], bool]:
+    """Probe the namespace hosts of `st`; write the measured cluster; (table text, results,
+    whether every pair meets the target). ProbeError when a pair cannot be measured."""
     from scripts.netemu.netns import address, start_in_namespace
     from scripts.netemu.shell import sh
+    # the agent bounds every connect and socket operation; this bounds the whole pair (as
+    # scripts/measure.py does), so a link that swallows packets ends in a named failure
+    limit = max(MIN_PAIR_LIMIT_S, 4 * CONNECT_TIMEOUT_S + 2 * seconds + PAIR_SLACK_S)
     servers = []
     try:
         for i in range(st.num_hosts):
@@ -116,10 +164,14 @@ def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: 
                                                       str(PORT)], log))
 
         def measure(i: int, j: int) -> tuple[float, float]:
-            p = sh([*st.exec_prefix(i), sys.executable, str(AGENT), "measure", "--to",
-                    f"{address(j)}:{PORT}", "--seconds", str(seconds), "--pings", str(pings)],
-                   timeout=120)
-            return parse_measure(p.stdout, f"{i}->{j}")
+            try:
+                p = sh([*st.exec_prefix(i), sys.executable, str(AGENT), "measure", "--to",
+                        f"{address(j)}:{PORT}", "--seconds", str(seconds), "--pings",
+                        str(pings), "--connect-timeout", str(CONNECT_TIMEOUT_S)],
+                       check=False, timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise ProbeError(f"probe {i}->{j}: no result within {limit:g} s") from None
+            return parse_measure(p.stdout, f"{i}->{j}", p.stderr)
 
         results = probe_pairs(st.num_hosts, measure, None if quiet else print)
     finally:
@@ -129,5 +181,5 @@ def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: 
     groups = [tuple(g) for g in st.groups]
     save_cluster(measured_cluster(cluster, groups, results), out)
     applied = st.delay_mode in ("netem", "delay-line")
-    text, _ = comparison(cluster, groups, results, applied)
-    return text, results
+    text, ok = comparison(cluster, groups, results, applied)
+    return text, results, ok

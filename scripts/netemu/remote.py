@@ -28,7 +28,15 @@ from formats.errors import UserError
 from scripts.netemu import sshctl
 from scripts.netemu.cli import Resolved
 from scripts.netemu.hostlist import HostEntry
-from scripts.netemu.probe import AGENT, PORT, comparison, measured_cluster, parse_measure
+from scripts.netemu.probe import (
+    AGENT,
+    PORT,
+    ProbeError,
+    check_targets,
+    comparison,
+    measured_cluster,
+    parse_measure,
+)
 from scripts.netemu.shaping import (
     LiveHost,
     apply_host,
@@ -245,8 +253,8 @@ def probe_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
                         break
                     time.sleep(min(0.1 * 2 ** attempt, 2.0))
                 if s != 0:
-                    raise UserError(f"probe {i}->{j} failed: {err.strip()[-300:]}")
-                return parse_measure(out, f"{i}->{j}")
+                    raise ProbeError(f"probe {i}->{j} failed: {err.strip()[-300:]}")
+                return parse_measure(out, f"{i}->{j}", err)
             from scripts.netemu.probe import probe_pairs
             results = probe_pairs(len(hosts), measure, print)
         finally:
@@ -257,7 +265,7 @@ def probe_remote(args: argparse.Namespace, r: Resolved, opt: sshctl.SSHOptions,
             c, sshctl.kill_script(h, PROBE_RUN, REMOTE_DIR), t)))
     from formats.cluster import save_cluster
     save_cluster(measured_cluster(r.cluster, r.groups, results), args.out)
-    text, _ = comparison(r.cluster, r.groups, results, delay_applied=applied)
+    text, ok = comparison(r.cluster, r.groups, results, delay_applied=applied)
     print(text)
     print(f"wrote {args.out}")
-    return 0
+    return check_targets(ok)
