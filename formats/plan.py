@@ -64,6 +64,10 @@ class SyncConfig:
     fragments: int = 1
     """DiLoCo: F contiguous parameter fragments (by layer) per stage, each synced at its own
     offset in the round (Streaming DiLoCo), so the peak bandwidth need falls F times."""
+    warmup_steps: int = 0
+    """DiLoCo: W steps of gradient all-reduce (every step, as mode allreduce) before the first
+    inner step; the outer optimizer starts from the weights at step W (docs/warmup.md). A
+    fresh model needs it: DiLoCo from step 0 ends far behind all-reduce."""
 
     def validate(self) -> None:
         """Raise UserError on a bad field."""
@@ -82,6 +86,10 @@ class SyncConfig:
             raise UserError(
                 f"sync.overlap: expected true or false, got {checks.shown(self.overlap)}")
         checks.integer(self.fragments, "sync.fragments", 1, MAX_FRAGMENTS)
+        checks.integer(self.warmup_steps, "sync.warmup_steps", 0, MAX_INNER_STEPS)
+        if self.mode != "diloco" and self.warmup_steps:
+            raise UserError(f"sync.warmup_steps: {self.warmup_steps} only applies to mode "
+                            f"'diloco' (mode {self.mode!r} all-reduces every step anyway)")
         if self.mode != "diloco" and (self.overlap or self.fragments != 1):
             raise UserError("sync.overlap and sync.fragments only apply to mode 'diloco' "
                             f"(mode is {self.mode!r})")
