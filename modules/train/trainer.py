@@ -309,9 +309,12 @@ class Trainer:
                 last = self.step == cfg.steps
                 every = cfg.data.eval_every
                 if self.val and ((every and self.step % every == 0) or last):
+                    t_eval = time.perf_counter()
                     val = self.evaluate()
                     if val is not None:
                         rec["val_loss"] = val
+                    # after this record's wall_time: benchmarks take it out of timings
+                    rec["eval_s"] = round(time.perf_counter() - t_eval, 6)
                 if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
