@@ -119,6 +119,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-same-tokens", action="store_true",
                    help="skip row 2 (one replica with R x the steps: the slowest row)")
     p.add_argument("--no-single", action="store_true", help="skip the one-replica rows")
+    p.add_argument("--no-allreduce", action="store_true",
+                   help="skip the all-reduce row (another invocation ran it)")
     p.add_argument("--eval-sequences", type=int, default=512)
     p.add_argument("--data", help="text file/folder (default: Debian fortunes)")
     p.add_argument("--seed", type=int, default=0)
@@ -140,8 +142,9 @@ def configs_of(args: argparse.Namespace) -> list[tuple[str, str, Plan, int]]:
     if not (args.no_same_tokens or args.no_single):
         configs.append((f"one replica, {same_tokens} steps (same tokens)", "single",
                         one(1, SyncConfig()), same_tokens))
-    configs.append((f"{R} replicas all-reduce ({R}x batch)", "allreduce",
-                    one(R, SyncConfig()), T))
+    if not args.no_allreduce:
+        configs.append((f"{R} replicas all-reduce ({R}x batch)", "allreduce",
+                        one(R, SyncConfig()), T))
     for H in (int(h) for h in args.inner_steps.split(",")):
         for W in args.sync_warmup or [0]:
             if (T - max(S, W)) % H:
@@ -217,7 +220,9 @@ def main() -> None:
 def print_ratios(rows: list[tuple[str, str, dict]], args: argparse.Namespace) -> None:
     """Each DiLoCo row's perplexity against all-reduce's and one replica's, and its bytes."""
     ppl = lambda x, y: math.exp(x["val_loss"] - y["val_loss"])
-    ddp = next(r for _, kind, r in rows if kind == "allreduce")
+    ddp = next((r for _, kind, r in rows if kind == "allreduce"), None)
+    if ddp is None:
+        return
     singles = [r for _, kind, r in rows if kind == "single"]
     base = singles[0] if singles else None
     same = singles[1] if len(singles) > 1 else None

@@ -25,7 +25,8 @@ from formats.plan import SyncConfig
 from scheduler.simulator.warmup import warmup_share
 
 LOSS_TABLE: dict[int, tuple[tuple[float, float], ...]] = {
-    10: ((0.0, 1.247),),
+    10: ((0.0, 1.247), (0.1, 1.050), (0.15, 1.013), (0.2, 0.992)),
+    20: ((0.1, 1.038), (0.2, 1.006)),
 }
 """H -> ((warm-up share of the run, loss ratio to allreduce), ...), shares ascending."""
 PROVENANCE = ("benchmarks/diloco_convergence.py --warm-start-steps 0 --steps 400 --replicas 4 "
@@ -50,7 +51,8 @@ def _ratio_at(h: int, share: float) -> float | None:
 
 def loss_ratio(sync: SyncConfig, train_steps: int) -> float | None:
     """Predicted final validation loss over allreduce's after the same tokens, for a run of
-    `train_steps` steps under `sync` (1.0 for allreduce; None: outside the table)."""
+    `train_steps` steps under `sync` (1.0 for allreduce, never below it; None: outside the
+    table)."""
     if sync.mode != "diloco":
         return 1.0
     share = warmup_share(sync.warmup_steps, train_steps)
@@ -66,4 +68,5 @@ def loss_ratio(sync: SyncConfig, train_steps: int) -> float | None:
     r_lo = 1.0 if lo == 1 else _ratio_at(lo, share)
     if r_hi is None or r_lo is None:
         return None
-    return r_lo + (r_hi - r_lo) * (h - lo) / (hi - lo)
+    # never below allreduce's: a measured ratio under 1 is read as noise, so ties keep allreduce
+    return max(1.0, r_lo + (r_hi - r_lo) * (h - lo) / (hi - lo))

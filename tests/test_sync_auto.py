@@ -99,8 +99,12 @@ def test_bad_link_picks_diloco_within_the_bounds(max_h, allow_pp):
     assert plan.sync.mode == "diloco" and 2 <= plan.sync.inner_steps <= max_h
     assert plan.pipeline_compression in ("none", "bf16")[:("none", "bf16").index(allow_pp) + 1]
     assert out.allreduce.sync.mode == "allreduce"
-    # over a 20 Mbit/s link the outer sync every H steps wins by far
-    assert out.outcome.ours.cost_s < 0.5 * out.allreduce_cost.cost_s
+    # from scratch DiLoCo needs its warm-up (the quality table): over a 20 Mbit/s link it
+    # still wins, the warm-up's all-reduce steps charged in the run's mean step
+    assert plan.sync.warmup_steps > 0 and plan.predicted["loss_ratio"] <= 1.02
+    assert plan.predicted["train_steps"] == 1000
+    assert plan.predicted["run_step_s"] < 0.85 * out.allreduce_cost.cost_s
+    assert out.outcome.ours.cost_s < plan.predicted["run_step_s"]  # the steady DiLoCo step
     assert plan.predicted["cost"] == pytest.approx(out.outcome.ours.cost_s, abs=1e-6)
     assert plan.search["sync_auto"]["allreduce"]["sync"]["mode"] == "allreduce"
 
