@@ -173,10 +173,11 @@ def test_fixed_diloco_flags_are_written(tmp_path):
     plan = tmp_path / "p.json"
     r = run_entry(SCHED, "plan", "--scenario", "badlink", *SMALL, "--sync", "diloco",
                   "--inner-steps", "8", "--overlap", "--fragments", "2",
-                  "--pipeline-compression", "int8", "--out", str(plan))
+                  "--pipeline-compression", "int8", "--sync-warmup-steps", "40", "--out",
+                  str(plan))
     assert r.returncode == 0, r.stderr
     saved = load_plan(plan)
-    assert saved.sync == SyncConfig("diloco", 8, overlap=True, fragments=2)
+    assert saved.sync == SyncConfig("diloco", 8, overlap=True, fragments=2, warmup_steps=40)
     assert saved.pipeline_compression == "int8"
 
 
@@ -192,6 +193,11 @@ def test_fixed_diloco_flags_are_written(tmp_path):
     (("--overlap",), "--overlap"),
     (("--pipeline-compression", "int8", "--objective", "dtfm"), "--pipeline-compression"),
     (("--allreduce-out", "x.json"), "--allreduce-out"),
+    (("--sync", "auto", "--sync-warmup-steps", "4"), "--sync-warmup-steps"),
+    (("--sync-warmup-steps", "4"), "--sync-warmup-steps"),
+    (("--sync", "diloco", "--sync-warmup-steps", "-1"), "--sync-warmup-steps"),
+    (("--train-steps", "400"), "--train-steps"),
+    (("--sync", "auto", "--max-loss-ratio", "0.5"), "--max-loss-ratio"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys, args, flag):
     out = tmp_path / "p.json"
