@@ -10,7 +10,7 @@ for all-reduce and trains the same assignment with, row by row:
     allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
 
 and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment and
-warm-up; the fastest run within its predicted loss bound, docs/warmup.md), and that plan with
+warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan with
 every payload at int8. Each row has the simulator's predicted s/step, the measured s/step, the
 bytes every host put on the wire per step (tc counters), tokens/s, the validation loss after the
 same number of tokens relative to allreduce's (real text, the same seed), and the training

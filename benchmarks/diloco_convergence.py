@@ -16,7 +16,7 @@ start stopped. The inner learning-rate schedule runs over T steps (row 2: over i
   4. R replicas with DiLoCo (each batch b, H inner AdamW steps, outer Nesterov SGD, starting
      fresh at the switch), once per --inner-steps H x --sync-warmup W x --outer
      LR:MOMENTUM[:COMPRESSION]; with W > 0 the run's first W steps all-reduce gradients (the
-     plan's sync.warmup_steps, docs/warmup.md) and DiLoCo starts from the weights at step W.
+     plan's sync.warmup_steps, docs/bad_links.md) and DiLoCo starts from the weights at step W.
 Prints validation loss and perplexity (per byte: byte-level tokens), tokens trained on (warm
 start included), data-parallel bytes sent by all ranks after the switch (a ring all-reduce's
 2 (n-1)/n x payload; modules.quant's wire bytes for int8; a warm-up's all-reduces included),

@@ -66,7 +66,7 @@ class SyncConfig:
     offset in the round (Streaming DiLoCo), so the peak bandwidth need falls F times."""
     warmup_steps: int = 0
     """DiLoCo: W steps of gradient all-reduce (every step, as mode allreduce) before the first
-    inner step; the outer optimizer starts from the weights at step W (docs/warmup.md). A
+    inner step; the outer optimizer starts from the weights at step W (docs/bad_links.md). A
     fresh model needs it: DiLoCo from step 0 ends far behind all-reduce."""
 
     def validate(self) -> None:

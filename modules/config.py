@@ -465,7 +465,7 @@ class PlanOverrideConfig:
     """payload of the data-parallel all-reduce (default: the plan's sync.compression)"""
     sync_warmup_steps: int | None = setting(None, lo=0, hi=MAX_COUNT)
     """DiLoCo: all-reduce gradients every step for the first W steps, then DiLoCo from the
-    weights at step W (docs/warmup.md; default: the plan's sync.warmup_steps)"""
+    weights at step W (docs/bad_links.md; default: the plan's sync.warmup_steps)"""
     micro_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """sequences per micro-batch (default: the plan's micro_batch_size)"""
     total_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)

@@ -4,7 +4,7 @@ project's own convergence runs (benchmarks/diloco_convergence.py, from scratch).
 
 What the table holds: LOSS_TABLE[H] = ((warm-up share of the run, loss ratio), ...), the mean
 over seeds of DiLoCo's final validation loss over allreduce's (4 replicas, gpt-tiny, fp32
-payload, blocking outer step, one fragment; see PROVENANCE and docs/warmup.md). Its limits,
+payload, blocking outer step, one fragment; see PROVENANCE and docs/bad_links.md). Its limits,
 which `loss_ratio` applies rather than hides:
 - H between measured values (and between allreduce, H = 1, ratio 1, and the smallest) is
   interpolated linearly; an H above the largest measured one has no prediction (None): the
@@ -31,7 +31,7 @@ LOSS_TABLE: dict[int, tuple[tuple[float, float], ...]] = {
 """H -> ((warm-up share of the run, loss ratio to allreduce), ...), shares ascending."""
 PROVENANCE = ("benchmarks/diloco_convergence.py --warm-start-steps 0 --steps 400 --replicas 4 "
               "(gpt-tiny on Debian fortunes, batch 8 x 64 per replica, AdamW lr 1e-3 cosine); "
-              "measured 2026-11-25 on the project's 2-core CPU box (docs/warmup.md)")
+              "measured 2026-11-25 on the project's 2-core CPU box (docs/bad_links.md)")
 """Where LOSS_TABLE's numbers come from."""
 
 

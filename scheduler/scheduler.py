@@ -507,7 +507,7 @@ def _auto_table(auto: AutoOutcome) -> str:
                     f"{p.predicted['run_step_s']:.3f} s")
     if p.predicted.get("loss_ratio") is not None:
         rows.append(f"  predicted validation loss {p.predicted['loss_ratio']:.3f}x allreduce's "
-                    f"after the same tokens (a table measured from scratch, docs/warmup.md; "
+                    f"after the same tokens (a table measured from scratch, docs/bad_links.md; "
                     f"--max-loss-ratio bounds it)")
     return "\n".join(rows)
 
@@ -658,7 +658,7 @@ SYNC_HELP = (
     "each DiLoCo one also with the warm-ups the quality table measured (all-reduce for the "
     "first W of --train-steps steps, charged at allreduce's step); it takes the "
     "configuration of the fastest predicted run whose predicted loss over allreduce's "
-    "(a table measured from scratch, docs/warmup.md) is at most --max-loss-ratio (within 2% "
+    "(a table measured from scratch, docs/bad_links.md) is at most --max-loss-ratio (within 2% "
     "of the fastest: the lowest predicted loss, then the least risky), and prints it beside "
     "the best allreduce plan. An H above the table's largest is never chosen; the bounds "
     "are how much risk you accept; the defaults accept none (allreduce, no compression).")
@@ -682,7 +682,7 @@ def add_sync_args(pl: argparse.ArgumentParser) -> None:
     sy.add_argument("--sync-warmup-steps", type=argtypes.integer(0, MAX_INNER_STEPS),
                     metavar="W",
                     help="--sync diloco: all-reduce gradients every step for the first W "
-                         "steps, then DiLoCo from the weights at step W (docs/warmup.md; "
+                         "steps, then DiLoCo from the weights at step W (docs/bad_links.md; "
                          "default 0)")
     # --compression sets SyncConfig.compression, or with --sync auto SyncBounds.max_compression
     sy.add_argument("--compression", default="none", choices=COMPRESSIONS,

@@ -29,7 +29,7 @@ rings matter, which the two anchors span.
 Faster is not better for the model's quality: a larger H, a stale (overlapped) outer step and
 lossy payloads can cost loss per step, and DiLoCo from a fresh model most of all. The planner
 only picks within the user's bounds (SyncBounds) and within the loss the quality table
-predicts (docs/warmup.md has the table and its limits).
+predicts (docs/bad_links.md has the table and its limits).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class SyncBounds:
     all-reduce steps are charged as their share of it"""
     max_loss_ratio: float = setting(1.02, lo=1.0, hi=10.0)
     """--sync auto: largest predicted validation loss over allreduce's (after the same tokens,
-    from the measured table of docs/warmup.md) it may choose"""
+    from the measured table of docs/bad_links.md) it may choose"""
 
     def __post_init__(self) -> None:
         """UserError naming the bad field (`SyncBounds.max_inner_steps`)."""

@@ -1,4 +1,4 @@
-"""DiLoCo's warm-up (sync.warmup_steps W, docs/warmup.md): gradient all-reduce for steps 1..W on
+"""DiLoCo's warm-up (sync.warmup_steps W, docs/bad_links.md): gradient all-reduce for steps 1..W on
 every rank, then DiLoCo from the weights at step W. The runtime matches a hand-written
 reference of that rule, the switch lands at step W on every rank (also after a resume at
 W - 1, W, W + 1, bit-identical to the uninterrupted run), and a bad W is refused by name."""
