@@ -502,9 +502,10 @@ def _auto_table(auto: AutoOutcome) -> str:
     rows.append(f"  the chosen plan trains {_speedup(auto):.2f}x the sequences per second of the "
                 f"best allreduce plan (predicted; step {ar.cost_s / ours.cost_s:.2f}x shorter)")
     if p.sync.warmup_steps:
+        run_s = p.predicted["run_step_s"]
         rows.append(f"  warm-up: {p.sync.warmup_steps} all-reduce steps of "
-                    f"{p.predicted['train_steps']}, the run's mean step "
-                    f"{p.predicted['run_step_s']:.3f} s")
+                    f"{p.predicted['train_steps']}: the run's mean step {run_s:.3f} s "
+                    f"({ar.cost_s / run_s:.2f}x shorter than allreduce's)")
     if p.predicted.get("loss_ratio") is not None:
         rows.append(f"  predicted validation loss {p.predicted['loss_ratio']:.3f}x allreduce's "
                     f"after the same tokens (a table measured from scratch, docs/bad_links.md; "
