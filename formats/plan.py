@@ -69,6 +69,14 @@ class SyncConfig:
     inner step; the outer optimizer starts from the weights at step W (docs/bad_links.md). A
     fresh model needs it: DiLoCo from step 0 ends far behind all-reduce."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's `sync` object; `warmup_steps` only when set, so a plan without a warm-up
+        stays readable by readers that predate the field."""
+        out = asdict(self)
+        if not self.warmup_steps:
+            del out["warmup_steps"]
+        return out
+
     def validate(self) -> None:
         """Raise UserError on a bad field."""
         if self.mode not in SYNC_MODES:
@@ -235,7 +243,7 @@ class Plan:
             "stages": [{"layers": [a, b]} for a, b in self.stages],
             "pipelines": [[[int(d) for d in e] if isinstance(e, list) else int(e)
                            for e in chain] for chain in self.pipelines],
-            "sync": asdict(self.sync),
+            "sync": self.sync.to_dict(),
             "pipeline_compression": self.pipeline_compression,
             "predicted": self.predicted,
             "search": self.search,

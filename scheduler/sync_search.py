@@ -116,7 +116,7 @@ class SyncChoice:
 
     def to_dict(self) -> dict:
         """The plan's `sync` and `pipeline_compression` fields."""
-        return {"sync": asdict(self.sync), "pipeline_compression": self.pipeline_compression}
+        return {"sync": self.sync.to_dict(), "pipeline_compression": self.pipeline_compression}
 
 
 def inner_step_options(max_inner_steps: int) -> list[int]:

@@ -170,3 +170,5 @@ def test_old_plans_without_the_field_load_with_no_warmup(tmp_path):
     del raw["sync"]["warmup_steps"]
     (tmp_path / "old.json").write_text(json.dumps(raw))
     assert load_plan(tmp_path / "old.json").sync.warmup_steps == 0
+    save_plan(_plan(warmup=0), tmp_path / "w0.json")  # no warm-up: written as before
+    assert "warmup_steps" not in json.loads((tmp_path / "w0.json").read_text())["sync"]

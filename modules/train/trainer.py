@@ -309,12 +309,7 @@ class Trainer:
                 last = self.step == cfg.steps
                 every = cfg.data.eval_every
                 if self.val and ((every and self.step % every == 0) or last):
-                    t_eval = time.perf_counter()
-                    val = self.evaluate()
-                    if val is not None:
-                        rec["val_loss"] = val
-                    # after this record's wall_time: benchmarks take it out of timings
-                    rec["eval_s"] = round(time.perf_counter() - t_eval, 6)
+                    self._evaluate_into(rec)
                 if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
@@ -431,6 +426,15 @@ class Trainer:
         if self.shard is not None:
             self.shard.after_eval()
         return loss
+
+    def _evaluate_into(self, rec: dict[str, Any]) -> None:
+        """The validation loss into this step's record, and the evaluation's time (it runs
+        after the record's wall_time: benchmarks take it out of their timings)."""
+        t0 = time.perf_counter()
+        val = self.evaluate()
+        if val is not None:
+            rec["val_loss"] = val
+        rec["eval_s"] = round(time.perf_counter() - t0, 6)
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
