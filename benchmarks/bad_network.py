@@ -9,11 +9,13 @@ for all-reduce and trains the same assignment with, row by row:
 
     allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
 
-and then the planner's own choice (`plan --sync auto`, its own assignment; the least risky
-configuration within 2% of the fastest), and that plan with every payload at int8. Each row has the
-simulator's predicted s/step, the measured s/step, the bytes every host put on the wire per
-step (tc counters), tokens/s, and the validation loss after the same number of tokens relative
-to allreduce's (real text, the same seed). Writes OUT/results.json
+and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment and
+warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan with
+every payload at int8. Each row has the simulator's predicted s/step, the measured s/step, the
+bytes every host put on the wire per step (tc counters), tokens/s, the validation loss after the
+same number of tokens relative to allreduce's (real text, the same seed), and the training
+seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; evaluated every
+--eval-every steps, evaluations left out of all timings). Writes OUT/results.json
 ({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
 """
 
@@ -92,7 +94,7 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     log("planning with --sync auto")
     sh(lab.plan_command(args, cluster_path, auto, "--sync", "auto", "--max-inner-steps",
                 str(args.max_inner_steps), "--compression", "int8",
-                "--allow-pipeline-compression", "int8"))
+                "--allow-pipeline-compression", "int8", "--train-steps", str(args.steps)))
     auto_plan = load_plan(auto)
     runs.append(Run(f"planner --sync auto ({describe(auto_plan)})", auto))
     if auto_plan.sync.mode == "diloco":  # the planner picks the least risky within 2%:
@@ -121,7 +123,8 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
         net.up()
         for r in runs:
             metrics = lab.train(r, net, args.steps, out, [
-                "--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed)])
+                "--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
+                "--eval-every", str(args.eval_every)])
             lab.read_metrics(r, metrics, args.warmup_steps)
     finally:
         net.down()
@@ -135,14 +138,15 @@ def result_rows(runs: list[Run]) -> list[dict]:
              "wire_mb_per_step": r.wire_bytes_per_step / 1e6, "tokens_per_s": r.tokens_per_s,
              "loss_ratio_vs_allreduce": (r.final_val_loss / base
                                          if base and r.final_val_loss else None),
-             "val_loss": r.final_val_loss, "prediction_error": r.error} for r in runs]
+             "val_loss": r.final_val_loss, "prediction_error": r.error,
+             "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base)} for r in runs]
 
 
 def table(rows_: list[dict], shaped: bool) -> str:
     """Markdown table of the rows, with ratios to the first (allreduce)."""
     wire = "wire MB/step" if shaped else "wire MB/step (not shaped)"
     lines = [f"| row | predicted s/step | measured s/step | error | {wire} | fewer bytes | "
-             "tokens/s | speed-up | loss ratio |", "|" + "---|" * 9]
+             "tokens/s | speed-up | loss ratio | s to allreduce loss |", "|" + "---|" * 10]
     b = rows_[0]
     for r in rows_:
         fewer = b["wire_mb_per_step"] / r["wire_mb_per_step"] if r["wire_mb_per_step"] else 0
@@ -151,8 +155,17 @@ def table(rows_: list[dict], shaped: bool) -> str:
             f"| {r['name']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
             f"{r['prediction_error'] * 100:+.0f}% | {r['wire_mb_per_step']:.2f} | {fewer:.1f}x | "
             f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
-            f"{'-' if loss is None else f'{loss:.3f}'} |")
+            f"{'-' if loss is None else f'{loss:.3f}'} | {time_to_loss(r, b)} |")
     return "\n".join(lines)
+
+
+def time_to_loss(row: dict, base: dict) -> str:
+    """`12.3 (0.31x)`: training seconds to allreduce's final validation loss, and that over
+    allreduce's own; `not reached`."""
+    t, t0 = row["seconds_to_allreduce_loss"], base["seconds_to_allreduce_loss"]
+    if t is None:
+        return "not reached"
+    return f"{t:.1f}" + (f" ({t / t0:.2f}x)" if t0 else "")
 
 
 def targets(rows_: list[dict]) -> list[str]:
@@ -172,6 +185,13 @@ def targets(rows_: list[dict]) -> list[str]:
                    "than allreduce (target >= 6x)")
         out.append(f"{'PASS' if speed >= 2 else 'MISS'} best row's tokens/s {speed:.2f}x "
                    "allreduce's (target >= 2x)")
+    auto, t0 = rows_[-1], b["seconds_to_allreduce_loss"]
+    auto = next((r for r in rows_ if r["name"].startswith("planner --sync auto")), auto)
+    if t0:
+        t = auto["seconds_to_allreduce_loss"]
+        when = "never" if t is None else f"in {t / t0:.2f}x allreduce's time"
+        out.append(f"{'PASS' if t is not None and t <= t0 / 3 else 'MISS'} --sync auto reaches "
+                   f"allreduce's final validation loss {when} (target <= 1/3)")
     worst = max(rows_, key=lambda r: abs(r["prediction_error"]))
     out.append(f"{'PASS' if abs(worst['prediction_error']) <= 0.15 else 'MISS'} every prediction "
                f"within 15% (worst {worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
@@ -198,6 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps left out of the timing, rounded up to whole rounds (10)")
     p.add_argument("--eval-sequences", type=int, default=32,
                    help="validation sequences for the final loss")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="validation loss every K steps: the time to allreduce's final loss "
+                   "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
     args = p.parse_args(argv)

@@ -68,7 +68,7 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
     log("planning with --sync auto")
     sh(lab.plan_command(args, cluster_path, path, "--sync", "auto", "--max-inner-steps",
                         str(args.inner_steps), "--compression", "int8",
-                        "--allow-pipeline-compression", "int8"))
+                        "--allow-pipeline-compression", "int8", "--train-steps", str(args.steps)))
     plan = load_plan(path)
     s = plan.sync
     what = ("allreduce" if s.mode == "allreduce" else
@@ -81,7 +81,9 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
 
 def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
     """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
-    lab.read_metrics(run, lab.train(run, net, args.steps, out), args.warmup_steps)
+    lab.read_metrics(run, lab.train(run, net, args.steps, out, [
+        "--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]),
+        args.warmup_steps)
 
 
 def table(runs: list[Run], shaped: bool) -> str:
@@ -95,6 +97,19 @@ def table(runs: list[Run], shaped: bool) -> str:
                      f"{r.error * 100:+.1f}% | {r.tokens_per_s:.0f} | "
                      f"{r.wire_bytes_per_step / 1e6:.2f} | "
                      f"{r.runtime_dp_bytes_per_step / 1e6:.3f} | {r.tokens_per_s / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def time_to_loss_table(runs: list[Run]) -> str:
+    """Each run's training seconds to the allreduce run's (ours) final validation loss."""
+    target = runs[0].final_val_loss
+    base = lab.seconds_to_loss(runs[0], target)
+    lines = ["| plan | final val loss | s to allreduce loss | vs allreduce |", "|---|---|---|---|"]
+    for r in runs:
+        t = lab.seconds_to_loss(r, target)
+        lines.append(f"| {r.name} | {r.final_val_loss or float('nan'):.4f} | "
+                     f"{'not reached' if t is None else f'{t:.1f}'} | "
+                     f"{f'{t / base:.2f}x' if t is not None and base else '-'} |")
     return "\n".join(lines)
 
 
@@ -157,6 +172,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--warmup-steps", type=int, default=5,
                    help="steps left out of the measured time (rounded up to a multiple of H)")
+    p.add_argument("--eval-sequences", type=int, default=32,
+                   help="validation sequences (the time to allreduce's final loss)")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="validation loss every K steps (evaluations left out of the timings)")
     p.add_argument("--plan-time-limit", type=float, default=10.0,
                    help="planner limit for the whole plan command, s (the search ends by budget "
                    "well within it on the lab)")
@@ -194,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         net.down()
     print()
     print(table(runs, not net.reason))
+    print(time_to_loss_table(runs))
     print()
     if net.reason:
         print(f"targets not checked: the network was not emulated ({net.reason}); the "
@@ -204,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(runs, out / "end_to_end.png")
     results = {"shaped": not net.reason, "why_not_shaped": net.reason,
                "runs": [{k: v for k, v in vars(r).items() if k != "plan_path"}
-                        | {"plan": str(r.plan_path), "error": r.error} for r in runs]}
+                        | {"plan": str(r.plan_path), "error": r.error,
+                           "seconds_to_allreduce_loss": lab.seconds_to_loss(
+                               r, runs[0].final_val_loss)} for r in runs]}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out / 'end_to_end.png'} and {out / 'results.json'} "
           f"({time.monotonic() - t0:.0f} s in all)")

@@ -64,6 +64,18 @@ class SyncConfig:
     fragments: int = 1
     """DiLoCo: F contiguous parameter fragments (by layer) per stage, each synced at its own
     offset in the round (Streaming DiLoCo), so the peak bandwidth need falls F times."""
+    warmup_steps: int = 0
+    """DiLoCo: W steps of gradient all-reduce (every step, as mode allreduce) before the first
+    inner step; the outer optimizer starts from the weights at step W (docs/bad_links.md). A
+    fresh model needs it: DiLoCo from step 0 ends far behind all-reduce."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's `sync` object; `warmup_steps` only when set, so a plan without a warm-up
+        stays readable by readers that predate the field."""
+        out = asdict(self)
+        if not self.warmup_steps:
+            del out["warmup_steps"]
+        return out
 
     def validate(self) -> None:
         """Raise UserError on a bad field."""
@@ -82,6 +94,10 @@ class SyncConfig:
             raise UserError(
                 f"sync.overlap: expected true or false, got {checks.shown(self.overlap)}")
         checks.integer(self.fragments, "sync.fragments", 1, MAX_FRAGMENTS)
+        checks.integer(self.warmup_steps, "sync.warmup_steps", 0, MAX_INNER_STEPS)
+        if self.mode != "diloco" and self.warmup_steps:
+            raise UserError(f"sync.warmup_steps: {self.warmup_steps} only applies to mode "
+                            f"'diloco' (mode {self.mode!r} all-reduces every step anyway)")
         if self.mode != "diloco" and (self.overlap or self.fragments != 1):
             raise UserError("sync.overlap and sync.fragments only apply to mode 'diloco' "
                             f"(mode is {self.mode!r})")
@@ -227,7 +243,7 @@ class Plan:
             "stages": [{"layers": [a, b]} for a, b in self.stages],
             "pipelines": [[[int(d) for d in e] if isinstance(e, list) else int(e)
                            for e in chain] for chain in self.pipelines],
-            "sync": asdict(self.sync),
+            "sync": self.sync.to_dict(),
             "pipeline_compression": self.pipeline_compression,
             "predicted": self.predicted,
             "search": self.search,

@@ -437,6 +437,10 @@ class HivemindConfig:
         if plan.sync.fragments > 1 or plan.sync.overlap:
             raise UserError("--outer-backend hivemind: not with sync.fragments > 1 or "
                             "sync.overlap yet; pass --fragments 1 --overlap off")
+        if plan.sync.warmup_steps:  # the warm-up all-reduces gradients over the run's store
+            raise UserError("--outer-backend hivemind: not with a DiLoCo warm-up "
+                            f"(sync.warmup_steps {plan.sync.warmup_steps}) yet; pass "
+                            "--sync-warmup-steps 0 or use --outer-backend store")
         if plan.is_sharded:  # one averager per stage; a shard group would need one per shard
             raise UserError("--outer-backend hivemind: not with shard groups (plan/2 shard "
                             "degree > 1) yet; use --outer-backend store, or plan without "
@@ -459,6 +463,9 @@ class PlanOverrideConfig:
     """DiLoCo: outer Nesterov momentum (default: the plan's sync.outer_momentum)"""
     compression: str | None = setting(None, choices=("none", "fp16", "int8"))
     """payload of the data-parallel all-reduce (default: the plan's sync.compression)"""
+    sync_warmup_steps: int | None = setting(None, lo=0, hi=MAX_COUNT)
+    """DiLoCo: all-reduce gradients every step for the first W steps, then DiLoCo from the
+    weights at step W (docs/bad_links.md; default: the plan's sync.warmup_steps)"""
     micro_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)
     """sequences per micro-batch (default: the plan's micro_batch_size)"""
     total_batch_size: int | None = setting(None, lo=1, hi=MAX_COUNT)
@@ -472,7 +479,8 @@ class PlanOverrideConfig:
     def sync_fields(self) -> dict[str, object]:
         """The SyncConfig fields these override (None: keep the plan's)."""
         return {"mode": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "compression": self.compression}
+                "outer_momentum": self.outer_momentum, "compression": self.compression,
+                "warmup_steps": self.sync_warmup_steps}
 
 
 DEFAULT_STEPS = 1000
@@ -549,11 +557,20 @@ class RunConfig:
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         self.hivemind.check_plan(ran)
+        _check_warmup(ran, self.steps)
         m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:
             raise UserError(f"--min-replicas: must be between 1 and the plan's "
                             f"{plan.num_replicas} replicas, got {m}")
         return ResolvedRun(plan=ran, cfg=self, start_replicas=start, min_replicas=m)
+
+
+def _check_warmup(plan: Plan, steps: int) -> None:
+    """UserError for a DiLoCo warm-up (sync.warmup_steps) this run cannot execute."""
+    w = plan.sync.warmup_steps
+    if w > steps:
+        raise UserError(f"sync.warmup_steps: {w} is longer than the run (--steps {steps}); "
+                        "lower it (--sync-warmup-steps) or train longer")
 
 
 @dataclass(frozen=True)

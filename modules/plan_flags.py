@@ -3,8 +3,8 @@
 Without --plan the ranks build the obvious plan of --model, the world size and --stages
 (scheduler.quick_plan); with one, --model is checked against the model the plan was made for.
 Either way the overrides (--sync, --inner-steps, --outer-lr, --outer-momentum, --compression,
---micro-batch-size, --total-batch-size) are applied once, here; every rank checks through the
-store that the others resolved the same (dist_runner.on_store).
+--sync-warmup-steps, --micro-batch-size, --total-batch-size) are applied once, here; every rank
+checks through the store that the others resolved the same (dist_runner.on_store).
 """
 
 from __future__ import annotations
@@ -82,5 +82,6 @@ def agreed_plan_fields(plan: Plan) -> dict[str, Any]:
     return {"--model": plan.model_spec().fields(), "--stages": [list(x) for x in plan.stages],
             "--sync": s.mode, "--inner-steps": s.inner_steps, "--outer-lr": s.outer_lr,
             "--outer-momentum": s.outer_momentum, "--compression": s.compression,
+            "--sync-warmup-steps": s.warmup_steps,
             "--micro-batch-size": plan.micro_batch_size,
             "--total-batch-size": total_batch_size(plan)}

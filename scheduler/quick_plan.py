@@ -4,8 +4,8 @@ DT-FM, OpenDiLoCo and torchrun users start every rank with a model, a world size
 and no planning step: `obvious_plan` makes the plan they mean (N / S replicas of the layers
 split evenly into S stages, rank r = stage r mod S of replica r div S, the devices in rank
 order). `with_overrides` applies the runner's --sync, --inner-steps, --outer-lr,
---outer-momentum, --compression, --micro-batch-size and --total-batch-size to any plan and
-checks the result like a plan file. Pure: no torch, no I/O.
+--outer-momentum, --compression, --sync-warmup-steps, --micro-batch-size and
+--total-batch-size to any plan and checks the result like a plan file. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from formats.plan import Plan, validate_plan
 from scheduler.layer_split import even_split
 
 OVERRIDE_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps", "outer_lr": "--outer-lr",
-                  "outer_momentum": "--outer-momentum", "compression": "--compression"}
+                  "outer_momentum": "--outer-momentum", "compression": "--compression",
+                  "warmup_steps": "--sync-warmup-steps"}
 """The plan's sync fields the runner may override, and their flags."""
 
 
@@ -47,7 +48,8 @@ def with_overrides(plan: Plan, sync: dict[str, Any], micro_batch_size: int | Non
     assert not unknown, unknown
     new_sync = dataclasses.replace(plan.sync, **given)
     if given.get("mode") == "allreduce" and "inner_steps" not in given:
-        new_sync = dataclasses.replace(new_sync, inner_steps=1, fragments=1, overlap=False)
+        new_sync = dataclasses.replace(new_sync, inner_steps=1, fragments=1, overlap=False,
+                                       warmup_steps=0)
     if new_sync.mode == "allreduce" and given.get("inner_steps", 1) != 1:
         raise UserError(f"--inner-steps {given['inner_steps']}: only with --sync diloco (the "
                         f"plan's sync is {new_sync.mode})")

@@ -48,6 +48,7 @@ from formats.models import PRESETS, ModelSpec  # noqa: E402
 from formats.plan import (  # noqa: E402
     COMPRESSIONS,
     MAX_FRAGMENTS,
+    MAX_INNER_STEPS,
     SYNC_MODES,
     Plan,
     SyncConfig,
@@ -96,7 +97,8 @@ PLAN_FLAGS: dict[type, tuple[str, ...]] = {
 (formats.settings), in --help order; the sync and performance-model groups add theirs."""
 SYNC_FLAGS: dict[type, tuple[str, ...]] = {
     PlanRequest: ("pipeline_compression",),
-    SyncBounds: ("max_inner_steps", "max_pipeline_compression"),
+    SyncBounds: ("max_inner_steps", "max_pipeline_compression", "train_steps",
+                 "max_loss_ratio"),
 }
 SHARD_FLAGS = ("max_shard", "outer_state")
 """The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
@@ -114,7 +116,8 @@ CLI_DEFAULTS: dict[type, dict[str, Any]] = {
     PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
                   "pipeline_compression": None},
     SearchConfig: {"budget": None, "time_limit_s": 60.0},
-    SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None},
+    SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None,
+                 "train_steps": None, "max_loss_ratio": None},
     SimConfig: {name: None for name in SIM_FLAGS},
 }
 """Where a flag's default differs from its field's (None: not given; the command resolves it:
@@ -128,6 +131,8 @@ DEFAULT_WORDS = {
     "PlanRequest.pipeline_compression": "default none",
     "SyncBounds.max_inner_steps": "default 1: allreduce only",
     "SyncBounds.max_pipeline_compression": "default none",
+    "SyncBounds.train_steps": "default 1000, the runner's --steps default",
+    "SyncBounds.max_loss_ratio": "default 1.02",
 }
 """What --help says of a flag's default where the command, not the field, decides it."""
 MAX_SCENARIO_DEVICES = 1_000_000
@@ -296,6 +301,7 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
     if args.sync == "auto":
         for flag, value in (("--inner-steps", args.inner_steps), ("--fragments", args.fragments),
                             ("--overlap", True if args.overlap else None),
+                            ("--sync-warmup-steps", args.sync_warmup_steps),
                             ("--pipeline-compression",
                              arg(args, PlanRequest, "pipeline_compression"))):
             if value is not None:
@@ -307,17 +313,23 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
             raise UserError(f"--objective {objective}: --sync auto needs --objective "
                             f"simulated (the only cost model of overlap, fragments and "
                             f"pipeline compression)")
+        given = {k: arg(args, SyncBounds, k) for k in ("train_steps", "max_loss_ratio")}
         bounds = SyncBounds(arg(args, SyncBounds, "max_inner_steps") or 1, args.compression,
-                            arg(args, SyncBounds, "max_pipeline_compression") or "none")
+                            arg(args, SyncBounds, "max_pipeline_compression") or "none",
+                            **{k: v for k, v in given.items() if v is not None})
         return SyncConfig(), bounds
     for flag, value in (("--max-inner-steps", arg(args, SyncBounds, "max_inner_steps")),
                         ("--allow-pipeline-compression",
-                         arg(args, SyncBounds, "max_pipeline_compression"))):
+                         arg(args, SyncBounds, "max_pipeline_compression")),
+                        ("--train-steps", arg(args, SyncBounds, "train_steps")),
+                        ("--max-loss-ratio", arg(args, SyncBounds, "max_loss_ratio"))):
         if value is not None:
             raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
                             f"{args.sync} give the setting itself")
-    if args.sync != "diloco" and (args.overlap or args.fragments is not None):
-        raise UserError(f"--overlap and --fragments apply to --sync diloco, not {args.sync}")
+    if args.sync != "diloco" and (args.overlap or args.fragments is not None
+                                  or args.sync_warmup_steps is not None):
+        raise UserError(f"--overlap, --fragments and --sync-warmup-steps apply to --sync "
+                        f"diloco, not {args.sync}")
     inner = 1 if args.inner_steps is None else args.inner_steps  # SyncConfig checks it
     fragments = 1 if args.fragments is None else args.fragments
     if args.fragments is not None and fragments > inner >= 1:
@@ -326,7 +338,7 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
     if args.inner_steps is not None and args.sync == "allreduce" and inner != 1:
         raise UserError(f"--inner-steps {inner}: only with --sync diloco")
     return SyncConfig(args.sync, inner, args.compression, overlap=args.overlap,
-                      fragments=fragments), None
+                      fragments=fragments, warmup_steps=args.sync_warmup_steps or 0), None
 
 
 def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRequest:
@@ -489,11 +501,15 @@ def _auto_table(auto: AutoOutcome) -> str:
                     f"{ar.parts.get(key, float('nan')) * scale:12.3f}")
     rows.append(f"  the chosen plan trains {_speedup(auto):.2f}x the sequences per second of the "
                 f"best allreduce plan (predicted; step {ar.cost_s / ours.cost_s:.2f}x shorter)")
-    if p.sync.mode == "diloco" or p.pipeline_compression != "none" or p.sync.compression != "none":
-        rows.append("  note: a shorter step is not a better model: DiLoCo's H, a stale "
-                    "(overlapped) outer step and lossy payloads can cost loss per step; "
-                    "--max-inner-steps, --compression and --allow-pipeline-compression bound "
-                    "that risk")
+    if p.sync.warmup_steps:
+        run_s = p.predicted["run_step_s"]
+        rows.append(f"  warm-up: {p.sync.warmup_steps} all-reduce steps of "
+                    f"{p.predicted['train_steps']}: the run's mean step {run_s:.3f} s "
+                    f"({ar.cost_s / run_s:.2f}x shorter than allreduce's)")
+    if p.predicted.get("loss_ratio") is not None:
+        rows.append(f"  predicted validation loss {p.predicted['loss_ratio']:.3f}x allreduce's "
+                    f"after the same tokens (a table measured from scratch, docs/bad_links.md; "
+                    f"--max-loss-ratio bounds it)")
     return "\n".join(rows)
 
 
@@ -640,12 +656,13 @@ SYNC_HELP = (
     "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
     "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
     "--compression and each pipeline compression up to --allow-pipeline-compression; it "
-    "takes the least risky configuration within 2% of the fastest predicted step and "
-    "prints it beside the best allreduce plan. A shorter step is not a better model: a "
-    "larger H, a stale (overlapped) outer step and lossy payloads can cost loss per step "
-    "(the DiLoCo paper trains with H = 500; int8 activations are untested here): the "
-    "bounds are how much of that risk you accept; the defaults "
-    "accept none (allreduce, no compression).")
+    "each DiLoCo one also with the warm-ups the quality table measured (all-reduce for the "
+    "first W of --train-steps steps, charged at allreduce's step); it takes the "
+    "configuration of the fastest predicted run whose predicted loss over allreduce's "
+    "(a table measured from scratch, docs/bad_links.md) is at most --max-loss-ratio (within 2% "
+    "of the fastest: the lowest predicted loss, then the least risky), and prints it beside "
+    "the best allreduce plan. An H above the table's largest is never chosen; the bounds "
+    "are how much risk you accept; the defaults accept none (allreduce, no compression).")
 
 
 def add_sync_args(pl: argparse.ArgumentParser) -> None:
@@ -663,6 +680,11 @@ def add_sync_args(pl: argparse.ArgumentParser) -> None:
     sy.add_argument("--fragments", type=argtypes.integer(1, MAX_FRAGMENTS),
                     help="--sync diloco: sync the stage's parameters in F fragments by layer, "
                          "each at its own offset in the round (Streaming DiLoCo; F <= H)")
+    sy.add_argument("--sync-warmup-steps", type=argtypes.integer(0, MAX_INNER_STEPS),
+                    metavar="W",
+                    help="--sync diloco: all-reduce gradients every step for the first W "
+                         "steps, then DiLoCo from the weights at step W (docs/bad_links.md; "
+                         "default 0)")
     # --compression sets SyncConfig.compression, or with --sync auto SyncBounds.max_compression
     sy.add_argument("--compression", default="none", choices=COMPRESSIONS,
                     help="data-parallel payload (default none = fp32); with --sync auto the "

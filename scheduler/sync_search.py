@@ -12,17 +12,24 @@ the pipeline compression) enter the search as an outer layer around the assignme
    assignments with the simulated objective (its own layer split each), until the deadline:
    first the most compressed one of each (mode, H, overlap, fragments), then the other
    compressions of those that came near the fastest (score_choices).
-3. The choice: the least risky configuration (SyncChoice.risk) whose step is within
-   RISK_TOLERANCE of the fastest; the best allreduce configuration is chosen the same way among
-   allreduce ones, to show beside it. Both get the objective's split polish.
+3. Warm-ups (with_warmups): each DiLoCo configuration once per warm-up share the quality
+   table measured (scheduler.quality), its cost the run's mean step (the warm-up's steps at the
+   allreduce step of the same payloads and assignment; scheduler.simulator.warmup), and its
+   predicted loss ratio to allreduce.
+4. The choice: among the configurations whose predicted loss ratio is at most
+   SyncBounds.max_loss_ratio, the one of lowest predicted loss ratio, then least risky
+   (SyncChoice.risk), whose run step is within RISK_TOLERANCE (the simulator's noise band) of
+   the fastest; the best allreduce configuration is chosen the same way among allreduce ones,
+   to show beside it. Both get the objective's split polish.
 
 Why not one search per configuration: hundreds of configurations would leave each a sliver of
 the time limit; and the assignment depends on the configuration mainly through whether the
 rings matter, which the two anchors span.
 
 Faster is not better for the model's quality: a larger H, a stale (overlapped) outer step and
-lossy payloads can cost loss per step. The planner only picks within the user's bounds
-(SyncBounds), which express how much of that risk the user accepts.
+lossy payloads can cost loss per step, and DiLoCo from a fresh model most of all. The planner
+only picks within the user's bounds (SyncBounds) and within the loss the quality table
+predicts (docs/bad_links.md has the table and its limits).
 """
 
 from __future__ import annotations
@@ -49,10 +56,13 @@ from scheduler.planning import (
     plan_best_shape,
     predicted,
 )
+from scheduler.quality import PROVENANCE, loss_ratio, warmup_shares
 from scheduler.simulator.report import sync_label
+from scheduler.simulator.warmup import run_step_s
 
 RISK_TOLERANCE = 0.02
-"""A riskier configuration must predict a step more than this fraction shorter to be chosen."""
+"""A riskier configuration must predict a step more than this fraction shorter to be chosen
+(the simulator's noise band; the quality side is SyncBounds.max_loss_ratio)."""
 ANCHORS_SHARE = 0.84
 """Part of the time limit the anchor searches share equally (the rest: scoring, polish)."""
 FRAGMENT_OPTIONS = (1, 2, 4)
@@ -73,6 +83,12 @@ class SyncBounds:
     max_pipeline_compression: str = setting("none", flag="--allow-pipeline-compression",
                                             choices=PIPELINE_COMPRESSIONS)
     """--sync auto: most lossy pipeline compression it may choose: none < bf16 < int8"""
+    train_steps: int = setting(1000, lo=1, hi=MAX_INNER_STEPS)
+    """--sync auto: steps the run will train (the runner's --steps): a DiLoCo warm-up's
+    all-reduce steps are charged as their share of it"""
+    max_loss_ratio: float = setting(1.02, lo=1.0, hi=10.0)
+    """--sync auto: largest predicted validation loss over allreduce's (after the same tokens,
+    from the measured table of docs/bad_links.md) it may choose"""
 
     def __post_init__(self) -> None:
         """UserError naming the bad field (`SyncBounds.max_inner_steps`)."""
@@ -100,7 +116,7 @@ class SyncChoice:
 
     def to_dict(self) -> dict:
         """The plan's `sync` and `pipeline_compression` fields."""
-        return {"sync": asdict(self.sync), "pipeline_compression": self.pipeline_compression}
+        return {"sync": self.sync.to_dict(), "pipeline_compression": self.pipeline_compression}
 
 
 def inner_step_options(max_inner_steps: int) -> list[int]:
@@ -147,6 +163,8 @@ class Scored:
     replicas: int = 1
     """R of that assignment: configurations on assignments of different widths are ranked
     by cost / R (planning.per_replica_cost), the step time per sequence trained."""
+    loss_ratio: float | None = None
+    """Predicted final loss over allreduce's (scheduler.quality; None: not predicted)."""
 
     @property
     def rank_cost(self) -> float:
@@ -154,15 +172,44 @@ class Scored:
         return per_replica_cost(self.cost.cost_s, self.replicas)
 
 
-def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE) -> Scored | None:
-    """The least risky configuration whose step is within `tolerance` of the fastest (the
-    faster on equal risk); None when nothing has a finite cost."""
-    finite = [s for s in scored if np.isfinite(s.cost.cost_s)]
+def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE,
+           max_loss_ratio: float | None = None) -> Scored | None:
+    """Among the configurations predicted within `max_loss_ratio` (None: all), the lowest
+    predicted loss ratio, then the least risky, whose step is within `tolerance` of the
+    fastest (the faster on equal risk); None when nothing has a finite cost."""
+    finite = [s for s in scored if np.isfinite(s.cost.cost_s) and (
+        max_loss_ratio is None or (s.loss_ratio is not None and s.loss_ratio <= max_loss_ratio))]
     if not finite:
         return None
     best = min(s.rank_cost for s in finite)
     near = [s for s in finite if s.rank_cost <= best * (1.0 + tolerance)]
-    return min(near, key=lambda s: (s.choice.risk(), s.rank_cost))
+    return min(near, key=lambda s: (s.loss_ratio or 1.0, s.choice.risk(), s.rank_cost))
+
+
+def with_warmups(scored: list[Scored], train_steps: int) -> list[Scored]:
+    """Every scored configuration with its predicted loss ratio; each DiLoCo one once per
+    warm-up share the quality table measured for its H, its cost the mean step of a run of
+    `train_steps` (the warm-up's steps at the allreduce step of the same payloads on the same
+    assignment)."""
+    ar = {(s.anchor, s.choice.sync.compression, s.choice.pipeline_compression): s.cost.cost_s
+          for s in scored if s.choice.sync.mode == "allreduce"}
+    out = []
+    for s in scored:
+        sync = s.choice.sync
+        if sync.mode != "diloco":
+            out.append(replace(s, loss_ratio=loss_ratio(sync, train_steps)))
+            continue
+        key = (s.anchor, sync.compression, s.choice.pipeline_compression)
+        for share in warmup_shares(sync.inner_steps) or (0.0,):
+            w = min(round(share * train_steps), train_steps)
+            if w and key not in ar:
+                continue  # its warm-up's step was not scored (the deadline)
+            warm = replace(sync, warmup_steps=w)
+            cost = run_step_s(s.cost.cost_s, ar.get(key, 0.0), w, train_steps)
+            out.append(replace(s, choice=replace(s.choice, sync=warm),
+                               cost=CostBreakdown(s.cost.objective, cost, dict(s.cost.parts)),
+                               loss_ratio=loss_ratio(warm, train_steps)))
+    return out
 
 
 @dataclass
@@ -269,8 +316,9 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     pipelines = [np.asarray(o.plan.pipelines) for o in outcomes]
     choices = sync_choices(bounds)
     polish_end = time.perf_counter() + (end - time.perf_counter()) * 0.8
-    scored = score_choices(objectives, pipelines, choices, polish_end, tolerance)
-    chosen = choose(scored, tolerance)
+    scored = with_warmups(score_choices(objectives, pipelines, choices, polish_end, tolerance),
+                          bounds.train_steps)
+    chosen = choose(scored, tolerance, bounds.max_loss_ratio)
     allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"], tolerance)
     if chosen is None or allreduce is None:
         raise UserError(f"no plan of {model.name} fits the devices of '{cluster.name}' under "
@@ -281,11 +329,22 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
                                    pipelines[allreduce.anchor], time.perf_counter() + polish_each)
     plan, cost = _final_plan(outcomes[chosen.anchor].plan, objectives[chosen.anchor], chosen,
                              pipelines[chosen.anchor], end)
+    _record(plan, chosen, bounds)
     plan.search = {**plan.search, "sync_auto": {
         "anchors": [a.label() for a in anchors[:len(outcomes)]],
         "chosen_on_anchor": chosen.anchor, "configurations": len(choices),
         "scored": len(scored), "risk_tolerance": tolerance, "bounds": asdict(bounds),
+        "quality_table": PROVENANCE,
         "allreduce": {**allreduce.choice.to_dict(), "cost": round(ar_cost.cost_s, 6)}}}
     outcome = replace(outcomes[chosen.anchor], plan=plan, ours=cost)
     return AutoOutcome(outcome, ar_plan, ar_cost, [a.label() for a in anchors[:len(outcomes)]],
                        len(scored), len(choices))
+
+
+def _record(plan: Plan, chosen: Scored, bounds: SyncBounds) -> None:
+    """Into the plan's `predicted`: the loss ratio the choice assumed and, with a warm-up, the
+    run's mean step it was ranked by (the warm-up's all-reduce steps included)."""
+    plan.predicted["loss_ratio"] = chosen.loss_ratio
+    if plan.sync.warmup_steps:
+        plan.predicted["train_steps"] = bounds.train_steps
+        plan.predicted["run_step_s"] = round(chosen.cost.cost_s, 6)

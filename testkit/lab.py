@@ -41,6 +41,9 @@ class Run:
     """(seconds since the first step, loss) of replica 0."""
     final_val_loss: float | None = None
     """Validation loss at the end of the run (replica 0), when the run evaluated."""
+    val_losses: list[tuple[float, float]] = field(default_factory=list)
+    """(training seconds since the first step began, evaluations left out; validation loss)
+    of replica 0 at each evaluation (--eval-every)."""
 
     @property
     def error(self) -> float:
@@ -203,10 +206,23 @@ def read_metrics(run: Run, path: Path, warmup_steps: int) -> None:
     wall = [r["wall_time"] for r in recs]
     start = wall[0] - recs[0]["step_s"]  # when the first step began
     begin = wall[first - 1] if first else start  # the end of the warm-up
-    run.measured_s = (wall[last - 1] - begin) / (last - first)
+    # evaluations run after their record's wall_time: the ones inside the window left out
+    evals = np.cumsum([0.0] + [r.get("eval_s", 0.0) for r in recs])
+    span = wall[last - 1] - begin - (evals[last - 1] - evals[max(first - 1, 0)])
+    run.measured_s = span / (last - first)
     tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
-    run.tokens_per_s = tokens / (wall[last - 1] - begin)
+    run.tokens_per_s = tokens / span
     run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
     run.losses = [(r["wall_time"] - start, r["loss"]) for r in recs]
     vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     run.final_val_loss = vals[-1] if vals else None
+    run.val_losses = [(r["wall_time"] - start - evals[i], r["val_loss"])
+                      for i, r in enumerate(recs) if r.get("val_loss") is not None]
+
+
+def seconds_to_loss(run: Run, target: float | None) -> float | None:
+    """Training seconds until replica 0's validation loss first reached `target` (at an
+    evaluation; evaluations' own time left out); None when it never did or nothing to reach."""
+    if target is None:
+        return None
+    return next((t for t, v in run.val_losses if v <= target), None)

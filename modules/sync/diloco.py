@@ -254,6 +254,18 @@ class DiLoCoOptimizer:
                 p.copy_(x)
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """Start the outer optimizer afresh from the parameters as they are now (the end of a
+        gradient all-reduce warm-up): anchor = params, no momentum, a new round."""
+        if self.pending or self.syncs:
+            raise RuntimeError("DiLoCo restart: only before the first outer sync")
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p.detach())
+        for o in self.outers:
+            o.state.clear()
+        self.inner_count = 0
+
+    @torch.no_grad()
     def outer_state(self) -> OuterState:
         """The outer model, momentum and count, flat (copies: safe to send while training)."""
         anchor = torch.cat([a.reshape(-1) for a in self.anchor])

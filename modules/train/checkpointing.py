@@ -50,6 +50,8 @@ def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
             "micro_batch_size": plan.micro_batch_size,
             "num_micro_batches": plan.num_micro_batches, "seed": seed,
             "tokenizer": tokenizer.meta(),
+            # a DiLoCo warm-up decides the phase of each step (W = 0 keeps the old meta)
+            **({"warmup_steps": plan.sync.warmup_steps} if plan.sync.warmup_steps else {}),
             # a config.json model: its fields (presets keep the old meta, so they resume)
             **({"model_config": plan.model_config} if plan.model_config is not None else {})}
 

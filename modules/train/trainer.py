@@ -235,8 +235,9 @@ class Trainer:
 
     def _agree_overflow(self, flag: torch.Tensor) -> None:
         """MAX of the fp16 overflow flag over the ranks that step together: every rank in
-        allreduce mode (stage groups average gradients), my replica's pipeline in DiLoCo."""
-        comm = self.groups.world if self.outer is None else self.groups.pipeline
+        allreduce mode and DiLoCo's warm-up (stage groups average gradients), my replica's
+        pipeline in DiLoCo."""
+        comm = self.groups.world if self.outer is None or self.warming else self.groups.pipeline
         if comm is not None:
             comm.all_reduce(flag, "max", "agreeing on an fp16 gradient overflow")
 
@@ -308,9 +309,7 @@ class Trainer:
                 last = self.step == cfg.steps
                 every = cfg.data.eval_every
                 if self.val and ((every and self.step % every == 0) or last):
-                    val = self.evaluate()
-                    if val is not None:
-                        rec["val_loss"] = val
+                    self._evaluate_into(rec)
                 if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
@@ -375,21 +374,37 @@ class Trainer:
         overflow = self.scaling.found_overflow(self.inner)  # fp16 only; agreed, so skipped alike
         if not overflow:
             self._check_finite(loss)
-        if self.outer is None and not overflow:
+        warm = self.warming
+        if (self.outer is None or warm) and not overflow:
             self.dp_bytes += average(self.params, self.average)
         outer0 = self.outer_count
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
-            # DiLoCo: inner step, and every H steps the outer (communicating) one
-            self.scaling.step(self.opt, self.inner, overflow)
+            # DiLoCo: inner step, and every H steps the outer (communicating) one; in its
+            # warm-up the inner AdamW alone, on all-reduced gradients
+            self.scaling.step(self.inner if warm else self.opt, self.inner, overflow)
             self.step += 1
             self.tokens += self.tokens_per_step
+            if warm and not self.warming:
+                self._end_warmup()
         if self.outer is not None and self.outer_count != outer0:
             self.outer.log_round(self.dp_bytes - self.round_dp0)
             self.round_dp0 = self.dp_bytes
             self.step = self.outer.after_round(self.step)  # hivemind: in phase with the others
             self.ckpt.keep_outer(self.outer.optimizer.outer_count)
         return loss
+
+    @property
+    def warming(self) -> bool:
+        """DiLoCo with sync.warmup_steps W: the next step all-reduces gradients (steps 1..W)."""
+        return self.outer is not None and self.step < self.plan.sync.warmup_steps
+
+    def _end_warmup(self) -> None:
+        """Step W is done: DiLoCo from here, its outer optimizer starting at these weights."""
+        assert self.outer is not None
+        self.outer.optimizer.restart()
+        self.log(f"warm-up over after step {self.step}: DiLoCo (H={self.plan.sync.inner_steps})"
+                 " from here, the outer optimizer starting at these weights")
 
     def _check_finite(self, loss: float | None) -> None:
         """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
@@ -411,6 +426,15 @@ class Trainer:
         if self.shard is not None:
             self.shard.after_eval()
         return loss
+
+    def _evaluate_into(self, rec: dict[str, Any]) -> None:
+        """The validation loss into this step's record, and the evaluation's time (it runs
+        after the record's wall_time: benchmarks take it out of their timings)."""
+        t0 = time.perf_counter()
+        val = self.evaluate()
+        if val is not None:
+            rec["val_loss"] = val
+        rec["eval_s"] = round(time.perf_counter() - t0, 6)
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""

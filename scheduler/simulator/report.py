@@ -7,11 +7,13 @@ from scheduler.simulator.step import SimResult
 
 
 def sync_label(sync: SyncConfig, pipeline_compression: str = "none") -> str:
-    """`diloco H=64 overlap F=2, dp int8, pp bf16`: a sync configuration in one line."""
+    """`diloco H=64 overlap F=2 W=100, dp int8, pp bf16`: a sync configuration in one line (W:
+    the warm-up's all-reduce steps)."""
     mode = sync.mode
     if sync.mode == "diloco":
         mode += f" H={sync.inner_steps}" + (" overlap" if sync.overlap else "") + \
-            (f" F={sync.fragments}" if sync.fragments > 1 else "")
+            (f" F={sync.fragments}" if sync.fragments > 1 else "") + \
+            (f" W={sync.warmup_steps}" if sync.warmup_steps else "")
     return f"{mode}, dp {sync.compression}, pp {pipeline_compression}"
 
 
