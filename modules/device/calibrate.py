@@ -3,13 +3,23 @@
 The simulator predicts compute as FLOPs / (tflops x mfu). On a CPU lab the honest tflops is
 the one measured for the model and micro-batch at hand, with the thread count each rank gets;
 `measure_train_flops` returns it (then plan and simulate with --mfu 1.0).
+
+The lab's ranks share the machine's cores, and how many compute at once depends on the plan
+(a pipeline's ranks take turns, a 1 x N data-parallel step's all compute together), so
+`measure_core_sharing` measures both ends, side by side in the same processes: one rank
+computing alone and all N at once, for several rounds. Their ratio gives the cores the ranks
+effectively share (the simulator's `shared_cores`: scheduler/simulator/sharing.py), and the
+spread between rounds says whether the machine was quiet enough to judge by.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,32 +28,43 @@ from formats.models import ModelSpec
 from modules.train.model import StageModel
 
 
+def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int) -> tuple[Callable[[], float],
+                                                                            float]:
+    """(a function timing one forward + backward of the whole model, its FLOPs): FLOPs counted
+    as the simulator does without recomputation, 3 x the forward FLOPs of every layer and the
+    head."""
+    model = StageModel(spec, 0, spec.num_layers, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+    y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        return time.perf_counter() - t0
+
+    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
+    return step, flops
+
+
 def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1,
                         repeats: int = 7, seed: int = 0, barrier: Any = None) -> float:
     """Forward + backward FLOP/s of the whole model on one micro-batch (median of `repeats`).
 
-    FLOPs counted as the simulator does without recomputation: 3 x the forward FLOPs of every
-    layer and the head. Runs with `threads` torch threads and restores the previous count.
+    Runs with `threads` torch threads and restores the previous count.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = StageModel(spec, 0, spec.num_layers, seed=seed)
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-        y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-        times = []
-        for i in range(repeats + 2):  # two warm-up rounds (allocator, kernels' first calls)
-            if i == 2 and barrier is not None:
-                barrier.wait()  # concurrent measurements overlap: every process is warm
-            t0 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+        step, flops = _train_step(spec, micro_batch_size, seed)
+        for _ in range(2):  # two warm-up rounds (allocator, kernels' first calls)
+            step()
+        if barrier is not None:
+            barrier.wait()  # concurrent measurements overlap: every process is warm
+        times = [step() for _ in range(repeats)]
     finally:
         torch.set_num_threads(before)
-    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
     return flops / statistics.median(times)
 
 
@@ -69,3 +90,72 @@ def measure_train_flops_shared(spec: ModelSpec, micro_batch_size: int, processes
     for p in procs:
         p.join()
     return statistics.fmean(results)
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """What `measure_core_sharing` measured: per round, one rank alone and all at once."""
+
+    processes: int
+    alone_flops: list[float]
+    """Per round: FLOP/s of one process computing while the others wait."""
+    shared_flops: list[float]
+    """Per round: mean per-process FLOP/s with all `processes` computing at once."""
+    cpu_count: int
+
+    @property
+    def alone(self) -> float:
+        """The robust figure: median over rounds."""
+        return statistics.median(self.alone_flops)
+
+    @property
+    def shared(self) -> float:
+        """The robust figure: median over rounds."""
+        return statistics.median(self.shared_flops)
+
+    @property
+    def shared_cores(self) -> float:
+        """Cores the processes effectively share: processes x shared / alone (2 on an idle
+        2-core machine without cache contention; less when other work takes CPU), clamped to
+        [0.05, cpu count]."""
+        return min(max(self.processes * self.shared / self.alone, 0.05), float(self.cpu_count))
+
+    @property
+    def spread(self) -> float:
+        """Largest max/min ratio between rounds of either figure (1 = perfectly steady)."""
+        return max(max(v) / min(v) for v in (self.alone_flops, self.shared_flops))
+
+
+def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
+                    repeats: int, barrier: Any, out: Any) -> None:
+    torch.set_num_threads(1)
+    step, flops = _train_step(spec, micro_batch_size, 0)
+    for _ in range(2):  # warm-up: allocator, kernels' first calls
+        step()
+    for r in range(rounds):
+        barrier.wait()
+        out.put(("shared", r, flops / statistics.median(step() for _ in range(repeats))))
+        barrier.wait()
+        if index == 0:  # the others wait at the barrier: no CPU
+            out.put(("alone", r, flops / statistics.median(step() for _ in range(repeats))))
+        barrier.wait()
+
+
+def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
+                         rounds: int = 3, repeats: int = 5) -> CoreSharing:
+    """Per round: FLOP/s of one single-thread process training alone and the mean per-process
+    FLOP/s with `processes` of them at once, measured in the same warm processes."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_sharing_worker,
+                         args=(i, spec, micro_batch_size, rounds, repeats, barrier, out))
+             for i in range(processes)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=600) for _ in range(rounds * (processes + 1))]
+    for p in procs:
+        p.join()
+    alone = [f for kind, r, f in sorted(got) if kind == "alone"]
+    shared = [statistics.fmean(f for kind, r2, f in got if kind == "shared" and r2 == r)
+              for r in range(rounds)]
+    return CoreSharing(processes, alone, shared, os.cpu_count() or 1)

@@ -21,6 +21,7 @@ from formats.models import ModelSpec
 from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from formats.wire import payload_bytes_per_param
 from scheduler.simulator.config import SimConfig
+from scheduler.simulator.sharing import core_slowdown
 
 RING_CACHE_LIMIT = 200_000
 """Stage groups whose ring a RingTable remembers before it starts over."""
@@ -357,6 +358,10 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     """The step of `links` with a layer split: forward FLOPs per micro-batch (S,) and all-reduce
     payload bytes (S,) of each stage."""
     t_fwd = stage_flops[None, :] / links.flops_per_s
+    if config.shared_cores > 0:  # the CPU lab: ranks computing at once share the host's cores
+        t_fwd = t_fwd * core_slowdown(t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
+                                      links.fwd_lat, links.bwd_tx, links.bwd_lat,
+                                      num_micro_batches, config.shared_cores)
     r_count, s_count = links.pipelines.shape
     diloco = sync.mode == "diloco"
     fragments = sync.fragments if diloco else 1
