@@ -79,11 +79,15 @@ def core_slowdown(t_fwd: np.ndarray, t_bwd: np.ndarray, fwd_tx: np.ndarray, fwd_
     """The factor k >= 1 that stretches every compute of the step when its ranks share
     `cores` cores (the fixed point described in the module docstring)."""
     ranks = t_fwd.size
-    slow = max(1.0, ranks / cores)  # start from everyone computing at once
+    # From everyone computing at once (the most k can be) downwards: stretching the compute
+    # against fixed transfers overlaps the ranks more, so k's map is increasing and the
+    # iterates fall monotonically to the largest fixed point (exact in one round when the
+    # transfers are free: the profile then scales with k).
+    slow = max(1.0, ranks / cores)
     for _ in range(MAX_ROUNDS):
         starts, ends = compute_intervals(t_fwd * slow, t_bwd * slow, fwd_tx, fwd_lat, bwd_tx,
                                          bwd_lat, num_micro_batches)
-        new = 0.5 * (slow + work_weighted_slowdown(starts, ends, cores))  # damped
+        new = work_weighted_slowdown(starts, ends, cores)
         if abs(new - slow) <= TOLERANCE * slow:
             return new
         slow = new
