@@ -168,7 +168,11 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
     save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps),
                  cluster_path)
     cal_path = cluster_path.with_name("calibration.json")
-    save_calibration(cal_path, {"shared_cores": round(sharing.shared_cores, 4)}, runtime="cpu",
+    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter at that "
+        "speed")
+    save_calibration(cal_path, {"shared_cores": round(sharing.shared_cores, 4),
+                                "optimizer_flops_per_param":
+                                    round(sharing.optimizer_flops_per_param, 2)}, runtime="cpu",
                      measured={"machine": m, "alone_gflops": [f / 1e9 for f in sharing.alone_flops],
                                "shared_gflops": [f / 1e9 for f in sharing.shared_flops],
                                "processes": sharing.processes})

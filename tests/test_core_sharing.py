@@ -137,3 +137,21 @@ def test_the_noise_verdict_names_what_moved():
     assert "rounds differ by 30%" in noise_verdict(sharing([20.0, 26.0, 22.0], [5.0, 5.0, 5.0]))
     why = noise_verdict(steady, sharing([20.0, 20.0], [2.5, 2.6]))
     assert "all ranks at once moved" in why and "5.0 -> 2.5" in why
+
+
+def test_the_optimizer_step_is_charged_as_compute_per_parameter():
+    wide = np.arange(8).reshape(8, 1)
+    model = get_model("gpt-tiny")
+    config = replace(CPU, shared_cores=2.0)
+    base = step(lab_like(0.020), wide, config)
+    charged = step(lab_like(0.020), wide, replace(config, optimizer_flops_per_param=100.0))
+    # 8 ranks on 2 cores, all at once: 4 x the optimizer's seconds alone
+    extra = 4 * model.stage_params(0, model.num_layers) * 100.0 / 0.020e12
+    assert charged.compute_s - base.compute_s == pytest.approx(extra, rel=1e-9)
+    assert step(lab_like(0.020), wide, CPU).compute_s == pytest.approx(base.compute_s / 4)
+
+
+def test_calibration_measures_the_optimizer_per_parameter():
+    c = replace(sharing([20.0], [5.0]), optimizer_s=[0.01, 0.03, 0.02], params=1_000_000)
+    assert c.optimizer_flops_per_param == pytest.approx(0.02 * 20e9 / 1e6)
+    assert sharing([20.0], [5.0]).optimizer_flops_per_param == 0.0

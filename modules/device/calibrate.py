@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,11 +28,11 @@ from formats.models import ModelSpec
 from modules.train.model import StageModel
 
 
-def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int) -> tuple[Callable[[], float],
-                                                                            float]:
-    """(a function timing one forward + backward of the whole model, its FLOPs): FLOPs counted
-    as the simulator does without recomputation, 3 x the forward FLOPs of every layer and the
-    head."""
+def _train_step(spec: ModelSpec, micro_batch_size: int,
+                seed: int) -> tuple[Callable[[], float], float, torch.nn.Module]:
+    """(a function timing one forward + backward of the whole model, its FLOPs, the model):
+    FLOPs counted as the simulator does without recomputation, 3 x the forward FLOPs of every
+    layer and the head."""
     model = StageModel(spec, 0, spec.num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
@@ -45,7 +45,21 @@ def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int) -> tuple[Call
         return time.perf_counter() - t0
 
     flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
-    return step, flops
+    return step, flops, model
+
+
+def _optimizer_step(model: torch.nn.Module) -> Callable[[], float]:
+    """A function timing one AdamW step over the model (the runtime's inner optimizer,
+    modules/train/trainer.py), gradients in place."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return step
 
 
 def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1,
@@ -57,7 +71,7 @@ def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step, flops = _train_step(spec, micro_batch_size, seed)
+        step, flops, _ = _train_step(spec, micro_batch_size, seed)
         for _ in range(2):  # two warm-up rounds (allocator, kernels' first calls)
             step()
         if barrier is not None:
@@ -102,6 +116,18 @@ class CoreSharing:
     shared_flops: list[float]
     """Per round: mean per-process FLOP/s with all `processes` computing at once."""
     cpu_count: int
+    optimizer_s: list[float] = field(default_factory=list)
+    """Per round: seconds of one AdamW step over the whole model, one process alone."""
+    params: int = 0
+    """The model's parameters."""
+
+    @property
+    def optimizer_flops_per_param(self) -> float:
+        """The optimizer step's CPU per parameter in FLOPs at the training speed alone (the
+        simulator's `optimizer_flops_per_param`): median seconds x alone FLOP/s / params."""
+        if not self.optimizer_s or not self.params:
+            return 0.0
+        return statistics.median(self.optimizer_s) * self.alone / self.params
 
     @property
     def alone(self) -> float:
@@ -129,15 +155,18 @@ class CoreSharing:
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
                     repeats: int, barrier: Any, out: Any) -> None:
     torch.set_num_threads(1)
-    step, flops = _train_step(spec, micro_batch_size, 0)
-    for _ in range(2):  # warm-up: allocator, kernels' first calls
+    step, flops, model = _train_step(spec, micro_batch_size, 0)
+    opt_step = _optimizer_step(model)
+    for _ in range(2):  # warm-up: allocator, kernels' first calls, AdamW's state
         step()
+        opt_step()
     for r in range(rounds):
         barrier.wait()
         out.put(("shared", r, flops / statistics.median(step() for _ in range(repeats))))
         barrier.wait()
         if index == 0:  # the others wait at the barrier: no CPU
             out.put(("alone", r, flops / statistics.median(step() for _ in range(repeats))))
+            out.put(("optimizer", r, statistics.median(opt_step() for _ in range(repeats))))
         barrier.wait()
 
 
@@ -152,10 +181,12 @@ def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
              for i in range(processes)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=600) for _ in range(rounds * (processes + 1))]
+    got = [out.get(timeout=600) for _ in range(rounds * (processes + 2))]
     for p in procs:
         p.join()
     alone = [f for kind, r, f in sorted(got) if kind == "alone"]
+    opt = [f for kind, r, f in sorted(got) if kind == "optimizer"]
     shared = [statistics.fmean(f for kind, r2, f in got if kind == "shared" and r2 == r)
               for r in range(rounds)]
-    return CoreSharing(processes, alone, shared, os.cpu_count() or 1)
+    params = spec.stage_params(0, spec.num_layers)
+    return CoreSharing(processes, alone, shared, os.cpu_count() or 1, opt, params)
