@@ -155,3 +155,27 @@ def test_calibration_measures_the_optimizer_per_parameter():
     c = replace(sharing([20.0], [5.0]), optimizer_s=[0.01, 0.03, 0.02], params=1_000_000)
     assert c.optimizer_flops_per_param == pytest.approx(0.02 * 20e9 / 1e6)
     assert sharing([20.0], [5.0]).optimizer_flops_per_param == 0.0
+
+
+def row(name: str, predicted: float, measured: float, tokens: float) -> dict:
+    return {"name": name, "predicted_s": predicted, "measured_s": measured,
+            "prediction_error": (predicted - measured) / measured, "wire_mb_per_step": 1.0,
+            "tokens_per_s": tokens, "loss_ratio_vs_allreduce": 1.0}
+
+
+def test_bad_network_verdicts_say_noisy_instead_of_pass_or_miss():
+    from benchmarks.bad_network import targets
+
+    rows = [row("allreduce", 1.0, 1.0, 100.0), row("+ overlap", 0.5, 0.8, 150.0),
+            row("planner --sync auto (1x8)", 0.3, 0.3, 140.0)]
+    quiet = targets(rows)
+    assert any(ln.startswith("MISS every prediction within 15% (worst -37.5%") for ln in quiet)
+    assert any(ln.startswith("MISS --sync auto's choice") and "+ overlap" in ln for ln in quiet)
+    noisy = targets(rows, "the calibration's rounds differ by 30%")
+    assert [ln for ln in noisy if "prediction" in ln or "--sync auto" in ln][:2] == [
+        "NOISY every prediction within 15% (worst -37.5%, + overlap)",
+        "NOISY --sync auto's choice at least as fast (tokens/s) as every other row "
+        "(faster: + overlap)"]
+    assert noisy[-1] == ("NOISY machine too noisy to judge the predictions: the calibration's "
+                         "rounds differ by 30%")
+    assert not any(ln.startswith(("PASS every", "MISS every")) for ln in noisy)

@@ -21,7 +21,7 @@ import numpy as np
 
 MAX_ROUNDS = 30
 """Fixed-point rounds at most (k settles in a handful on the lab's plans)."""
-TOLERANCE = 1e-4
+TOLERANCE = 1e-3
 """Relative change of k under which the fixed point has settled."""
 
 
