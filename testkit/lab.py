@@ -117,17 +117,22 @@ class LabCalibration:
 
     def record(self) -> dict[str, Any]:
         """For results.json: the machine and both calibrations."""
-        def one(c: Any) -> dict[str, Any] | None:
-            return None if c is None else {
-                "alone_gflops": [f / 1e9 for f in c.alone_flops],
-                "shared_gflops": [f / 1e9 for f in c.shared_flops],
-                "processes": c.processes, "shared_cores": c.shared_cores, "spread": c.spread}
-        return {"machine": self.machine, "calibration": one(self.sharing),
-                "check_after_runs": one(self.after), "too_noisy": self.noisy()}
+        return {"machine": self.machine, "calibration": sharing_record(self.sharing),
+                "check_after_runs": self.after and sharing_record(self.after),
+                "too_noisy": self.noisy()}
 
     def noisy(self) -> str:
         """Why the machine was too noisy to judge the predictions by ('' when it was not)."""
         return noise_verdict(self.sharing, self.after)
+
+
+def sharing_record(c: Any) -> dict[str, Any]:
+    """A CoreSharing measurement, for calibration.json and results.json."""
+    return {"alone_gflops": [f / 1e9 for f in c.alone_flops],
+            "pair_gflops": [f / 1e9 for f in c.pair_flops],
+            "shared_gflops": [f / 1e9 for f in c.shared_flops], "processes": c.processes,
+            "core_gflops": c.core_flops / 1e9, "shared_cores": c.shared_cores,
+            "background_load": c.background_load, "spread": c.spread}
 
 
 def noise_verdict(before: Any, after: Any = None) -> str:
@@ -150,32 +155,34 @@ def noise_verdict(before: Any, after: Any = None) -> str:
 def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
                   cluster_path: Path) -> LabCalibration:
     """The scenario with each device's tflops = one rank training alone, and a calibration file
-    (beside the cluster, `calibration.json`) with the cores the ranks share: measured side by
-    side, one rank alone and all at once, 3 rounds, medians (modules/device/calibrate.py)."""
+    (beside the cluster, `calibration.json`) with the cores the ranks share and the other work
+    beside them: measured side by side, all ranks at once, 2 at once and one alone, 3 rounds,
+    medians, fitted (modules/device/calibrate.py)."""
     from modules.device.calibrate import measure_core_sharing  # torch: only when measuring
     from scheduler.simulator import save_calibration
 
     cluster = make_scenario(scenario, seed)
     m = machine()
     log(f"machine: {describe_machine(m)}")
-    log(f"measuring FLOP/s per rank: one process training {model} (micro-batch "
-        f"{micro_batch_size}) alone, then {cluster.num_devices} at once, 3 rounds")
+    log(f"measuring FLOP/s per rank: processes training {model} (micro-batch "
+        f"{micro_batch_size}), {cluster.num_devices} at once, 2 at once, 1 alone, 3 rounds, "
+        "each process a session of its own (as the ranks are)")
     sharing = measure_core_sharing(get_model(model), micro_batch_size, cluster.num_devices)
-    log(f"  alone {sharing.alone / 1e9:.1f} GFLOP/s, {cluster.num_devices} at once "
-        f"{sharing.shared / 1e9:.1f} GFLOP/s per rank: the ranks share "
-        f"{sharing.shared_cores:.2f} cores (rounds within {(sharing.spread - 1) * 100:.0f}%)")
-    devices = [replace(d, tflops=sharing.alone / 1e12) for d in cluster.devices]
+    log(f"  alone {sharing.alone / 1e9:.1f}, 2 at once {sharing.pair / 1e9:.1f}, "
+        f"{cluster.num_devices} at once {sharing.shared / 1e9:.1f} GFLOP/s per rank (rounds "
+        f"within {(sharing.spread - 1) * 100:.0f}%): {sharing.core_flops / 1e9:.1f} GFLOP/s "
+        f"with a core to itself, {sharing.shared_cores:.2f} cores shared with "
+        f"{sharing.background_load:.1f} tasks of other work")
+    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter")
+    devices = [replace(d, tflops=sharing.core_flops / 1e12) for d in cluster.devices]  # s
     save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps),
                  cluster_path)
     cal_path = cluster_path.with_name("calibration.json")
-    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter at that "
-        "speed")
-    save_calibration(cal_path, {"shared_cores": round(sharing.shared_cores, 4),
-                                "optimizer_flops_per_param":
-                                    round(sharing.optimizer_flops_per_param, 2)}, runtime="cpu",
-                     measured={"machine": m, "alone_gflops": [f / 1e9 for f in sharing.alone_flops],
-                               "shared_gflops": [f / 1e9 for f in sharing.shared_flops],
-                               "processes": sharing.processes})
+    save_calibration(cal_path, {
+        "shared_cores": round(sharing.shared_cores, 4),
+        "background_load": round(sharing.background_load, 4),
+        "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2)},
+        runtime="cpu", measured={"machine": m} | sharing_record(sharing))
     return LabCalibration(cluster_path, cal_path, sharing, m)
 
 
@@ -186,8 +193,9 @@ def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
     log("checking the machine's speed again after the runs")
     cal.after = measure_core_sharing(get_model(model), micro_batch_size,
                                      cal.sharing.processes, rounds=2)
-    log(f"  alone {cal.after.alone / 1e9:.1f} GFLOP/s, at once {cal.after.shared / 1e9:.1f} "
-        f"GFLOP/s per rank ({cal.after.shared_cores:.2f} cores)")
+    log(f"  alone {cal.after.alone / 1e9:.1f}, at once {cal.after.shared / 1e9:.1f} GFLOP/s "
+        f"per rank ({cal.after.shared_cores:.2f} cores, {cal.after.background_load:.1f} tasks "
+        "of other work)")
     why = cal.noisy()
     if why:
         log(f"  TOO NOISY to judge the predictions: {why}")

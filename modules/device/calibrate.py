@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from formats.models import ModelSpec
@@ -84,6 +85,7 @@ def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1
 
 def _worker(spec: ModelSpec, micro_batch_size: int, repeats: int, barrier: Any,
             out: Any) -> None:
+    os.setsid()  # a session of its own, as launch_local gives each rank (see _sharing_worker)
     out.put(measure_train_flops(spec, micro_batch_size, 1, repeats, barrier=barrier))
 
 
@@ -116,6 +118,8 @@ class CoreSharing:
     shared_flops: list[float]
     """Per round: mean per-process FLOP/s with all `processes` computing at once."""
     cpu_count: int
+    pair_flops: list[float] = field(default_factory=list)
+    """Per round: mean per-process FLOP/s with 2 computing at once (empty: not measured)."""
     optimizer_s: list[float] = field(default_factory=list)
     """Per round: seconds of one AdamW step over the whole model, one process alone."""
     params: int = 0
@@ -135,25 +139,61 @@ class CoreSharing:
         return statistics.median(self.alone_flops)
 
     @property
+    def pair(self) -> float:
+        """The robust figure of 2 at once: median over rounds (0: not measured)."""
+        return statistics.median(self.pair_flops) if self.pair_flops else 0.0
+
+    @property
     def shared(self) -> float:
         """The robust figure: median over rounds."""
         return statistics.median(self.shared_flops)
 
     @property
     def shared_cores(self) -> float:
-        """Cores the processes effectively share: processes x shared / alone (2 on an idle
-        2-core machine without cache contention; less when other work takes CPU), clamped to
-        [0.05, cpu count]."""
-        return min(max(self.processes * self.shared / self.alone, 0.05), float(self.cpu_count))
+        """Cores the processes share (the fit's C: the machine's, or fewer when its cores do
+        not add up, e.g. cache contention)."""
+        return self.fit()[1]
 
     @property
-    def spread(self) -> float:
-        """Largest max/min ratio between rounds of either figure (1 = perfectly steady)."""
-        return max(max(v) / min(v) for v in (self.alone_flops, self.shared_flops))
+    def background_load(self) -> float:
+        """Other tasks that always ran beside them (the fit's L)."""
+        return self.fit()[2]
+
+    @property
+    def core_flops(self) -> float:
+        """FLOP/s of one process with a core to itself (the fit's s)."""
+        return self.fit()[0]
+
+    def fit(self) -> tuple[float, float, float]:
+        """(s, C, L): speed(n) = s min(1, C / (n + L)) fitted (least squares in logs, s in
+        closed form) to the medians of 1, 2 and all processes at once: C = the machine's cores
+        and the L that fits best, or, when that fits worse than the cores not adding up (cache
+        contention: L = 0, C fitted), that. Without the 2-at-once figure: L = 0, C = processes
+        x shared / alone."""
+        cpu = float(self.cpu_count)
+        if not self.pair_flops:
+            return self.alone, min(max(self.processes * self.shared / self.alone, 0.05), cpu), 0.0
+        n = np.array([1.0, 2.0, self.processes])
+        y = np.log([self.alone, self.pair, self.shared])
+        loads = np.linspace(0.0, 64.0, 1281)
+        cores = np.linspace(0.05, cpu, 400)
+        grid = np.concatenate([np.stack([np.full_like(loads, cpu), loads], 1),
+                               np.stack([cores, np.zeros_like(cores)], 1)])  # (C, L) rows
+        shape = np.log(np.minimum(1.0, grid[:, :1] / (n[None] + grid[:, 1:])))
+        log_s = np.mean(y[None] - shape, axis=1, keepdims=True)
+        err = np.sum((y[None] - shape - log_s) ** 2, axis=1)
+        err[len(loads):] += 1e-4  # at a tie, the machine's own cores
+        i = int(np.argmin(err))
+        return float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1])
 
 
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
                     repeats: int, barrier: Any, out: Any) -> None:
+    # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
+    # autogroup scheduling (sched_autogroup_enabled), CPU is shared between sessions first,
+    # so 8 processes of one session get one session's share beside other work, 8 sessions
+    # eight shares (measured: 4x apart under a load of 30).
+    os.setsid()
     torch.set_num_threads(1)
     step, flops, model = _train_step(spec, micro_batch_size, 0)
     opt_step = _optimizer_step(model)
@@ -163,6 +203,9 @@ def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: 
     for r in range(rounds):
         barrier.wait()
         out.put(("shared", r, flops / statistics.median(step() for _ in range(repeats))))
+        barrier.wait()
+        if index < 2:  # two at once; the others wait at the barrier: no CPU
+            out.put(("pair", r, flops / statistics.median(step() for _ in range(repeats))))
         barrier.wait()
         if index == 0:  # the others wait at the barrier: no CPU
             out.put(("alone", r, flops / statistics.median(step() for _ in range(repeats))))
@@ -181,12 +224,13 @@ def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
              for i in range(processes)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=600) for _ in range(rounds * (processes + 2))]
+    got = [out.get(timeout=600) for _ in range(rounds * (processes + min(processes, 2) + 2))]
     for p in procs:
         p.join()
     alone = [f for kind, r, f in sorted(got) if kind == "alone"]
     opt = [f for kind, r, f in sorted(got) if kind == "optimizer"]
-    shared = [statistics.fmean(f for kind, r2, f in got if kind == "shared" and r2 == r)
-              for r in range(rounds)]
+    mean = [{kind: statistics.fmean(f for k, r2, f in got if k == kind and r2 == r)
+             for kind in ("shared", "pair")} for r in range(rounds)]
     params = spec.stage_params(0, spec.num_layers)
-    return CoreSharing(processes, alone, shared, os.cpu_count() or 1, opt, params)
+    return CoreSharing(processes, alone, [m["shared"] for m in mean], os.cpu_count() or 1,
+                       [m["pair"] for m in mean], opt, params)

@@ -17,7 +17,8 @@ RUNTIME_NAMES = ("cpu", "gpu")
 MAX_INT8_BLOCK = 1 << 20
 """Largest int8 block (values per scale): far above the 256 the codec uses."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
-                    "outer_store_round_trips", "shared_cores", "optimizer_flops_per_param")
+                    "outer_store_round_trips", "shared_cores", "background_load",
+                    "optimizer_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
@@ -64,6 +65,9 @@ class SimConfig:
     process on one machine); 0: every device has its own (GPU hosts, separate machines). When
     set, a device's tflops is its speed computing alone and ranks computing at once share the
     cores (simulator/sharing.py); a calibration measures it (modules/device/calibrate.py)."""
+    background_load: float = setting(0.0, lo=0.0, hi=4096.0)
+    """With shared_cores: tasks of other work that always run beside the ranks and take their
+    share of the cores (a loaded machine); 0: a quiet one."""
     optimizer_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
     """The optimizer step's CPU per parameter, in FLOPs at the device's training speed (its
     seconds x the measured FLOP/s / the parameters); 0: not charged (GPU hosts, where it is

@@ -361,7 +361,8 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     if config.shared_cores > 0:  # the CPU lab: ranks computing at once share the host's cores
         t_fwd = t_fwd * core_slowdown(t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
                                       links.fwd_lat, links.bwd_tx, links.bwd_lat,
-                                      num_micro_batches, config.shared_cores)
+                                      num_micro_batches, config.shared_cores,
+                                      config.background_load)
     r_count, s_count = links.pipelines.shape
     diloco = sync.mode == "diloco"
     fragments = sync.fragments if diloco else 1
