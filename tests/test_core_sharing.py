@@ -32,6 +32,8 @@ def slowdown(r: int, s: int, m: int, cores: float, tf: float = 1.0, tb: float = 
 
 def test_everyone_computing_at_once_is_slowed_by_ranks_over_cores_exactly():
     assert slowdown(8, 1, 4, 2.0) == 4.0  # 1 x 8: what a calibration with 8 at once measures
+    t, z = np.full((8, 1), 1.0), np.zeros((8, 0))
+    assert core_slowdown(t, t, z, z, z, z, 4, 2.0, 2.0) == 5.0  # 2 other tasks: (8 + 2) / 2
     assert slowdown(8, 1, 4, 8.0) == 1.0  # a core each
     assert slowdown(8, 1, 4, 16.0) == 1.0  # more cores than ranks: no speed-up
 
@@ -41,6 +43,8 @@ def test_work_weighted_slowdown_of_a_hand_made_profile():
     starts, ends = np.array([0.0, 1.0]), np.array([2.0, 3.0])
     assert work_weighted_slowdown(starts, ends, 1.0) == 1.5
     assert work_weighted_slowdown(starts, ends, 2.0) == 1.0
+    # 1 other task always running on 2 cores: 1 runs -> 1, 2 run -> 1.5: (1 + 2*1.5 + 1) / 4
+    assert work_weighted_slowdown(starts, ends, 2.0, 1.0) == 1.25
     # back to back: an end and a start at the same instant do not overlap
     assert work_weighted_slowdown(np.array([0.0, 1.0]), np.array([1.0, 2.0]), 1.0) == 1.0
 
@@ -126,6 +130,18 @@ def test_core_sharing_figures_are_medians_and_their_ratio():
     assert (c.alone, c.shared) == (21e9, 5.25e9)
     assert c.shared_cores == 2.0 and c.spread == 1.1
     assert sharing([20.0], [10.0]).shared_cores == 2.0  # clamped to the machine's cores
+
+
+def test_the_fit_finds_core_speed_cores_and_load():
+    def fit(alone: float, pair: float, shared: float) -> tuple[float, float, float]:
+        s, c, load = CoreSharing(8, [alone * 1e9], [shared * 1e9], 2, [pair * 1e9]).fit()
+        return round(s / 1e9, 3), round(c, 3), round(load, 3)
+
+    assert fit(20.0, 20.0, 5.0) == (20.0, 2.0, 0.0)  # a quiet 2-core machine
+    # 2 tasks of other work: alone 20 x 2/3, 2 at once 20 x 2/4, 8 at once 20 x 2/10
+    assert fit(20.0 * 2 / 3, 10.0, 4.0) == (20.0, 2.0, 2.0)
+    s, c, load = fit(20.0, 20.0, 4.0)  # cores that do not add up (8 at once: 1.6 cores' worth)
+    assert s == pytest.approx(20.0, rel=0.01) and 1.5 < c < 1.9 and load == 0.0
 
 
 def test_the_noise_verdict_names_what_moved():

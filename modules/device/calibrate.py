@@ -187,6 +187,14 @@ class CoreSharing:
         return float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1])
 
 
+    @property
+    def spread(self) -> float:
+        """Largest max/min ratio between rounds of any figure (1 = perfectly steady)."""
+        figures = [self.alone_flops, self.shared_flops] + ([self.pair_flops] if self.pair_flops
+                                                            else [])
+        return max(max(v) / min(v) for v in figures)
+
+
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
                     repeats: int, barrier: Any, out: Any) -> None:
     # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
