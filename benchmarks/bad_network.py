@@ -168,8 +168,9 @@ def time_to_loss(row: dict, base: dict) -> str:
     return f"{t:.1f}" + (f" ({t / t0:.2f}x)" if t0 else "")
 
 
-def targets(rows_: list[dict]) -> list[str]:
-    """The issue's targets on the lab, each with its measured value and verdict."""
+def targets(rows_: list[dict], noisy: str = "") -> list[str]:
+    """The issue's targets on the lab, each with its measured value and verdict (the
+    predictions' verdict is NOISY, not PASS or MISS, when the machine's speed did not hold)."""
     b = rows_[0]
     ok = [r for r in rows_[1:] if r["loss_ratio_vs_allreduce"] is not None
           and r["loss_ratio_vs_allreduce"] <= 1.02]
@@ -193,8 +194,17 @@ def targets(rows_: list[dict]) -> list[str]:
         out.append(f"{'PASS' if t is not None and t <= t0 / 3 else 'MISS'} --sync auto reaches "
                    f"allreduce's final validation loss {when} (target <= 1/3)")
     worst = max(rows_, key=lambda r: abs(r["prediction_error"]))
-    out.append(f"{'PASS' if abs(worst['prediction_error']) <= 0.15 else 'MISS'} every prediction "
-               f"within 15% (worst {worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
+    verdict = "NOISY" if noisy else "PASS" if abs(worst["prediction_error"]) <= 0.15 else "MISS"
+    out.append(f"{verdict} every prediction within 15% (worst "
+               f"{worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
+    auto = next((r for r in rows_ if r["name"].startswith("planner --sync auto")), None)
+    if auto is not None:
+        faster = [r["name"] for r in rows_ if r["tokens_per_s"] > auto["tokens_per_s"]]
+        verdict = "NOISY" if noisy else "MISS" if faster else "PASS"
+        out.append(f"{verdict} --sync auto's choice at least as fast (tokens/s) as every other "
+                   f"row" + (f" (faster: {', '.join(faster)})" if faster else ""))
+    if noisy:
+        out.append(f"NOISY machine too noisy to judge the predictions: {noisy}")
     return out
 
 
@@ -255,14 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    lab_cluster = lab.calibrated_cluster("lab", args.seed, args.model, args.micro_batch_size,
-                                         out / "calibrated.json")
-    results = {"rows": run_variant("lab", lab_cluster, args, out)}
+    cal = lab.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size,
+                            out / "calibrated.json")
+    args.calibration = cal.calibration_path  # every plan: the measured core sharing
+    results = {"rows": run_variant("lab", load_cluster(cal.cluster_path), args, out)}
     if not args.quick:
         results["harsh_rows"] = run_variant("harsh", harsh(load_cluster(
             out / "calibrated.json")), args, out)
-    print()
-    for line in targets(results["rows"]):
+    lab.check_after(cal, args.model, args.micro_batch_size)
+    results.update(cal.record())
+    print(f"\nmachine: {lab.describe_machine(cal.machine)}")
+    for line in targets(results["rows"], cal.noisy()):
         print(line)
     atomic_write_json(out / "results.json", results)
     print(f"\nwrote {out / 'results.json'} ({time.monotonic() - t0:.0f} s in all)")

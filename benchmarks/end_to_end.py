@@ -113,14 +113,15 @@ def time_to_loss_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def targets(runs: list[Run], shaped: bool) -> list[str]:
-    """The issue's targets, each with its measured value and verdict."""
+def targets(runs: list[Run], shaped: bool, noisy: str = "") -> list[str]:
+    """The issue's targets, each with its measured value and verdict (the predictions'
+    verdicts are NOISY, not PASS or MISS, when the machine's speed did not hold: `noisy`)."""
     ours, rnd, dil, auto = runs
-    out = []
+    out = [f"NOISY machine too noisy to judge the predictions: {noisy}"] if noisy else []
     for r in runs:
-        ok = abs(r.error) <= 0.20
-        out.append(f"{'PASS' if ok else 'MISS'} prediction within 20% for {r.name}: "
-                   f"{r.error * 100:+.1f}%")
+        ok = abs(r.error) <= 0.15
+        verdict = "NOISY" if noisy else "PASS" if ok else "MISS"
+        out.append(f"{verdict} prediction within 15% for {r.name}: {r.error * 100:+.1f}%")
     pred, meas = rnd.predicted_s / ours.predicted_s, rnd.measured_s / ours.measured_s
     ok = meas > 1.0 and (pred > 1.0) == (meas > 1.0)
     out.append(f"{'PASS' if ok else 'MISS'} ours faster than random: measured {meas:.2f}x, "
@@ -199,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cluster_path = out / "cluster.json"
-    lab.calibrated_cluster(args.scenario, args.seed, args.model, args.micro_batch_size,
-                           cluster_path)
+    cal = lab.calibrate_lab(args.scenario, args.seed, args.model, args.micro_batch_size,
+                            cluster_path)
+    args.calibration = cal.calibration_path  # every plan: the measured core sharing
     runs = make_plans(args, cluster_path, out)
     for r in runs:
         predict(r, cluster_path)
@@ -211,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             train(r, net, args, out)
     finally:
         net.down()
+    lab.check_after(cal, args.model, args.micro_batch_size)
     print()
+    print(f"machine: {lab.describe_machine(cal.machine)}")
     print(table(runs, not net.reason))
     print(time_to_loss_table(runs))
     print()
@@ -219,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"targets not checked: the network was not emulated ({net.reason}); the "
               "predictions are for the emulated links, the measurements ran on loopback")
     else:
-        for line in targets(runs, True):
+        for line in targets(runs, True, cal.noisy()):
             print(line)
     plot(runs, out / "end_to_end.png")
-    results = {"shaped": not net.reason, "why_not_shaped": net.reason,
+    results = {"shaped": not net.reason, "why_not_shaped": net.reason, **cal.record(),
                "runs": [{k: v for k, v in vars(r).items() if k != "plan_path"}
                         | {"plan": str(r.plan_path), "error": r.error,
                            "seconds_to_allreduce_loss": lab.seconds_to_loss(

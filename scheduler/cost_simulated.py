@@ -38,6 +38,7 @@ from scheduler.simulator.kernel import (
     StepInputs,
     StepTimes,
     no_transfers,
+    optimizer_flops,
     payload_bytes_per_param,
     plan_links,
     ring_allreduce_s,
@@ -73,6 +74,8 @@ class SimulatedObjective:
         self.tables = LinkTables(cluster, self.config)
         self.tokens = micro_batch_size * model.seq_len
         self.flops = flops_table(model) * self.tokens  # forward FLOPs per micro-batch
+        self.flops = self.flops + optimizer_flops(params_table(model), self.config,
+                                                  num_micro_batches)
         # What depends on the sync configuration, by its key; shared with with_sync's copies.
         self._rings: dict[str, RingTable] = {}
         self._mem_need: dict[bool, np.ndarray] = {}

@@ -102,7 +102,8 @@ SYNC_FLAGS: dict[type, tuple[str, ...]] = {
 }
 SHARD_FLAGS = ("max_shard", "outer_state")
 """The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
-SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips")
+SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips",
+             "shared_cores", "background_load", "optimizer_flops_per_param")
 """The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
 FLAG_OF_FIELD: dict[str, str] = {
     settings.qualified(cls, name): settings.flag_of(cls, name)
@@ -197,7 +198,8 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", metavar="FILE",
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
-                        "outer_store_round_trips, all optional)")
+                        "outer_store_round_trips, shared_cores, background_load, "
+                        "optimizer_flops_per_param, all optional)")
     add_field_flags(g, SimConfig, SIM_FLAGS)
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the CPU runtime)")

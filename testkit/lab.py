@@ -81,17 +81,148 @@ def calibrated_cluster(scenario: str, seed: int, model: str, micro_batch_size: i
     return calibrated
 
 
+NOISE_LIMIT = 0.10
+"""The most the machine's measured speed may move (between calibration rounds, or between the
+calibration before the runs and the one after) for the predictions to be judged."""
+
+
+def machine() -> dict[str, Any]:
+    """The machine the figures are measured on: cores, the CPU's model name, the load."""
+    name = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cores": cores, "cpu": name, "load_1min": round(os.getloadavg()[0], 2)}
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    """One line for the logs."""
+    return f"{m['cores']} cores, {m['cpu']}, load average {m['load_1min']}"
+
+
+@dataclass
+class LabCalibration:
+    """The lab's calibration: the cluster (tflops = one rank computing alone), the calibration
+    file (shared_cores), and what was measured."""
+
+    cluster_path: Path
+    calibration_path: Path
+    sharing: Any
+    """modules.device.calibrate.CoreSharing of the calibration before the runs."""
+    machine: dict[str, Any]
+    after: Any = None
+    """CoreSharing of the check after the runs (None until check_after)."""
+
+    def record(self) -> dict[str, Any]:
+        """For results.json: the machine and both calibrations."""
+        return {"machine": self.machine, "calibration": sharing_record(self.sharing),
+                "check_after_runs": self.after and sharing_record(self.after),
+                "too_noisy": self.noisy()}
+
+    def noisy(self) -> str:
+        """Why the machine was too noisy to judge the predictions by ('' when it was not)."""
+        return noise_verdict(self.sharing, self.after)
+
+
+def sharing_record(c: Any) -> dict[str, Any]:
+    """A CoreSharing measurement, for calibration.json and results.json."""
+    return {"alone_gflops": [f / 1e9 for f in c.alone_flops],
+            "pair_gflops": [f / 1e9 for f in c.pair_flops],
+            "shared_gflops": [f / 1e9 for f in c.shared_flops], "processes": c.processes,
+            "core_gflops": c.core_flops / 1e9, "shared_cores": c.shared_cores,
+            "background_load": c.background_load, "spread": c.spread}
+
+
+def noise_verdict(before: Any, after: Any = None) -> str:
+    """'' when the speed held steady within NOISE_LIMIT between calibration rounds and (when
+    given) between the calibration before the runs and the check after; else why not."""
+    why = []
+    if before.spread - 1 > NOISE_LIMIT:
+        why.append(f"the calibration's rounds differ by {(before.spread - 1) * 100:.0f}%")
+    if after is not None:
+        for what, a, b in (("one rank alone", before.alone, after.alone),
+                           ("all ranks at once", before.shared, after.shared)):
+            moved = max(a, b) / min(a, b) - 1
+            if moved > NOISE_LIMIT:
+                why.append(f"the speed of {what} moved {moved * 100:.0f}% between the "
+                           f"calibration and the check after the runs ({a / 1e9:.1f} -> "
+                           f"{b / 1e9:.1f} GFLOP/s)")
+    return "; ".join(why)
+
+
+def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
+                  cluster_path: Path) -> LabCalibration:
+    """The scenario with each device's tflops = one rank training alone, and a calibration file
+    (beside the cluster, `calibration.json`) with the cores the ranks share and the other work
+    beside them: measured side by side, all ranks at once, 2 at once and one alone, 3 rounds,
+    medians, fitted (modules/device/calibrate.py)."""
+    from modules.device.calibrate import measure_core_sharing  # torch: only when measuring
+    from scheduler.simulator import save_calibration
+
+    cluster = make_scenario(scenario, seed)
+    m = machine()
+    log(f"machine: {describe_machine(m)}")
+    log(f"measuring FLOP/s per rank: processes training {model} (micro-batch "
+        f"{micro_batch_size}), {cluster.num_devices} at once, 2 at once, 1 alone, 3 rounds, "
+        "each process a session of its own (as the ranks are)")
+    sharing = measure_core_sharing(get_model(model), micro_batch_size, cluster.num_devices)
+    log(f"  alone {sharing.alone / 1e9:.1f}, 2 at once {sharing.pair / 1e9:.1f}, "
+        f"{cluster.num_devices} at once {sharing.shared / 1e9:.1f} GFLOP/s per rank (rounds "
+        f"within {(sharing.spread - 1) * 100:.0f}%): {sharing.core_flops / 1e9:.1f} GFLOP/s "
+        f"with a core to itself, {sharing.shared_cores:.2f} cores shared with "
+        f"{sharing.background_load:.1f} tasks of other work")
+    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter")
+    devices = [replace(d, tflops=sharing.core_flops / 1e12) for d in cluster.devices]  # s
+    save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps),
+                 cluster_path)
+    cal_path = cluster_path.with_name("calibration.json")
+    save_calibration(cal_path, {
+        "shared_cores": round(sharing.shared_cores, 4),
+        "background_load": round(sharing.background_load, 4),
+        "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2)},
+        runtime="cpu", measured={"machine": m} | sharing_record(sharing))
+    return LabCalibration(cluster_path, cal_path, sharing, m)
+
+
+def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
+    """Measure again after the runs (the same way, 2 rounds); returns the noise verdict."""
+    from modules.device.calibrate import measure_core_sharing
+
+    log("checking the machine's speed again after the runs")
+    cal.after = measure_core_sharing(get_model(model), micro_batch_size,
+                                     cal.sharing.processes, rounds=2)
+    log(f"  alone {cal.after.alone / 1e9:.1f}, at once {cal.after.shared / 1e9:.1f} GFLOP/s "
+        f"per rank ({cal.after.shared_cores:.2f} cores, {cal.after.background_load:.1f} tasks "
+        "of other work)")
+    why = cal.noisy()
+    if why:
+        log(f"  TOO NOISY to judge the predictions: {why}")
+    return why
+
+
 def plan_command(args: Any, cluster_path: Path, out: Path, *extra: str) -> list[str]:
     """`scheduler.py plan` for a benchmark's cluster: the CPU runtime profile (`--runtime cpu`:
     mfu 1 on the measured FLOP/s, fp32 activations, gloo collectives, the elastic DiLoCo outer
     step's store round trips; recorded in the plan, reused by `simulate`), the benchmark's
     model, batch, seed and time limit (args: .model, .micro_batch_size, .micro_batches,
-    .plan_time_limit, .seed), `extra` flags after them."""
+    .plan_time_limit, .seed; .calibration: the lab's calibration file, when set), `extra` flags
+    after them."""
     return [PY, str(ROOT / "scheduler/scheduler.py"), "plan", "--cluster", str(cluster_path),
             "--model", args.model, "--micro-batch-size", str(args.micro_batch_size),
             "--micro-batches", str(args.micro_batches), "--runtime", "cpu", "--time-limit",
             str(args.plan_time_limit), "--search-seed", str(args.seed), "--out", str(out),
-            "--quiet", *extra]
+            "--quiet", *calibration_flags(args), *extra]
+
+
+def calibration_flags(args: Any) -> list[str]:
+    """--calibration FILE when the benchmark calibrated the lab (args.calibration)."""
+    path = getattr(args, "calibration", None)
+    return ["--calibration", str(path)] if path else []
 
 
 def predict(run: Run, cluster_path: Path) -> None:

@@ -45,3 +45,8 @@ def test_demo_trains_four_plans_on_the_emulated_network_and_tears_it_down(tmp_pa
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "e2e" not in netns  # nothing of the run is left behind
     assert "| plan | predicted s/step | measured s/step |" in r.stdout
+    # the machine is named, the calibration recorded, the verdict honest about noise
+    assert res["machine"]["cores"] >= 1 and res["machine"]["cpu"] and "machine: " in r.stdout
+    assert len(res["calibration"]["alone_gflops"]) == 3 and res["check_after_runs"]
+    verdicts = [ln.split()[0] for ln in r.stdout.splitlines() if "prediction within" in ln]
+    assert verdicts and set(verdicts) <= ({"NOISY"} if res["too_noisy"] else {"PASS", "MISS"})

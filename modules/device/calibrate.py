@@ -3,52 +3,89 @@
 The simulator predicts compute as FLOPs / (tflops x mfu). On a CPU lab the honest tflops is
 the one measured for the model and micro-batch at hand, with the thread count each rank gets;
 `measure_train_flops` returns it (then plan and simulate with --mfu 1.0).
+
+The lab's ranks share the machine's cores, and how many compute at once depends on the plan
+(a pipeline's ranks take turns, a 1 x N data-parallel step's all compute together), so
+`measure_core_sharing` measures both ends, side by side in the same processes: one rank
+computing alone and all N at once, for several rounds. Their ratio gives the cores the ranks
+effectively share (the simulator's `shared_cores`: scheduler/simulator/sharing.py), and the
+spread between rounds says whether the machine was quiet enough to judge by.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from formats.models import ModelSpec
 from modules.train.model import StageModel
 
 
+def _train_step(spec: ModelSpec, micro_batch_size: int,
+                seed: int) -> tuple[Callable[[], float], float, torch.nn.Module]:
+    """(a function timing one forward + backward of the whole model, its FLOPs, the model):
+    FLOPs counted as the simulator does without recomputation, 3 x the forward FLOPs of every
+    layer and the head."""
+    model = StageModel(spec, 0, spec.num_layers, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+    y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        return time.perf_counter() - t0
+
+    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
+    return step, flops, model
+
+
+def _optimizer_step(model: torch.nn.Module) -> Callable[[], float]:
+    """A function timing one AdamW step over the model (the runtime's inner optimizer,
+    modules/train/trainer.py), gradients in place."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return step
+
+
 def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1,
                         repeats: int = 7, seed: int = 0, barrier: Any = None) -> float:
     """Forward + backward FLOP/s of the whole model on one micro-batch (median of `repeats`).
 
-    FLOPs counted as the simulator does without recomputation: 3 x the forward FLOPs of every
-    layer and the head. Runs with `threads` torch threads and restores the previous count.
+    Runs with `threads` torch threads and restores the previous count.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = StageModel(spec, 0, spec.num_layers, seed=seed)
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-        y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-        times = []
-        for i in range(repeats + 2):  # two warm-up rounds (allocator, kernels' first calls)
-            if i == 2 and barrier is not None:
-                barrier.wait()  # concurrent measurements overlap: every process is warm
-            t0 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+        step, flops, _ = _train_step(spec, micro_batch_size, seed)
+        for _ in range(2):  # two warm-up rounds (allocator, kernels' first calls)
+            step()
+        if barrier is not None:
+            barrier.wait()  # concurrent measurements overlap: every process is warm
+        times = [step() for _ in range(repeats)]
     finally:
         torch.set_num_threads(before)
-    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
     return flops / statistics.median(times)
 
 
 def _worker(spec: ModelSpec, micro_batch_size: int, repeats: int, barrier: Any,
             out: Any) -> None:
+    os.setsid()  # a session of its own, as launch_local gives each rank (see _sharing_worker)
     out.put(measure_train_flops(spec, micro_batch_size, 1, repeats, barrier=barrier))
 
 
@@ -69,3 +106,139 @@ def measure_train_flops_shared(spec: ModelSpec, micro_batch_size: int, processes
     for p in procs:
         p.join()
     return statistics.fmean(results)
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """What `measure_core_sharing` measured: per round, one rank alone and all at once."""
+
+    processes: int
+    alone_flops: list[float]
+    """Per round: FLOP/s of one process computing while the others wait."""
+    shared_flops: list[float]
+    """Per round: mean per-process FLOP/s with all `processes` computing at once."""
+    cpu_count: int
+    pair_flops: list[float] = field(default_factory=list)
+    """Per round: mean per-process FLOP/s with 2 computing at once (empty: not measured)."""
+    optimizer_s: list[float] = field(default_factory=list)
+    """Per round: seconds of one AdamW step over the whole model, one process alone."""
+    params: int = 0
+    """The model's parameters."""
+
+    @property
+    def optimizer_flops_per_param(self) -> float:
+        """The optimizer step's CPU per parameter in FLOPs at the training speed alone (the
+        simulator's `optimizer_flops_per_param`): median seconds x alone FLOP/s / params."""
+        if not self.optimizer_s or not self.params:
+            return 0.0
+        return statistics.median(self.optimizer_s) * self.alone / self.params
+
+    @property
+    def alone(self) -> float:
+        """The robust figure: median over rounds."""
+        return statistics.median(self.alone_flops)
+
+    @property
+    def pair(self) -> float:
+        """The robust figure of 2 at once: median over rounds (0: not measured)."""
+        return statistics.median(self.pair_flops) if self.pair_flops else 0.0
+
+    @property
+    def shared(self) -> float:
+        """The robust figure: median over rounds."""
+        return statistics.median(self.shared_flops)
+
+    @property
+    def shared_cores(self) -> float:
+        """Cores the processes share (the fit's C: the machine's, or fewer when its cores do
+        not add up, e.g. cache contention)."""
+        return self.fit()[1]
+
+    @property
+    def background_load(self) -> float:
+        """Other tasks that always ran beside them (the fit's L)."""
+        return self.fit()[2]
+
+    @property
+    def core_flops(self) -> float:
+        """FLOP/s of one process with a core to itself (the fit's s)."""
+        return self.fit()[0]
+
+    def fit(self) -> tuple[float, float, float]:
+        """(s, C, L): speed(n) = s min(1, C / (n + L)) fitted (least squares in logs, s in
+        closed form) to the medians of 1, 2 and all processes at once: C = the machine's cores
+        and the L that fits best, or, when that fits worse than the cores not adding up (cache
+        contention: L = 0, C fitted), that. Without the 2-at-once figure: L = 0, C = processes
+        x shared / alone."""
+        cpu = float(self.cpu_count)
+        if not self.pair_flops:
+            return self.alone, min(max(self.processes * self.shared / self.alone, 0.05), cpu), 0.0
+        n = np.array([1.0, 2.0, self.processes])
+        y = np.log([self.alone, self.pair, self.shared])
+        loads = np.linspace(0.0, 64.0, 1281)
+        cores = np.linspace(0.05, cpu, 400)
+        grid = np.concatenate([np.stack([np.full_like(loads, cpu), loads], 1),
+                               np.stack([cores, np.zeros_like(cores)], 1)])  # (C, L) rows
+        shape = np.log(np.minimum(1.0, grid[:, :1] / (n[None] + grid[:, 1:])))
+        log_s = np.mean(y[None] - shape, axis=1, keepdims=True)
+        err = np.sum((y[None] - shape - log_s) ** 2, axis=1)
+        err[len(loads):] += 1e-4  # at a tie, the machine's own cores
+        i = int(np.argmin(err))
+        return float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1])
+
+
+    @property
+    def spread(self) -> float:
+        """Largest max/min ratio between rounds of any figure (1 = perfectly steady)."""
+        figures = [self.alone_flops, self.shared_flops] + ([self.pair_flops] if self.pair_flops
+                                                            else [])
+        return max(max(v) / min(v) for v in figures)
+
+
+def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
+                    repeats: int, barrier: Any, out: Any) -> None:
+    # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
+    # autogroup scheduling (sched_autogroup_enabled), CPU is shared between sessions first,
+    # so 8 processes of one session get one session's share beside other work, 8 sessions
+    # eight shares (measured: 4x apart under a load of 30).
+    os.setsid()
+    torch.set_num_threads(1)
+    step, flops, model = _train_step(spec, micro_batch_size, 0)
+    opt_step = _optimizer_step(model)
+    for _ in range(2):  # warm-up: allocator, kernels' first calls, AdamW's state
+        step()
+        opt_step()
+    for r in range(rounds):
+        barrier.wait()
+        out.put(("shared", r, flops / statistics.median(step() for _ in range(repeats))))
+        barrier.wait()
+        if index < 2:  # two at once; the others wait at the barrier: no CPU
+            out.put(("pair", r, flops / statistics.median(step() for _ in range(repeats))))
+        barrier.wait()
+        if index == 0:  # the others wait at the barrier: no CPU
+            out.put(("alone", r, flops / statistics.median(step() for _ in range(repeats))))
+            out.put(("optimizer", r, statistics.median(opt_step() for _ in range(repeats))))
+        barrier.wait()
+
+
+def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
+                         rounds: int = 3, repeats: int = 5) -> CoreSharing:
+    """Per round: FLOP/s of one single-thread process training alone and the mean per-process
+    FLOP/s with `processes` of them at once, measured in the same warm processes."""
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_sharing_worker,
+                         args=(i, spec, micro_batch_size, rounds, repeats, barrier, out))
+             for i in range(processes)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=600) for _ in range(rounds * (processes + min(processes, 2) + 2))]
+    for p in procs:
+        p.join()
+    alone = [f for kind, r, f in sorted(got) if kind == "alone"]
+    opt = [f for kind, r, f in sorted(got) if kind == "optimizer"]
+    mean = [{kind: statistics.fmean(f for k, r2, f in got if k == kind and r2 == r)
+             for kind in ("shared", "pair")} for r in range(rounds)]
+    params = spec.stage_params(0, spec.num_layers)
+    return CoreSharing(processes, alone, [m["shared"] for m in mean], os.cpu_count() or 1,
+                       [m["pair"] for m in mean], opt, params)

@@ -17,7 +17,8 @@ RUNTIME_NAMES = ("cpu", "gpu")
 MAX_INT8_BLOCK = 1 << 20
 """Largest int8 block (values per scale): far above the 256 the codec uses."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
-                    "outer_store_round_trips")
+                    "outer_store_round_trips", "shared_cores", "background_load",
+                    "optimizer_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
@@ -59,6 +60,18 @@ class SimConfig:
     runtime does 3: wait for every member, wait for every member's confirmation, the
     commit decision (a TCPStore `set` is one-way; `wait` and `compare_set` take one round trip,
     measured over a 67 ms link)."""
+    shared_cores: float = setting(0.0, lo=0.0, hi=4096.0)
+    """Cores that all the cluster's devices share (the CPU lab: every rank a single-thread
+    process on one machine); 0: every device has its own (GPU hosts, separate machines). When
+    set, a device's tflops is its speed computing alone and ranks computing at once share the
+    cores (simulator/sharing.py); a calibration measures it (modules/device/calibrate.py)."""
+    background_load: float = setting(0.0, lo=0.0, hi=4096.0)
+    """With shared_cores: tasks of other work that always run beside the ranks and take their
+    share of the cores (a loaded machine); 0: a quiet one."""
+    optimizer_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
+    """The optimizer step's CPU per parameter, in FLOPs at the device's training speed (its
+    seconds x the measured FLOP/s / the parameters); 0: not charged (GPU hosts, where it is
+    small beside the step). The CPU lab's calibration measures AdamW's."""
     runtime: str | None = setting(None, choices=RUNTIME_NAMES, noun="runtime")
     """The RUNTIME_PROFILES entry these settings started from (None: the generic defaults).
     Recorded in the plan; fields given explicitly afterwards may differ from the profile."""

@@ -21,6 +21,7 @@ from formats.models import ModelSpec
 from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from formats.wire import payload_bytes_per_param
 from scheduler.simulator.config import SimConfig
+from scheduler.simulator.sharing import core_slowdown
 
 RING_CACHE_LIMIT = 200_000
 """Stage groups whose ring a RingTable remembers before it starts over."""
@@ -357,6 +358,11 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     """The step of `links` with a layer split: forward FLOPs per micro-batch (S,) and all-reduce
     payload bytes (S,) of each stage."""
     t_fwd = stage_flops[None, :] / links.flops_per_s
+    if config.shared_cores > 0:  # the CPU lab: ranks computing at once share the host's cores
+        t_fwd = t_fwd * core_slowdown(t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
+                                      links.fwd_lat, links.bwd_tx, links.bwd_lat,
+                                      num_micro_batches, config.shared_cores,
+                                      config.background_load)
     r_count, s_count = links.pipelines.shape
     diloco = sync.mode == "diloco"
     fragments = sync.fragments if diloco else 1
@@ -380,10 +386,20 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
     links = plan_links(tables, model, pipelines, sync, micro_batch_size, config,
                        RingTable(tables, model, sync.compression, config), pipeline_compression)
     tokens = micro_batch_size * model.seq_len
+    params = np.array([model.stage_params(a, b) for a, b in stages], dtype=float)
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
-    per_param = payload_bytes_per_param(sync.compression, config.int8_block)
-    payload = np.array([model.stage_params(a, b) * per_param for a, b in stages])
+    flops = flops + optimizer_flops(params, config, num_micro_batches)
+    payload = params * payload_bytes_per_param(sync.compression, config.int8_block)
     return step_inputs(links, flops, payload, config, num_micro_batches, sync)
+
+
+def optimizer_flops(stage_params: np.ndarray, config: SimConfig,
+                    num_micro_batches: int) -> np.ndarray:
+    """The optimizer step's CPU (SimConfig.optimizer_flops_per_param x the stage's parameters)
+    as forward FLOPs per micro-batch: spread over the step's forwards and backwards, so that
+    the step's compute grows by exactly that much (0 unless calibrated: the CPU lab)."""
+    return (stage_params * config.optimizer_flops_per_param
+            / (num_micro_batches * (1.0 + config.backward_factor)))
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:

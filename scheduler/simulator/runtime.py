@@ -14,6 +14,9 @@ Calibration file, format `calibration/1` (JSON object; every key but `format` op
      "recompute": false,                true | false
      "collective_latency_factor": 2.0,  one-way latencies per all-reduce step, [1, 10]
      "outer_store_round_trips": 3,      DiLoCo store round trips per outer step, [0, 100]
+     "shared_cores": 1.9,               cores all ranks share (the CPU lab), 0 = none shared
+     "background_load": 0.0,            other tasks always running beside them
+     "optimizer_flops_per_param": 40,   the optimizer step's CPU per parameter, FLOPs
      "measured": {...}}                 what was measured (free-form, e.g. calibrate.py's
                                         FLOP/s per rank and its model); not read by the model
 
@@ -39,7 +42,8 @@ from scheduler.simulator.config import (
 )
 
 CALIBRATION_FORMAT = "calibration/1"
-FLOAT_SETTINGS = ("mfu", "collective_latency_factor")
+FLOAT_SETTINGS = ("mfu", "collective_latency_factor", "shared_cores", "background_load",
+                  "optimizer_flops_per_param")
 """Settings stored as floats whatever number the file gives (2 -> 2.0)."""
 
 

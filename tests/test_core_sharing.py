@@ -1,0 +1,197 @@
+"""The CPU lab's ranks share the host's cores: the simulator's processor-sharing fixed point
+(scheduler/simulator/sharing.py), its plumbing (SimConfig.shared_cores, calibration files, the
+flag) and the benchmarks' noisy-machine verdict (testkit/lab.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import run_entry
+from test_simulator_closed_forms import uniform_cluster
+
+from formats.cluster import Cluster
+from formats.models import get_model
+from formats.plan import SyncConfig
+from modules.device.calibrate import CoreSharing
+from scheduler.layer_split import even_split
+from scheduler.simulator import RUNTIME_PROFILES, load_calibration, save_calibration, simulate
+from scheduler.simulator.sharing import compute_intervals, core_slowdown, work_weighted_slowdown
+
+CPU = RUNTIME_PROFILES["cpu"]
+
+
+def slowdown(r: int, s: int, m: int, cores: float, tf: float = 1.0, tb: float = 1.0,
+             tx: float = 0.0) -> float:
+    t = np.full((r, s), tf)
+    link = np.full((r, s - 1), tx)
+    return core_slowdown(t, t * tb / tf, link, link, link, link, m, cores)
+
+
+def test_everyone_computing_at_once_is_slowed_by_ranks_over_cores_exactly():
+    assert slowdown(8, 1, 4, 2.0) == 4.0  # 1 x 8: what a calibration with 8 at once measures
+    t, z = np.full((8, 1), 1.0), np.zeros((8, 0))
+    assert core_slowdown(t, t, z, z, z, z, 4, 2.0, 2.0) == 5.0  # 2 other tasks: (8 + 2) / 2
+    assert slowdown(8, 1, 4, 8.0) == 1.0  # a core each
+    assert slowdown(8, 1, 4, 16.0) == 1.0  # more cores than ranks: no speed-up
+
+
+def test_work_weighted_slowdown_of_a_hand_made_profile():
+    # [0,1]: 1 runs, [1,2]: 2 run, [2,3]: 1 runs -> work 4, slowed work 1 + 2*2 + 1 = 6 (1 core)
+    starts, ends = np.array([0.0, 1.0]), np.array([2.0, 3.0])
+    assert work_weighted_slowdown(starts, ends, 1.0) == 1.5
+    assert work_weighted_slowdown(starts, ends, 2.0) == 1.0
+    # 1 other task always running on 2 cores: 1 runs -> 1, 2 run -> 1.5: (1 + 2*1.5 + 1) / 4
+    assert work_weighted_slowdown(starts, ends, 2.0, 1.0) == 1.25
+    # back to back: an end and a start at the same instant do not overlap
+    assert work_weighted_slowdown(np.array([0.0, 1.0]), np.array([1.0, 2.0]), 1.0) == 1.0
+
+
+def test_a_pipeline_whose_ranks_take_turns_is_slowed_less():
+    # 1 replica, 2 stages, 2 micro-batches, forward = backward = 1, free links, 1 core:
+    # F0[0,1] F1[1,2] | F'0[1,2] F'1[2,3] | B'1[3,4] B'1[4,5] | B0[4,5] B0[5,6]
+    starts, ends = compute_intervals(np.ones((1, 2)), np.ones((1, 2)), np.zeros((1, 1)),
+                                     np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), 2)
+    assert sorted(zip(starts, ends)) == [(0, 1), (1, 2), (1, 2), (2, 3), (3, 4), (4, 5),
+                                         (4, 5), (5, 6)]
+    # concurrency 1,2,1,1,2,1 over unit pieces: (1+4+1+1+4+1) / 8 = 1.5, whatever k
+    assert slowdown(1, 2, 2, 1.0) == 1.5
+    # one rank at a time and a core for it: no slowdown
+    assert slowdown(1, 2, 1, 1.0) == 1.0
+    # slow links keep the ranks apart: the forward waits 10 s for its input, less sharing
+    assert 1.0 < slowdown(4, 2, 4, 2.0, tx=10.0) < slowdown(4, 2, 4, 2.0) < 4.0
+
+
+def lab_like(tflops: float) -> Cluster:
+    return uniform_cluster(8, lat_ms=20.0, gbps=0.05, tflops=tflops, memory_gb=4.0)
+
+
+def step(cluster: Cluster, pipelines: np.ndarray, config, sync: SyncConfig | None = None):
+    model = get_model("gpt-tiny")
+    return simulate(cluster, model, even_split(model.num_layers, pipelines.shape[1]), pipelines,
+                    sync or SyncConfig("allreduce"), 4, 4, config, timeline=False)
+
+
+def test_1x8_with_shared_cores_equals_the_old_model_on_the_all_at_once_speed():
+    """The old model (tflops measured with all 8 at once, nothing shared) and the new one
+    (tflops alone, 2 shared cores) agree exactly where all 8 always compute together."""
+    wide = np.arange(8).reshape(8, 1)
+    old = step(lab_like(0.005), wide, CPU)
+    new = step(lab_like(0.020), wide, replace(CPU, shared_cores=2.0))
+    assert new.step_s == pytest.approx(old.step_s, rel=1e-12)
+    assert new.compute_s == pytest.approx(old.compute_s, rel=1e-12)
+
+
+def test_pipelined_plans_get_more_cpu_than_the_all_at_once_speed():
+    deep = np.arange(8).reshape(2, 4)
+    old = step(lab_like(0.005), deep, CPU)
+    new = step(lab_like(0.020), deep, replace(CPU, shared_cores=2.0))
+    alone = step(lab_like(0.020), deep, CPU)
+    assert alone.step_s < new.step_s < old.step_s
+
+
+def test_gpu_hosts_keep_their_model():
+    deep = np.arange(8).reshape(2, 4)
+    gpu = RUNTIME_PROFILES["gpu"]
+    assert gpu.shared_cores == 0.0 and CPU.shared_cores == 0.0
+    assert step(lab_like(10.0), deep, gpu).step_s == step(lab_like(10.0), deep, gpu).step_s
+
+
+def test_shared_cores_reaches_plan_and_simulate_from_a_calibration_file(tmp_path):
+    lab = tmp_path / "lab.json"
+    assert run_entry("scheduler/scheduler.py", "scenario", "lab", "--out", str(lab)).returncode == 0
+    cal = tmp_path / "cal.json"
+    save_calibration(cal, {"shared_cores": 2}, runtime="cpu", measured={"cores": 2})
+    assert load_calibration(cal).settings == {"shared_cores": 2.0}
+    out = tmp_path / "p.json"
+    r = run_entry("scheduler/scheduler.py", "plan", "--cluster", str(lab), "--model", "gpt-tiny",
+                  "--stages", "2", "--replicas", "4", "--micro-batch-size", "4",
+                  "--micro-batches", "4", "--budget", "100", "--random-samples", "5", "--quiet",
+                  "--runtime", "cpu", "--calibration", str(cal), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["search"]["sim_config"]["shared_cores"] == 2.0
+    sim = [json.loads(run_entry("scheduler/scheduler.py", "simulate", "--cluster", str(lab),
+                                "--plan", str(out), "--json", *extra).stdout)["step_s"]
+           for extra in ([], ["--shared-cores", "0"])]
+    assert sim[0] > sim[1]  # sharing 2 cores among 8 ranks is slower than a core each
+    bad = run_entry("scheduler/scheduler.py", "simulate", "--cluster", str(lab), "--plan",
+                    str(out), "--shared-cores", "-1")
+    assert bad.returncode == 2 and "shared" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def sharing(alone: list[float], shared: list[float]) -> CoreSharing:
+    return CoreSharing(8, [a * 1e9 for a in alone], [s * 1e9 for s in shared], 2)
+
+
+def test_core_sharing_figures_are_medians_and_their_ratio():
+    c = sharing([20.0, 22.0, 21.0], [5.0, 5.5, 5.25])
+    assert (c.alone, c.shared) == (21e9, 5.25e9)
+    assert c.shared_cores == 2.0 and c.spread == 1.1
+    assert sharing([20.0], [10.0]).shared_cores == 2.0  # clamped to the machine's cores
+
+
+def test_the_fit_finds_core_speed_cores_and_load():
+    def fit(alone: float, pair: float, shared: float) -> tuple[float, float, float]:
+        s, c, load = CoreSharing(8, [alone * 1e9], [shared * 1e9], 2, [pair * 1e9]).fit()
+        return round(s / 1e9, 3), round(c, 3), round(load, 3)
+
+    assert fit(20.0, 20.0, 5.0) == (20.0, 2.0, 0.0)  # a quiet 2-core machine
+    # 2 tasks of other work: alone 20 x 2/3, 2 at once 20 x 2/4, 8 at once 20 x 2/10
+    assert fit(20.0 * 2 / 3, 10.0, 4.0) == (20.0, 2.0, 2.0)
+    s, c, load = fit(20.0, 20.0, 4.0)  # cores that do not add up (8 at once: 1.6 cores' worth)
+    assert s == pytest.approx(20.0, rel=0.01) and 1.5 < c < 1.9 and load == 0.0
+
+
+def test_the_noise_verdict_names_what_moved():
+    from testkit.lab import noise_verdict
+
+    steady = sharing([20.0, 20.5, 20.2], [5.0, 5.1, 5.05])
+    assert noise_verdict(steady) == ""
+    assert noise_verdict(steady, sharing([19.8, 20.1], [5.0, 5.02])) == ""
+    assert "rounds differ by 30%" in noise_verdict(sharing([20.0, 26.0, 22.0], [5.0, 5.0, 5.0]))
+    why = noise_verdict(steady, sharing([20.0, 20.0], [2.5, 2.6]))
+    assert "all ranks at once moved" in why and "5.0 -> 2.5" in why
+
+
+def test_the_optimizer_step_is_charged_as_compute_per_parameter():
+    wide = np.arange(8).reshape(8, 1)
+    model = get_model("gpt-tiny")
+    config = replace(CPU, shared_cores=2.0)
+    base = step(lab_like(0.020), wide, config)
+    charged = step(lab_like(0.020), wide, replace(config, optimizer_flops_per_param=100.0))
+    # 8 ranks on 2 cores, all at once: 4 x the optimizer's seconds alone
+    extra = 4 * model.stage_params(0, model.num_layers) * 100.0 / 0.020e12
+    assert charged.compute_s - base.compute_s == pytest.approx(extra, rel=1e-9)
+    assert step(lab_like(0.020), wide, CPU).compute_s == pytest.approx(base.compute_s / 4)
+
+
+def test_calibration_measures_the_optimizer_per_parameter():
+    c = replace(sharing([20.0], [5.0]), optimizer_s=[0.01, 0.03, 0.02], params=1_000_000)
+    assert c.optimizer_flops_per_param == pytest.approx(0.02 * 20e9 / 1e6)
+    assert sharing([20.0], [5.0]).optimizer_flops_per_param == 0.0
+
+
+def row(name: str, predicted: float, measured: float, tokens: float) -> dict:
+    return {"name": name, "predicted_s": predicted, "measured_s": measured,
+            "prediction_error": (predicted - measured) / measured, "wire_mb_per_step": 1.0,
+            "tokens_per_s": tokens, "loss_ratio_vs_allreduce": 1.0}
+
+
+def test_bad_network_verdicts_say_noisy_instead_of_pass_or_miss():
+    from benchmarks.bad_network import targets
+
+    rows = [row("allreduce", 1.0, 1.0, 100.0), row("+ overlap", 0.5, 0.8, 150.0),
+            row("planner --sync auto (1x8)", 0.3, 0.3, 140.0)]
+    quiet = targets(rows)
+    assert any(ln.startswith("MISS every prediction within 15% (worst -37.5%") for ln in quiet)
+    assert any(ln.startswith("MISS --sync auto's choice") and "+ overlap" in ln for ln in quiet)
+    noisy = targets(rows, "the calibration's rounds differ by 30%")
+    assert [ln for ln in noisy if "prediction" in ln or "--sync auto" in ln][:2] == [
+        "NOISY every prediction within 15% (worst -37.5%, + overlap)",
+        "NOISY --sync auto's choice at least as fast (tokens/s) as every other row "
+        "(faster: + overlap)"]
+    assert noisy[-1] == ("NOISY machine too noisy to judge the predictions: the calibration's "
+                         "rounds differ by 30%")
+    assert not any(ln.startswith(("PASS every", "MISS every")) for ln in noisy)
