@@ -69,13 +69,33 @@ def test_plan2_round_trip_and_helpers(tmp_path):
     ([[[0, 1]], [[2, 3, 4]]], "plan/2", r"pipelines\[1\]\[0\]: shard group of 3 devices but "
                                         r"replica 0 holds stage 0 with 2; .*same D in every"),
     ([[[0, 1]], [[1, 2]]], "plan/2", r"pipelines\[1\]\[0\]: device 1 appears twice"),
-    ([[[0, 1], [2]]], "plan/2", r"stage 1 has D = 1 but stage 0 has D = 2"),
+    ([[[0, 1], [2]]], "plan/2", r"stage 0 has D = 2 but the last stage has D = 1; gpt-tiny "
+                                r"ties its embeddings"),
+    ([[[0, 1, 2], [3, 4]]], "plan/2", r"pipelines\[0\]\[1\]: stage 1 has D = 2, which does "
+                                      r"not divide the largest D = 3"),
     ([[list(range(65))]], "plan/2", r"D = 65 devices per shard group.*at most 64"),
     ([[[0, 1]], [[2, 3]]], "plan/1", r"shard groups .* need format 'plan/2'"),
 ])
 def test_malformed_shard_groups_are_refused_by_name(pipelines, fmt, match):
     with pytest.raises(UserError, match=match):
         validate_plan(plan_from_dict(sharded_dict(pipelines, fmt)))
+
+
+def untied_dict(pipelines: list) -> dict:
+    """sharded_dict of an untied gpt-tiny (different D on the two ends is allowed)."""
+    config = {**get_model("gpt-tiny").fields(), "name": "gpt-tiny-untied",
+              "tie_embeddings": False}
+    return sharded_dict(pipelines, model="gpt-tiny-untied", model_config=config)
+
+
+def test_d_per_stage_lanes_and_devices():
+    """D = 2 then D = 1: a replica runs L = 2 lanes; the stage of D = 1 runs both."""
+    plan = plan_from_dict(untied_dict([[[0, 1], [2]], [[3, 4], [5]]]))
+    validate_plan(plan)
+    assert plan.shard_degrees() == [2, 1] and plan.lanes_per_replica == 2
+    assert plan.lanes() == [[0, 2], [1, 2], [3, 5], [4, 5]]
+    assert plan.lanes_of(2) == [0, 1] and plan.lanes_of(4) == [3] and plan.lanes_of(5) == [2, 3]
+    assert plan.shard_peers(1, 0) == [2, 5] and plan.shard_peers(0, 1) == [1, 4]
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -176,6 +196,27 @@ def test_step_and_per_shard_rings_closed_form(mode):
     flat = simulate(cluster, model, [(0, 4)], [[0], [4]], sync, 1, m, config, timeline=False)
     assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)  # D rings x 1/D
     assert res.fsdp_bytes_per_step == 2 * (d - 1) * payload * 3 * m
+
+
+def test_d_per_stage_memory_and_step():
+    """Stage 0 on 2 devices, stage 1 on 1 device that runs both lanes: its activations and
+    compute count twice its micro-batches; FSDP only on stage 0; one outer ring per shard."""
+    cluster, config, m = uniform(6, 10.0, 1.0), SimConfig(), 2
+    model = get_model("gpt-tiny")
+    untied = plan_from_dict(untied_dict([[[0, 1], [2]]])).model_spec()
+    sync = SyncConfig("allreduce")
+    res = simulate(cluster, untied, [(0, 2), (2, 4)], [[[0, 1], [2]], [[3, 4], [5]]], sync, 1,
+                   m, config, timeline=False)
+    need = {d: gb for d, gb, _ in res.memory_gb}
+    one = stage_memory(untied, 2, 4, 1, 2 * m, False, config.memory()).total_bytes / 1e9
+    assert need[2] == pytest.approx(one) and len(need) == 6
+    assert res.tokens_per_step == 2 * 2 * m * model.seq_len  # R x L lanes
+    payload = untied.stage_params(0, 2) * 4.0
+    assert res.fsdp_bytes_per_step == 2 * (2 - 1) * payload * 3 * m  # stage 0 only
+    flat = simulate(cluster, untied, [(0, 2), (2, 4)], [[0, 2], [3, 5]], sync, 1, m, config,
+                    timeline=False)
+    assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)
+    assert res.step_s > flat.step_s  # stage 1's device runs two lanes
 
 
 # --------------------------------------------------------------------------- planner

@@ -77,6 +77,31 @@ def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharded,flat", [
+    ([[[0, 1], [2]]], [[0, 2], [1, 3]]),
+    ([[[0], [1, 2]]], [[0, 2], [1, 3]]),
+], ids=["D=2,1", "D=1,2"])
+def test_stages_of_different_d_train_like_the_unsharded_model(tmp_path, sharded, flat):
+    """D per stage: the stage of D = 1 runs both lanes (its device talks to both devices of
+    the D = 2 stage); an untied model (tied embeddings need the same D on both ends)."""
+    config = {**get_model(MODEL).fields(), "name": "gpt-tiny-untied", "tie_embeddings": False}
+    stages = [(0, 2), (2, 4)]
+    plan = Plan("local", "", "gpt-tiny-untied", stages, sharded, micro_batch_size=2,
+                num_micro_batches=2, model_config=config)
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    got = torch.tensor(_losses(metrics), dtype=torch.float64)
+    flat_plan = Plan("local", "", "gpt-tiny-untied", stages, flat, micro_batch_size=2,
+                     num_micro_batches=2, model_config=config)
+    torch.set_num_threads(1)
+    want = torch.tensor(reference_losses(flat_plan, _data(), RunConfig(steps=STEPS)),
+                        dtype=torch.float64)
+    assert want[-1] < want[0]  # it trains
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
 def _serial_diloco(plan: Plan, cfg: RunConfig, lanes_per_replica: int) -> list[list[float]]:
     """The rule, one process: R full models; each step replica r's inner AdamW on its lanes'
     batch; every H steps anchor <- outer Nesterov SGD step with mean_r(anchor - params_r) as

@@ -47,12 +47,17 @@ class CountingReduceScatter(DefaultReduceScatter):
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
-    """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block; then make
-    FSDP2 set up its buffers now, so the local shards `local` returns stay the ones trained."""
+    """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block, gradients
+    summed over the group; then make FSDP2 set up its buffers now, so the local shards `local` returns stay the ones trained."""
     root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
     for block in root.blocks.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for module in fsdp_modules(model):
+        # sum, not average, over the group: the last stage already divides each loss by the
+        # replica's L lanes (stage.loss_divisor), whatever this stage's D (docs/hierarchical.md)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     fully_shard.state(root)._lazy_init()  # noqa: SLF001 - else done at the first forward
 
 

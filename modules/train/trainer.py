@@ -111,13 +111,14 @@ class Trainer:
                                   self.placement.precision, plan.pipeline_compression)
         if self.shard is not None:
             self.pipe.before_backward = self.shard.before_backward
+            self.pipe.loss_divisor = topo.shard_degree if topo.is_last else 1
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
         self.step = 0
         self.tokens = 0
         self.tokens_per_step = (plan.num_micro_batches * plan.micro_batch_size
-                                * self.spec.seq_len * topo.shard_degree)  # D lanes a replica
+                                * self.spec.seq_len * topo.lanes_per_replica)  # L lanes a replica
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
         self.round_dp0 = 0
@@ -364,8 +365,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         x = y = None
         if topo.is_first or topo.is_last:
-            x, y = to_device(self.sharder.micro_batches(self.step, topo.lane), self.device,
-                             non_blocking=True)
+            x, y = to_device(self._my_micro_batches(), self.device, non_blocking=True)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
         pair, average = self.model.tied_pair(), average_grads
         if self.shard is not None:  # the local shards; the replica's loss over its lanes
@@ -391,6 +391,15 @@ class Trainer:
             self.ckpt.keep_outer(self.outer.optimizer.outer_count)
         return loss
 
+    def _my_micro_batches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs, targets) of this step's micro-batches of every lane I run, lane by lane."""
+        xs, ys = [], []
+        for lane in self.topo.my_lanes:
+            x, y = self.sharder.micro_batches(self.step, lane)
+            xs += list(x)
+            ys += list(y)
+        return xs, ys
+
     def _check_finite(self, loss: float | None) -> None:
         """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
         the update: the model and optimizer still hold the last finite state)."""
@@ -404,8 +413,9 @@ class Trainer:
         if not self.val:
             return None
         self.model.eval()
-        xs = [b[0] for b in self.val] if self.topo.is_first else None
-        ys = [b[1] for b in self.val] if self.topo.is_last else None
+        lanes = len(self.topo.my_lanes)  # every lane evaluates the set (FSDP: same calls)
+        xs = [b[0] for b in self.val] * lanes if self.topo.is_first else None
+        ys = [b[1] for b in self.val] * lanes if self.topo.is_last else None
         loss = self.pipe.eval_loss(xs, ys, len(self.val))
         self.model.train()
         if self.shard is not None:
