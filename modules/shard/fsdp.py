@@ -48,7 +48,8 @@ class CountingReduceScatter(DefaultReduceScatter):
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
     """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block, gradients
-    summed over the group; then make FSDP2 set up its buffers now, so the local shards `local` returns stay the ones trained."""
+    summed over the group; then make FSDP2 set up its buffers now, so the local shards `local`
+    returns stay the ones trained."""
     root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
     for block in root.blocks.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
