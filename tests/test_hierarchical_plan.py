@@ -267,6 +267,33 @@ def test_planner_picks_two_sharded_replicas_with_diloco_across_sites():
     assert alone.label == best.label
 
 
+def test_planner_gives_the_fast_device_of_a_site_the_stage_of_fewer_devices():
+    """Two sites of one fast (312 TFLOPS, 80 GB) and two slow (100 TFLOPS, 16 GB) devices,
+    llama-150m (untied): the planner scores D per stage and writes 2 stages of D = (1, 2):
+    the fast device runs both lanes of stage 0, the slow pair stage 1, one replica a site;
+    faster per sequence than the D = 1 search's plan."""
+    site, fast = [0, 0, 0, 1, 1, 1], {0, 3}
+    devs = [Device(i, f"d{i}", f"site-{site[i]}", f"10.0.0.{i + 1}", "X",
+                   312.0 if i in fast else 100.0, 80.0 if i in fast else 16.0) for i in range(6)]
+    same = np.array([[site[i] == site[j] for j in range(6)] for i in range(6)])
+    lat, bw = np.where(same, 0.01, 40.0), np.where(same, 100.0, 1.0)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    cluster, model = Cluster("mixed", devs, lat, bw), get_model("llama-150m")
+    sync = SyncConfig("diloco", 50, "int8", overlap=True)
+    req = PlanRequest(0, 0, micro_batch_size=8, objective="simulated", sync=sync, max_shard=2,
+                      search=SearchConfig(budget=200, time_limit_s=60, seed=0),
+                      random_samples=20)
+    flat = plan_best_shape(cluster, model, req).plan
+    best, every = plan_hierarchical(cluster, model, req, (sync,), flat, time.perf_counter())
+    assert any("(2, 1)-way" in c.label for c in every)  # both orders scored
+    plan = best.plan
+    assert isinstance(plan, Plan) and plan.shard_degrees() == [1, 2]
+    assert plan.pipelines == [[[0], [1, 2]], [[3], [4, 5]]]
+    assert best.per_sequence_s < every[0].per_sequence_s  # every[0]: the D = 1 plan
+    validate_plan(plan, cluster, model)
+
+
 def test_max_shard_default_is_one():
     assert PlanRequest(1, 1).max_shard == 1
     with pytest.raises(UserError, match=r"PlanRequest.max_shard: must be in \[1, 1024\]"):
