@@ -173,6 +173,25 @@ def test_fsdp_overlap_rule():
     assert fwd[0, 0] == pytest.approx(0.2 + 0.1) and bwd[0, 0] == pytest.approx(0.2 + 0.1)
 
 
+def test_fsdp_on_the_cpu_runtime_is_not_hidden_and_reshard_off_saves_it():
+    """CPU runtime: a micro-batch = compute + its gathers and scatters; without
+    reshard_after_forward one gather and one scatter a step (amortised)."""
+    fwd, bwd = fsdp_compute(np.array([[1.0]]), np.array([[2.0]]), np.array([[0.5]]),
+                            np.array([2.0]), 4, True, overlap=False)
+    assert fwd[0, 0] == 1.5 and bwd[0, 0] == 3.0
+    fwd, bwd = fsdp_compute(np.array([[1.0]]), np.array([[2.0]]), np.array([[0.8]]),
+                            np.array([2.0]), 4, False, overlap=False)
+    assert fwd[0, 0] == pytest.approx(1.2) and bwd[0, 0] == pytest.approx(2.2)
+    cluster, model = uniform(8, 2.0, 0.2), get_model("gpt-tiny")
+    cpu = SimConfig(runtime="cpu", mfu=1.0, activation_bytes=4, recompute=False)
+    sync = SyncConfig("diloco", 5, "int8")
+    groups = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    on, off = (simulate(cluster, model, [(0, 4)], groups, sync, 2, 2, cpu, timeline=False,
+                        reshard_after_forward=r) for r in (True, False))
+    assert off.fsdp_comm_s == pytest.approx(on.fsdp_comm_s / 3)  # 2 passes a step, not 6
+    assert on.step_s - off.step_s == pytest.approx(on.fsdp_comm_s - off.fsdp_comm_s)
+
+
 @pytest.mark.parametrize("mode", ["allreduce", "diloco"])
 def test_step_and_per_shard_rings_closed_form(mode):
     """2 replicas x 4-way shard groups, one stage: 4 outer rings of 2 devices, each 1/4 of the
@@ -187,7 +206,7 @@ def test_step_and_per_shard_rings_closed_form(mode):
     assert res.dp_allreduce_s == pytest.approx([ring] * d)
     plain = build_inputs(LinkTables(cluster, config), model, [(0, 4)],
                          np.array([[0], [1], [4], [5]]), sync, 1, m, config)
-    gather = 3 * (lat + payload / d * 8 / 1e9)
+    gather = 3 * (5 * lat + payload / d * 8 / 1e9)  # 5 collectives: 4 blocks + the root
     fwd = max(plain.t_fwd[0, 0], gather) + gather / 4
     bwd = max(plain.t_bwd[0, 0], 2 * gather) + gather / 4
     h = sync.inner_steps

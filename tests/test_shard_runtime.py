@@ -67,6 +67,10 @@ def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded
     # allreduce without replicas: every byte sent is FSDP's (or the pipeline's)
     rec = json.loads(metrics.read_text().splitlines()[-1])
     assert rec["bytes_sent"] - rec["pp_bytes_sent"] > 0
+    # FSDP2's collectives timed apart: in neither compute_s nor comm_s
+    assert 0 < rec["fsdp_s"] < rec["step_s"]
+    assert rec["compute_s"] + rec["comm_s"] + rec["fsdp_s"] == pytest.approx(rec["step_s"],
+                                                                              abs=1e-5)
     got = torch.tensor(_losses(metrics), dtype=torch.float64)
     # the same global batch without shard groups: D lanes = D replicas of one device
     flat_plan = Plan("local", "", MODEL, stages, flat, micro_batch_size=2, num_micro_batches=2)

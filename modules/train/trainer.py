@@ -426,6 +426,7 @@ class Trainer:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
         self.stats.settle()  # NCCL's spans timed on the stream before this step
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
+        fsdp0 = self.shard.clock.seconds if self.shard is not None else 0.0
         dp0, pipe, ppb0 = self.dp_bytes, self.pipe.comm, self.pipe.bytes_sent
         pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
@@ -439,8 +440,9 @@ class Trainer:
         bg_bytes, exposed_s = (self.outer.background_share() if self.outer is not None
                                else (0, 0.0))
         comm_s = self.stats.wait_s - wait0 + exposed_s
+        fsdp_s = self.shard.clock.seconds - fsdp0 if self.shard is not None else 0.0
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
-               "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
+               "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s - fsdp_s, 6),
                "comm_s": round(comm_s, 6),
                "bytes_sent": self.stats.bytes_sent - bytes0 + bg_bytes,
                "dp_bytes_sent": self.dp_bytes - dp0, "pp_bytes_sent": self.pipe.bytes_sent - ppb0,
@@ -449,6 +451,8 @@ class Trainer:
                "replica": self.topo.replica, "wall_time": round(time.time(), 3),
                "rank": self.topo.rank, "stage": self.topo.stage,
                "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
+        if self.shard is not None:  # FSDP2's collectives, out of compute_s (not in comm_s)
+            rec["fsdp_s"] = round(fsdp_s, 6)
         if self.membership.monitor is not None and self.outer is not None:
             rec["live_replicas"] = len(self.replicas)
         if self.resolved.overlapped:  # the part of the background sync the step waited for

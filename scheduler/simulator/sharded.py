@@ -17,7 +17,12 @@ What the runtime does and the model charges (R replicas, S stages, D devices per
   current block computes, so per micro-batch a device's forward takes
   max(compute, gather) + gather / blocks (the first block's gather is not hidden) and its
   backward max(compute, gather + scatter) + scatter / blocks (the last block's scatter is not
-  hidden). Without reshard_after_forward the stage's parameters are gathered once per step and
+  hidden). A stage's gather is one collective per block plus one for the root (fsdp_units),
+  each paying the ring's (D-1) latencies. On the CPU runtime (SimConfig.runtime "cpu") nothing
+  is hidden: gloo's collectives run on the cores the ranks compute on, so a micro-batch takes
+  compute + its gathers and scatters (measured on the badlink lab: reshard_after_forward off
+  ran 2.3x faster than on, where an overlapped model predicted 1.07x). Without
+  reshard_after_forward the stage's parameters are gathered once per step and
   the gradients reduce-scattered once per step (amortised over the m micro-batches, same rule).
   The shard group's links are not shared with the pipeline's in the model (a group sits inside
   one site, its pipeline messages go to other devices).
@@ -81,25 +86,37 @@ def shard_groups(groups: np.ndarray) -> list[list[list[int]]]:
             for r in range(groups.shape[0])]
 
 
-def ring_gather_s(payload_bytes: float, lat_s: np.ndarray, sec_per_bit: np.ndarray) -> float:
+def ring_gather_s(payload_bytes: float, lat_s: np.ndarray, sec_per_bit: np.ndarray,
+                  units: int = 1) -> float:
     """Seconds of a ring all-gather (or reduce-scatter) of `payload_bytes` over n devices whose
     ring links have these latencies and seconds per bit: (n-1) steps of B/n bytes, each as
-    long as its slowest link. Half the ring all-reduce's 2(n-1) steps."""
+    long as its slowest link. Half the ring all-reduce's 2(n-1) steps. `units`: the payload is
+    gathered as that many separate collectives (FSDP2: one per block and one for the root),
+    each paying the steps' latency."""
     n = len(lat_s)
     if n <= 1:
         return 0.0
-    return (n - 1) * float((np.asarray(lat_s) + payload_bytes / n * 8.0
+    return (n - 1) * float((units * np.asarray(lat_s) + payload_bytes / n * 8.0
                             * np.asarray(sec_per_bit)).max())
 
 
-def fsdp_collective_s(tables: LinkTables, group: np.ndarray, payload_bytes: float) -> float:
-    """One all-gather (= one reduce-scatter) of `payload_bytes` over a shard group's ring."""
+def fsdp_collective_s(tables: LinkTables, group: np.ndarray, payload_bytes: float,
+                      units: int = 1) -> float:
+    """All-gathers (= reduce-scatters) of `payload_bytes` in `units` collectives over a shard
+    group's ring."""
     if len(group) <= 1:
         return 0.0
     order = ring_order(group, tables.lat_s, tables.bits_per_s, payload_bytes / len(group))
     nxt = np.roll(order, -1)
     return ring_gather_s(payload_bytes, tables.collective_lat_s[order, nxt],
-                         tables.sec_per_bit[order, nxt])
+                         tables.sec_per_bit[order, nxt], units)
+
+
+def fsdp_units(model: ModelSpec, start: int, end: int) -> int:
+    """FSDP2 collectives per gather of a stage [start, end): one per block, one for the root
+    when it holds parameters (the embedding on the first stage, final norm and head on the
+    last)."""
+    return end - start + (1 if start == 0 or end == model.num_layers else 0)
 
 
 def fsdp_stage_times(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
@@ -112,22 +129,27 @@ def fsdp_stage_times(tables: LinkTables, model: ModelSpec, stages: list[tuple[in
     for s, (a, b) in enumerate(stages):
         payload = model.stage_params(a, b) * FSDP_BYTES_PER_PARAM
         for r in range(r_count):
-            out[r, s] = fsdp_collective_s(tables, np.array(real[r][s]), payload)
+            out[r, s] = fsdp_collective_s(tables, np.array(real[r][s]), payload,
+                                          fsdp_units(model, a, b))
     return out
 
 
 def fsdp_compute(t_fwd: np.ndarray, t_bwd: np.ndarray, collective: np.ndarray,
                  blocks: np.ndarray, num_micro_batches: int,
                  reshard_after_forward: bool, lanes_per_device: np.ndarray | None = None,
-                 ) -> tuple[np.ndarray, np.ndarray]:
+                 overlap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds with FSDP's collectives overlapped as FSDP2
-    prefetches them (module docstring); `collective` is one stage gather (= one scatter).
-    `lanes_per_device` (S,): a device of stage s runs k_s = L / D_s lanes one after the other,
-    so a lane's micro-batch waits for k_s of that device's (1 everywhere by default)."""
+    prefetches them (module docstring), or added to the compute when not `overlap` (the CPU
+    runtime: gloo's collectives run on the cores the ranks compute on); `collective` is one
+    stage gather (= one scatter). `lanes_per_device` (S,): a device of stage s runs
+    k_s = L / D_s lanes one after the other, so a lane's micro-batch waits for k_s of that
+    device's (1 everywhere by default)."""
     k = np.ones(t_fwd.shape[1]) if lanes_per_device is None else lanes_per_device
     gather = collective if reshard_after_forward else collective / (num_micro_batches * k)
     scatter = gather
     back_gather = gather if reshard_after_forward else 0.0
+    if not overlap:
+        return (t_fwd + gather) * k, (t_bwd + back_gather + scatter) * k
     fwd = np.maximum(t_fwd, gather) + gather / blocks
     bwd = np.maximum(t_bwd, back_gather + scatter) + scatter / blocks
     return fwd * k, bwd * k
@@ -209,6 +231,7 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
     raw_fwd = _interleave([x.t_fwd for x in per_shard])
     raw_bwd = _interleave([x.t_bwd for x in per_shard])
     t_fwd, t_bwd = fsdp_compute(raw_fwd, raw_bwd, collective, blocks, num_micro_batches,
-                                reshard_after_forward, per_device.astype(float))
+                                reshard_after_forward, per_device.astype(float),
+                                overlap=config.runtime != "cpu")
     exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * per_device) * num_micro_batches
     return merge_shards(per_shard, t_fwd, t_bwd), float(exposed.max())
