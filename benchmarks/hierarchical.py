@@ -63,10 +63,14 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     cluster = load_cluster(cluster_path)
     spec = get_model(args.model)
     sh(lab.plan_command(args, cluster_path, out / "allreduce.json"))
-    dil = SyncConfig("diloco", args.inner_steps, "int8")
+    dil = SyncConfig("diloco", args.inner_steps, "int8", outer_lr=args.outer_lr,
+                     outer_momentum=args.outer_momentum)
     one = [(0, spec.num_layers)]
+    # the planned rows' performance model (the CPU runtime profile) for the hand-made ones too:
+    # without it `simulate` used the generic GPU-like model (flat DiLoCo was predicted +437%)
+    sim = load_plan(out / "allreduce.json").search.get("sim_config")
     common = {"micro_batch_size": args.micro_batch_size, "num_micro_batches": args.micro_batches,
-              "sync": dil}
+              "sync": dil, "search": {"sim_config": sim} if sim else {}}
     flat = Plan(cluster.name, cluster.sha256(), args.model, one,
                 [[d] for d in range(cluster.num_devices)], **common)
     hier = Plan(cluster.name, cluster.sha256(), args.model, one, [[s] for s in sites(cluster)],
@@ -78,11 +82,12 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
                         "--sync", "auto", "--max-inner-steps", str(args.inner_steps),
                         "--compression", "int8"))
     planner = load_plan(out / "planner.json")
+    outer = f"outer lr {args.outer_lr:g} m {args.outer_momentum:g}"
     return [Run("allreduce", out / "allreduce.json"),
-            Run(f"flat diloco H={args.inner_steps} int8 ({cluster.num_devices} replicas)",
-                out / "flat.json"),
-            Run(f"hierarchical 2 x {hier.shard_degree(0)}-way, diloco H={args.inner_steps} int8",
-                out / "hier.json"),
+            Run(f"flat diloco H={args.inner_steps} int8 {outer} ({cluster.num_devices} "
+                "replicas)", out / "flat.json"),
+            Run(f"hierarchical 2 x {hier.shard_degree(0)}-way, diloco H={args.inner_steps} int8 "
+                f"{outer}", out / "hier.json"),
             Run("hierarchical, reshard_after_forward off (one gather + one scatter a step)",
                 out / "hier-gathered.json"),
             Run(f"planner --max-shard 4 ({describe(planner)})", out / "planner.json")]
@@ -92,12 +97,14 @@ def describe(plan: Plan) -> str:
     """A plan's shape and sync in a few words."""
     s = plan.sync
     sync = s.mode if s.mode == "allreduce" else f"diloco H={s.inner_steps} {s.compression}"
-    return f"S={plan.num_stages} D={plan.shard_degree(0)} R={plan.num_replicas}, {sync}"
+    degrees = plan.shard_degrees()
+    d = degrees[0] if len(set(degrees)) == 1 else "(" + ",".join(map(str, degrees)) + ")"
+    return f"S={plan.num_stages} D={d} R={plan.num_replicas}, {sync}"
 
 
 def lanes(plan: Plan) -> int:
-    """Lanes of a plan: R x D (each reads its own micro-batches)."""
-    return plan.num_replicas * plan.shard_degree(0)
+    """Lanes of a plan: R x L (each reads its own micro-batches; L = the largest D)."""
+    return plan.num_replicas * plan.lanes_per_replica
 
 
 def max_state_mb(plan: Plan) -> float:
@@ -173,7 +180,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
     for r in runs:
         plan = load_plan(r.plan_path)
         rows.append({
-            "name": r.name, "shard_degree": plan.shard_degree(0), "predicted_s": r.predicted_s,
+            "name": r.name, "shard_degree": plan.lanes_per_replica, "predicted_s": r.predicted_s,
             "measured_s": r.measured_s, "wire_mb_per_step": r.wire_bytes_per_step / 1e6,
             "cross_site_mb_per_step": cross.get(r.name, 0.0), "tokens_per_s": r.tokens_per_s,
             "loss_ratio_vs_allreduce": (r.final_val_loss / base.final_val_loss
@@ -239,6 +246,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--inner-steps", type=int, default=5, help="DiLoCo H of the DiLoCo rows")
+    p.add_argument("--outer-lr", type=float, default=1.0,
+                   help="outer Nesterov lr of the flat and hierarchical DiLoCo rows (default "
+                        "1.0: with the few outer steps of these runs, measured closer to "
+                        "allreduce than the plan default 0.7 / momentum 0.9)")
+    p.add_argument("--outer-momentum", type=float, default=0.3,
+                   help="outer Nesterov momentum of the flat and hierarchical rows")
     p.add_argument("--steps", type=int, default=None,
                    help="allreduce row's training steps (default 30 with --quick, else 80); "
                         "the other rows train as many tokens")

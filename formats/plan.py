@@ -139,12 +139,13 @@ class Plan:
     """Half-open layer range [start, end) of each stage; contiguous, covering the model."""
     pipelines: list[list[Entry]]
     """pipelines[r][s] = device id running stage s of replica r, or the list of D device ids
-    of its shard group (FSDP2 over them; the same D for every stage and replica)."""
+    of its shard group (FSDP2 over them; a stage's D is the same in every replica and divides
+    the largest D of the plan)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
     num_micro_batches: int = 1
-    """Micro-batches per lane per step (global batch = replicas x D x this x micro_batch_size;
-    D = 1 without shard groups)."""
+    """Micro-batches per lane per step (global batch = replicas x L x this x micro_batch_size;
+    L = the largest D of the plan's stages, 1 without shard groups)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     pipeline_compression: str = "none"
     """How activations and activation gradients cross pipeline links: `none` (the compute
@@ -203,13 +204,31 @@ class Plan:
         shard across replicas (the per-shard outer sync, or the per-step all-reduce)."""
         return [self.shard_group(r, stage)[shard] for r in range(self.num_replicas)]
 
+    @property
+    def lanes_per_replica(self) -> int:
+        """L = the largest D of any stage: a replica runs L lanes (1 without shard groups)."""
+        return max(self.shard_degrees(), default=1)
+
+    def lane_device(self, replica: int, stage: int, lane: int) -> int:
+        """The device of `stage` that runs lane `lane` (0..L-1) of `replica`: the L lanes are
+        cut into D equal blocks, device i of a stage of D devices runs block i."""
+        group = self.shard_group(replica, stage)
+        return group[lane * len(group) // self.lanes_per_replica]
+
     def lanes(self) -> list[list[int]]:
-        """The chains that run micro-batches: lane r*D + i is device i of every stage of
-        replica r (device i of stage s sends its activations to device i of stage s+1). Equal
-        to `pipelines` when D = 1."""
-        degree = self.shard_degree(0)
-        return [[self.shard_group(r, s)[i] for s in range(self.num_stages)]
-                for r in range(self.num_replicas) for i in range(degree)]
+        """The chains that run micro-batches: lane r*L + i runs through
+        `lane_device(r, s, i)` of every stage (with the same D everywhere: device i of every
+        stage). Equal to `pipelines` when D = 1."""
+        lanes = self.lanes_per_replica
+        return [[self.lane_device(r, s, i) for s in range(self.num_stages)]
+                for r in range(self.num_replicas) for i in range(lanes)]
+
+    def lanes_of(self, device_id: int) -> list[int]:
+        """The lanes (global indices r*L + i) a device runs, ascending: L / D of them."""
+        place = self.locate(device_id)
+        lanes, degree = self.lanes_per_replica, self.shard_degree(place.stage)
+        per = lanes // degree
+        return [place.replica * lanes + place.shard * per + k for k in range(per)]
 
     def locate(self, device_id: int) -> Place:
         """(replica, stage, shard index) of a device; UserError when it is not in the plan."""
@@ -311,8 +330,9 @@ def _check_devices(plan: Plan) -> dict[int, tuple[int, int]]:
 
 
 def _check_shard_degrees(plan: Plan, model: ModelSpec) -> None:
-    """Same D for a stage in every replica, the same D for every stage (lanes), D <= the
-    model's shard limit."""
+    """Same D for a stage in every replica, every stage's D dividing the largest (lanes), the
+    same D on the first and last stage with tied embeddings, D <= the model's shard limit."""
+    lanes = plan.lanes_per_replica
     for s in range(plan.num_stages):
         degree = plan.shard_degree(s)
         for r in range(1, plan.num_replicas):
@@ -322,15 +342,21 @@ def _check_shard_degrees(plan: Plan, model: ModelSpec) -> None:
                     f"pipelines[{r}][{s}]: shard group of {other} devices but replica 0 holds "
                     f"stage {s} with {degree}; a stage's shard groups must have the same D in "
                     f"every replica (device i of each averages the same shard)")
-        if degree != plan.shard_degree(0):
+        if lanes % degree:
             raise UserError(
-                f"pipelines[0][{s}]: stage {s} has D = {degree} but stage 0 has D = "
-                f"{plan.shard_degree(0)}; every stage needs the same D (device i of stage s "
-                f"sends its micro-batches to device i of stage s+1)")
-    limit = model.shard_limit()
-    if plan.shard_degree(0) > limit:
+                f"pipelines[0][{s}]: stage {s} has D = {degree}, which does not divide the "
+                f"largest D = {lanes} of the plan; each device of a stage runs L / D of the "
+                f"replica's L = {lanes} lanes, so every stage's D must divide L")
+    first, last = plan.shard_degree(0), plan.shard_degree(plan.num_stages - 1)
+    if model.tie_embeddings and plan.num_stages > 1 and first != last:
         raise UserError(
-            f"pipelines: D = {plan.shard_degree(0)} devices per shard group, but {model.name}'s "
+            f"pipelines: stage 0 has D = {first} but the last stage has D = {last}; "
+            f"{model.name} ties its embeddings, whose two copies (first and last stage) are "
+            f"summed shard by shard, so both stages need the same D")
+    limit = model.shard_limit()
+    if lanes > limit:
+        raise UserError(
+            f"pipelines: D = {lanes} devices per shard group, but {model.name}'s "
             f"smallest parameter has {limit} rows along dim 0 (FSDP2 shards each parameter "
             f"along dim 0); use at most {limit} devices per shard group")
 

@@ -548,9 +548,6 @@ class RunConfig:
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
-        if plan.is_sharded and el.join:  # issue 22: not yet (see modules/shard/runtime.py)
-            raise UserError("--join: a replica of shard groups cannot join a running job yet; "
-                            "restart the job with --resume to bring it back")
         if plan.is_sharded and self.device.precision == "fp16":
             raise UserError("--precision fp16: not supported with shard groups yet (the "
                             "overflow agreement would span the replica); use bf16 or fp32")

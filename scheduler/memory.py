@@ -151,11 +151,14 @@ def check_plan_memory(cluster: Cluster, model: ModelSpec, stages: list[tuple[int
     """UserError naming the first device whose stage (its shard of it, in a shard group) does
     not fit in its memory_gb."""
     rows = pipelines.tolist() if isinstance(pipelines, np.ndarray) else pipelines
+    lanes = max(len(as_group(e)) for chain in rows for e in chain)  # L: the largest D
     for r, chain in enumerate(rows):
         for s, entry in enumerate(chain):
             a, b = stages[s]
             group = as_group(entry)
-            need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco, config,
+            # a device of a smaller shard group runs L / D lanes: that many micro-batches more
+            need = stage_memory(model, a, b, micro_batch_size,
+                                num_micro_batches * max(1, lanes // len(group)), diloco, config,
                                 len(group), reshard_after_forward, outer_state)
             for dev_id in group:
                 dev = cluster.devices[int(dev_id)]

@@ -56,7 +56,7 @@ def with_overrides(plan: Plan, sync: dict[str, Any], micro_batch_size: int | Non
     mbs = micro_batch_size or plan.micro_batch_size
     micro = plan.num_micro_batches
     if total_batch_size is not None:
-        lanes = plan.num_replicas * plan.shard_degree(0)
+        lanes = plan.num_replicas * plan.lanes_per_replica
         per_step = lanes * mbs
         if total_batch_size % per_step:
             raise UserError(f"--total-batch-size {total_batch_size}: must be a multiple of "
@@ -73,7 +73,7 @@ def with_overrides(plan: Plan, sync: dict[str, Any], micro_batch_size: int | Non
 
 def total_batch_size(plan: Plan) -> int:
     """Sequences per step over all replicas."""
-    return plan.num_replicas * plan.shard_degree(0) * plan.num_micro_batches * \
+    return plan.num_replicas * plan.lanes_per_replica * plan.num_micro_batches * \
         plan.micro_batch_size
 
 

@@ -4,7 +4,11 @@ S x D x R and compared with the best D = 1 plan by the simulator's time per sequ
 Placement: a site is a region of the cluster file (devices that share fast links: a host or a
 data centre). Each site's devices, by id, are cut into shard groups of D (a site's remainder
 is left out of that D); replica r takes S consecutive shard groups, so a replica's stages stay
-in one site when the site holds S groups and the replicas sync across sites. The layer split
+in one site when the site holds S groups and the replicas sync across sites. Where a site's
+devices differ in speed, two-stage layouts with a different D per stage are scored too: the
+fastest devices hold the stage of fewer devices (each of them runs L / D of the replica's L
+lanes), the others the stage of D = L (untied models: tied embeddings need the same D on
+both ends). The layer split
 balances the stages' compute on the slowest device of each stage (layer_split.split_layers),
 memory per device checked (memory.stage_memory with D). Every candidate is replayed by the
 simulator (simulator/sharded.py); the cost that ranks plans of different D and R is
@@ -71,31 +75,38 @@ class Candidate:
         return self.step_s / (self.num_replicas * self.shard_degree)
 
 
-def memory_table(model: ModelSpec, req: PlanRequest, degree: int, diloco: bool) -> np.ndarray:
-    """(L+1, L+1) bytes a device of a D-way shard group needs for a stage [a, b) (inf: b <= a)."""
+def memory_table(model: ModelSpec, req: PlanRequest, degree: int, diloco: bool,
+                 lanes: int = 1) -> np.ndarray:
+    """(L+1, L+1) bytes a device of a D-way shard group needs for a stage [a, b) (inf: b <= a),
+    running `lanes` lanes' micro-batches (L / D with per-stage D)."""
     n = model.num_layers
     table = np.full((n + 1, n + 1), np.inf)
     for a in range(n):
         for b in range(a + 1, n + 1):
-            table[a, b] = stage_memory(model, a, b, req.micro_batch_size, req.num_micro_batches,
-                                       diloco, req.sim.memory(), degree,
-                                       req.reshard_after_forward, req.outer_state).total_bytes
+            table[a, b] = stage_memory(model, a, b, req.micro_batch_size,
+                                       req.num_micro_batches * lanes, diloco, req.sim.memory(),
+                                       degree, req.reshard_after_forward,
+                                       req.outer_state).total_bytes
     return table
 
 
 def layer_split(cluster: Cluster, model: ModelSpec, pipelines: list[list[list[int]]],
-                need: np.ndarray) -> list[tuple[int, int]]:
-    """Stages balancing compute on each stage's slowest device, each stage's bytes per device
-    (`need`, memory_table) within its smallest device ([] when nothing fits)."""
+                need: np.ndarray | list[np.ndarray]) -> list[tuple[int, int]]:
+    """Stages balancing compute on each stage's slowest device (x the lanes it runs, L / D),
+    each stage's bytes per device (`need`: memory_table, or one per stage) within its smallest
+    device ([] when nothing fits)."""
     s_count = len(pipelines[0])
     if s_count > model.num_layers:
         return []
     flops = flops_table(model)
     cost = np.empty((s_count, *flops.shape))
+    lanes = max(len(g) for g in pipelines[0])
     for s in range(s_count):
         devs = [cluster.devices[d] for chain in pipelines for d in chain[s]]
         speed, memory = min(d.tflops for d in devs), min(d.memory_gb for d in devs) * 1e9
-        cost[s] = np.where(need <= memory, flops / speed, np.inf)
+        table = need[s] if isinstance(need, list) else need
+        work = lanes // len(pipelines[0][s])
+        cost[s] = np.where(table <= memory, flops * work / speed, np.inf)
     stages, worst = split_layers(cost)
     return stages if np.isfinite(worst) else []
 
@@ -119,14 +130,60 @@ def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                 if sync.mode == "allreduce" or r_count > 1:
                     out.append(_score(cluster, model, req, pipes, sync, tables[sync.mode],
                                       digest))
+    return out + mixed_candidates(cluster, model, req, syncs, deadline, bool(out))
+
+
+def mixed_layouts(cluster: Cluster, lanes: int) -> list[tuple[tuple[int, int], list]]:
+    """Two-stage layouts with a different D per stage, where a site's devices differ in speed:
+    per site, the fastest devices hold the stage of fewer devices (each runs L / D lanes),
+    the slower ones the stage of D = L; ((D0, D1), pipelines) for each order of the two."""
+    out = []
+    for small in (d for d in range(1, lanes) if lanes % d == 0):
+        chains: list[list[list[int]]] = []
+        for site in sites(cluster):
+            if len({cluster.devices[d].tflops for d in site}) < 2:
+                continue  # devices alike: the same D everywhere balances better
+            ranked = sorted(site, key=lambda d: (-cluster.devices[d].tflops, d))
+            count = len(site) // (small + lanes)
+            fast, slow = ranked[:count * small], ranked[count * small:count * (small + lanes)]
+            chains += [[sorted(fast[r * small:(r + 1) * small]),
+                        sorted(slow[r * lanes:(r + 1) * lanes])] for r in range(count)]
+        if chains:
+            out.append(((small, lanes), chains))
+            out.append(((lanes, small), [chain[::-1] for chain in chains]))
+    return out
+
+
+def mixed_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                     syncs: tuple[SyncConfig, ...], deadline: float,
+                     scored: bool) -> list[Candidate]:
+    """D per stage (mixed_layouts) for every L in 2..req.max_shard, under each sync, until
+    `deadline` (`scored`: a layout was scored already)."""
+    out: list[Candidate] = []
+    if model.tie_embeddings or model.num_layers < 2:
+        return out  # tied embeddings need the same D on the first and the last stage
+    digest = cluster.sha256()
+    for lanes in range(2, min(req.max_shard, model.shard_limit()) + 1):
+        for degrees, pipes in mixed_layouts(cluster, lanes):
+            need = {mode: [memory_table(model, req, d, mode == "diloco", lanes // d)
+                           for d in degrees] for mode in {sync.mode for sync in syncs}}
+            for sync in syncs:
+                if (out or scored) and time.perf_counter() > deadline:
+                    return out
+                if sync.mode == "allreduce" or len(pipes) > 1:
+                    out.append(_score(cluster, model, req, pipes, sync, need[sync.mode], digest))
     return out
 
 
 def _score(cluster: Cluster, model: ModelSpec, req: PlanRequest, pipes: list[list[list[int]]],
-           sync: SyncConfig, need: np.ndarray, digest: str) -> Candidate:
+           sync: SyncConfig, need: np.ndarray | list[np.ndarray], digest: str) -> Candidate:
     """Simulate one layout under one sync (inf when it does not fit)."""
-    s_count, degree, r_count = len(pipes[0]), len(pipes[0][0]), len(pipes)
-    label = f"{s_count} x {degree}-way x {r_count}, {sync.mode}"
+    s_count, r_count = len(pipes[0]), len(pipes)
+    degrees = [len(g) for g in pipes[0]]
+    degree = max(degrees)  # L: the lanes a replica runs
+    way = f"{degree}-way" if len(set(degrees)) == 1 else \
+        "(" + ", ".join(str(d) for d in degrees) + ")-way"
+    label = f"{s_count} x {way} x {r_count}, {sync.mode}"
     stages = layer_split(cluster, model, pipes, need)
     if not stages:
         return Candidate(label, s_count, degree, r_count, float("inf"))

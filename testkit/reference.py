@@ -6,7 +6,6 @@ benchmarks compare against it.
 
 from __future__ import annotations
 
-from formats.models import get_model
 from formats.plan import Plan
 from modules.config import RunConfig
 from modules.data.dataset import FakeData, Sharder, TextData
@@ -16,7 +15,7 @@ from modules.train.trainer import make_inner_optimizer, set_lr
 
 def reference_losses(plan: Plan, data: TextData | FakeData, cfg: RunConfig) -> list[float]:
     """Train the whole (truly tied) model on every step's global batch; loss of each step."""
-    spec = get_model(plan.model)
+    spec = plan.model_spec()
     model = StageModel(spec, 0, spec.num_layers, seed=cfg.seed)
     if spec.tie_embeddings:
         tie_weights_(model)

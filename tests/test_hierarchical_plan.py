@@ -69,13 +69,33 @@ def test_plan2_round_trip_and_helpers(tmp_path):
     ([[[0, 1]], [[2, 3, 4]]], "plan/2", r"pipelines\[1\]\[0\]: shard group of 3 devices but "
                                         r"replica 0 holds stage 0 with 2; .*same D in every"),
     ([[[0, 1]], [[1, 2]]], "plan/2", r"pipelines\[1\]\[0\]: device 1 appears twice"),
-    ([[[0, 1], [2]]], "plan/2", r"stage 1 has D = 1 but stage 0 has D = 2"),
+    ([[[0, 1], [2]]], "plan/2", r"stage 0 has D = 2 but the last stage has D = 1; gpt-tiny "
+                                r"ties its embeddings"),
+    ([[[0, 1, 2], [3, 4]]], "plan/2", r"pipelines\[0\]\[1\]: stage 1 has D = 2, which does "
+                                      r"not divide the largest D = 3"),
     ([[list(range(65))]], "plan/2", r"D = 65 devices per shard group.*at most 64"),
     ([[[0, 1]], [[2, 3]]], "plan/1", r"shard groups .* need format 'plan/2'"),
 ])
 def test_malformed_shard_groups_are_refused_by_name(pipelines, fmt, match):
     with pytest.raises(UserError, match=match):
         validate_plan(plan_from_dict(sharded_dict(pipelines, fmt)))
+
+
+def untied_dict(pipelines: list) -> dict:
+    """sharded_dict of an untied gpt-tiny (different D on the two ends is allowed)."""
+    config = {**get_model("gpt-tiny").fields(), "name": "gpt-tiny-untied",
+              "tie_embeddings": False}
+    return sharded_dict(pipelines, model="gpt-tiny-untied", model_config=config)
+
+
+def test_d_per_stage_lanes_and_devices():
+    """D = 2 then D = 1: a replica runs L = 2 lanes; the stage of D = 1 runs both."""
+    plan = plan_from_dict(untied_dict([[[0, 1], [2]], [[3, 4], [5]]]))
+    validate_plan(plan)
+    assert plan.shard_degrees() == [2, 1] and plan.lanes_per_replica == 2
+    assert plan.lanes() == [[0, 2], [1, 2], [3, 5], [4, 5]]
+    assert plan.lanes_of(2) == [0, 1] and plan.lanes_of(4) == [3] and plan.lanes_of(5) == [2, 3]
+    assert plan.shard_peers(1, 0) == [2, 5] and plan.shard_peers(0, 1) == [1, 4]
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -153,6 +173,25 @@ def test_fsdp_overlap_rule():
     assert fwd[0, 0] == pytest.approx(0.2 + 0.1) and bwd[0, 0] == pytest.approx(0.2 + 0.1)
 
 
+def test_fsdp_on_the_cpu_runtime_is_not_hidden_and_reshard_off_saves_it():
+    """CPU runtime: a micro-batch = compute + its gathers and scatters; without
+    reshard_after_forward one gather and one scatter a step (amortised)."""
+    fwd, bwd = fsdp_compute(np.array([[1.0]]), np.array([[2.0]]), np.array([[0.5]]),
+                            np.array([2.0]), 4, True, overlap=False)
+    assert fwd[0, 0] == 1.5 and bwd[0, 0] == 3.0
+    fwd, bwd = fsdp_compute(np.array([[1.0]]), np.array([[2.0]]), np.array([[0.8]]),
+                            np.array([2.0]), 4, False, overlap=False)
+    assert fwd[0, 0] == pytest.approx(1.2) and bwd[0, 0] == pytest.approx(2.2)
+    cluster, model = uniform(8, 2.0, 0.2), get_model("gpt-tiny")
+    cpu = SimConfig(runtime="cpu", mfu=1.0, activation_bytes=4, recompute=False)
+    sync = SyncConfig("diloco", 5, "int8")
+    groups = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    on, off = (simulate(cluster, model, [(0, 4)], groups, sync, 2, 2, cpu, timeline=False,
+                        reshard_after_forward=r) for r in (True, False))
+    assert off.fsdp_comm_s == pytest.approx(on.fsdp_comm_s / 3)  # 2 passes a step, not 6
+    assert on.step_s - off.step_s == pytest.approx(on.fsdp_comm_s - off.fsdp_comm_s)
+
+
 @pytest.mark.parametrize("mode", ["allreduce", "diloco"])
 def test_step_and_per_shard_rings_closed_form(mode):
     """2 replicas x 4-way shard groups, one stage: 4 outer rings of 2 devices, each 1/4 of the
@@ -167,7 +206,7 @@ def test_step_and_per_shard_rings_closed_form(mode):
     assert res.dp_allreduce_s == pytest.approx([ring] * d)
     plain = build_inputs(LinkTables(cluster, config), model, [(0, 4)],
                          np.array([[0], [1], [4], [5]]), sync, 1, m, config)
-    gather = 3 * (lat + payload / d * 8 / 1e9)
+    gather = 3 * (5 * lat + payload / d * 8 / 1e9)  # 5 collectives: 4 blocks + the root
     fwd = max(plain.t_fwd[0, 0], gather) + gather / 4
     bwd = max(plain.t_bwd[0, 0], 2 * gather) + gather / 4
     h = sync.inner_steps
@@ -176,6 +215,27 @@ def test_step_and_per_shard_rings_closed_form(mode):
     flat = simulate(cluster, model, [(0, 4)], [[0], [4]], sync, 1, m, config, timeline=False)
     assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)  # D rings x 1/D
     assert res.fsdp_bytes_per_step == 2 * (d - 1) * payload * 3 * m
+
+
+def test_d_per_stage_memory_and_step():
+    """Stage 0 on 2 devices, stage 1 on 1 device that runs both lanes: its activations and
+    compute count twice its micro-batches; FSDP only on stage 0; one outer ring per shard."""
+    cluster, config, m = uniform(6, 10.0, 1.0), SimConfig(), 2
+    model = get_model("gpt-tiny")
+    untied = plan_from_dict(untied_dict([[[0, 1], [2]]])).model_spec()
+    sync = SyncConfig("allreduce")
+    res = simulate(cluster, untied, [(0, 2), (2, 4)], [[[0, 1], [2]], [[3, 4], [5]]], sync, 1,
+                   m, config, timeline=False)
+    need = {d: gb for d, gb, _ in res.memory_gb}
+    one = stage_memory(untied, 2, 4, 1, 2 * m, False, config.memory()).total_bytes / 1e9
+    assert need[2] == pytest.approx(one) and len(need) == 6
+    assert res.tokens_per_step == 2 * 2 * m * model.seq_len  # R x L lanes
+    payload = untied.stage_params(0, 2) * 4.0
+    assert res.fsdp_bytes_per_step == 2 * (2 - 1) * payload * 3 * m  # stage 0 only
+    flat = simulate(cluster, untied, [(0, 2), (2, 4)], [[0, 2], [3, 5]], sync, 1, m, config,
+                    timeline=False)
+    assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)
+    assert res.step_s > flat.step_s  # stage 1's device runs two lanes
 
 
 # --------------------------------------------------------------------------- planner
@@ -224,6 +284,33 @@ def test_planner_picks_two_sharded_replicas_with_diloco_across_sites():
     # Without a D = 1 plan (none found) the sharded one is still chosen.
     alone, _ = plan_hierarchical(cluster, model, req, (sync,), None, time.perf_counter())
     assert alone.label == best.label
+
+
+def test_planner_gives_the_fast_device_of_a_site_the_stage_of_fewer_devices():
+    """Two sites of one fast (312 TFLOPS, 80 GB) and two slow (100 TFLOPS, 16 GB) devices,
+    llama-150m (untied): the planner scores D per stage and writes 2 stages of D = (1, 2):
+    the fast device runs both lanes of stage 0, the slow pair stage 1, one replica a site;
+    faster per sequence than the D = 1 search's plan."""
+    site, fast = [0, 0, 0, 1, 1, 1], {0, 3}
+    devs = [Device(i, f"d{i}", f"site-{site[i]}", f"10.0.0.{i + 1}", "X",
+                   312.0 if i in fast else 100.0, 80.0 if i in fast else 16.0) for i in range(6)]
+    same = np.array([[site[i] == site[j] for j in range(6)] for i in range(6)])
+    lat, bw = np.where(same, 0.01, 40.0), np.where(same, 100.0, 1.0)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    cluster, model = Cluster("mixed", devs, lat, bw), get_model("llama-150m")
+    sync = SyncConfig("diloco", 50, "int8", overlap=True)
+    req = PlanRequest(0, 0, micro_batch_size=8, objective="simulated", sync=sync, max_shard=2,
+                      search=SearchConfig(budget=200, time_limit_s=60, seed=0),
+                      random_samples=20)
+    flat = plan_best_shape(cluster, model, req).plan
+    best, every = plan_hierarchical(cluster, model, req, (sync,), flat, time.perf_counter())
+    assert any("(2, 1)-way" in c.label for c in every)  # both orders scored
+    plan = best.plan
+    assert isinstance(plan, Plan) and plan.shard_degrees() == [1, 2]
+    assert plan.pipelines == [[[0], [1, 2]], [[3], [4, 5]]]
+    assert best.per_sequence_s < every[0].per_sequence_s  # every[0]: the D = 1 plan
+    validate_plan(plan, cluster, model)
 
 
 def test_max_shard_default_is_one():

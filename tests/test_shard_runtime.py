@@ -67,9 +67,38 @@ def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded
     # allreduce without replicas: every byte sent is FSDP's (or the pipeline's)
     rec = json.loads(metrics.read_text().splitlines()[-1])
     assert rec["bytes_sent"] - rec["pp_bytes_sent"] > 0
+    # FSDP2's collectives timed apart: in neither compute_s nor comm_s
+    assert 0 < rec["fsdp_s"] < rec["step_s"]
+    assert rec["compute_s"] + rec["comm_s"] + rec["fsdp_s"] == pytest.approx(rec["step_s"],
+                                                                              abs=1e-5)
     got = torch.tensor(_losses(metrics), dtype=torch.float64)
     # the same global batch without shard groups: D lanes = D replicas of one device
     flat_plan = Plan("local", "", MODEL, stages, flat, micro_batch_size=2, num_micro_batches=2)
+    torch.set_num_threads(1)
+    want = torch.tensor(reference_losses(flat_plan, _data(), RunConfig(steps=STEPS)),
+                        dtype=torch.float64)
+    assert want[-1] < want[0]  # it trains
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharded,flat", [
+    ([[[0, 1], [2]]], [[0, 2], [1, 3]]),
+    ([[[0], [1, 2]]], [[0, 2], [1, 3]]),
+], ids=["D=2,1", "D=1,2"])
+def test_stages_of_different_d_train_like_the_unsharded_model(tmp_path, sharded, flat):
+    """D per stage: the stage of D = 1 runs both lanes (its device talks to both devices of
+    the D = 2 stage); an untied model (tied embeddings need the same D on both ends)."""
+    config = {**get_model(MODEL).fields(), "name": "gpt-tiny-untied", "tie_embeddings": False}
+    stages = [(0, 2), (2, 4)]
+    plan = Plan("local", "", "gpt-tiny-untied", stages, sharded, micro_batch_size=2,
+                num_micro_batches=2, model_config=config)
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    got = torch.tensor(_losses(metrics), dtype=torch.float64)
+    flat_plan = Plan("local", "", "gpt-tiny-untied", stages, flat, micro_batch_size=2,
+                     num_micro_batches=2, model_config=config)
     torch.set_num_threads(1)
     want = torch.tensor(reference_losses(flat_plan, _data(), RunConfig(steps=STEPS)),
                         dtype=torch.float64)
@@ -173,3 +202,42 @@ def test_a_device_lost_inside_a_replica_ends_that_replica_only(tmp_path):
     assert "Traceback" not in rank2, rank2[-3000:]
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()][-1] == steps
     assert "[rank 0] done" in out and "[rank 1] done" in out, out[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_replica_joins_a_running_job_shard_by_shard(tmp_path):
+    """2 replicas x D = 2, DiLoCo H = 4: replica 0 starts alone (--replicas 0), replica 1
+    joins mid-run (--join); device i of the joiner receives shard i of the outer model from
+    device i of replica 0, and after the last outer step both replicas hold the same shards."""
+    from modules.train.checkpoint import load_checkpoint
+    from testkit.fault_harness import Ranks, free_port, poll_exits
+
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                num_micro_batches=1, sync=SyncConfig("diloco", 4))
+    save_plan(plan, tmp_path / "plan.json")
+    ranks = Ranks(tmp_path / "plan.json", f"tcp://127.0.0.1:{free_port()}", tmp_path)
+    common = ("--fake-data", "--steps", "60", "--timeout-s", "60", "--heartbeat-timeout-s", "5",
+              "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "60", "--log-every", "4",
+              "--metrics", str(tmp_path / "m.jsonl"))
+    try:
+        for r in (0, 1):
+            ranks.start(r, "--replicas", "0", *common)
+        assert ranks.wait_for_text(0, "step 12/60", 150), ranks.output(0)[-3000:]
+        for r in (2, 3):
+            ranks.start(r, "--join", *common)
+        poll_exits(ranks, 200)
+    finally:
+        left = ranks.stop()
+    logs = "\n".join(f"[rank {r}] {ranks.output(r)[-1500:]}" for r in range(4))
+    assert left == [], logs
+    assert {r: p.returncode for r, p in ranks.procs.items()} == {0: 0, 1: 0, 2: 0, 3: 0}, logs
+    for joiner, source in ((2, 0), (3, 1)):
+        assert (f"received the outer model and momentum of stage 0 from rank {source}"
+                in ranks.output(joiner)), logs
+    states = {r: load_checkpoint(step_path(tmp_path / "ck", r, 60),
+                                 {"shard_degree": 2})["model"] for r in range(4)}
+    for a, b in ((0, 2), (1, 3)):  # shard i of both replicas
+        for k in states[a]:
+            assert torch.equal(states[a][k], states[b][k]), (a, b, k)
+    assert not all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # two shards
+

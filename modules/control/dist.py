@@ -47,6 +47,15 @@ class Topology:
     """My index in my stage's shard group (0 without shard groups)."""
     shard_group: tuple[int, ...] = ()
     """Devices holding my stage of my replica together (FSDP2); () without shard groups."""
+    lanes: tuple[int, ...] = ()
+    """The lanes I run (Plan.lanes_of): one, or L / D of them when my stage has fewer devices
+    than the plan's largest shard group; () means (replica,) (no shard groups)."""
+    prev_ranks: tuple[int | None, ...] = ()
+    """Previous stage's device of each of my lanes (() : (prev_rank,))."""
+    next_ranks: tuple[int | None, ...] = ()
+    """Next stage's device of each of my lanes (() : (next_rank,))."""
+    lanes_per_replica: int = 1
+    """L: lanes a replica runs (the plan's largest D)."""
 
     @property
     def shard_degree(self) -> int:
@@ -55,8 +64,20 @@ class Topology:
 
     @property
     def lane(self) -> int:
-        """My lane (replica r's shard i runs lane r*D + i): which micro-batches I read."""
-        return self.replica * self.shard_degree + self.shard
+        """My first lane (replica r's shard i runs lane r*D + i when every stage has D)."""
+        return self.my_lanes[0]
+
+    @property
+    def my_lanes(self) -> tuple[int, ...]:
+        """Every lane I run: which micro-batches I read, in the order I run them."""
+        return self.lanes or (self.replica * self.shard_degree + self.shard,)
+
+    @property
+    def peers(self) -> tuple[tuple[int | None, int | None], ...]:
+        """(previous, next) stage's device of each of my lanes."""
+        prev = self.prev_ranks or (self.prev_rank,)
+        nxt = self.next_ranks or (self.next_rank,)
+        return tuple(zip(prev, nxt, strict=True))
 
     @property
     def is_first(self) -> bool:
@@ -85,8 +106,9 @@ def topology(plan: Plan, rank: int, world_size: int) -> Topology:
     """Place `rank` in the plan (UserError when it is not there or sizes disagree)."""
     check_world(plan, world_size)
     replica, stage, shard = plan.locate(rank)
-    degree = plan.shard_degree(stage)
-    chain = plan.lanes()[replica * degree + shard]  # my replica's chain when D = 1
+    lanes, every = plan.lanes_of(rank), plan.lanes()
+    chains = [every[lane] for lane in lanes]
+    chain = chains[0]
     return Topology(
         rank=rank, world_size=world_size, replica=replica, stage=stage,
         num_stages=plan.num_stages, num_replicas=plan.num_replicas,
@@ -95,6 +117,10 @@ def topology(plan: Plan, rank: int, world_size: int) -> Topology:
         next_rank=chain[stage + 1] if stage + 1 < plan.num_stages else None,
         ends=(chain[0], chain[-1]), shard=shard,
         shard_group=tuple(plan.shard_group(replica, stage)) if plan.is_sharded else (),
+        lanes=tuple(lanes),
+        prev_ranks=tuple(c[stage - 1] if stage > 0 else None for c in chains),
+        next_ranks=tuple(c[stage + 1] if stage + 1 < plan.num_stages else None for c in chains),
+        lanes_per_replica=plan.lanes_per_replica,
     )
 
 

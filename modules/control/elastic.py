@@ -272,8 +272,8 @@ class Membership:
         joiners = [r for r in self.replicas if r not in self.active]
         if not joiners:
             return None
-        stage = self.topo.stage
-        key = join_source_key(self.gen, stage)
+        stage, shard = self.topo.stage, self.topo.shard  # shard groups: shard by shard
+        key = join_source_key(self.gen, stage, shard)
         if self.topo.replica in joiners:
             try:
                 src = int(self.store.wait_signed(key, self.cfg.timeout_s))
@@ -281,12 +281,12 @@ class Membership:
                 raise PeerError(f"--join: no source of the outer state of stage {stage} "
                                 f"({first_line(e)})") from None
             return self._recv_handover(src, handover())
-        source = self.plan.pipelines[min(set(self.replicas) & self.active)][stage]
+        source = self.plan.shard_group(min(set(self.replicas) & self.active), stage)[shard]
         if self.topo.rank == source:
             self.store.put(key, str(source))
             state = handover()
             for r in joiners:
-                self._send_handover(self.plan.pipelines[r][stage], state)
+                self._send_handover(self.plan.shard_group(r, stage)[shard], state)
         return None
 
     def _send_handover(self, dst: int, state: Handover) -> None:

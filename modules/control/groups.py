@@ -48,6 +48,24 @@ def lane_name(replica: int, shard: int, sharded: bool) -> str:
     return f"{replica}.{shard}" if sharded else f"{replica}"
 
 
+def pipeline_groups(plan: Plan, replicas: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, ranks) of every pipeline: one per lane (its chain) when every stage has the same
+    D, else one per replica (all its devices: a device of a smaller shard group runs several
+    lanes, so it talks to several devices of the next stage)."""
+    if len(set(plan.shard_degrees())) <= 1:
+        lanes = plan.lanes_per_replica
+        return [(lane_name(r, i, plan.is_sharded), tuple(sorted(plan.lanes()[r * lanes + i])))
+                for r in replicas for i in range(lanes)]
+    return [(f"{r}", members_of(plan, [r])) for r in replicas]
+
+
+def pipeline_name(plan: Plan, topo: Topology) -> str:
+    """The name of my pipeline group (pipeline_groups)."""
+    if len(set(plan.shard_degrees())) <= 1:
+        return lane_name(topo.replica, topo.shard, plan.is_sharded)
+    return f"{topo.replica}"
+
+
 @dataclass
 class Groups:
     """The communicators of one generation that this rank takes part in (peers: device ids)."""
@@ -135,7 +153,8 @@ class GroupBuilder:
         sharded, topo = self.plan.is_sharded, self.topo
         lane = lane_name(topo.replica, topo.shard, sharded)
         stage, tied, chain = (mine.get(stage_group_name(topo.stage, topo.shard, sharded)),
-                              mine.get(f"tied{lane}"), mine.get(f"pipeline{lane}"))
+                              mine.get(f"tied{lane}"),
+                              mine.get(f"pipeline{pipeline_name(self.plan, topo)}"))
         pipeline = None if chain is None else world if chain.backend == "gloo" \
             else comms[chain.ranks]
         if self.options.backend != "gloo" and mine:
@@ -173,12 +192,13 @@ class GroupBuilder:
         named = [(stage_group_name(s, d, plan.is_sharded),
                   tuple(sorted(plan.shard_peers(s, d)[r] for r in replicas)))
                  for s in range(plan.num_stages) for d in range(plan.shard_degree(s))]
-        lanes = [(lane_name(r, i, plan.is_sharded), plan.lanes()[r * plan.shard_degree(0) + i])
-                 for r in replicas for i in range(plan.shard_degree(0))]
+        # tied pairs: shard i of the first and of the last stage (validated: the same D)
         if self.tie_embeddings and plan.num_stages > 1:
-            named += [(f"tied{name}", tuple(sorted((chain[0], chain[-1]))))
-                      for name, chain in lanes]
-        named += [(f"pipeline{name}", tuple(sorted(chain))) for name, chain in lanes]
+            last = plan.num_stages - 1
+            named += [(f"tied{lane_name(r, i, plan.is_sharded)}",
+                       tuple(sorted((plan.shard_group(r, 0)[i], plan.shard_group(r, last)[i]))))
+                      for r in replicas for i in range(plan.shard_degree(0))]
+        named += [(f"pipeline{name}", ranks) for name, ranks in pipeline_groups(plan, replicas)]
         return [(name, ranks) for name, ranks in named if len(ranks) > 1]
 
     def _choose(self, named: list[tuple[str, tuple[int, ...]]],

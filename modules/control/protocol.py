@@ -85,9 +85,10 @@ def generation_prefix(gen: int) -> str:
     return f"gen{gen}"
 
 
-def join_source_key(gen: int, stage: int) -> str:
-    """Device id of the live rank that sends the outer state of `stage` to joiners in `gen`."""
-    return f"ft/src/g{gen}/s{stage}"
+def join_source_key(gen: int, stage: int, shard: int = 0) -> str:
+    """Device id of the live rank that sends the outer state of `stage` (its shard `shard`,
+    with shard groups) to joiners in `gen`."""
+    return f"ft/src/g{gen}/s{stage}" + (f".{shard}" if shard else "")
 
 
 # -- DiLoCo outer steps (modules.control.elastic) ------------------------------------------

@@ -5,6 +5,11 @@ output to s+1; in backward it receives the output gradient from s+1 and sends th
 to s-1. Every stage issues its operations in the same micro-batch order, so the schedule cannot
 deadlock, and shapes come from the plan, so nothing but tensors crosses the wire.
 
+A device of a stage held by fewer devices than the plan's largest shard group runs several lanes
+(modules.control.dist.Topology.my_lanes): their micro-batches one lane after the other, each
+from and to that lane's devices of the neighbouring stages; the message of lane i's micro-batch
+m has tag FWD_TAG/BWD_TAG + i*M + m, so two lanes between the same two devices never mix.
+
 Every receive of a step is posted when the step starts: gloo's point-to-point is a rendezvous
 (data flows once the receiver has posted its buffer), so a receive posted only when needed
 costs an extra round trip per message; on a 67 ms link, 4 sequential 128 KB messages took
@@ -54,6 +59,10 @@ class PipelineStage:
         """How activations and their gradients are encoded on the pipeline's links."""
         self.bytes_sent = 0
         """Bytes of the messages this stage sent (activations and gradients, eval included)."""
+        self.loss_divisor = 1
+        """The last stage divides each micro-batch's loss by (its micro-batches x this): with
+        shard groups, the devices of its shard group (FSDP2 then sums gradients, so a step's
+        gradient is the mean over the replica's L lanes on every stage, whatever its D)."""
         self.before_backward: Callable[[bool], None] | None = None
         """Called before each micro-batch's backward with whether it is the step's last
         (shard groups: FSDP2's gradient sync; modules.shard)."""
@@ -72,32 +81,41 @@ class PipelineStage:
         self.bytes_sent += wire.numel() * wire.element_size()
         return self.comm.isend(wire, dst, tag), wire
 
-    def _recv_act(self, m: int, what: str) -> torch.Tensor:
-        buf = self.comm.recv(self._buffer(), self.topo.prev_rank, FWD_TAG + m, what)
-        return self.wire.decode(buf, self.act_shape)
+    def _routes(self, count: int) -> list[tuple[int | None, int | None, int]]:
+        """(previous stage's device, next stage's device, tag offset) of each of my
+        micro-batches: `count` per lane, lane by lane."""
+        topo = self.topo
+        return [(prev, nxt, (lane % topo.lanes_per_replica) * count + m)
+                for lane, (prev, nxt) in zip(topo.my_lanes, topo.peers, strict=True)
+                for m in range(count)]
 
-    def _post_recvs(self, src: int | None, tag: int, count: int) -> list[Posted]:
-        """Post `count` receives from `src` (tags tag..tag+count-1) now; [] on a pipeline end."""
-        if src is None:
+    def _post_recvs(self, routes: list[tuple[int | None, int | None, int]], backward: bool,
+                    ) -> list[Posted]:
+        """Post every receive of a step now (activations from the previous stage, or the
+        gradients from the next); [] on that pipeline end."""
+        if any((nxt if backward else prev) is None for prev, nxt, _ in routes):
             return []
-        return [self.comm.irecv(self._buffer(), src, tag + m) for m in range(count)]
+        tag = BWD_TAG if backward else FWD_TAG
+        return [self.comm.irecv(self._buffer(), nxt if backward else prev, tag + k)
+                for prev, nxt, k in routes]
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None,
                    targets: Sequence[torch.Tensor] | None, num_micro_batches: int,
                    scale_loss: ScaleLoss | None = None) -> float | None:
         """Forward and backward all micro-batches; gradients accumulate in the model.
 
-        `inputs` (token ids) are needed on the first stage, `targets` on the last. The loss of
-        each micro-batch is scaled by 1/num_micro_batches, so the accumulated gradient is that of
-        the mean loss over the step's batch, and `scale_loss` (default: none) scales it before
+        `num_micro_batches` is per lane; `inputs` (token ids, every lane's, lane by lane) are
+        needed on the first stage, `targets` on the last. The loss of each micro-batch is scaled
+        by 1/(my micro-batches x loss_divisor), so the accumulated gradient is that of the mean
+        loss over the step's batch, and `scale_loss` (default: none) scales it before
         backward. Returns that mean loss on the last stage, else None.
         """
-        topo, M = self.topo, num_micro_batches
-        acts = self._post_recvs(topo.prev_rank, FWD_TAG, M)
-        grads = self._post_recvs(topo.next_rank, BWD_TAG, M)
-        saved_in, saved_out, losses = self._forward_all(inputs, targets, acts)
+        topo, routes = self.topo, self._routes(num_micro_batches)
+        acts = self._post_recvs(routes, backward=False)
+        grads = self._post_recvs(routes, backward=True)
+        saved_in, saved_out, losses = self._forward_all(inputs, targets, acts, routes)
         sends = []
-        for m in reversed(range(M)):
+        for m in reversed(range(len(routes))):
             out = saved_out[m]
             if self.before_backward is not None:
                 self.before_backward(m == 0)
@@ -106,7 +124,8 @@ class PipelineStage:
             else:
                 out.backward(self._wait(grads[m], f"gradients of micro-batch {m}"))
             if not topo.is_first:
-                sends.append(self._send(saved_in[m].grad, topo.prev_rank, BWD_TAG + m))
+                prev, _, k = routes[m]
+                sends.append(self._send(saved_in[m].grad, prev, BWD_TAG + k))
             saved_out[m] = saved_in[m] = None  # free activations as we go
         for w, _ in sends:
             self.comm.wait(w, "sending gradients")
@@ -116,12 +135,13 @@ class PipelineStage:
 
     def _forward_all(self, inputs: Sequence[torch.Tensor] | None,
                      targets: Sequence[torch.Tensor] | None, acts: list[Posted],
+                     routes: list[tuple[int | None, int | None, int]],
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Forward of every micro-batch (`acts`: the posted receives of its activations):
         (inputs kept for backward, outputs or loss/M to call backward on, the last stage's
         per-micro-batch losses)."""
         topo, model = self.topo, self.model
-        M = len(inputs) if topo.is_first else len(acts)
+        M = len(routes)
         saved_in: list[torch.Tensor] = []
         saved_out: list[torch.Tensor] = []
         sends, losses = [], []
@@ -134,9 +154,10 @@ class PipelineStage:
                 out = model(x, targets[m]) if topo.is_last else model(x)
             if topo.is_last:
                 losses.append(out.detach().float())
-                saved_out.append(out.float() / M)
+                saved_out.append(out.float() / (M * self.loss_divisor))
             else:
-                sends.append(self._send(out, topo.next_rank, FWD_TAG + m))
+                _, nxt, k = routes[m]
+                sends.append(self._send(out, nxt, FWD_TAG + k))
                 saved_out.append(out)
             saved_in.append(x)
         for w, _ in sends:
@@ -148,15 +169,20 @@ class PipelineStage:
                   targets: Sequence[torch.Tensor] | None, num_micro_batches: int) -> float | None:
         """Forward-only mean loss over the micro-batches (returned on the last stage)."""
         topo, model = self.topo, self.model
+        routes = self._routes(num_micro_batches)
         losses, sends = [], []  # sends hold the sent tensors alive until their wait
-        for m in range(num_micro_batches):
-            x = inputs[m] if topo.is_first else self._recv_act(m, "eval activations")
+        for m, (prev, nxt, k) in enumerate(routes):
+            if topo.is_first:
+                x = inputs[m]
+            else:
+                x = self.wire.decode(self.comm.recv(self._buffer(), prev, FWD_TAG + k,
+                                                    "eval activations"), self.act_shape)
             with self.precision.autocast():
                 out = model(x, targets[m]) if topo.is_last else model(x)
             if topo.is_last:
                 losses.append(out.float())
             else:
-                sends.append(self._send(out, topo.next_rank, FWD_TAG + m))
+                sends.append(self._send(out, nxt, FWD_TAG + k))
         for w, _ in sends:
             self.comm.wait(w, "sending eval activations")
         return float(torch.stack(losses).mean()) if topo.is_last else None

@@ -9,6 +9,9 @@ DiLoCo's anchors, checkpoints) is each device's local shard: `local` gives it.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,37 +25,62 @@ from torch.distributed.tensor import DTensor
 from modules.comm import CommStats
 
 
-class CountingAllGather(DefaultAllGather):
-    """FSDP2's all-gather, adding what a ring sends to `stats`: (D-1) x my shard's bytes."""
+@dataclass
+class FsdpClock:
+    """Seconds spent inside FSDP2's collectives (the rank's `fsdp_s` metric). On CPU (gloo)
+    they are synchronous, so this is their whole time; on CUDA it is the time to issue them
+    (NCCL runs them on FSDP2's streams)."""
 
-    def __init__(self, stats: CommStats, degree: int) -> None:
-        self.stats, self.degree = stats, degree
+    seconds: float = 0.0
+
+
+class CountingAllGather(DefaultAllGather):
+    """FSDP2's all-gather, adding what a ring sends to `stats`: (D-1) x my shard's bytes, and
+    its time to `clock`."""
+
+    def __init__(self, stats: CommStats, degree: int, clock: FsdpClock) -> None:
+        self.stats, self.degree, self.clock = stats, degree, clock
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
         self.stats.bytes_sent += (self.degree - 1) * input_tensor.numel() * \
             input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        t0 = time.perf_counter()
+        try:
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+        finally:
+            self.clock.seconds += time.perf_counter() - t0
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter, adding what a ring sends: (D-1) x my output shard's bytes."""
+    """FSDP2's reduce-scatter, adding what a ring sends: (D-1) x my output shard's bytes, and
+    its time to `clock`."""
 
-    def __init__(self, stats: CommStats, degree: int) -> None:
-        self.stats, self.degree = stats, degree
+    def __init__(self, stats: CommStats, degree: int, clock: FsdpClock) -> None:
+        self.stats, self.degree, self.clock = stats, degree, clock
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
         self.stats.bytes_sent += (self.degree - 1) * output_tensor.numel() * \
             output_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        t0 = time.perf_counter()
+        try:
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        finally:
+            self.clock.seconds += time.perf_counter() - t0
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
-    """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block; then make
-    FSDP2 set up its buffers now, so the local shards `local` returns stay the ones trained."""
+    """Shard `model` (a StageModel, possibly compiled) over `mesh`, block by block, gradients
+    summed over the group; then make FSDP2 set up its buffers now, so the local shards `local`
+    returns stay the ones trained."""
     root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
     for block in root.blocks.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for module in fsdp_modules(model):
+        # sum, not average, over the group: the last stage already divides each loss by the
+        # replica's L lanes (stage.loss_divisor), whatever this stage's D (docs/hierarchical.md)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     fully_shard.state(root)._lazy_init()  # noqa: SLF001 - else done at the first forward
 
 
@@ -61,11 +89,14 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in getattr(model, "_orig_mod", model).modules() if isinstance(m, FSDPModule)]
 
 
-def count_collectives(model: nn.Module, stats: CommStats, degree: int) -> None:
-    """Count FSDP2's collectives' bytes into `stats` (the rank's, so metrics include them)."""
+def count_collectives(model: nn.Module, stats: CommStats, degree: int) -> FsdpClock:
+    """Count FSDP2's collectives' bytes into `stats` (the rank's, so metrics include them);
+    the clock their time adds up on."""
+    clock = FsdpClock()
     for module in fsdp_modules(model):
-        module.set_custom_all_gather(CountingAllGather(stats, degree))
-        module.set_custom_reduce_scatter(CountingReduceScatter(stats, degree))
+        module.set_custom_all_gather(CountingAllGather(stats, degree, clock))
+        module.set_custom_reduce_scatter(CountingReduceScatter(stats, degree, clock))
+    return clock
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,12 @@ def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank
     group._set_group_name(name)
     shard = ShardGroup(name, ranks, group, None, device.type == "cuda" and "nccl" or "gloo",
                        prefix)  # type: ignore[arg-type]
+    if not dist.is_initialized():
+        # a --join replica before it is admitted: DeviceMesh needs a default group to read my
+        # rank from, so my shard group's members form a stand-in one; the generation that
+        # admits us destroys it and forms the real one (the shard group is registered again)
+        dist.init_process_group("gloo", store=dist.PrefixStore("world/", prefix), rank=me,
+                                world_size=size, timeout=timedelta(seconds=timeout_s))
     shard.register()
     shard.mesh = DeviceMesh.from_group(group, device.type)
     return shard

@@ -45,7 +45,8 @@ class ShardRuntime:
             store, f"r{topo.replica}s{topo.stage}", topo.shard_group, topo.rank, device,
             timeout_s)
         apply_fsdp(model, self.group.mesh, reshard_after_forward)
-        count_collectives(model, stats, topo.shard_degree)
+        self.clock = count_collectives(model, stats, topo.shard_degree)
+        """Seconds in FSDP2's collectives so far (the `fsdp_s` metric)."""
         self.model = model
         self.device = device
         self.reshard_after_forward = reshard_after_forward

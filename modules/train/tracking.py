@@ -18,7 +18,7 @@ from modules.config import MetricsConfig, missing_tracker_package
 from modules.train.metrics import MetricsWriter, replica_metrics_path
 
 SCALARS = ("loss", "val_loss", "tokens", "tokens_per_s", "mfu", "step_s", "compute_s", "comm_s",
-           "bytes_sent", "dp_bytes_sent", "outer_step", "live_replicas")
+           "fsdp_s", "bytes_sent", "dp_bytes_sent", "outer_step", "live_replicas")
 """The numeric fields of a metrics record that tensorboard and wandb plot."""
 
 

@@ -111,13 +111,14 @@ class Trainer:
                                   self.placement.precision, plan.pipeline_compression)
         if self.shard is not None:
             self.pipe.before_backward = self.shard.before_backward
+            self.pipe.loss_divisor = topo.shard_degree if topo.is_last else 1
         self.scaling: LossScaling = self.placement.precision.loss_scaling(self._agree_overflow)
         """fp16: loss scaling whose skip decisions agree over the ranks that step together."""
         self.inner = make_inner_optimizer(self.model, cfg)
         self.step = 0
         self.tokens = 0
         self.tokens_per_step = (plan.num_micro_batches * plan.micro_batch_size
-                                * self.spec.seq_len * topo.shard_degree)  # D lanes a replica
+                                * self.spec.seq_len * topo.lanes_per_replica)  # L lanes a replica
         self.dp_bytes = 0
         """Data-parallel bytes this rank sent (all-reduces of gradients or pseudo-gradients)."""
         self.round_dp0 = 0
@@ -363,8 +364,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         x = y = None
         if topo.is_first or topo.is_last:
-            x, y = to_device(self.sharder.micro_batches(self.step, topo.lane), self.device,
-                             non_blocking=True)
+            x, y = to_device(self._my_micro_batches(), self.device, non_blocking=True)
         loss = self.pipe.train_step(x, y, plan.num_micro_batches, self.scaling.scale_loss)
         pair, average = self.model.tied_pair(), average_grads
         if self.shard is not None:  # the local shards; the replica's loss over its lanes
@@ -406,6 +406,15 @@ class Trainer:
         self.log(f"warm-up over after step {self.step}: DiLoCo (H={self.plan.sync.inner_steps})"
                  " from here, the outer optimizer starting at these weights")
 
+    def _my_micro_batches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs, targets) of this step's micro-batches of every lane I run, lane by lane."""
+        xs, ys = [], []
+        for lane in self.topo.my_lanes:
+            x, y = self.sharder.micro_batches(self.step, lane)
+            xs += list(x)
+            ys += list(y)
+        return xs, ys
+
     def _check_finite(self, loss: float | None) -> None:
         """TrainingDiverged when this rank's loss, parameters or gradients hold NaN/inf (before
         the update: the model and optimizer still hold the last finite state)."""
@@ -419,8 +428,9 @@ class Trainer:
         if not self.val:
             return None
         self.model.eval()
-        xs = [b[0] for b in self.val] if self.topo.is_first else None
-        ys = [b[1] for b in self.val] if self.topo.is_last else None
+        lanes = len(self.topo.my_lanes)  # every lane evaluates the set (FSDP: same calls)
+        xs = [b[0] for b in self.val] * lanes if self.topo.is_first else None
+        ys = [b[1] for b in self.val] * lanes if self.topo.is_last else None
         loss = self.pipe.eval_loss(xs, ys, len(self.val))
         self.model.train()
         if self.shard is not None:
@@ -440,6 +450,7 @@ class Trainer:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
         self.stats.settle()  # NCCL's spans timed on the stream before this step
         t0, wait0, bytes0 = time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent
+        fsdp0 = self.shard.clock.seconds if self.shard is not None else 0.0
         dp0, pipe, ppb0 = self.dp_bytes, self.pipe.comm, self.pipe.bytes_sent
         pp0 = pipe.wait_s if pipe is not None else 0.0
         try:
@@ -453,8 +464,9 @@ class Trainer:
         bg_bytes, exposed_s = (self.outer.background_share() if self.outer is not None
                                else (0, 0.0))
         comm_s = self.stats.wait_s - wait0 + exposed_s
+        fsdp_s = self.shard.clock.seconds - fsdp0 if self.shard is not None else 0.0
         rec = {"step": self.step, "loss": loss, "tokens": self.tokens,
-               "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s, 6),
+               "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s - fsdp_s, 6),
                "comm_s": round(comm_s, 6),
                "bytes_sent": self.stats.bytes_sent - bytes0 + bg_bytes,
                "dp_bytes_sent": self.dp_bytes - dp0, "pp_bytes_sent": self.pipe.bytes_sent - ppb0,
@@ -463,6 +475,8 @@ class Trainer:
                "replica": self.topo.replica, "wall_time": round(time.time(), 3),
                "rank": self.topo.rank, "stage": self.topo.stage,
                "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
+        if self.shard is not None:  # FSDP2's collectives, out of compute_s (not in comm_s)
+            rec["fsdp_s"] = round(fsdp_s, 6)
         if self.membership.monitor is not None and self.outer is not None:
             rec["live_replicas"] = len(self.replicas)
         if self.resolved.overlapped:  # the part of the background sync the step waited for

@@ -17,7 +17,12 @@ What the runtime does and the model charges (R replicas, S stages, D devices per
   current block computes, so per micro-batch a device's forward takes
   max(compute, gather) + gather / blocks (the first block's gather is not hidden) and its
   backward max(compute, gather + scatter) + scatter / blocks (the last block's scatter is not
-  hidden). Without reshard_after_forward the stage's parameters are gathered once per step and
+  hidden). A stage's gather is one collective per block plus one for the root (fsdp_units),
+  each paying the ring's (D-1) latencies. On the CPU runtime (SimConfig.runtime "cpu") nothing
+  is hidden: gloo's collectives run on the cores the ranks compute on, so a micro-batch takes
+  compute + its gathers and scatters (measured on the badlink lab: reshard_after_forward off
+  ran 2.3x faster than on, where an overlapped model predicted 1.07x). Without
+  reshard_after_forward the stage's parameters are gathered once per step and
   the gradients reduce-scattered once per step (amortised over the m micro-batches, same rule).
   The shard group's links are not shared with the pipeline's in the model (a group sits inside
   one site, its pipeline messages go to other devices).
@@ -58,68 +63,109 @@ def is_sharded(pipelines: object) -> bool:
 
 
 def shard_array(pipelines: list[list[Entry]] | np.ndarray) -> np.ndarray:
-    """(R, S, D) device ids of a plan's pipelines (D = 1 for plain ids)."""
+    """(R, S, L) device of each lane: [r, s, i] = the device of stage s running lane i of
+    replica r (Plan.lane_device; L = the largest D, 1 for plain ids). A stage of D < L devices
+    repeats each of them in L / D consecutive lanes."""
     if isinstance(pipelines, np.ndarray):
         return pipelines if pipelines.ndim == 3 else pipelines[:, :, None]
-    return np.array([[as_group(e) for e in chain] for chain in pipelines], dtype=np.int64)
+    rows = [[as_group(e) for e in chain] for chain in pipelines]
+    lanes = max(len(g) for chain in rows for g in chain)
+    return np.array([[[g[i * len(g) // lanes] for i in range(lanes)] for g in chain]
+                     for chain in rows], dtype=np.int64)
 
 
-def ring_gather_s(payload_bytes: float, lat_s: np.ndarray, sec_per_bit: np.ndarray) -> float:
+def stage_degrees(groups: np.ndarray) -> np.ndarray:
+    """(S,) D of every stage of a (R, S, L) lane array (its distinct devices per replica)."""
+    return np.array([len(set(groups[0, s].tolist())) for s in range(groups.shape[1])])
+
+
+def shard_groups(groups: np.ndarray) -> list[list[list[int]]]:
+    """The plan's shard groups [r][s] = its D device ids, from a (R, S, L) lane array."""
+    per = groups.shape[2] // stage_degrees(groups)
+    return [[groups[r, s, ::per[s]].tolist() for s in range(groups.shape[1])]
+            for r in range(groups.shape[0])]
+
+
+def ring_gather_s(payload_bytes: float, lat_s: np.ndarray, sec_per_bit: np.ndarray,
+                  units: int = 1) -> float:
     """Seconds of a ring all-gather (or reduce-scatter) of `payload_bytes` over n devices whose
     ring links have these latencies and seconds per bit: (n-1) steps of B/n bytes, each as
-    long as its slowest link. Half the ring all-reduce's 2(n-1) steps."""
+    long as its slowest link. Half the ring all-reduce's 2(n-1) steps. `units`: the payload is
+    gathered as that many separate collectives (FSDP2: one per block and one for the root),
+    each paying the steps' latency."""
     n = len(lat_s)
     if n <= 1:
         return 0.0
-    return (n - 1) * float((np.asarray(lat_s) + payload_bytes / n * 8.0
+    return (n - 1) * float((units * np.asarray(lat_s) + payload_bytes / n * 8.0
                             * np.asarray(sec_per_bit)).max())
 
 
-def fsdp_collective_s(tables: LinkTables, group: np.ndarray, payload_bytes: float) -> float:
-    """One all-gather (= one reduce-scatter) of `payload_bytes` over a shard group's ring."""
+def fsdp_collective_s(tables: LinkTables, group: np.ndarray, payload_bytes: float,
+                      units: int = 1) -> float:
+    """All-gathers (= reduce-scatters) of `payload_bytes` in `units` collectives over a shard
+    group's ring."""
     if len(group) <= 1:
         return 0.0
     order = ring_order(group, tables.lat_s, tables.bits_per_s, payload_bytes / len(group))
     nxt = np.roll(order, -1)
     return ring_gather_s(payload_bytes, tables.collective_lat_s[order, nxt],
-                         tables.sec_per_bit[order, nxt])
+                         tables.sec_per_bit[order, nxt], units)
+
+
+def fsdp_units(model: ModelSpec, start: int, end: int) -> int:
+    """FSDP2 collectives per gather of a stage [start, end): one per block, one for the root
+    when it holds parameters (the embedding on the first stage, final norm and head on the
+    last)."""
+    return end - start + (1 if start == 0 or end == model.num_layers else 0)
 
 
 def fsdp_stage_times(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
                      groups: np.ndarray) -> np.ndarray:
     """(R, S) seconds of one all-gather of each shard group's full stage parameters (the same
-    as one reduce-scatter of its gradients)."""
+    as one reduce-scatter of its gradients); `groups` (R, S, L) lanes."""
     r_count, s_count, _ = groups.shape
+    real = shard_groups(groups)
     out = np.zeros((r_count, s_count))
     for s, (a, b) in enumerate(stages):
         payload = model.stage_params(a, b) * FSDP_BYTES_PER_PARAM
         for r in range(r_count):
-            out[r, s] = fsdp_collective_s(tables, groups[r, s], payload)
+            out[r, s] = fsdp_collective_s(tables, np.array(real[r][s]), payload,
+                                          fsdp_units(model, a, b))
     return out
 
 
 def fsdp_compute(t_fwd: np.ndarray, t_bwd: np.ndarray, collective: np.ndarray,
                  blocks: np.ndarray, num_micro_batches: int,
-                 reshard_after_forward: bool) -> tuple[np.ndarray, np.ndarray]:
+                 reshard_after_forward: bool, lanes_per_device: np.ndarray | None = None,
+                 overlap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds with FSDP's collectives overlapped as FSDP2
-    prefetches them (module docstring); `collective` is one stage gather (= one scatter)."""
-    gather = collective if reshard_after_forward else collective / num_micro_batches
+    prefetches them (module docstring), or added to the compute when not `overlap` (the CPU
+    runtime: gloo's collectives run on the cores the ranks compute on); `collective` is one
+    stage gather (= one scatter). `lanes_per_device` (S,): a device of stage s runs
+    k_s = L / D_s lanes one after the other, so a lane's micro-batch waits for k_s of that
+    device's (1 everywhere by default)."""
+    k = np.ones(t_fwd.shape[1]) if lanes_per_device is None else lanes_per_device
+    gather = collective if reshard_after_forward else collective / (num_micro_batches * k)
     scatter = gather
     back_gather = gather if reshard_after_forward else 0.0
+    if not overlap:
+        return (t_fwd + gather) * k, (t_bwd + back_gather + scatter) * k
     fwd = np.maximum(t_fwd, gather) + gather / blocks
     bwd = np.maximum(t_bwd, back_gather + scatter) + scatter / blocks
-    return fwd, bwd
+    return fwd * k, bwd * k
 
 
 def fsdp_bytes_per_step(model: ModelSpec, stages: list[tuple[int, int]], groups: np.ndarray,
                         num_micro_batches: int, reshard_after_forward: bool) -> float:
     """Bytes FSDP puts on the wire per step in all shard groups: a gather or scatter of B bytes
-    over D devices moves (D-1) x B; 3 per micro-batch with reshard_after_forward, else 2 per
-    step."""
-    r_count, _, degree = groups.shape
-    count = 3 * num_micro_batches if reshard_after_forward else 2
-    params = sum(model.stage_params(a, b) for a, b in stages)
-    return float(r_count * (degree - 1) * params * FSDP_BYTES_PER_PARAM * count)
+    over D devices moves (D-1) x B; 3 per micro-batch with reshard_after_forward (a device of
+    stage s runs L / D_s lanes' micro-batches), else 2 per step."""
+    r_count, _, lanes = groups.shape
+    total = 0.0
+    for (a, b), degree in zip(stages, stage_degrees(groups), strict=True):
+        count = 3 * num_micro_batches * lanes // degree if reshard_after_forward else 2
+        total += (degree - 1) * model.stage_params(a, b) * FSDP_BYTES_PER_PARAM * count
+    return float(r_count * total)
 
 
 def _interleave(arrays: list[np.ndarray]) -> np.ndarray:
@@ -160,22 +206,32 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
                          groups: np.ndarray, sync: SyncConfig, micro_batch_size: int,
                          num_micro_batches: int, config: SimConfig,
                          pipeline_compression: str = "none",
-                         reshard_after_forward: bool = True) -> StepInputs:
-    """The step inputs of a plan with shard groups `groups` (R, S, D): the kernel's per-link
-    arrays for each shard's lanes and rings, merged, FSDP's collectives in the compute."""
-    degree = groups.shape[2]
+                         reshard_after_forward: bool = True) -> tuple[StepInputs, float]:
+    """The step inputs of a plan with shard groups, `groups` (R, S, L) lanes (shard_array):
+    the kernel's per-link arrays for each lane and its rings, merged, FSDP's collectives in
+    the compute; and FSDP's exposed seconds per step (the largest over lanes and stages).
+    Stage s has D_s devices: lane i's ring of stage s carries shard i / k_s's 1/D_s of the
+    payload when i is the first of its device's k_s = L / D_s lanes, else nothing (one ring
+    per shard, not per lane)."""
+    lanes = groups.shape[2]
+    degrees = stage_degrees(groups)
+    per_device = lanes // degrees
     rings = RingTable(tables, model, sync.compression, config)
     tokens = micro_batch_size * model.seq_len
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
-    payload = np.array([model.stage_params(a, b) * per_param for a, b in stages]) / degree
+    payload = np.array([model.stage_params(a, b) * per_param for a, b in stages]) / degrees
     per_shard = [step_inputs(plan_links(tables, model, groups[:, :, i], sync, micro_batch_size,
                                         config, rings, pipeline_compression),
-                             flops, payload, config, num_micro_batches, sync)
-                 for i in range(degree)]
-    collective = np.repeat(fsdp_stage_times(tables, model, stages, groups), degree, axis=0)
+                             flops, np.where(i % per_device == 0, payload, 0.0), config,
+                             num_micro_batches, sync)
+                 for i in range(lanes)]
+    collective = np.repeat(fsdp_stage_times(tables, model, stages, groups), lanes, axis=0)
     blocks = np.array([b - a for a, b in stages], dtype=float)
-    t_fwd, t_bwd = fsdp_compute(_interleave([x.t_fwd for x in per_shard]),
-                                _interleave([x.t_bwd for x in per_shard]), collective, blocks,
-                                num_micro_batches, reshard_after_forward)
-    return merge_shards(per_shard, t_fwd, t_bwd)
+    raw_fwd = _interleave([x.t_fwd for x in per_shard])
+    raw_bwd = _interleave([x.t_bwd for x in per_shard])
+    t_fwd, t_bwd = fsdp_compute(raw_fwd, raw_bwd, collective, blocks, num_micro_batches,
+                                reshard_after_forward, per_device.astype(float),
+                                overlap=config.runtime != "cpu")
+    exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * per_device) * num_micro_batches
+    return merge_shards(per_shard, t_fwd, t_bwd), float(exposed.max())

@@ -21,7 +21,13 @@ from scheduler.simulator.kernel import (
     step_breakdown,
 )
 from scheduler.simulator.replay import replay_fast
-from scheduler.simulator.sharded import build_sharded_inputs, fsdp_bytes_per_step, shard_array
+from scheduler.simulator.sharded import (
+    build_sharded_inputs,
+    fsdp_bytes_per_step,
+    shard_array,
+    shard_groups,
+    stage_degrees,
+)
 
 
 @dataclass
@@ -85,12 +91,15 @@ def memory_use(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]]
     """(device, needed GB, available GB) of every device in the plan, by device id;
     `pipelines` (R, S) or, with shard groups, (R, S, D)."""
     groups = shard_array(pipelines)
+    degrees = stage_degrees(groups)
     mem = []
     for s, (a, b) in enumerate(stages):
-        need = stage_memory(model, a, b, micro_batch_size, num_micro_batches, diloco,
-                            config.memory(), groups.shape[2], reshard_after_forward,
+        lanes = groups.shape[2] // int(degrees[s])  # a device runs L / D lanes' micro-batches
+        need = stage_memory(model, a, b, micro_batch_size, num_micro_batches * lanes, diloco,
+                            config.memory(), int(degrees[s]), reshard_after_forward,
                             outer_state).total_bytes / 1e9
-        mem += [(int(d), need, cluster.devices[int(d)].memory_gb) for d in groups[:, s].ravel()]
+        mem += [(int(d), need, cluster.devices[int(d)].memory_gb)
+                for d in set(groups[:, s].ravel().tolist())]
     return sorted(mem)
 
 
@@ -107,18 +116,14 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
     groups = shard_array(pipelines)
     degree = groups.shape[2]
     diloco = sync.mode == "diloco"
-    check_plan_memory(cluster, model, stages, groups.tolist() if degree > 1 else groups[:, :, 0],
-                      micro_batch_size, num_micro_batches, diloco, config.memory(),
-                      reshard_after_forward, outer_state)
+    check_plan_memory(cluster, model, stages, shard_groups(groups) if degree > 1
+                      else groups[:, :, 0], micro_batch_size, num_micro_batches, diloco,
+                      config.memory(), reshard_after_forward, outer_state)
     tables = LinkTables(cluster, config)
     if degree > 1:
-        inputs = build_sharded_inputs(tables, model, stages, groups, sync, micro_batch_size,
-                                      num_micro_batches, config, pipeline_compression,
-                                      reshard_after_forward)
-        plain = build_inputs(tables, model, stages, inputs.pipelines, sync, micro_batch_size,
-                             num_micro_batches, config, pipeline_compression)
-        fsdp = float(((inputs.t_fwd + inputs.t_bwd - plain.t_fwd - plain.t_bwd)
-                      * num_micro_batches).max())
+        inputs, fsdp = build_sharded_inputs(tables, model, stages, groups, sync,
+                                            micro_batch_size, num_micro_batches, config,
+                                            pipeline_compression, reshard_after_forward)
         timeline = False
     else:
         inputs = build_inputs(tables, model, stages, groups[:, :, 0], sync, micro_batch_size,
