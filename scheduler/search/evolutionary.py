@@ -24,7 +24,7 @@ import numpy as np
 
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, setting
 from scheduler.link_costs import LinkCosts, as_link_costs
-from scheduler.objective import Objective
+from scheduler.objective import Objective, batch_costs, vectorised
 from scheduler.search.islands import (
     Groups,
     leaf_orders,
@@ -32,6 +32,10 @@ from scheduler.search.islands import (
     structured_partitions,
 )
 from scheduler.search.matching import PairCache
+
+WINDOW = 1000
+"""Default convergence window (SearchConfig.window): measured on the five DT-FM scenarios and
+`random` (docs/planner.md, "When the search stops")."""
 
 
 @dataclass
@@ -52,7 +56,10 @@ class SearchConfig:
     restarts, the evolution stops)."""
     restarts: bool = True
     """Restart from a fresh random population (plus the best plan) when stuck, until the
-    evolution's share of the budget (four fifths) is spent."""
+    evolution's share of the budget (four fifths) is spent or it has converged."""
+    window: int = setting(WINDOW, lo=0, hi=MAX_COUNT)
+    """Evaluations without a better cost after which the evolution has converged and stops
+    (the polish follows); 0: only the budget or the clock end it."""
     seed: int = setting(0, flag="--search-seed", lo=0, hi=MAX_SEED)
     """seed of the search (of every random choice)"""
 
@@ -81,6 +88,13 @@ class SearchResult:
     pairs: PairCache | None = None
     """The group matchings the search made, for reuse on the same link costs (baselines)."""
 
+
+LOCAL_BATCH = 8
+"""Swaps the local search scores at once before moving to the best of them."""
+POLISH_BATCH = 256
+"""Swaps the steepest descent decodes and scores at once (between checks of the clock)."""
+CHAIN_BATCH = 512
+"""Slot swaps the final chain polish scores at once (vectorised objectives)."""
 
 Key = tuple[float, float]
 """(cost, tie-break): the tie-break ranks plans of equal cost by their mean link times, which
@@ -115,18 +129,33 @@ class _Scorer:
         return "budget" if self.out_of_budget else "converged"
 
     def score(self, groups: Groups) -> Key:
-        self.evaluations += 1
-        chains = self.cache.chains(groups)
-        cost = float(self.objective.cost(chains))
-        tie = float(self.cache.costs.at(chains[:, :-1], chains[:, 1:]).mean()) \
-            if chains.shape[1] > 1 else 0.0
-        tie += self.t_tie.group_mean(chains.T)  # over the (S, R) stage groups
-        key = (cost, tie)
-        if key < self.best[0]:
-            if cost < self.best[0][0] - 1e-12:
-                self.history.append((self.evaluations, cost))
-            self.best = (key, list(groups))
-        return key
+        return self.score_batch([groups])[0]
+
+    def score_batch(self, batch: list[Groups]) -> list[Key]:
+        """Decode each candidate (matchings, cached), then score them all with one objective
+        call and one tie-break computation; counts len(batch) evaluations."""
+        chains = np.stack([self.cache.chains(groups) for groups in batch])  # (B, R, S)
+        b, r, s = chains.shape
+        costs = batch_costs(self.objective, chains)
+        tie = self.cache.costs.at(chains[:, :, :-1], chains[:, :, 1:]).mean(axis=(1, 2)) \
+            if s > 1 else np.zeros(b)
+        # mean link time inside the (S, R) stage groups, (i, i) = 0 included
+        tie = tie + self.t_tie.member_sums(chains.transpose(0, 2, 1).reshape(b * s, r)) \
+            .reshape(b, s * r).sum(axis=1) / (s * r * r)
+        keys = []
+        for groups, cost, t in zip(batch, costs.tolist(), tie.tolist()):
+            self.evaluations += 1
+            key = (cost, t)
+            if key < self.best[0]:
+                if cost < self.best[0][0] - 1e-12:
+                    self.history.append((self.evaluations, cost))
+                self.best = (key, list(groups))
+            keys.append(key)
+        return keys
+
+    def room(self, wanted: int) -> int:
+        """How many of `wanted` evaluations the budget still allows (0 when exhausted)."""
+        return 0 if self.exhausted() else min(wanted, self.budget - self.evaluations)
 
 
 def _swap(groups: Groups, a: int, i: int, b: int, j: int) -> Groups:
@@ -182,42 +211,59 @@ def _mutate(groups: Groups, rng: np.random.Generator) -> Groups:
 
 def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
                   rng: np.random.Generator) -> tuple[Groups, Key]:
-    """First-improvement random pairwise swaps."""
+    """Random pairwise swaps in batches of LOCAL_BATCH, scored at once: move to the best of a
+    batch when it improves."""
     s, r = len(groups), len(groups[0])
-    for _ in range(tries):
-        if scorer.exhausted() or s < 2:
+    while tries > 0 and s > 1:
+        k = scorer.room(min(tries, LOCAL_BATCH))
+        if k == 0:
             break
-        a, b = rng.choice(s, size=2, replace=False)
-        cand = _swap(groups, a, int(rng.integers(r)), b, int(rng.integers(r)))
-        c = scorer.score(cand)
-        if c < cost:
-            groups, cost = cand, c
+        tries -= k
+        moves = [(*rng.choice(s, size=2, replace=False), rng.integers(r), rng.integers(r))
+                 for _ in range(k)]
+        batch = [_swap(groups, int(a), int(i), int(b), int(j)) for a, b, i, j in moves]
+        keys = scorer.score_batch(batch)
+        best = min(range(k), key=keys.__getitem__)
+        if keys[best] < cost:
+            groups, cost = batch[best], keys[best]
     return groups, cost
 
 
+def _all_swaps(s: int, r: int) -> list[tuple[int, int, int, int]]:
+    """Every swap (a, i, b, j) of member i of group a with member j of group b, a < b."""
+    return [(a, i, b, j) for a in range(s) for b in range(a + 1, s)
+            for i in range(r) for j in range(r)]
+
+
 def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
-    """Steepest descent over all pairwise swaps (and a reorder) until no swap improves."""
-    s, r = len(groups), len(groups[0])
+    """Steepest descent over all pairwise swaps (and a reorder) until no swap improves; each
+    sweep is scored in batches of POLISH_BATCH, and when the objective gives floors under its
+    cost (`lower_bounds`), swaps whose floor is above the best cost are skipped undecoded."""
+    swaps = _all_swaps(len(groups), len(groups[0]))
+    bounds = getattr(scorer.objective, "lower_bounds", None)
     improved = True
-    while improved and not scorer.exhausted():
+    while improved and swaps:
         improved = False
         best = (cost, groups)
-        for a in range(s):
-            for b in range(a + 1, s):
-                for i in range(r):
-                    for j in range(r):
-                        if scorer.exhausted():
-                            return best[1], best[0]
-                        cand = _swap(groups, a, i, b, j)
-                        c = scorer.score(cand)
-                        if c < best[0]:
-                            best = (c, cand)
+        for first in range(0, len(swaps), POLISH_BATCH):
+            batch = [_swap(groups, *m) for m in swaps[first: first + POLISH_BATCH]]
+            if bounds is not None:
+                floor = bounds(np.array(batch))
+                limit = best[0][0] + 1e-12 * max(1.0, abs(best[0][0]))
+                batch = [c for c, f in zip(batch, floor.tolist()) if f <= limit]
+            k = scorer.room(len(batch)) if batch else 0
+            if batch and k == 0:
+                return best[1], best[0]
+            for c, cand in zip(scorer.score_batch(batch[:k]), batch) if k else ():
+                if c < best[0]:
+                    best = (c, cand)
         if best[0] < cost:
             cost, groups = best
-            reordered = scorer.cache.order(groups)
-            c = scorer.score(reordered)
-            if c < cost:
-                groups, cost = reordered, c
+            if scorer.room(1):
+                reordered = scorer.cache.order(groups)
+                c = scorer.score(reordered)
+                if c < cost:
+                    groups, cost = reordered, c
             improved = True
     return groups, cost
 
@@ -349,7 +395,10 @@ def _evolve(population: list[tuple[Key, Groups]], scorer: _Scorer, cache: PairCa
     last_report = 0.0
     epoch_start = scorer.evaluations
     while not scorer.exhausted():
-        last_gain = max(epoch_start, scorer.history[-1][0] if scorer.history else 0)
+        gain = scorer.history[-1][0] if scorer.history else 0
+        if config.window and scorer.evaluations - gain > config.window:
+            break  # converged: no better cost for a whole window (restarts included)
+        last_gain = max(epoch_start, gain)
         if scorer.evaluations - last_gain > config.patience:
             if not config.restarts:
                 break
@@ -376,25 +425,35 @@ def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,
     """First-improvement swaps of any two slots of the (R, S) plan, scored as given (no
     matching): sweeps until one finds nothing or the budget ends. The group search decodes
     chains by link-time matching only; an objective that also cares which devices share a chain
-    (uneven GPUs, memory) needs these moves. For dtfm on symmetric links they rarely help."""
+    (uneven GPUs, memory) needs these moves. For dtfm on symmetric links they rarely help.
+    A vectorised objective scores the swaps CHAIN_BATCH at a time (every one counts as an
+    evaluation), others one at a time."""
     plan = plan.copy()
-    flat = plan.reshape(-1)
-    n = len(flat)
+    n = plan.size
+    slot_a, slot_b = np.triu_indices(n, 1)
+    chunk = CHAIN_BATCH if vectorised(scorer.objective) else 1
     improved = True
-    while improved and not scorer.exhausted():
+    while improved:
         improved = False
-        for a in range(n):
-            for b in range(a + 1, n):
-                if scorer.exhausted():
-                    return plan, cost
-                flat[a], flat[b] = flat[b], flat[a]
-                scorer.evaluations += 1
-                c = float(scorer.objective.cost(plan))
-                if c < cost - 1e-12 * max(1.0, abs(cost)):
-                    cost, improved = c, True
-                    history.append((scorer.evaluations, c))
-                else:
-                    flat[a], flat[b] = flat[b], flat[a]
+        k = 0
+        while k < len(slot_a):
+            m = scorer.room(min(chunk, len(slot_a) - k))
+            if m == 0:
+                return plan, cost
+            a, b = slot_a[k: k + m], slot_b[k: k + m]
+            flat = np.repeat(plan.reshape(1, n), m, axis=0)
+            rows = np.arange(m)
+            flat[rows, a], flat[rows, b] = flat[rows, b], flat[rows, a]
+            costs = batch_costs(scorer.objective, flat.reshape(m, *plan.shape))
+            scorer.evaluations += m
+            hits = np.flatnonzero(costs < cost - 1e-12 * max(1.0, abs(cost)))
+            if not len(hits):
+                k += m
+                continue
+            h = int(hits[0])
+            plan, cost, improved = flat[h].reshape(plan.shape), float(costs[h]), True
+            history.append((scorer.evaluations - m + h + 1, cost))
+            k += h + 1
     return plan, cost
 
 
