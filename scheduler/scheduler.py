@@ -429,6 +429,10 @@ def _print_search_notes(args: argparse.Namespace, out: PlanOutcome) -> None:
         print(f"note: the --time-limit ran out before shapes "
               f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
               f"more time, or --stages/--replicas)", file=sys.stderr)
+    refused = out.plan.search.get("shapes_refused")
+    if refused:
+        print(f"note: {len(refused)} shape(s) not searched: " + "; ".join(refused),
+              file=sys.stderr)
     samples = arg(args, PlanRequest, "random_samples")
     if out.random_scored < samples:
         print(f"note: the --time-limit left time to score {out.random_scored} of "
