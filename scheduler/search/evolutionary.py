@@ -112,6 +112,7 @@ class _Scorer:
         self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
         self.history: list[tuple[int, float]] = []
         self.timed_out = self.out_of_budget = False
+        self.bounds = getattr(objective, "lower_bounds", None)
 
     def exhausted(self) -> bool:
         if self.evaluations >= self.budget:
@@ -131,9 +132,31 @@ class _Scorer:
     def score(self, groups: Groups) -> Key:
         return self.score_batch([groups])[0]
 
-    def score_batch(self, batch: list[Groups]) -> list[Key]:
+    def score_batch(self, batch: list[Groups], above: float = float("inf")) -> list[Key]:
         """Decode each candidate (matchings, cached), then score them all with one objective
-        call and one tie-break computation; counts len(batch) evaluations."""
+        call and one tie-break computation; counts len(batch) evaluations. When the objective
+        gives floors under its cost (`lower_bounds`), a candidate whose floor is above `above`
+        (it cannot beat that cost) is judged by its floor alone, undecoded: key (floor, inf)."""
+        keys: list[Key] = [(float("inf"), float("inf"))] * len(batch)
+        todo = list(range(len(batch)))
+        if self.bounds is not None and above < float("inf") and batch:
+            floor = self.bounds(np.array(batch)).tolist()
+            limit = above + 1e-12 * max(1.0, abs(above))
+            todo = [k for k in todo if floor[k] <= limit]
+            keys = [(f, float("inf")) for f in floor]
+        if todo:
+            for k, key in zip(todo, self._decode_and_score([batch[k] for k in todo])):
+                keys[k] = key
+        for groups, key in zip(batch, keys):
+            self.evaluations += 1
+            if key < self.best[0]:
+                if key[0] < self.best[0][0] - 1e-12:
+                    self.history.append((self.evaluations, key[0]))
+                self.best = (key, list(groups))
+        return keys
+
+    def _decode_and_score(self, batch: list[Groups]) -> list[Key]:
+        """(cost, tie-break) of each candidate: chains by matching, one objective call."""
         chains = np.stack([self.cache.chains(groups) for groups in batch])  # (B, R, S)
         b, r, s = chains.shape
         costs = batch_costs(self.objective, chains)
@@ -142,16 +165,7 @@ class _Scorer:
         # mean link time inside the (S, R) stage groups, (i, i) = 0 included
         tie = tie + self.t_tie.member_sums(chains.transpose(0, 2, 1).reshape(b * s, r)) \
             .reshape(b, s * r).sum(axis=1) / (s * r * r)
-        keys = []
-        for groups, cost, t in zip(batch, costs.tolist(), tie.tolist()):
-            self.evaluations += 1
-            key = (cost, t)
-            if key < self.best[0]:
-                if cost < self.best[0][0] - 1e-12:
-                    self.history.append((self.evaluations, cost))
-                self.best = (key, list(groups))
-            keys.append(key)
-        return keys
+        return list(zip(costs.tolist(), tie.tolist()))
 
     def room(self, wanted: int) -> int:
         """How many of `wanted` evaluations the budget still allows (0 when exhausted)."""
@@ -222,7 +236,7 @@ def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
         moves = [(*rng.choice(s, size=2, replace=False), rng.integers(r), rng.integers(r))
                  for _ in range(k)]
         batch = [_swap(groups, int(a), int(i), int(b), int(j)) for a, b, i, j in moves]
-        keys = scorer.score_batch(batch)
+        keys = scorer.score_batch(batch, above=cost[0])
         best = min(range(k), key=keys.__getitem__)
         if keys[best] < cost:
             groups, cost = batch[best], keys[best]
@@ -237,24 +251,19 @@ def _all_swaps(s: int, r: int) -> list[tuple[int, int, int, int]]:
 
 def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
     """Steepest descent over all pairwise swaps (and a reorder) until no swap improves; each
-    sweep is scored in batches of POLISH_BATCH, and when the objective gives floors under its
-    cost (`lower_bounds`), swaps whose floor is above the best cost are skipped undecoded."""
+    sweep is scored in batches of POLISH_BATCH (swaps whose floor is above the best cost are
+    judged undecoded, see _Scorer.score_batch)."""
     swaps = _all_swaps(len(groups), len(groups[0]))
-    bounds = getattr(scorer.objective, "lower_bounds", None)
     improved = True
     while improved and swaps:
         improved = False
         best = (cost, groups)
         for first in range(0, len(swaps), POLISH_BATCH):
-            batch = [_swap(groups, *m) for m in swaps[first: first + POLISH_BATCH]]
-            if bounds is not None:
-                floor = bounds(np.array(batch))
-                limit = best[0][0] + 1e-12 * max(1.0, abs(best[0][0]))
-                batch = [c for c, f in zip(batch, floor.tolist()) if f <= limit]
-            k = scorer.room(len(batch)) if batch else 0
-            if batch and k == 0:
+            k = scorer.room(min(POLISH_BATCH, len(swaps) - first))
+            if k == 0:
                 return best[1], best[0]
-            for c, cand in zip(scorer.score_batch(batch[:k]), batch) if k else ():
+            batch = [_swap(groups, *m) for m in swaps[first: first + k]]
+            for c, cand in zip(scorer.score_batch(batch, above=best[0][0]), batch):
                 if c < best[0]:
                     best = (c, cand)
         if best[0] < cost:
