@@ -10,6 +10,12 @@ the hand-structured plan from the regions, the published search); the target is 
 1.000x of it in <= 1 s per command.
 
     python benchmarks/planner_speed.py [--seeds 101 102 103] [--gcma-trials 4900] [--repeat 3]
+    python benchmarks/planner_speed.py --window-check 11 12 13 14 15 16
+
+`--window-check SEEDS` instead compares, on the irregular `random` scenario (64 devices in 4
+uneven regions), the search that stops when converged (the default window) with the search run
+to its whole 20,000-evaluation budget (window 0), in this process: what the early stop costs
+where the evolution still finds something.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import numpy as np  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from scheduler.baselines import gcma  # noqa: E402
 from scheduler.cost_dtfm import DtfmObjective  # noqa: E402
+from scheduler.planning import search_plan  # noqa: E402
 from scheduler.scenarios import DTFM_SCENARIOS, make_scenario  # noqa: E402
+from scheduler.search import SearchConfig  # noqa: E402
+from scheduler.search.evolutionary import WINDOW  # noqa: E402
 
 
 def run_command(scenario: str, seed: int, out: Path) -> tuple[dict, float, float]:
@@ -59,6 +68,28 @@ def published(scenario: str, seed: int, trials: int) -> tuple[float, float]:
     return cost, time.perf_counter() - t
 
 
+def window_check(seeds: list[int]) -> None:
+    """The converged search against the whole budget on `random`, per seed."""
+    print("random, 64 devices in 4 regions, gpt3-xl 8 x 8, dtfm: search alone, in-process")
+    print(f"{'seed':>5s}{'window':>10s}{'evals':>7s}{'cpu s':>7s}{'budget':>10s}{'evals':>7s}"
+          f"{'cpu s':>7s}{'w/b':>7s}")
+    ratios = []
+    for seed in seeds:
+        cluster = make_scenario("random", seed, num_devices=64, num_regions=4)
+        obj = DtfmObjective(cluster, get_model("gpt3-xl"), 8, 8)
+        out = []
+        for window in (WINDOW, 0):
+            t = time.process_time()
+            res = search_plan(cluster, obj, obj, 8, 8,
+                              SearchConfig(budget=20_000, time_limit_s=600, window=window))
+            out.append((res.cost, res.evaluations, time.process_time() - t))
+        ratios.append(out[0][0] / out[1][0])
+        print(f"{seed:5d}{out[0][0]:10.3f}{out[0][1]:7d}{out[0][2]:7.2f}{out[1][0]:10.3f}"
+              f"{out[1][1]:7d}{out[1][2]:7.2f}{ratios[-1]:7.3f}", flush=True)
+    print(f"window / whole budget: {min(ratios):.3f}-{max(ratios):.3f}, geometric mean "
+          f"{float(np.exp(np.mean(np.log(ratios)))):.3f}")
+
+
 def main() -> int:
     """Run the grid, print the table and the verdict on the targets."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -69,7 +100,12 @@ def main() -> int:
     p.add_argument("--gcma-trials", type=int, default=4900,
                    help="trials of the published search (4,900 as published; 0 skips it)")
     p.add_argument("--repeat", type=int, default=3, help="runs of the command (best wall)")
+    p.add_argument("--window-check", type=int, nargs="+", metavar="SEED",
+                   help="instead: the converged search against the whole budget on `random`")
     args = p.parse_args()
+    if args.window_check:
+        window_check(args.window_check)
+        return 0
     print(f"plan --model gpt3-xl --stages 8 --replicas 8 --objective dtfm, whole command, best "
           f"of {args.repeat}; DT-FM = published GCMA, population 100, {args.gcma_trials} "
           f"trials; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")

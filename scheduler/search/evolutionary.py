@@ -5,13 +5,17 @@ order. It is decoded into pipelines by bottleneck matching between consecutive g
 (PairCache) and scored by any Objective. The population starts from given plans (e.g. built
 from the cluster's regions) and topology-aware structured plans (islands.py) plus random ones;
 children come from group-preserving crossover, swap and block mutations, a reorder of the
-groups and a short first-improvement local search; when no better plan turns up for `patience`
-evaluations the evolution restarts from its first population. Four fifths of the budget and
-time go to evolution; the rest polishes the best plan: steepest descent over all pairwise swaps
-between groups, then first-improvement swaps of any two slots scored without re-matching.
+groups and a short local search (batches of random swaps, moving to the best); when no better
+plan turns up for `patience` evaluations the evolution restarts from its first population, and
+when none turns up for `window` evaluations it has converged and stops. Four fifths of the
+budget and time at most go to evolution; the rest polishes the best plan: steepest descent over
+all pairwise swaps between groups, then first-improvement swaps of any two slots scored without
+re-matching. Candidates are scored in batches (one objective call each when the objective is
+vectorised), and those whose floor (`lower_bounds`) is above the cost to beat are judged
+undecoded.
 
-Every run is reproducible from `seed` when `budget` (a hard cap on objective evaluations) ends
-it rather than `time_limit_s` (wall).
+Every run is reproducible from `seed` when `budget` (a hard cap on objective evaluations) or
+convergence ends it rather than `time_limit_s` (wall).
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class SearchResult:
     """Name and cost of the best hand-structured starting plan (before any search)."""
     stopped_by: str = "converged"
     """What ended the search: `budget`, `time` (the wall limit: not reproducible from the
-    seed), `converged` (no gain for `patience` evaluations, or the polish found nothing) or
+    seed), `converged` (no better cost for `window` evaluations, or for `patience` ones
+    without restarts, and the polish ended by itself) or
     `infeasible` (no plan of the first population had a finite cost)."""
     pairs: PairCache | None = None
     """The group matchings the search made, for reuse on the same link costs (baselines)."""
@@ -92,7 +97,8 @@ class SearchResult:
 LOCAL_BATCH = 8
 """Swaps the local search scores at once before moving to the best of them."""
 POLISH_BATCH = 256
-"""Swaps the steepest descent decodes and scores at once (between checks of the clock)."""
+"""Swaps the steepest descent decodes and scores at once (between checks of the clock) for a
+vectorised objective (LOCAL_BATCH for others)."""
 CHAIN_BATCH = 512
 """Slot swaps the final chain polish scores at once (vectorised objectives)."""
 
@@ -254,12 +260,14 @@ def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
     sweep is scored in batches of POLISH_BATCH (swaps whose floor is above the best cost are
     judged undecoded, see _Scorer.score_batch)."""
     swaps = _all_swaps(len(groups), len(groups[0]))
+    # the clock is checked between batches: small ones for an objective scored plan by plan
+    size = POLISH_BATCH if vectorised(scorer.objective) else LOCAL_BATCH
     improved = True
     while improved and swaps:
         improved = False
         best = (cost, groups)
-        for first in range(0, len(swaps), POLISH_BATCH):
-            k = scorer.room(min(POLISH_BATCH, len(swaps) - first))
+        for first in range(0, len(swaps), size):
+            k = scorer.room(min(size, len(swaps) - first))
             if k == 0:
                 return best[1], best[0]
             batch = [_swap(groups, *m) for m in swaps[first: first + k]]
