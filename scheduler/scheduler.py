@@ -90,7 +90,7 @@ from scheduler.sync_search import (  # noqa: E402
 PLAN_FLAGS: dict[type, tuple[str, ...]] = {
     PlanRequest: ("num_stages", "num_replicas", "objective", "micro_batch_size",
                   "num_micro_batches", "tokens_per_replica"),
-    SearchConfig: ("budget", "time_limit_s", "seed"),
+    SearchConfig: ("budget", "window", "time_limit_s", "seed"),
 }
 """The library fields `plan` has a flag for, generated from their declarations
 (formats.settings), in --help order; the sync and performance-model groups add theirs."""

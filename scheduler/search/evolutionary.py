@@ -62,8 +62,8 @@ class SearchConfig:
     """Restart from a fresh random population (plus the best plan) when stuck, until the
     evolution's share of the budget (four fifths) is spent or it has converged."""
     window: int = setting(WINDOW, lo=0, hi=MAX_COUNT)
-    """Evaluations without a better cost after which the evolution has converged and stops
-    (the polish follows); 0: only the budget or the clock end it."""
+    """evaluations without a better cost after which the search has converged and stops
+    evolving (the polish follows); 0: only the budget or the clock end it"""
     seed: int = setting(0, flag="--search-seed", lo=0, hi=MAX_SEED)
     """seed of the search (of every random choice)"""
 
