@@ -169,9 +169,9 @@ POLISH_SHARE = 0.05
 """Part of a shape's time kept for polishing the simulated objective's layer split."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
 """Evaluations per search when no budget is given: what one core does in 5-12 s for 64
-devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a
-default run and the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on
-`universities`)."""
+devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget or convergence
+(SearchConfig.window, which usually ends a run first), not the clock, ends a default run and
+the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on `universities`)."""
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
