@@ -167,6 +167,10 @@ FINISH_MIN_S = 0.3
 after a 1,000-device plan on a loaded 2-core machine)."""
 POLISH_SHARE = 0.05
 """Part of a shape's time kept for polishing the simulated objective's layer split."""
+DEFAULT_WINDOWS = {"dtfm": 1_000, "simulated": 0}
+"""Convergence window (SearchConfig.window) when none is given: dtfm stops 1,000 evaluations
+after its last gain (docs/planner.md, "When the search stops"); simulated, whose evaluations
+cost ~6x more and whose quality under a window was not measured, runs to its budget."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
 """Evaluations per search when no budget is given: what one core does in 5-12 s for 64
 devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget or convergence

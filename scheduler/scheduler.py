@@ -62,6 +62,7 @@ from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
+    DEFAULT_WINDOWS,
     OBJECTIVES,
     PlanOutcome,
     PlanRequest,
@@ -113,7 +114,7 @@ FLAG_OF_FIELD: dict[str, str] = {
 CLI_DEFAULTS: dict[type, dict[str, Any]] = {
     PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
                   "pipeline_compression": None},
-    SearchConfig: {"budget": None, "time_limit_s": 60.0},
+    SearchConfig: {"budget": None, "window": None, "time_limit_s": 60.0},
     SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None},
     SimConfig: {name: None for name in SIM_FLAGS},
 }
@@ -122,6 +123,8 @@ CLI_DEFAULTS: dict[type, dict[str, Any]] = {
 DEFAULT_WORDS = {
     "SearchConfig.budget": "default: " + ", ".join(f"{v} for {k}"
                                                    for k, v in DEFAULT_BUDGETS.items()),
+    "SearchConfig.window": "default: " + ", ".join(f"{v} for {k}"
+                                                   for k, v in DEFAULT_WINDOWS.items()),
     "SearchConfig.time_limit_s": "default 60, a safety net; here it bounds the whole command: "
     "loading the cluster, the search of every shape (sharing it), the baselines; not --plot. A "
     "search cut by it is not reproducible, one ended by the budget or convergence is",
@@ -336,6 +339,8 @@ def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRe
     given = {f: arg(args, PlanRequest, f) for f in (*PLAN_FLAGS[PlanRequest], "random_samples")}
     if search["budget"] is None:
         search["budget"] = DEFAULT_BUDGETS[given["objective"]]
+    if search["window"] is None:
+        search["window"] = DEFAULT_WINDOWS[given["objective"]]
     return PlanRequest(**given, sync=sync, search=SearchConfig(**search),
                        sim=sim_config_from_args(args),
                        pipeline_compression=arg(args, PlanRequest, "pipeline_compression")
