@@ -46,7 +46,7 @@ def best_of_random(objective: Objective, devices: np.ndarray, num_stages: int,
     while k < samples:
         if k and time.perf_counter() > deadline:
             return best[1], best[0], k
-        m = min(chunk, samples - k)
+        m = min(chunk if time.perf_counter() <= deadline else 1, samples - k)  # late: one
         plans = np.stack([rng.permutation(devices)[: num_stages * num_replicas]
                           .reshape(num_replicas, num_stages) for _ in range(m)])
         costs = batch_costs(objective, plans)

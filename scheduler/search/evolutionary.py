@@ -20,8 +20,9 @@ convergence ends it rather than `time_limit_s` (wall).
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,8 +100,13 @@ LOCAL_BATCH = 8
 POLISH_BATCH = 256
 """Swaps the steepest descent decodes and scores at once (between checks of the clock) for a
 vectorised objective (LOCAL_BATCH for others)."""
+BOUND_MAX_REPLICAS = 64
+"""Largest stage group whose candidates are judged by their floors first (a floor gathers
+R x R link times per boundary: cheap for small groups, gigabytes for a batch of big ones)."""
 CHAIN_BATCH = 512
-"""Slot swaps the final chain polish scores at once (vectorised objectives)."""
+"""Slot swaps the final chain polish scores at once (vectorised objectives) ..."""
+CHAIN_BATCH_SLOTS = 1 << 15
+"""... and at most this many device ids in all (a batch of copies of the plan)."""
 
 Key = tuple[float, float]
 """(cost, tie-break): the tie-break ranks plans of equal cost by their mean link times, which
@@ -119,6 +125,8 @@ class _Scorer:
         self.history: list[tuple[int, float]] = []
         self.timed_out = self.out_of_budget = False
         self.bounds = getattr(objective, "lower_bounds", None)
+        """Floors under the cost (None: every candidate is decoded); evolutionary_search turns
+        them off for groups above BOUND_MAX_REPLICAS (they cost O(S R^2) per candidate)."""
 
     def exhausted(self) -> bool:
         if self.evaluations >= self.budget:
@@ -249,28 +257,31 @@ def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
     return groups, cost
 
 
-def _all_swaps(s: int, r: int) -> list[tuple[int, int, int, int]]:
-    """Every swap (a, i, b, j) of member i of group a with member j of group b, a < b."""
-    return [(a, i, b, j) for a in range(s) for b in range(a + 1, s)
-            for i in range(r) for j in range(r)]
+def _swap_batches(s: int, r: int, size: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Every swap (a, i, b, j) of member i of group a with member j of group b, a < b, in
+    lists of up to `size` (made lazily: S^2 R^2 / 2 swaps of big groups do not fit a list)."""
+    swaps = ((a, i, b, j) for a in range(s) for b in range(a + 1, s)
+             for i in range(r) for j in range(r))
+    while batch := list(itertools.islice(swaps, size)):
+        yield batch
 
 
 def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
     """Steepest descent over all pairwise swaps (and a reorder) until no swap improves; each
     sweep is scored in batches of POLISH_BATCH (swaps whose floor is above the best cost are
     judged undecoded, see _Scorer.score_batch)."""
-    swaps = _all_swaps(len(groups), len(groups[0]))
+    s, r = len(groups), len(groups[0])
     # the clock is checked between batches: small ones for an objective scored plan by plan
     size = POLISH_BATCH if vectorised(scorer.objective) else LOCAL_BATCH
     improved = True
-    while improved and swaps:
+    while improved and s > 1:
         improved = False
         best = (cost, groups)
-        for first in range(0, len(swaps), size):
-            k = scorer.room(min(size, len(swaps) - first))
+        for swaps in _swap_batches(s, r, size):
+            k = scorer.room(len(swaps))
             if k == 0:
                 return best[1], best[0]
-            batch = [_swap(groups, *m) for m in swaps[first: first + k]]
+            batch = [_swap(groups, *m) for m in swaps[:k]]
             for c, cand in zip(scorer.score_batch(batch, above=best[0][0]), batch):
                 if c < best[0]:
                     best = (c, cand)
@@ -313,6 +324,8 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
                      start + 0.8 * config.time_limit_s)
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
+    if r > BOUND_MAX_REPLICAS:
+        scorer.bounds = None
 
     given, given_history, structured = _score_given_plans(objective, scorer, initial_plans)
     orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
@@ -447,30 +460,33 @@ def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,
     evaluation), others one at a time."""
     plan = plan.copy()
     n = plan.size
-    slot_a, slot_b = np.triu_indices(n, 1)
-    chunk = CHAIN_BATCH if vectorised(scorer.objective) else 1
+    # batches of at most CHAIN_BATCH plans and CHAIN_BATCH_SLOTS ids (big plans: few at once,
+    # so that the clock is checked often)
+    chunk = max(1, min(CHAIN_BATCH, CHAIN_BATCH_SLOTS // n)) if vectorised(scorer.objective) \
+        else 1
     improved = True
     while improved:
         improved = False
-        k = 0
-        while k < len(slot_a):
-            m = scorer.room(min(chunk, len(slot_a) - k))
-            if m == 0:
-                return plan, cost
-            a, b = slot_a[k: k + m], slot_b[k: k + m]
-            flat = np.repeat(plan.reshape(1, n), m, axis=0)
-            rows = np.arange(m)
-            flat[rows, a], flat[rows, b] = flat[rows, b], flat[rows, a]
-            costs = batch_costs(scorer.objective, flat.reshape(m, *plan.shape))
-            scorer.evaluations += m
-            hits = np.flatnonzero(costs < cost - 1e-12 * max(1.0, abs(cost)))
-            if not len(hits):
-                k += m
-                continue
-            h = int(hits[0])
-            plan, cost, improved = flat[h].reshape(plan.shape), float(costs[h]), True
-            history.append((scorer.evaluations - m + h + 1, cost))
-            k += h + 1
+        for a in range(n - 1):
+            b0 = a + 1
+            while b0 < n:
+                m = scorer.room(min(chunk, n - b0))
+                if m == 0:
+                    return plan, cost
+                b = np.arange(b0, b0 + m)
+                flat = np.repeat(plan.reshape(1, n), m, axis=0)
+                rows = np.arange(m)
+                flat[rows, a], flat[rows, b] = flat[rows, b], flat[rows, a]
+                costs = batch_costs(scorer.objective, flat.reshape(m, *plan.shape))
+                scorer.evaluations += m
+                hits = np.flatnonzero(costs < cost - 1e-12 * max(1.0, abs(cost)))
+                if not len(hits):
+                    b0 += m
+                    continue
+                h = int(hits[0])
+                plan, cost, improved = flat[h].reshape(plan.shape), float(costs[h]), True
+                history.append((scorer.evaluations - m + h + 1, cost))
+                b0 += h + 1
     return plan, cost
 
 
