@@ -124,6 +124,9 @@ class _Scorer:
         self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
         self.history: list[tuple[int, float]] = []
         self.timed_out = self.out_of_budget = False
+        self.batch = LOCAL_BATCH
+        """Most candidates scored between two checks of the clock (1 for big groups, whose
+        matchings take milliseconds each)."""
         self.bounds = getattr(objective, "lower_bounds", None)
         """Floors under the cost (None: every candidate is decoded); evolutionary_search turns
         them off for groups above BOUND_MAX_REPLICAS (they cost O(S R^2) per candidate)."""
@@ -243,7 +246,7 @@ def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
     batch when it improves."""
     s, r = len(groups), len(groups[0])
     while tries > 0 and s > 1:
-        k = scorer.room(min(tries, LOCAL_BATCH))
+        k = scorer.room(min(tries, scorer.batch))
         if k == 0:
             break
         tries -= k
@@ -272,7 +275,8 @@ def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
     judged undecoded, see _Scorer.score_batch)."""
     s, r = len(groups), len(groups[0])
     # the clock is checked between batches: small ones for an objective scored plan by plan
-    size = POLISH_BATCH if vectorised(scorer.objective) else LOCAL_BATCH
+    size = min(POLISH_BATCH if vectorised(scorer.objective) else LOCAL_BATCH,
+               scorer.batch if scorer.batch < LOCAL_BATCH else POLISH_BATCH)
     improved = True
     while improved and s > 1:
         improved = False
@@ -324,8 +328,8 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
                      start + 0.8 * config.time_limit_s)
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
-    if r > BOUND_MAX_REPLICAS:
-        scorer.bounds = None
+    if r > BOUND_MAX_REPLICAS:  # big groups: no floors, and one candidate per clock check
+        scorer.bounds, scorer.batch = None, 1
 
     given, given_history, structured = _score_given_plans(objective, scorer, initial_plans)
     orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
