@@ -43,14 +43,17 @@ from scheduler.search import SearchConfig  # noqa: E402
 from scheduler.search.evolutionary import WINDOW  # noqa: E402
 
 
-def run_command(scenario: str, seed: int, out: Path) -> tuple[dict, float, float]:
-    """One whole `plan` command: (its --json output, wall s, CPU s of the child)."""
-    cmd = [sys.executable, str(ROOT / "scheduler" / "scheduler.py"), "plan", "--scenario",
+def run_command(scenario: str, seed: int, out: Path, root: Path = ROOT
+                ) -> tuple[dict, float, float]:
+    """One whole `plan` command of the checkout at `root`: (its --json output, wall s, CPU s
+    of the child)."""
+    cmd = [sys.executable, str(root / "scheduler" / "scheduler.py"), "plan", "--scenario",
            scenario, "--seed", str(seed), "--model", "gpt3-xl", "--stages", "8", "--replicas",
            "8", "--objective", "dtfm", "--out", str(out), "--json", "--quiet"]
     before = os.times()
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     wall = time.perf_counter() - t
     after = os.times()
     cpu = (after.children_user - before.children_user) + \
@@ -100,6 +103,9 @@ def main() -> int:
     p.add_argument("--gcma-trials", type=int, default=4900,
                    help="trials of the published search (4,900 as published; 0 skips it)")
     p.add_argument("--repeat", type=int, default=3, help="runs of the command (best wall)")
+    p.add_argument("--baseline-root", type=Path,
+                   help="another checkout (e.g. the previous version): its command is run the "
+                        "same way, interleaved, and its cost and CPU printed beside ours")
     p.add_argument("--window-check", type=int, nargs="+", metavar="SEED",
                    help="instead: the converged search against the whole budget on `random`")
     args = p.parse_args()
@@ -116,9 +122,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in args.scenarios:
             for seed in args.seeds:
-                runs = [run_command(scenario, seed, Path(tmp) / "plan.json")
-                        for _ in range(args.repeat)]
+                runs, base = [], []
+                for _ in range(args.repeat):  # interleaved: both see the same load
+                    runs.append(run_command(scenario, seed, Path(tmp) / "plan.json"))
+                    if args.baseline_root:
+                        base.append(run_command(scenario, seed, Path(tmp) / "base.json",
+                                                args.baseline_root))
                 found, wall, cpu = min(runs, key=lambda x: x[1])
+                if base:
+                    b = min(base, key=lambda x: x[2])
+                    ours_cpu = min(x[2] for x in runs)
+                    print(f"  baseline {args.baseline_root}: cost {b[0]['cost']:.2f}, "
+                          f"{b[0]['evaluations']} evaluations, best wall "
+                          f"{min(x[1] for x in base):.2f} s, best cpu {b[2]:.2f} s; ours best "
+                          f"cpu {ours_cpu:.2f} s: {b[2] / ours_cpu:.2f}x less CPU", flush=True)
                 hand = found["baselines"]["hand-structured (regions)"]["cost"]
                 theirs, their_s = published(scenario, seed, args.gcma_trials) \
                     if args.gcma_trials else (float("inf"), 0.0)
