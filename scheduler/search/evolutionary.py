@@ -117,19 +117,20 @@ class _Scorer:
     """Decodes and scores candidates, counting evaluations and tracking the best."""
 
     def __init__(self, objective: Objective, cache: PairCache, t_tie: LinkCosts, budget: int,
-                 deadline: float) -> None:
+                 deadline: float, replicas: int = 1) -> None:
         self.objective, self.cache, self.t_tie = objective, cache, t_tie
         self.budget, self.deadline = budget, deadline
         self.evaluations = 0
         self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
         self.history: list[tuple[int, float]] = []
         self.timed_out = self.out_of_budget = False
-        self.batch = LOCAL_BATCH
+        small = replicas <= BOUND_MAX_REPLICAS
+        self.batch = LOCAL_BATCH if small else 1
         """Most candidates scored between two checks of the clock (1 for big groups, whose
         matchings take milliseconds each)."""
-        self.bounds = getattr(objective, "lower_bounds", None)
-        """Floors under the cost (None: every candidate is decoded); evolutionary_search turns
-        them off for groups above BOUND_MAX_REPLICAS (they cost O(S R^2) per candidate)."""
+        self.bounds = getattr(objective, "lower_bounds", None) if small else None
+        """Floors under the cost (None: every candidate is decoded; always for groups above
+        BOUND_MAX_REPLICAS, whose floors cost O(S R^2) per candidate)."""
 
     def exhausted(self) -> bool:
         if self.evaluations >= self.budget:
@@ -325,11 +326,9 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
     t_tie = as_link_costs((extra_link_costs or [t_act])[0])
     # The last fifth of the budget and of the time is kept for the final polish.
     scorer = _Scorer(objective, cache, t_tie, config.budget - config.budget // 5,
-                     start + 0.8 * config.time_limit_s)
+                     start + 0.8 * config.time_limit_s, num_replicas)
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
-    if r > BOUND_MAX_REPLICAS:  # big groups: no floors, and one candidate per clock check
-        scorer.bounds, scorer.batch = None, 1
 
     given, given_history, structured = _score_given_plans(objective, scorer, initial_plans)
     orders = seed_orders or leaf_orders([t_act, *(extra_link_costs or [])], devices)
