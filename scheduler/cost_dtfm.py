@@ -139,6 +139,36 @@ class DtfmObjective:
         fwd, bwd = self.pp_edges(pipelines)
         return dp + float(fwd.sum() + bwd.sum())
 
+    def costs(self, plans: np.ndarray) -> np.ndarray:
+        """`cost` of each of the (B, R, S) plans at once -> (B,) seconds (the search scores
+        its batches of candidates with one call)."""
+        b, r, s = plans.shape
+        groups = plans.transpose(0, 2, 1).reshape(b * s, r)
+        dp = self.grad.member_sums(groups).max(axis=1).reshape(b, s).max(axis=1)
+        if s == 1:
+            return dp
+        src, dst = plans[:, :, :-1], plans[:, :, 1:]
+        fwd = self.act.at(src, dst).max(axis=1).sum(axis=1)
+        bwd = self.act.at(dst, src).max(axis=1).sum(axis=1)
+        return dp + fwd + bwd
+
+    def lower_bounds(self, groups: np.ndarray) -> np.ndarray:
+        """For (B, S, R) stage groups in pipeline order: (B,) a floor under the cost of every
+        way of chaining them (the search skips candidates whose floor is above its best).
+        DP is exact (it depends on the groups only); each boundary's forward + backward PP is
+        at least the largest round trip of its matched pairs, which no perfect matching of the
+        two groups can bring below max(largest row minimum, largest column minimum)."""
+        b, s, r = groups.shape
+        dp = self.grad.member_sums(groups.reshape(b * s, r)).max(axis=1).reshape(b, s).max(axis=1)
+        if s == 1:
+            return dp
+        shape = (b, s - 1, r, r)
+        src = np.broadcast_to(groups[:, :-1, :, None], shape)
+        dst = np.broadcast_to(groups[:, 1:, None, :], shape)
+        trip = self.act.at(src, dst) + self.act.at(dst, src)
+        floor = np.maximum(trip.min(axis=3).max(axis=2), trip.min(axis=2).max(axis=2))
+        return dp + floor.sum(axis=1)
+
     def breakdown(self, pipelines: np.ndarray) -> CostBreakdown:
         """The cost with its DP and PP parts."""
         dp = float(self.dp_group_costs(pipelines.T).max())

@@ -39,3 +39,18 @@ class Objective(Protocol):
     def breakdown(self, pipelines: np.ndarray) -> CostBreakdown:
         """Cost with its parts and the layer split it assumes."""
         ...
+
+
+def batch_costs(objective: Objective, plans: np.ndarray) -> np.ndarray:
+    """(B,) costs of (B, R, S) plans: one vectorised call when the objective has `costs`
+    (DT-FM), else one `cost` call per plan (any objective works; a vectorised one is faster)."""
+    many = getattr(objective, "costs", None)
+    if many is not None:
+        return np.asarray(many(plans), dtype=float)
+    return np.array([float(objective.cost(p)) for p in plans], dtype=float)
+
+
+def vectorised(objective: Objective) -> bool:
+    """Whether `batch_costs` scores a batch in one call (then batches are cheap to score
+    whole; otherwise a first-improvement loop should stop at its first hit)."""
+    return getattr(objective, "costs", None) is not None

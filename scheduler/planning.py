@@ -33,6 +33,7 @@ from scheduler.baselines import (
 from scheduler.cost_dtfm import DTFM_TOKENS_PER_REPLICA, DtfmObjective
 from scheduler.cost_simulated import SimulatedObjective
 from scheduler.layer_split import stage_replica_shapes
+from scheduler.memory import stage_memory
 from scheduler.objective import CostBreakdown, Objective
 from scheduler.search import (
     SearchConfig,
@@ -166,11 +167,15 @@ FINISH_MIN_S = 0.3
 after a 1,000-device plan on a loaded 2-core machine)."""
 POLISH_SHARE = 0.05
 """Part of a shape's time kept for polishing the simulated objective's layer split."""
+DEFAULT_WINDOWS = {"dtfm": 1_000, "simulated": 0}
+"""Convergence window (SearchConfig.window) when none is given: dtfm stops 1,000 evaluations
+after its last gain (docs/planner.md, "When the search stops"); simulated, whose evaluations
+cost ~6x more and whose quality under a window was not measured, runs to its budget."""
 DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
 """Evaluations per search when no budget is given: what one core does in 5-12 s for 64
-devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget, not the clock, ends a
-default run and the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on
-`universities`)."""
+devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget or convergence
+(SearchConfig.window, which usually ends a run first), not the clock, ends a default run and
+the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on `universities`)."""
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:
@@ -306,11 +311,14 @@ def predicted(cost: CostBreakdown) -> dict[str, float | str]:
 
 def check_memory(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                  objective: Objective) -> None:
-    """UserError, before any search, when no plan of this shape can fit (objectives that model
-    memory only): the fullest stage of the best split needs more than any group of R devices
-    offers, i.e. than the R-th largest device memory."""
+    """UserError, before any search, when no plan of this shape can fit. An objective that
+    models memory (`least_stage_memory`: it places stages by memory) is refused when the
+    fullest stage of the best split needs more than any group of R devices offers, i.e. than
+    the R-th largest device memory; one with a fixed split that ignores memory (dtfm: even
+    stages, any device anywhere) when its fullest stage needs more than the smallest device."""
     least = getattr(objective, "least_stage_memory", None)
     if least is None:
+        _check_fixed_split_memory(cluster, model, req, getattr(objective, "stages", None))
         return
     need = least(req.num_stages)
     best_group = sorted((d.memory_gb for d in cluster.devices), reverse=True)[
@@ -323,6 +331,29 @@ def check_memory(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                         f"of {req.num_replicas} devices, and only "
                         f"{sum(d.memory_gb * 1e9 >= need for d in cluster.devices)} have that "
                         f"much")
+
+
+def _check_fixed_split_memory(cluster: Cluster, model: ModelSpec, req: PlanRequest,
+                              stages: list[tuple[int, int]] | None) -> None:
+    """UserError when the fullest of `stages` does not fit on the smallest device: an
+    objective blind to memory may put any stage on any device."""
+    if not stages:
+        return
+    diloco = req.sync.mode == "diloco"
+    need, (a, b) = max((stage_memory(model, a, b, req.micro_batch_size, req.num_micro_batches,
+                                     diloco, req.sim.memory(),
+                                     outer_state=req.outer_state).total_bytes, (a, b))
+                       for a, b in stages)
+    small = min(cluster.devices, key=lambda d: d.memory_gb)
+    if need > small.memory_gb * 1e9:
+        raise UserError(
+            f"no {req.num_stages} x {req.num_replicas} plan of {model.name} fits with the "
+            f"{req.objective} objective: its even split gives a stage layers [{a}, {b}), which "
+            f"needs {need / 1e9:.2f} GB (parameters, optimizer state, activations of "
+            f"{req.num_micro_batches} micro-batches), and it may run on any device, but device "
+            f"{small.id} ({small.name}, {small.gpu}) has {small.memory_gb:g} GB; use more "
+            f"stages, fewer micro-batches, or --objective simulated (it places stages by "
+            f"memory)")
 
 
 def plan_best_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest,
@@ -400,6 +431,8 @@ def search_shapes(cluster: Cluster, model: ModelSpec, req: PlanRequest,
             best = found
     if best is None:
         raise UserError("no shape works:\n  " + "\n  ".join(failures))
+    if failures:  # e.g. shapes whose stages cannot fit in memory: said in the plan's search
+        best.plan.search["shapes_refused"] = failures
     return best, stops, skipped
 
 

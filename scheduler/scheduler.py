@@ -63,6 +63,7 @@ from scheduler.objective import CostBreakdown  # noqa: E402
 from scheduler.planning import (  # noqa: E402
     DEFAULT_BUDGETS,
     DEFAULT_OBJECTIVE,
+    DEFAULT_WINDOWS,
     OBJECTIVES,
     PlanOutcome,
     PlanRequest,
@@ -91,7 +92,7 @@ from scheduler.sync_search import (  # noqa: E402
 PLAN_FLAGS: dict[type, tuple[str, ...]] = {
     PlanRequest: ("num_stages", "num_replicas", "objective", "micro_batch_size",
                   "num_micro_batches", "tokens_per_replica"),
-    SearchConfig: ("budget", "time_limit_s", "seed"),
+    SearchConfig: ("budget", "window", "time_limit_s", "seed"),
 }
 """The library fields `plan` has a flag for, generated from their declarations
 (formats.settings), in --help order; the sync and performance-model groups add theirs."""
@@ -116,7 +117,7 @@ FLAG_OF_FIELD: dict[str, str] = {
 CLI_DEFAULTS: dict[type, dict[str, Any]] = {
     PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
                   "pipeline_compression": None},
-    SearchConfig: {"budget": None, "time_limit_s": 60.0},
+    SearchConfig: {"budget": None, "window": None, "time_limit_s": 60.0},
     SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None,
                  "train_steps": None, "max_loss_ratio": None},
     SimConfig: {name: None for name in SIM_FLAGS},
@@ -126,6 +127,8 @@ CLI_DEFAULTS: dict[type, dict[str, Any]] = {
 DEFAULT_WORDS = {
     "SearchConfig.budget": "default: " + ", ".join(f"{v} for {k}"
                                                    for k, v in DEFAULT_BUDGETS.items()),
+    "SearchConfig.window": "default: " + ", ".join(f"{v} for {k}"
+                                                   for k, v in DEFAULT_WINDOWS.items()),
     "SearchConfig.time_limit_s": "default 60, a safety net; here it bounds the whole command: "
     "loading the cluster, the search of every shape (sharing it), the baselines; not --plot. A "
     "search cut by it is not reproducible, one ended by the budget or convergence is",
@@ -350,6 +353,8 @@ def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRe
     given = {f: arg(args, PlanRequest, f) for f in (*PLAN_FLAGS[PlanRequest], "random_samples")}
     if search["budget"] is None:
         search["budget"] = DEFAULT_BUDGETS[given["objective"]]
+    if search["window"] is None:
+        search["window"] = DEFAULT_WINDOWS[given["objective"]]
     return PlanRequest(**given, sync=sync, search=SearchConfig(**search),
                        sim=sim_config_from_args(args),
                        pipeline_compression=arg(args, PlanRequest, "pipeline_compression")
@@ -443,6 +448,10 @@ def _print_search_notes(args: argparse.Namespace, out: PlanOutcome) -> None:
         print(f"note: the --time-limit ran out before shapes "
               f"{', '.join(f'{a} x {b}' for a, b in skipped)} could be searched (give "
               f"more time, or --stages/--replicas)", file=sys.stderr)
+    refused = out.plan.search.get("shapes_refused")
+    if refused:
+        print(f"note: {len(refused)} shape(s) not searched: " + "; ".join(refused),
+              file=sys.stderr)
     samples = arg(args, PlanRequest, "random_samples")
     if out.random_scored < samples:
         print(f"note: the --time-limit left time to score {out.random_scored} of "

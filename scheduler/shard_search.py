@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, replace
 
-import networkx as nx
 import numpy as np
 
 from formats.cluster import Cluster
@@ -38,6 +37,8 @@ from scheduler.simulator.step import SimResult, simulate
 def sites(cluster: Cluster) -> list[list[int]]:
     """Devices that share a site (a region of the cluster file), each ascending, the sites in
     order of their first device: the connected components of the same-region graph."""
+    import networkx as nx  # here: its import costs ~0.1 s, and only --max-shard needs it
+
     graph = nx.Graph()
     graph.add_nodes_from(range(cluster.num_devices))
     by_region: dict[str, list[int]] = {}

@@ -93,3 +93,39 @@ def test_even_split_of_xl_on_eight_v100_stages_fits():
     cluster = make_scenario("worldwide", 0)
     pipe = np.arange(64).reshape(8, 8)
     check_plan_memory(cluster, XL, even_split(24, 8), pipe, 1, 61, True)
+
+
+def test_dtfm_open_shape_plan_fits_and_refuses_shapes_that_cannot():
+    # Issue 26: `plan --objective dtfm` without a shape on `mixed` (seed 9) wrote a 1 x 64 plan
+    # needing 37 GB per 16 GB device: the comm-only objective prefers the widest shape.
+    from scheduler.planning import PlanRequest, plan_best_shape
+    from scheduler.search import SearchConfig
+    from scheduler.simulator.step import simulate_plan
+
+    cluster = make_scenario("mixed", 9)
+    req = PlanRequest(0, 0, objective="dtfm", search=SearchConfig(budget=400, time_limit_s=60))
+    out = plan_best_shape(cluster, XL, req)
+    plan = out.plan
+    assert (plan.num_stages, plan.num_replicas) != (1, 64)
+    refused = plan.search["shapes_refused"]
+    assert any(r.startswith("1 x 64:") and "16 GB" in r for r in refused)
+    simulate_plan(cluster, XL, plan, timeline=False)  # raises UserError if any device overflows
+    check_plan_memory(cluster, XL, list(plan.stages), np.array(plan.pipelines), 1,
+                      plan.num_micro_batches, False)
+
+
+def test_dtfm_shape_that_cannot_fit_exits_2_naming_the_smallest_device(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scheduler" / "scheduler.py"), "plan",
+                        "--scenario", "mixed", "--seed", "9", "--model", "gpt3-xl",
+                        "--stages", "1", "--replicas", "64", "--objective", "dtfm",
+                        "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    line = r.stderr.strip().splitlines()[-1]
+    assert "needs 37.08 GB" in line and "16 GB" in line and "device" in line

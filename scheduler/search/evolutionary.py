@@ -5,26 +5,31 @@ order. It is decoded into pipelines by bottleneck matching between consecutive g
 (PairCache) and scored by any Objective. The population starts from given plans (e.g. built
 from the cluster's regions) and topology-aware structured plans (islands.py) plus random ones;
 children come from group-preserving crossover, swap and block mutations, a reorder of the
-groups and a short first-improvement local search; when no better plan turns up for `patience`
-evaluations the evolution restarts from its first population. Four fifths of the budget and
-time go to evolution; the rest polishes the best plan: steepest descent over all pairwise swaps
-between groups, then first-improvement swaps of any two slots scored without re-matching.
+groups and a short local search (batches of random swaps, moving to the best); when no better
+plan turns up for `patience` evaluations the evolution restarts from its first population, and
+when none turns up for `window` evaluations it has converged and stops. Four fifths of the
+budget and time at most go to evolution; the rest polishes the best plan: steepest descent over
+all pairwise swaps between groups, then first-improvement swaps of any two slots scored without
+re-matching. Candidates are scored in batches (one objective call each when the objective is
+vectorised), and those whose floor (`lower_bounds`) is above the cost to beat are judged
+undecoded.
 
-Every run is reproducible from `seed` when `budget` (a hard cap on objective evaluations) ends
-it rather than `time_limit_s` (wall).
+Every run is reproducible from `seed` when `budget` (a hard cap on objective evaluations) or
+convergence ends it rather than `time_limit_s` (wall).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, setting
 from scheduler.link_costs import LinkCosts, as_link_costs
-from scheduler.objective import Objective
+from scheduler.objective import Objective, batch_costs, vectorised
 from scheduler.search.islands import (
     Groups,
     leaf_orders,
@@ -32,6 +37,10 @@ from scheduler.search.islands import (
     structured_partitions,
 )
 from scheduler.search.matching import PairCache
+
+WINDOW = 1000
+"""Default convergence window (SearchConfig.window): measured on the five DT-FM scenarios and
+`random` (docs/planner.md, "When the search stops")."""
 
 
 @dataclass
@@ -52,7 +61,10 @@ class SearchConfig:
     restarts, the evolution stops)."""
     restarts: bool = True
     """Restart from a fresh random population (plus the best plan) when stuck, until the
-    evolution's share of the budget (four fifths) is spent."""
+    evolution's share of the budget (four fifths) is spent or it has converged."""
+    window: int = setting(WINDOW, lo=0, hi=MAX_COUNT)
+    """evaluations without a better cost after which the search has converged and stops
+    evolving (the polish follows); 0: only the budget or the clock end it"""
     seed: int = setting(0, flag="--search-seed", lo=0, hi=MAX_SEED)
     """seed of the search (of every random choice)"""
 
@@ -76,11 +88,25 @@ class SearchResult:
     """Name and cost of the best hand-structured starting plan (before any search)."""
     stopped_by: str = "converged"
     """What ended the search: `budget`, `time` (the wall limit: not reproducible from the
-    seed), `converged` (no gain for `patience` evaluations, or the polish found nothing) or
+    seed), `converged` (no better cost for `window` evaluations, or for `patience` ones
+    without restarts, and the polish ended by itself) or
     `infeasible` (no plan of the first population had a finite cost)."""
     pairs: PairCache | None = None
     """The group matchings the search made, for reuse on the same link costs (baselines)."""
 
+
+LOCAL_BATCH = 8
+"""Swaps the local search scores at once before moving to the best of them."""
+POLISH_BATCH = 256
+"""Swaps the steepest descent decodes and scores at once (between checks of the clock) for a
+vectorised objective (LOCAL_BATCH for others)."""
+BOUND_MAX_REPLICAS = 64
+"""Largest stage group whose candidates are judged by their floors first (a floor gathers
+R x R link times per boundary: cheap for small groups, gigabytes for a batch of big ones)."""
+CHAIN_BATCH = 512
+"""Slot swaps the final chain polish scores at once (vectorised objectives) ..."""
+CHAIN_BATCH_SLOTS = 1 << 15
+"""... and at most this many device ids in all (a batch of copies of the plan)."""
 
 Key = tuple[float, float]
 """(cost, tie-break): the tie-break ranks plans of equal cost by their mean link times, which
@@ -91,13 +117,20 @@ class _Scorer:
     """Decodes and scores candidates, counting evaluations and tracking the best."""
 
     def __init__(self, objective: Objective, cache: PairCache, t_tie: LinkCosts, budget: int,
-                 deadline: float) -> None:
+                 deadline: float, replicas: int = 1) -> None:
         self.objective, self.cache, self.t_tie = objective, cache, t_tie
         self.budget, self.deadline = budget, deadline
         self.evaluations = 0
         self.best: tuple[Key, Groups] = ((float("inf"), float("inf")), [])
         self.history: list[tuple[int, float]] = []
         self.timed_out = self.out_of_budget = False
+        small = replicas <= BOUND_MAX_REPLICAS
+        self.batch = LOCAL_BATCH if small else 1
+        """Most candidates scored between two checks of the clock (1 for big groups, whose
+        matchings take milliseconds each)."""
+        self.bounds = getattr(objective, "lower_bounds", None) if small else None
+        """Floors under the cost (None: every candidate is decoded; always for groups above
+        BOUND_MAX_REPLICAS, whose floors cost O(S R^2) per candidate)."""
 
     def exhausted(self) -> bool:
         if self.evaluations >= self.budget:
@@ -115,18 +148,46 @@ class _Scorer:
         return "budget" if self.out_of_budget else "converged"
 
     def score(self, groups: Groups) -> Key:
-        self.evaluations += 1
-        chains = self.cache.chains(groups)
-        cost = float(self.objective.cost(chains))
-        tie = float(self.cache.costs.at(chains[:, :-1], chains[:, 1:]).mean()) \
-            if chains.shape[1] > 1 else 0.0
-        tie += self.t_tie.group_mean(chains.T)  # over the (S, R) stage groups
-        key = (cost, tie)
-        if key < self.best[0]:
-            if cost < self.best[0][0] - 1e-12:
-                self.history.append((self.evaluations, cost))
-            self.best = (key, list(groups))
-        return key
+        return self.score_batch([groups])[0]
+
+    def score_batch(self, batch: list[Groups], above: float = float("inf")) -> list[Key]:
+        """Decode each candidate (matchings, cached), then score them all with one objective
+        call and one tie-break computation; counts len(batch) evaluations. When the objective
+        gives floors under its cost (`lower_bounds`), a candidate whose floor is above `above`
+        (it cannot beat that cost) is judged by its floor alone, undecoded: key (floor, inf)."""
+        keys: list[Key] = [(float("inf"), float("inf"))] * len(batch)
+        todo = list(range(len(batch)))
+        if self.bounds is not None and above < float("inf") and batch:
+            floor = self.bounds(np.array(batch)).tolist()
+            limit = above + 1e-12 * max(1.0, abs(above))
+            todo = [k for k in todo if floor[k] <= limit]
+            keys = [(f, float("inf")) for f in floor]
+        if todo:
+            for k, key in zip(todo, self._decode_and_score([batch[k] for k in todo])):
+                keys[k] = key
+        for groups, key in zip(batch, keys):
+            self.evaluations += 1
+            if key < self.best[0]:
+                if key[0] < self.best[0][0] - 1e-12:
+                    self.history.append((self.evaluations, key[0]))
+                self.best = (key, list(groups))
+        return keys
+
+    def _decode_and_score(self, batch: list[Groups]) -> list[Key]:
+        """(cost, tie-break) of each candidate: chains by matching, one objective call."""
+        chains = np.stack([self.cache.chains(groups) for groups in batch])  # (B, R, S)
+        b, r, s = chains.shape
+        costs = batch_costs(self.objective, chains)
+        tie = self.cache.costs.at(chains[:, :, :-1], chains[:, :, 1:]).mean(axis=(1, 2)) \
+            if s > 1 else np.zeros(b)
+        # mean link time inside the (S, R) stage groups, (i, i) = 0 included
+        tie = tie + self.t_tie.member_sums(chains.transpose(0, 2, 1).reshape(b * s, r)) \
+            .reshape(b, s * r).sum(axis=1) / (s * r * r)
+        return list(zip(costs.tolist(), tie.tolist()))
+
+    def room(self, wanted: int) -> int:
+        """How many of `wanted` evaluations the budget still allows (0 when exhausted)."""
+        return 0 if self.exhausted() else min(wanted, self.budget - self.evaluations)
 
 
 def _swap(groups: Groups, a: int, i: int, b: int, j: int) -> Groups:
@@ -182,42 +243,60 @@ def _mutate(groups: Groups, rng: np.random.Generator) -> Groups:
 
 def _local_search(groups: Groups, cost: Key, scorer: _Scorer, tries: int,
                   rng: np.random.Generator) -> tuple[Groups, Key]:
-    """First-improvement random pairwise swaps."""
+    """Random pairwise swaps in batches of LOCAL_BATCH, scored at once: move to the best of a
+    batch when it improves."""
     s, r = len(groups), len(groups[0])
-    for _ in range(tries):
-        if scorer.exhausted() or s < 2:
+    while tries > 0 and s > 1:
+        k = scorer.room(min(tries, scorer.batch))
+        if k == 0:
             break
-        a, b = rng.choice(s, size=2, replace=False)
-        cand = _swap(groups, a, int(rng.integers(r)), b, int(rng.integers(r)))
-        c = scorer.score(cand)
-        if c < cost:
-            groups, cost = cand, c
+        tries -= k
+        moves = [(*rng.choice(s, size=2, replace=False), rng.integers(r), rng.integers(r))
+                 for _ in range(k)]
+        batch = [_swap(groups, int(a), int(i), int(b), int(j)) for a, b, i, j in moves]
+        keys = scorer.score_batch(batch, above=cost[0])
+        best = min(range(k), key=keys.__getitem__)
+        if keys[best] < cost:
+            groups, cost = batch[best], keys[best]
     return groups, cost
 
 
+def _swap_batches(s: int, r: int, size: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Every swap (a, i, b, j) of member i of group a with member j of group b, a < b, in
+    lists of up to `size` (made lazily: S^2 R^2 / 2 swaps of big groups do not fit a list)."""
+    swaps = ((a, i, b, j) for a in range(s) for b in range(a + 1, s)
+             for i in range(r) for j in range(r))
+    while batch := list(itertools.islice(swaps, size)):
+        yield batch
+
+
 def _polish(groups: Groups, cost: Key, scorer: _Scorer) -> tuple[Groups, Key]:
-    """Steepest descent over all pairwise swaps (and a reorder) until no swap improves."""
+    """Steepest descent over all pairwise swaps (and a reorder) until no swap improves; each
+    sweep is scored in batches of POLISH_BATCH (swaps whose floor is above the best cost are
+    judged undecoded, see _Scorer.score_batch)."""
     s, r = len(groups), len(groups[0])
+    # the clock is checked between batches: small ones for an objective scored plan by plan
+    size = min(POLISH_BATCH if vectorised(scorer.objective) else LOCAL_BATCH,
+               scorer.batch if scorer.batch < LOCAL_BATCH else POLISH_BATCH)
     improved = True
-    while improved and not scorer.exhausted():
+    while improved and s > 1:
         improved = False
         best = (cost, groups)
-        for a in range(s):
-            for b in range(a + 1, s):
-                for i in range(r):
-                    for j in range(r):
-                        if scorer.exhausted():
-                            return best[1], best[0]
-                        cand = _swap(groups, a, i, b, j)
-                        c = scorer.score(cand)
-                        if c < best[0]:
-                            best = (c, cand)
+        for swaps in _swap_batches(s, r, size):
+            k = scorer.room(len(swaps))
+            if k == 0:
+                return best[1], best[0]
+            batch = [_swap(groups, *m) for m in swaps[:k]]
+            for c, cand in zip(scorer.score_batch(batch, above=best[0][0]), batch):
+                if c < best[0]:
+                    best = (c, cand)
         if best[0] < cost:
             cost, groups = best
-            reordered = scorer.cache.order(groups)
-            c = scorer.score(reordered)
-            if c < cost:
-                groups, cost = reordered, c
+            if scorer.room(1):
+                reordered = scorer.cache.order(groups)
+                c = scorer.score(reordered)
+                if c < cost:
+                    groups, cost = reordered, c
             improved = True
     return groups, cost
 
@@ -247,7 +326,7 @@ def evolutionary_search(objective: Objective, t_act: np.ndarray | LinkCosts, dev
     t_tie = as_link_costs((extra_link_costs or [t_act])[0])
     # The last fifth of the budget and of the time is kept for the final polish.
     scorer = _Scorer(objective, cache, t_tie, config.budget - config.budget // 5,
-                     start + 0.8 * config.time_limit_s)
+                     start + 0.8 * config.time_limit_s, num_replicas)
     devices = np.asarray(devices, dtype=np.int64)
     s, r = num_stages, num_replicas
 
@@ -349,7 +428,10 @@ def _evolve(population: list[tuple[Key, Groups]], scorer: _Scorer, cache: PairCa
     last_report = 0.0
     epoch_start = scorer.evaluations
     while not scorer.exhausted():
-        last_gain = max(epoch_start, scorer.history[-1][0] if scorer.history else 0)
+        gain = scorer.history[-1][0] if scorer.history else 0
+        if config.window and scorer.evaluations - gain > config.window:
+            break  # converged: no better cost for a whole window (restarts included)
+        last_gain = max(epoch_start, gain)
         if scorer.evaluations - last_gain > config.patience:
             if not config.restarts:
                 break
@@ -376,25 +458,38 @@ def _polish_chains(plan: np.ndarray, cost: float, scorer: _Scorer,
     """First-improvement swaps of any two slots of the (R, S) plan, scored as given (no
     matching): sweeps until one finds nothing or the budget ends. The group search decodes
     chains by link-time matching only; an objective that also cares which devices share a chain
-    (uneven GPUs, memory) needs these moves. For dtfm on symmetric links they rarely help."""
+    (uneven GPUs, memory) needs these moves. For dtfm on symmetric links they rarely help.
+    A vectorised objective scores the swaps CHAIN_BATCH at a time (every one counts as an
+    evaluation), others one at a time."""
     plan = plan.copy()
-    flat = plan.reshape(-1)
-    n = len(flat)
+    n = plan.size
+    # batches of at most CHAIN_BATCH plans and CHAIN_BATCH_SLOTS ids (big plans: few at once,
+    # so that the clock is checked often)
+    chunk = max(1, min(CHAIN_BATCH, CHAIN_BATCH_SLOTS // n)) if vectorised(scorer.objective) \
+        else 1
     improved = True
-    while improved and not scorer.exhausted():
+    while improved:
         improved = False
-        for a in range(n):
-            for b in range(a + 1, n):
-                if scorer.exhausted():
+        for a in range(n - 1):
+            b0 = a + 1
+            while b0 < n:
+                m = scorer.room(min(chunk, n - b0))
+                if m == 0:
                     return plan, cost
-                flat[a], flat[b] = flat[b], flat[a]
-                scorer.evaluations += 1
-                c = float(scorer.objective.cost(plan))
-                if c < cost - 1e-12 * max(1.0, abs(cost)):
-                    cost, improved = c, True
-                    history.append((scorer.evaluations, c))
-                else:
-                    flat[a], flat[b] = flat[b], flat[a]
+                b = np.arange(b0, b0 + m)
+                flat = np.repeat(plan.reshape(1, n), m, axis=0)
+                rows = np.arange(m)
+                flat[rows, a], flat[rows, b] = flat[rows, b], flat[rows, a]
+                costs = batch_costs(scorer.objective, flat.reshape(m, *plan.shape))
+                scorer.evaluations += m
+                hits = np.flatnonzero(costs < cost - 1e-12 * max(1.0, abs(cost)))
+                if not len(hits):
+                    b0 += m
+                    continue
+                h = int(hits[0])
+                plan, cost, improved = flat[h].reshape(plan.shape), float(costs[h]), True
+                history.append((scorer.evaluations - m + h + 1, cost))
+                b0 += h + 1
     return plan, cost
 
 
