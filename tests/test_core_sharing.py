@@ -176,7 +176,8 @@ def test_calibration_measures_the_optimizer_per_parameter():
 def row(name: str, predicted: float, measured: float, tokens: float) -> dict:
     return {"name": name, "predicted_s": predicted, "measured_s": measured,
             "prediction_error": (predicted - measured) / measured, "wire_mb_per_step": 1.0,
-            "tokens_per_s": tokens, "loss_ratio_vs_allreduce": 1.0}
+            "tokens_per_s": tokens, "loss_ratio_vs_allreduce": 1.0,
+            "seconds_to_allreduce_loss": None}
 
 
 def test_bad_network_verdicts_say_noisy_instead_of_pass_or_miss():
