@@ -291,3 +291,21 @@ def test_shard_groups_and_allreduce_refused_by_name():
     assert RunConfig(steps=4).resolve(plan_from_dict(sharded)).plan.is_sharded  # store: runs
     with pytest.raises(UserError, match="--outer-backend hivemind: needs sync mode diloco"):
         hv.resolve(plan_from_dict(plan_dict("allreduce")))
+
+
+def test_fragments_and_overlap_refused_by_name():
+    """--fragments > 1 and --overlap on are refused each by its own flag (exit 2 before
+    anything starts), with what to pass instead."""
+    from formats.plan import plan_from_dict
+    from modules.config import HivemindConfig, RunConfig
+    from testkit.fuzz import plan_dict
+
+    hv = RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind"))
+    fragmented = plan_dict("diloco")
+    fragmented["sync"].update(fragments=2)
+    with pytest.raises(UserError, match=r"^--fragments 2: .*pass --fragments 1"):
+        hv.resolve(plan_from_dict(fragmented))
+    overlapped = plan_dict("diloco")
+    overlapped["sync"].update(overlap=True)
+    with pytest.raises(UserError, match=r"^--overlap on: .*pass --overlap off"):
+        hv.resolve(plan_from_dict(overlapped))
