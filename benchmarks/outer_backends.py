@@ -15,7 +15,7 @@ payload, one CPU thread per rank; the store rows run the 4 ranks on one rendezvo
             cluster file passed as --cluster (the hivemind deadlines come from it; needs root);
   overlap   the shaped rows with sync.overlap on (the outer sync hides behind the next round's
             compute);
-  fault     loopback, 6 rounds: kill -9 of replica 3 in the middle of round 2's inner steps, a
+  fault     loopback, 20 rounds: kill -9 of replica 3 in the middle of round 2's inner steps, a
             new replica 3 started with --join when the survivors finished round 4.
 
 Per row: seconds per outer sync (mean and max of the steps that synced: their comm_s), bytes
@@ -54,7 +54,9 @@ H = 10
 SHAPED_GBPS = 0.05
 """50 Mbit/s between any two replicas, as between the lab's replicas."""
 ROWS = ("loopback", "shaped", "overlap", "fault")
-FAULT_STEPS = 6 * H
+FAULT_STEPS = 20 * H
+"""Long enough that a joiner started after round 4 (its start takes 20-40 s on a loaded
+host) finds the survivors still training."""
 KILLED = 3
 
 
@@ -109,14 +111,15 @@ def new_run(backend: str, plan: Path, out: Path, hosts: dict | None) -> Hivemind
 
 
 def start_all(run: HivemindRun, args: tuple[str, ...], replicas: range) -> str | None:
-    """Start `replicas` (hivemind: the first one, then the others through its address);
-    the --initial-peers to pass to a later replica (None with the store)."""
-    first, *rest = replicas
-    run.start(first, *args)
-    peers = run.peers_of(first) if run.backend == "hivemind" else None
-    for r in rest:
-        run.start(r, *args, peers=peers)
-    return peers
+    """Start `replicas` (hivemind: each through the addresses of all started before it, so
+    that every pair has a direct connection from the start); the --initial-peers to pass to
+    a later replica (None with the store)."""
+    peers: list[str] = []
+    for r in replicas:
+        run.start(r, *args, peers=",".join(peers) or None)
+        if run.backend == "hivemind":
+            peers.append(run.peers_of(r))
+    return ",".join(peers) or None
 
 
 def common_args(out: Path, steps: int, hosts: dict | None) -> tuple[str, ...]:
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the rows, write OUT/results.json, print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--quick", action="store_true", help="40 steps instead of 200 (fault: 60)")
+    p.add_argument("--quick", action="store_true",
+                   help="40 steps instead of 200 (the fault rows: 200 either way)")
     p.add_argument("--rows", type=rows_arg, default=ROWS,
                    help=f"which rows, comma-separated (default {','.join(ROWS)})")
     args = p.parse_args(argv)
