@@ -309,3 +309,34 @@ def test_fragments_and_overlap_refused_by_name():
     overlapped["sync"].update(overlap=True)
     with pytest.raises(UserError, match=r"^--overlap on: .*pass --overlap off"):
         hv.resolve(plan_from_dict(overlapped))
+
+
+async def _peers_of(dht, node) -> list[str]:
+    return [str(p.peer_id) for p in await node.p2p.list_peers()]
+
+
+@pytest.mark.timeout(90)
+def test_roster_connects_to_every_replica_at_its_announced_addresses():
+    """Reading the roster connects my p2pd to each replica at the addresses its entry
+    carries (libp2p's routing alone drops the namespace lab's 198.18/15 addresses, and
+    groups never formed there); an entry whose addresses do not answer is named in a
+    warning, once."""
+    from modules.control.dht import Roster
+
+    a = start_dht([], ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
+    b = start_dht(visible_maddrs(a), ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
+    lines: list[str] = []
+    roster = Roster(a, "rt", 0, 0, 30.0, log=lines.append)
+    try:
+        roster._link([[str(b.peer_id), visible_maddrs(b)]])
+        assert lines == []
+        assert str(b.peer_id) in a.run_coroutine(_peers_of)
+        b.shutdown()
+        dead = "12D3KooWSjtLceP4PpkctnkcgjdXoGBmC2skoLb12ybijWGAF3EB"
+        for _ in range(2):
+            roster._link([[dead, ["/ip4/127.0.0.1/tcp/1"]]])
+        assert len(lines) == 1 and f"could not connect to replica peer {dead}" in lines[0], lines
+    finally:
+        roster.close()
+        for d in (a, b):
+            d.shutdown()

@@ -152,9 +152,11 @@ LINK_TIMEOUT_S = 5.0
 async def _connect(peer: str, maddrs: list[str], dht: Any, node: Any) -> None:
     """In the DHT process: connect its p2pd to `peer` at `maddrs`."""
     from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
+    from hivemind.utils.multiaddr import Multiaddr
 
-    await node.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(m) for m in maddrs])
+    # p2pd takes the transport part only: /ip4/A/tcp/P, without /p2p/<peer id>
+    await node.p2p._client.connect(PeerID.from_base58(peer),
+                                   [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
 
 
 class Roster:
