@@ -221,6 +221,10 @@ def one_row(args: argparse.Namespace, kind: str, backend: str, hosts: dict | Non
     out.mkdir(exist_ok=True)
     net = "loopback" if kind in ("loopback", "fault") else "shaped"
     plan = make_plan(args.out_dir, overlap=kind == "overlap")
+    refused = refusal(backend, plan)
+    if refused:
+        print(f"{name}: refused: {refused}", flush=True)
+        return {"name": name, "backend": backend, "net": net, "skipped": refused}
     t0 = time.monotonic()
     try:
         if kind == "fault":
@@ -237,6 +241,19 @@ def one_row(args: argparse.Namespace, kind: str, backend: str, hosts: dict | Non
     row["wall_s"] = round(time.monotonic() - t0, 1)
     print(f"{name}: done in {row['wall_s']} s", flush=True)
     return row
+
+
+def refusal(backend: str, plan: Path) -> str:
+    """Why dist_runner.py refuses the plan with `backend` ('' when it runs it)."""
+    from formats.errors import UserError
+    from formats.plan import load_plan
+    from modules.config import HivemindConfig
+
+    try:
+        HivemindConfig(outer_backend=backend).check_plan(load_plan(plan))
+    except UserError as e:
+        return str(e)
+    return ""
 
 
 def all_rows(args: argparse.Namespace) -> list[dict]:
