@@ -318,8 +318,8 @@ async def _peers_of(dht, node) -> list[str]:
 @pytest.mark.timeout(90)
 def test_roster_connects_to_every_replica_at_its_announced_addresses():
     """Reading the roster connects my p2pd to each replica at the addresses its entry
-    carries (libp2p's routing alone drops the namespace lab's 198.18/15 addresses, and
-    groups never formed there); an entry whose addresses do not answer is named in a
+    carries (on the namespace lab libp2p's routing alone did not, and groups never
+    formed there); an entry whose addresses do not answer is named in a
     warning, once."""
     from modules.control.dht import Roster
 

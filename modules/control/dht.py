@@ -201,9 +201,9 @@ class Roster:
 
     def _link(self, entries: list[Any]) -> None:
         """Connect my p2pd to every replica of the roster it was not told of yet, at the
-        addresses that replica announced: libp2p's own peer routing drops addresses it deems
-        unroutable (198.18.0.0/15 of the namespace lab, some private ranges), and then two
-        replicas that only share an initial peer never find each other to form a group."""
+        addresses that replica announced: on the namespace lab (198.18.0.0/15, unroutable to
+        libp2p) replicas that only shared an initial peer did not find each other by libp2p's
+        own routing and formed no groups."""
         for entry in entries:
             if not (isinstance(entry, list) and len(entry) == 2) or entry[0] in self.linked:
                 continue
