@@ -1,130 +1,346 @@
-"""The same DiLoCo run with the store backend and with --outer-backend hivemind, on loopback.
+"""The same DiLoCo run with the store backend and with --outer-backend hivemind: on loopback,
+on namespace hosts shaped like the lab, and with a replica killed and replaced.
 
-    python benchmarks/outer_backends.py --out-dir D [--quick]
+    python benchmarks/outer_backends.py --out-dir D [--quick] [--rows loopback,shaped,overlap,fault]
 
 4 replicas x 1 stage of gpt-tiny on real text (the default corpus), H = 10, int8 outer
-payload, one CPU thread per rank; the store row runs the 4 ranks on one rendezvous store, the
-hivemind row runs each replica with its own store and --outer-backend hivemind (the first
-replica's DHT address as --initial-peers). Per row: seconds per outer sync (mean and max of
-the steps that synced: their comm_s), bytes per replica per round, final loss (mean over
-replicas of the last step's), loss ratio vs the store row, max parameter difference between
-replicas after the last round (from the final checkpoints). Writes OUT/results.json
-({"rows": [...]}, as issue 23 names the fields) and prints the table. Only the loopback rows:
-the shaped, NAT and fault rows of issue 23 are not done (docs/hivemind.md, "Not done").
+payload, one CPU thread per rank; the store rows run the 4 ranks on one rendezvous store
+(rank 0's), the hivemind rows run each replica with its own store and --outer-backend hivemind
+(the first replica's DHT address as --initial-peers). Rows (--rows, default all):
+
+  loopback  every replica on this host's loopback;
+  shaped    each replica in a namespace host of its own (scripts/local_cluster.py), 50 Mbit/s
+            between any two (tc; no added delay: this kernel has no netem, and the delay line's
+            Python process per host would take the CPU the 2-core machine trains on), the
+            cluster file passed as --cluster (the hivemind deadlines come from it; needs root);
+  overlap   the shaped rows with sync.overlap on (the outer sync hides behind the next round's
+            compute);
+  fault     loopback, 30 rounds: kill -9 of replica 3 in the middle of round 2's inner steps, a
+            new replica 3 started with --join when the survivors finished round 4.
+
+Per row: seconds per outer sync (mean and max of the steps that synced: their comm_s; and the
+mean after round 1, whose wait includes the start barrier), bytes
+per replica per round, tokens/s (mean over replicas of their steps after round 1), final loss
+(mean over replicas of the last step's), loss ratio vs the store row of the same net, max
+parameter difference between replicas after the last round (from the final checkpoints). Fault
+rows add `survived` (every survivor and the joiner exited 0), `stall_s` (the survivors' longest
+step after the kill minus their median step) and `joiner_caught_up` (the joiner's final
+parameters equal the survivors'). A row that cannot run says why (`skipped`). Writes
+OUT/results.json ({"rows": [...]}, the fields issue 23 names) and prints the table. The NAT
+row of issue 23 is not here (docs/hivemind.md, "Not done").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
-from testkit.fault_harness import ROOT, free_port, write_trial_plan  # noqa: E402
+from testkit.fault_harness import ROOT, write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import HivemindRun, load_models, max_param_diff  # noqa: E402
 
 REPLICAS = 4
+H = 10
+SHAPED_GBPS = 0.05
+"""50 Mbit/s between any two replicas, as between the lab's replicas."""
+ROWS = ("loopback", "shaped", "overlap", "fault")
+FAULT_STEPS = 30 * H
+"""Long enough that a joiner started after round 4 finds the survivors still training with
+rounds to go (its start took up to 13 rounds, ~60 s, with the load average at 25)."""
+KILLED = 3
 
 
-def make_plan(out: Path, inner_steps: int) -> Path:
-    """4 x 1 gpt-tiny DiLoCo plan with the int8 outer payload."""
-    plan = write_trial_plan(out / "plan.json", REPLICAS, 1, "diloco", inner_steps=inner_steps)
+def make_plan(out: Path, overlap: bool = False) -> Path:
+    """4 x 1 gpt-tiny DiLoCo plan with the int8 outer payload (and sync.overlap)."""
+    path = out / ("plan_overlap.json" if overlap else "plan.json")
+    plan = write_trial_plan(path, REPLICAS, 1, "diloco", inner_steps=H)
     data = json.loads(plan.read_text())
     data["sync"]["compression"] = "int8"
+    data["sync"]["overlap"] = overlap
     plan.write_text(json.dumps(data, indent=1))
     return plan
 
 
-def run_store(plan: Path, out: Path, steps: int) -> None:
-    """The 4 ranks on one store (rank 0 hosts it)."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    procs = []
-    for r in range(REPLICAS):
-        cmd = [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(plan), "--rank",
-               str(r), "--dist-url", url, "--threads", "1", "--steps", str(steps),
-               "--metrics", str(out / "m.jsonl"), "--ckpt-dir", str(out / "ck")]
-        with open(out / f"rank{r}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"store run failed: {codes}; logs in {out}")
+@contextlib.contextmanager
+def shaped_hosts(out: Path) -> Iterator[dict]:
+    """One namespace host per replica, 50 Mbit/s between any two; yields {"netns", "addrs",
+    "cluster"} for HivemindRun, removes the hosts on the way out."""
+    import numpy as np
 
+    from formats.cluster import Cluster, Device, save_cluster
 
-def run_hivemind(plan: Path, out: Path, steps: int) -> None:
-    """Each replica on its own store, the outer average through hivemind."""
-    run = HivemindRun(plan, out)
-    args = ("--steps", str(steps), "--metrics", str(out / "m.jsonl"), "--ckpt-dir",
-            str(out / "ck"))
+    lat = np.zeros((REPLICAS, REPLICAS))
+    bw = np.full((REPLICAS, REPLICAS), SHAPED_GBPS)
+    np.fill_diagonal(bw, np.inf)
+    devices = [Device(i, f"replica{i}", f"r{i}", f"10.9.0.{i + 1}", "T4-16GB", 65.0, 16.0)
+               for i in range(REPLICAS)]
+    cpath = out / "cluster_shaped.json"
+    save_cluster(Cluster("shaped-50mbit", devices, lat, bw), cpath)
+    prefix, net_dir = f"ob{os.getpid() % 100000}", out / "net"
+    py = sys.executable
+    up = subprocess.run([py, str(ROOT / "scripts/local_cluster.py"), "up", "--cluster", str(cpath),
+                         "--prefix", prefix, "--out-dir", str(net_dir), "--link-gbps", "10"],
+                        capture_output=True, text=True)
     try:
-        run.start(0, *args)
-        peers = run.peers_of(0)
-        for r in range(1, REPLICAS):
-            run.start(r, *args, peers=peers)
+        if up.returncode != 0:
+            raise RuntimeError(f"local_cluster.py up failed: {up.stderr.strip()[-500:]}")
+        hosts = json.loads((net_dir / "netns_map.json").read_text())["hosts"]
+        yield {"netns": {h["index"]: h["netns"] for h in hosts},
+               "addrs": {h["index"]: h["address"] for h in hosts},
+               "cluster": net_dir / "cluster.json"}
+    finally:
+        subprocess.run([py, str(ROOT / "scripts/local_cluster.py"), "down", "--prefix", prefix],
+                       capture_output=True, text=True)
+
+
+def new_run(backend: str, plan: Path, out: Path, hosts: dict | None) -> HivemindRun:
+    """The processes of one row (in `hosts`' namespaces when given)."""
+    hosts = hosts or {}
+    return HivemindRun(plan, out, backend=backend, netns=hosts.get("netns", {}),
+                       addrs=hosts.get("addrs", {}))
+
+
+def start_all(run: HivemindRun, args: tuple[str, ...], replicas: range) -> str | None:
+    """Start `replicas` (hivemind: each through the addresses of all started before it, so
+    that every pair has a direct connection from the start); the --initial-peers to pass to
+    a later replica (None with the store)."""
+    peers: list[str] = []
+    for r in replicas:
+        run.start(r, *args, peers=",".join(peers) or None)
+        if run.backend == "hivemind":
+            peers.append(run.peers_of(r))
+    return ",".join(peers) or None
+
+
+def common_args(out: Path, steps: int, hosts: dict | None) -> tuple[str, ...]:
+    """dist_runner.py flags every rank of a row gets."""
+    args = ("--steps", str(steps), "--metrics", str(out / "m.jsonl"), "--ckpt-dir",
+            str(out / "ck"), "--heartbeat-timeout-s", "5", "--timeout-s", "120")
+    return args + (("--cluster", str(hosts["cluster"])) if hosts else ())
+
+
+def run_row(backend: str, plan: Path, out: Path, steps: int, hosts: dict | None) -> None:
+    """Train the row to the end (RuntimeError naming the logs if a rank failed)."""
+    run = new_run(backend, plan, out, hosts)
+    try:
+        start_all(run, common_args(out, steps, hosts), range(REPLICAS))
         codes = run.wait(900)
         if any(codes.values()):
-            raise RuntimeError(f"hivemind run failed: {codes}; logs in {out}")
+            raise RuntimeError(f"{backend} run failed: {codes}; logs in {out}")
     finally:
         run.stop()
 
 
-def summarize(name: str, backend: str, out: Path, steps: int) -> dict:
-    """One row of results.json from the run's metrics and final checkpoints."""
-    syncs, sent, last = [], [], []
+def run_fault(backend: str, plan: Path, out: Path) -> dict:
+    """kill -9 of replica KILLED mid-round 2, a --join replacement after round 4: survived,
+    stall_s, joiner_caught_up (and kill_time for the stall)."""
+    run = new_run(backend, plan, out, None)
+    args = common_args(out, FAULT_STEPS, None)
+    try:
+        peers = start_all(run, args, range(REPLICAS))
+        # rank 0 logs every step with either backend (the replicas step in lockstep)
+        if not run.wait_for(0, rf"step {H + H // 2}/", 300):
+            raise RuntimeError(f"replica 0 never reached step {H + H // 2}; logs in {out}")
+        run.kill(KILLED)
+        killed_at = time.time()
+        run.procs[KILLED].wait(30)
+        os.replace(out / f"rank{KILLED}.log", out / f"rank{KILLED}.killed.log")
+        if not run.wait_for(0, r"outer_step 4:", 300):
+            raise RuntimeError(f"the survivors never finished round 4; logs in {out}")
+        join_args = [a if a != str(out / "m.jsonl") else str(out / "join.jsonl") for a in args]
+        if backend == "hivemind":
+            run.start(KILLED, *join_args, "--join", peers=peers)
+        else:
+            run.start(KILLED, *join_args, "--join")
+        codes = run.wait(600)
+    finally:
+        run.stop()
+    models = load_models(out / "ck", list(range(REPLICAS)), FAULT_STEPS) if codes[KILLED] == 0 \
+        else []
+    return {"survived": not any(codes.values()), "codes": codes,
+            "stall_s": stall(out, killed_at),
+            "joiner_caught_up": bool(models) and max_param_diff(models) == 0.0}
+
+
+def stall(out: Path, killed_at: float) -> float:
+    """The survivors' longest step after the kill minus their median step (s)."""
+    after, every = [], []
     for r in range(REPLICAS):
-        path = out / ("m.jsonl" if r == 0 else f"m.r{r}.jsonl")
-        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if r == KILLED:
+            continue
+        for rec in records(out / ("m.jsonl" if r == 0 else f"m.r{r}.jsonl")):
+            every.append(rec["step_s"])
+            if rec["wall_time"] > killed_at:
+                after.append(rec["step_s"])
+    return round(max(after, default=0.0) - statistics.median(every), 3)
+
+
+def records(path: Path) -> list[dict]:
+    """The step records of a metrics file."""
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if "step_s" in r]
+
+
+def summarize(name: str, backend: str, net: str, out: Path, steps: int,
+              replicas: list[int]) -> dict:
+    """One row of results.json from the run's metrics and final checkpoints."""
+    syncs, later, sent, last, tps = [], [], [], [], []
+    for r in replicas:
+        recs = records(out / ("m.jsonl" if r == 0 else f"m.r{r}.jsonl"))
         prev = 0
         for rec in recs:
             if rec["outer_step"] != prev:
                 syncs.append(rec["comm_s"])
+                if prev:  # round 1 includes the start barrier (waiting for the last to start)
+                    later.append(rec["comm_s"])
                 sent.append(rec["dp_bytes_sent"])
                 prev = rec["outer_step"]
         last.append(recs[-1]["loss"])
-    diff = max_param_diff(load_models(out / "ck", list(range(REPLICAS)), steps))
-    return {"name": name, "backend": backend, "net": "loopback",
+        tps.append(statistics.mean(rec["tokens_per_s"] for rec in recs[H:] or recs))
+    diff = max_param_diff(load_models(out / "ck", replicas, steps))
+    return {"name": name, "backend": backend, "net": net,
             "s_per_outer_sync": {"mean": round(statistics.mean(syncs), 4),
-                                 "max": round(max(syncs), 4)},
+                                 "max": round(max(syncs), 4),
+                                 "mean_after_round1": round(statistics.mean(later or syncs), 4)},
             "bytes_per_round": int(statistics.mean(sent)),
+            "tokens_per_s": round(statistics.mean(tps), 1),
             "final_loss": round(statistics.mean(last), 4), "max_param_diff": diff}
 
 
+def one_row(args: argparse.Namespace, kind: str, backend: str, hosts: dict | None) -> dict:
+    """Run and summarize one row; a row that failed is {"name", "skipped": why}."""
+    name = f"{backend}_{kind}"
+    out = args.out_dir / name
+    out.mkdir(exist_ok=True)
+    net = "loopback" if kind in ("loopback", "fault") else "shaped"
+    plan = make_plan(args.out_dir, overlap=kind == "overlap")
+    refused = refusal(backend, plan)
+    if refused:
+        print(f"{name}: refused: {refused}", flush=True)
+        return {"name": name, "backend": backend, "net": net, "skipped": refused}
+    t0 = time.monotonic()
+    try:
+        if kind == "fault":
+            fault = run_fault(backend, plan, out)
+            row = summarize(name, backend, net, out, FAULT_STEPS,
+                            [r for r in range(REPLICAS) if r != KILLED])
+            row.update(fault)
+        else:
+            run_row(backend, plan, out, args.steps, hosts)
+            row = summarize(name, backend, net, out, args.steps, list(range(REPLICAS)))
+    except (RuntimeError, OSError, KeyError, ValueError) as e:
+        print(f"{name}: FAILED: {e}", flush=True)
+        return {"name": name, "backend": backend, "net": net, "skipped": str(e)}
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    print(f"{name}: done in {row['wall_s']} s", flush=True)
+    return row
+
+
+def refusal(backend: str, plan: Path) -> str:
+    """Why dist_runner.py refuses the plan with `backend` ('' when it runs it)."""
+    from formats.errors import UserError
+    from formats.plan import load_plan
+    from modules.config import HivemindConfig
+
+    try:
+        HivemindConfig(outer_backend=backend).check_plan(load_plan(plan))
+    except UserError as e:
+        return str(e)
+    return ""
+
+
+def all_rows(args: argparse.Namespace) -> list[dict]:
+    """Every requested row, store before hivemind for each kind."""
+    rows = []
+    for kind in ("loopback", "fault"):
+        if kind in args.rows:
+            rows += [one_row(args, kind, b, None) for b in ("store", "hivemind")]
+    shaped = [k for k in ("shaped", "overlap") if k in args.rows]
+    if shaped:
+        why = "" if os.geteuid() == 0 else "namespace hosts need root"
+        if why:
+            rows += [{"name": f"{b}_{k}", "backend": b, "net": "shaped", "skipped": why}
+                     for k in shaped for b in ("store", "hivemind")]
+        else:
+            with shaped_hosts(args.out_dir) as hosts:
+                rows += [one_row(args, k, b, hosts) for k in shaped for b in ("store", "hivemind")]
+    ratios(rows)
+    return rows
+
+
+def ratios(rows: list[dict]) -> None:
+    """loss_ratio_vs_store (and for hivemind, sync_s_vs_store and tokens_per_s_vs_store)
+    against the store row of the same kind."""
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        st = by_name.get(r["name"].replace(r["backend"], "store", 1))
+        if "skipped" in r or st is None or "skipped" in st:
+            continue
+        r["loss_ratio_vs_store"] = round(r["final_loss"] / st["final_loss"], 4)
+        if r["backend"] != "store":
+            for key, field in (("sync_s_vs_store", "mean"),
+                               ("sync_s_vs_store_after_round1", "mean_after_round1")):
+                r[key] = round(r["s_per_outer_sync"][field]
+                               / max(st["s_per_outer_sync"][field], 1e-9), 2)
+            r["tokens_per_s_vs_store"] = round(r["tokens_per_s"] / st["tokens_per_s"], 3)
+
+
+def print_table(rows: list[dict]) -> None:
+    """The rows as a table (fault fields after)."""
+    print(f"{'row':<20}{'s/sync mean':>12}{'max':>8}{'bytes/round':>13}{'tok/s':>8}{'loss':>8}"
+          f"{'ratio':>8}{'param diff':>12}  fault")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['name']:<20} skipped: {r['skipped']}")
+            continue
+        s = r["s_per_outer_sync"]
+        fault = (f"  survived {r['survived']}, stall {r['stall_s']} s, joiner caught up "
+                 f"{r['joiner_caught_up']}" if "survived" in r else "")
+        print(f"{r['name']:<20}{s['mean']:>12.3f}{s['max']:>8.3f}{r['bytes_per_round']:>13}"
+              f"{r['tokens_per_s']:>8.0f}{r['final_loss']:>8.4f}"
+              f"{r.get('loss_ratio_vs_store', float('nan')):>8.4f}{r['max_param_diff']:>12g}"
+              f"{fault}")
+    for r in rows:
+        if "sync_s_vs_store" in r:
+            print(f"{r['name']}: hivemind / store seconds per outer sync "
+                  f"{r['sync_s_vs_store']:.2f}x ({r['sync_s_vs_store_after_round1']:.2f}x after "
+                  f"round 1), tokens/s {r['tokens_per_s_vs_store']:.3f}x")
+
+
+def rows_arg(text: str) -> tuple[str, ...]:
+    """--rows: some of ROWS, comma-separated."""
+    got = tuple(t for t in text.split(",") if t)
+    bad = [t for t in got if t not in ROWS]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ROWS)}, got {text!r}")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run both rows, write OUT/results.json, print the table."""
+    """Run the rows, write OUT/results.json, print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--quick", action="store_true", help="40 steps instead of 200")
+    p.add_argument("--quick", action="store_true",
+                   help="40 steps instead of 200 (the fault rows: 300 either way)")
+    p.add_argument("--rows", type=rows_arg, default=ROWS,
+                   help=f"which rows, comma-separated (default {','.join(ROWS)})")
     args = p.parse_args(argv)
-    steps = 40 if args.quick else 200
+    args.steps = 40 if args.quick else 200
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plan = make_plan(args.out_dir, inner_steps=10)
-    rows = []
-    for name, backend, runner in (("store_loopback", "store", run_store),
-                                  ("hivemind_loopback", "hivemind", run_hivemind)):
-        out = args.out_dir / name
-        out.mkdir(exist_ok=True)
-        t0 = time.monotonic()
-        runner(plan, out, steps)
-        row = summarize(name, backend, out, steps)
-        row["wall_s"] = round(time.monotonic() - t0, 1)
-        rows.append(row)
-    for row in rows:
-        row["loss_ratio_vs_store"] = round(row["final_loss"] / rows[0]["final_loss"], 4)
+    rows = all_rows(args)
     atomic_write_json(args.out_dir / "results.json", {"rows": rows})
-    print(f"{'row':<20}{'s/sync mean':>12}{'max':>8}{'bytes/round':>13}{'loss':>8}"
-          f"{'ratio':>8}{'param diff':>12}")
-    for r in rows:
-        s = r["s_per_outer_sync"]
-        print(f"{r['name']:<20}{s['mean']:>12.3f}{s['max']:>8.3f}{r['bytes_per_round']:>13}"
-              f"{r['final_loss']:>8.4f}{r['loss_ratio_vs_store']:>8.4f}{r['max_param_diff']:>12g}")
-    hv, st = rows[1]["s_per_outer_sync"]["mean"], rows[0]["s_per_outer_sync"]["mean"]
-    print(f"hivemind / store seconds per outer sync: {hv / max(st, 1e-9):.1f}x")
+    print_table(rows)
     return 0
 
 

@@ -2,7 +2,9 @@
 benchmarks: each replica (one rank per stage) gets its own --dist-url store, the first
 replica's DHT address is passed to the others as --initial-peers, and every process (its DHT
 process and p2pd included) runs in a session of its own, so that a kill -9 of the session
-leaves nothing behind and `p2pd_left` can find what would."""
+leaves nothing behind and `p2pd_left` can find what would. The same run with the store
+backend (backend="store": one store, rank 0's) and in namespace hosts (`netns`: replica ->
+namespace, `addrs`: replica -> its address there) for benchmarks/outer_backends.py."""
 
 from __future__ import annotations
 
@@ -31,19 +33,33 @@ class HivemindRun:
     stages: int = 1
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     ports: dict[int, int] = field(default_factory=dict)
-    """Replica -> its own store's port."""
+    """Replica -> its own store's port (backend "store": 0 -> the run's store)."""
+    backend: str = "hivemind"
+    netns: dict[int, str] = field(default_factory=dict)
+    """Replica -> the namespace host it runs in (none: this host's loopback)."""
+    addrs: dict[int, str] = field(default_factory=dict)
+    """Replica -> its address in its namespace host."""
 
     def start(self, rank: int, *args: str, peers: str | None = None) -> None:
         """Start dist_runner.py --rank rank with --outer-backend hivemind (and --initial-peers
-        `peers` when given); the replica's store port is chosen once per replica."""
+        `peers` when given); the replica's store port is chosen once per replica. Backend
+        "store": every rank on rank 0's store, the outer average through it."""
         replica = rank // self.stages
-        port = self.ports.setdefault(replica, free_port())
-        cmd = [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(self.plan),
-               "--rank", str(rank), "--dist-url", f"tcp://127.0.0.1:{port}", "--threads", "1",
-               "--outer-backend", "hivemind", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args]
+        host = self.addrs.get(replica, "127.0.0.1")
+        if self.backend == "store":
+            url = f"tcp://{self.addrs.get(0, '127.0.0.1')}:{self.ports.setdefault(0, free_port())}"
+            backend_args: list[str] = []
+        else:
+            url = f"tcp://127.0.0.1:{self.ports.setdefault(replica, free_port())}"
+            backend_args = ["--outer-backend", "hivemind", "--host-maddrs", f"/ip4/{host}/tcp/0"]
+        where = ["ip", "netns", "exec", self.netns[replica]] if replica in self.netns else []
+        cmd = [*where, sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(self.plan),
+               "--rank", str(rank), "--dist-url", url, "--threads", "1", *backend_args, *args]
         if peers:
             cmd += ["--initial-peers", peers]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if self.netns:
+            env["GLOO_SOCKET_IFNAME"] = "eth0"  # the namespace host's link, not its loopback
         with open(self.out_dir / f"rank{rank}.log", "w") as log:
             self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 env=env, cwd=ROOT, start_new_session=True)

@@ -291,3 +291,52 @@ def test_shard_groups_and_allreduce_refused_by_name():
     assert RunConfig(steps=4).resolve(plan_from_dict(sharded)).plan.is_sharded  # store: runs
     with pytest.raises(UserError, match="--outer-backend hivemind: needs sync mode diloco"):
         hv.resolve(plan_from_dict(plan_dict("allreduce")))
+
+
+def test_fragments_and_overlap_refused_by_name():
+    """--fragments > 1 and --overlap on are refused each by its own flag (exit 2 before
+    anything starts), with what to pass instead."""
+    from formats.plan import plan_from_dict
+    from modules.config import HivemindConfig, RunConfig
+    from testkit.fuzz import plan_dict
+
+    hv = RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind"))
+    fragmented = plan_dict("diloco")
+    fragmented["sync"].update(fragments=2)
+    with pytest.raises(UserError, match=r"^--fragments 2: .*pass --fragments 1"):
+        hv.resolve(plan_from_dict(fragmented))
+    overlapped = plan_dict("diloco")
+    overlapped["sync"].update(overlap=True)
+    with pytest.raises(UserError, match=r"^--overlap on: .*pass --overlap off"):
+        hv.resolve(plan_from_dict(overlapped))
+
+
+async def _peers_of(dht, node) -> list[str]:
+    return [str(p.peer_id) for p in await node.p2p.list_peers()]
+
+
+@pytest.mark.timeout(90)
+def test_roster_connects_to_every_replica_at_its_announced_addresses():
+    """Reading the roster connects my p2pd to each replica at the addresses its entry
+    carries (on the namespace lab libp2p's routing alone did not, and groups never
+    formed there); an entry whose addresses do not answer is named in a
+    warning, once."""
+    from modules.control.dht import Roster
+
+    a = start_dht([], ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
+    b = start_dht(visible_maddrs(a), ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
+    lines: list[str] = []
+    roster = Roster(a, "rt", 0, 0, 30.0, log=lines.append)
+    try:
+        roster._link([[str(b.peer_id), visible_maddrs(b)]])
+        assert lines == []
+        assert str(b.peer_id) in a.run_coroutine(_peers_of)
+        b.shutdown()
+        dead = "12D3KooWSjtLceP4PpkctnkcgjdXoGBmC2skoLb12ybijWGAF3EB"
+        for _ in range(2):
+            roster._link([[dead, ["/ip4/127.0.0.1/tcp/1"]]])
+        assert len(lines) == 1 and f"could not connect to replica peer {dead}" in lines[0], lines
+    finally:
+        roster.close()
+        for d in (a, b):
+            d.shutdown()

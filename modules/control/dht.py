@@ -13,6 +13,7 @@ replicas started with disjoint initial peers form two DHTs and never meet).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -144,6 +145,20 @@ def run_id(agreed: dict[str, Any], override: str | None = None) -> str:
     return "st" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+LINK_TIMEOUT_S = 5.0
+"""Longest wait for a direct connection to a replica of the roster."""
+
+
+async def _connect(peer: str, maddrs: list[str], dht: Any, node: Any) -> None:
+    """In the DHT process: connect its p2pd to `peer` at `maddrs`."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    # p2pd takes the transport part only: /ip4/A/tcp/P, without /p2p/<peer id>
+    await node.p2p._client.connect(PeerID.from_base58(peer),
+                                   [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
+
+
 class Roster:
     """This rank's entry in the DHT's roster of live replicas of its stage, refreshed in a
     thread, and the roster as others wrote it (see the module docstring)."""
@@ -152,6 +167,9 @@ class Roster:
                  log: Callable[[str], None] = print) -> None:
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{stage}", replica, ttl_s, log)
+        self.maddrs = visible_maddrs(dht)
+        self.linked: set[str] = {str(dht.peer_id)}
+        """Peers this rank's p2pd was told to connect to (itself: nothing to do)."""
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="dht-roster", daemon=True)
 
@@ -163,7 +181,7 @@ class Roster:
     def _announce(self) -> None:
         from hivemind.utils import get_dht_time
 
-        self.dht.store(self.key, subkey=self.replica, value=str(self.dht.peer_id),
+        self.dht.store(self.key, subkey=self.replica, value=[str(self.dht.peer_id), self.maddrs],
                        expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
@@ -178,7 +196,27 @@ class Roster:
         found = self.dht.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {self.replica}
+        self._link([e.value for e in found.value.values()])
         return {int(k) for k in found.value} | {self.replica}
+
+    def _link(self, entries: list[Any]) -> None:
+        """Connect my p2pd to every replica of the roster it was not told of yet, at the
+        addresses that replica announced: on the namespace lab (198.18.0.0/15, unroutable to
+        libp2p) replicas that only shared an initial peer did not find each other by libp2p's
+        own routing and formed no groups."""
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2) or entry[0] in self.linked:
+                continue
+            peer, maddrs = entry
+            self.linked.add(peer)  # once: a peer that accepts no connections stays so
+            if not maddrs:  # --client-mode: reached through the peers that accept
+                continue
+            try:
+                self.dht.run_coroutine(functools.partial(_connect, peer, list(maddrs)),
+                                       return_future=True).result(timeout=LINK_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - hivemind's own routing may still find it
+                self.log(f"warning: could not connect to replica peer {peer} at "
+                         f"{', '.join(maddrs)} within {LINK_TIMEOUT_S:g} s ({first(e)})")
 
     def close(self) -> None:
         """Stop refreshing (the entry expires by itself)."""

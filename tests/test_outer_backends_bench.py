@@ -1,0 +1,51 @@
+"""benchmarks/outer_backends.py's bookkeeping (the runs themselves are the benchmark's): rows
+named, ratios against the store row of the same kind, the fault row's stall, refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import outer_backends as ob
+
+
+def _row(name: str, backend: str, sync_s: float, loss: float, tps: float) -> dict:
+    return {"name": name, "backend": backend, "s_per_outer_sync": {"mean": sync_s, "max": sync_s,
+                                                             "mean_after_round1": sync_s / 2},
+            "final_loss": loss, "tokens_per_s": tps}
+
+
+def test_ratios_against_the_store_row_of_the_same_kind():
+    rows = [_row("store_shaped", "store", 0.5, 4.0, 100.0),
+            _row("hivemind_shaped", "hivemind", 1.0, 4.04, 95.0),
+            _row("store_fault", "store", 0.2, 3.0, 10.0),
+            {"name": "hivemind_overlap", "backend": "hivemind", "skipped": "refused"}]
+    ob.ratios(rows)
+    hv = rows[1]
+    assert (hv["loss_ratio_vs_store"], hv["sync_s_vs_store"], hv["tokens_per_s_vs_store"]) == (
+        1.01, 2.0, 0.95)
+    assert rows[0]["loss_ratio_vs_store"] == 1.0 and "sync_s_vs_store" not in rows[0]
+    assert "loss_ratio_vs_store" not in rows[3]
+
+
+def test_stall_is_the_survivors_longest_step_after_the_kill_over_their_median(tmp_path):
+    for r, name in ((0, "m.jsonl"), (1, "m.r1.jsonl"), (2, "m.r2.jsonl")):
+        recs = [{"step_s": 0.1, "wall_time": 10.0 + i} for i in range(9)]
+        recs.append({"step_s": 3.0 + r, "wall_time": 30.0})  # the round after the kill
+        (tmp_path / name).write_text("\n".join(json.dumps(x) for x in recs))
+    assert ob.stall(tmp_path, killed_at=20.0) == pytest.approx(5.0 - 0.1)
+
+
+def test_rows_flag_and_refusals():
+    assert ob.rows_arg("shaped,fault") == ("shaped", "fault")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected some of loopback"):
+        ob.rows_arg("shaped,nat")
+
+
+def test_hivemind_overlap_row_is_refused_by_dist_runners_own_check(tmp_path):
+    plan = ob.make_plan(tmp_path, overlap=True)
+    assert ob.refusal("hivemind", plan).startswith("--overlap on:")
+    assert ob.refusal("store", plan) == ""
+    assert ob.refusal("hivemind", ob.make_plan(tmp_path)) == ""
