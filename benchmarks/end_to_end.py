@@ -72,7 +72,8 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
     plan = load_plan(path)
     s = plan.sync
     what = ("allreduce" if s.mode == "allreduce" else
-            f"DiLoCo H={s.inner_steps} {s.compression}{' overlap' if s.overlap else ''}")
+            f"DiLoCo H={s.inner_steps} {s.compression}{' overlap' if s.overlap else ''}"
+            f"{f' W={s.warmup_steps}' if s.warmup_steps else ''}")
     log(f"  auto: {plan.num_stages} stages x {plan.num_replicas} replicas, {what}, "
         f"pipeline {plan.pipeline_compression}")
     return Run(f"planner --sync auto ({plan.num_stages}x{plan.num_replicas}, {what}, "
