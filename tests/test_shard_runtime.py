@@ -208,7 +208,10 @@ def test_a_device_lost_inside_a_replica_ends_that_replica_only(tmp_path):
 def test_a_sharded_replica_joins_a_running_job_shard_by_shard(tmp_path):
     """2 replicas x D = 2, DiLoCo H = 4: replica 0 starts alone (--replicas 0), replica 1
     joins mid-run (--join); device i of the joiner receives shard i of the outer model from
-    device i of replica 0, and after the last outer step both replicas hold the same shards."""
+    device i of replica 0, and after the last outer step both replicas hold the same shards.
+    200 steps: from its start a joiner needs ~45 of replica 0's steps to be admitted on a
+    loaded 2-core machine (python + torch start-up, rendezvous, its shard group, the next
+    outer step); with 60 replica 0 could finish first and the joiners were never admitted."""
     from modules.train.checkpoint import load_checkpoint
     from testkit.fault_harness import Ranks, free_port, poll_exits
 
@@ -216,13 +219,13 @@ def test_a_sharded_replica_joins_a_running_job_shard_by_shard(tmp_path):
                 num_micro_batches=1, sync=SyncConfig("diloco", 4))
     save_plan(plan, tmp_path / "plan.json")
     ranks = Ranks(tmp_path / "plan.json", f"tcp://127.0.0.1:{free_port()}", tmp_path)
-    common = ("--fake-data", "--steps", "60", "--timeout-s", "60", "--heartbeat-timeout-s", "5",
-              "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "60", "--log-every", "4",
+    common = ("--fake-data", "--steps", "200", "--timeout-s", "60", "--heartbeat-timeout-s", "5",
+              "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "200", "--log-every", "4",
               "--metrics", str(tmp_path / "m.jsonl"))
     try:
         for r in (0, 1):
             ranks.start(r, "--replicas", "0", *common)
-        assert ranks.wait_for_text(0, "step 12/60", 150), ranks.output(0)[-3000:]
+        assert ranks.wait_for_text(0, "step 12/200", 150), ranks.output(0)[-3000:]
         for r in (2, 3):
             ranks.start(r, "--join", *common)
         poll_exits(ranks, 200)
@@ -234,7 +237,7 @@ def test_a_sharded_replica_joins_a_running_job_shard_by_shard(tmp_path):
     for joiner, source in ((2, 0), (3, 1)):
         assert (f"received the outer model and momentum of stage 0 from rank {source}"
                 in ranks.output(joiner)), logs
-    states = {r: load_checkpoint(step_path(tmp_path / "ck", r, 60),
+    states = {r: load_checkpoint(step_path(tmp_path / "ck", r, 200),
                                  {"shard_degree": 2})["model"] for r in range(4)}
     for a, b in ((0, 2), (1, 3)):  # shard i of both replicas
         for k in states[a]:
