@@ -186,9 +186,9 @@ def targets(rows_: list[dict], noisy: str = "") -> list[str]:
                    "than allreduce (target >= 6x)")
         out.append(f"{'PASS' if speed >= 2 else 'MISS'} best row's tokens/s {speed:.2f}x "
                    "allreduce's (target >= 2x)")
-    auto, t0 = rows_[-1], b["seconds_to_allreduce_loss"]
-    auto = next((r for r in rows_ if r["name"].startswith("planner --sync auto")), auto)
-    if t0:
+    auto = next((r for r in rows_ if r["name"].startswith("planner --sync auto")), None)
+    t0 = b["seconds_to_allreduce_loss"]
+    if t0 and auto is not None:
         t = auto["seconds_to_allreduce_loss"]
         when = "never" if t is None else f"in {t / t0:.2f}x allreduce's time"
         out.append(f"{'PASS' if t is not None and t <= t0 / 3 else 'MISS'} --sync auto reaches "
@@ -197,7 +197,6 @@ def targets(rows_: list[dict], noisy: str = "") -> list[str]:
     verdict = "NOISY" if noisy else "PASS" if abs(worst["prediction_error"]) <= 0.15 else "MISS"
     out.append(f"{verdict} every prediction within 15% (worst "
                f"{worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
-    auto = next((r for r in rows_ if r["name"].startswith("planner --sync auto")), None)
     if auto is not None:
         faster = [r["name"] for r in rows_ if r["tokens_per_s"] > auto["tokens_per_s"]]
         verdict = "NOISY" if noisy else "MISS" if faster else "PASS"
