@@ -43,9 +43,6 @@ from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
 from testkit import lab  # noqa: E402
 from testkit.lab import Network, Run, predict, sh  # noqa: E402
 
-SMOOTH = 5
-"""Steps in the running mean of the training loss that 'reaches allreduce's loss'."""
-
 
 def log(msg: str) -> None:
     """Progress on stdout, flushed."""
@@ -155,7 +152,8 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             steps = max(args.warmup_steps + h, round(args.steps * base_lanes / lanes(plan) / h) * h)
             before = cross_site_bytes(net, cross_kbit)
             metrics = lab.train(r, net, steps, out, ["--eval-sequences", str(args.eval_sequences),
-                                                     "--seed", str(args.seed)])
+                                                     "--seed", str(args.seed),
+                                                     "--eval-every", str(args.eval_every)])
             cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / steps / 1e6
             lab.read_metrics(r, metrics, args.warmup_steps)
     finally:
@@ -163,19 +161,9 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
     return net.reason, cross
 
 
-def seconds_to(run: Run, target: float) -> float | None:
-    """Wall seconds until the running mean of the training loss is <= target (None: never)."""
-    losses = run.losses
-    for k in range(SMOOTH, len(losses) + 1):
-        if sum(x for _, x in losses[k - SMOOTH:k]) / SMOOTH <= target:
-            return losses[k - 1][0]
-    return None
-
-
 def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
     """The results.json rows (first: allreduce)."""
     base = runs[0]
-    target = sum(x for _, x in base.losses[-SMOOTH:]) / SMOOTH
     rows = []
     for r in runs:
         plan = load_plan(r.plan_path)
@@ -186,7 +174,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
             "loss_ratio_vs_allreduce": (r.final_val_loss / base.final_val_loss
                                         if base.final_val_loss and r.final_val_loss else None),
             "max_state_mb_per_rank": max_state_mb(plan),
-            "seconds_to_allreduce_loss": seconds_to(r, target),
+            "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base.final_val_loss),
             "val_loss": r.final_val_loss, "prediction_error": r.error})
     return rows
 
@@ -258,6 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the timing")
     p.add_argument("--eval-sequences", type=int, default=32,
                    help="validation sequences for the final loss")
+    p.add_argument("--eval-every", type=int, default=5,
+                   help="validation loss every K steps: the time to allreduce's final loss "
+                   "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
     args = p.parse_args(argv)
