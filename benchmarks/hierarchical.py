@@ -77,7 +77,7 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     save_plan(replace(hier, reshard_after_forward=False), out / "hier-gathered.json")
     sh(lab.plan_command(args, cluster_path, out / "planner.json", "--max-shard", "4",
                         "--sync", "auto", "--max-inner-steps", str(args.inner_steps),
-                        "--compression", "int8"))
+                        "--compression", "int8", "--train-steps", str(args.steps)))
     planner = load_plan(out / "planner.json")
     outer = f"outer lr {args.outer_lr:g} m {args.outer_momentum:g}"
     return [Run("allreduce", out / "allreduce.json"),
