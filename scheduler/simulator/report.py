@@ -46,7 +46,9 @@ def format_sim_table(result: SimResult) -> str:
     lines.append(f"{'pipeline bytes per step':<32}{result.pp_bytes_per_step / 1e6:>12.3f} MB")
     lines.append(f"{'data-parallel bytes per step':<32}{result.dp_bytes_per_step / 1e6:>12.3f} MB")
     if result.shard_degree > 1:
-        lines.append(f"{'shard groups (FSDP)':<32}{result.shard_degree:>12d} devices each")
+        by_stage = " ".join(str(d) for d in result.shard_degrees)
+        lines.append(f"{'shard groups (FSDP)':<32}{by_stage:>12} devices each" +
+                     (" (by stage)" if len(set(result.shard_degrees)) > 1 else ""))
         lines.append(f"{'  exposed FSDP collectives':<32}{result.fsdp_comm_s:>12.3f} s  "
                      f"(part of compute)")
         lines.append(f"{'  FSDP bytes per step':<32}"

@@ -46,7 +46,10 @@ class SimResult(StepBreakdown):
     pipeline_compression: str = "none"
     """How activations crossed the pipeline links (Plan.pipeline_compression)."""
     shard_degree: int = 1
-    """D: devices per shard group (1: no FSDP); `pipelines` then lists the R x D lanes."""
+    """The largest D (devices per shard group; 1: no FSDP); `pipelines` then lists the R x D
+    lanes."""
+    shard_degrees: list[int] = field(default_factory=list)
+    """D of every stage (stages of one plan may differ)."""
     fsdp_comm_s: float = 0.0
     """FSDP's collectives not hidden behind compute, per step on the busiest lane (a part of
     compute_s)."""
@@ -93,7 +96,8 @@ class SimResult(StepBreakdown):
                            "allreduce_step_s": round(self.allreduce_step_s, 6)}}
                if self.sync.warmup_steps else {}),
             "pipeline_compression": self.pipeline_compression,
-            **({"shard_degree": self.shard_degree, "fsdp_comm_s": round(self.fsdp_comm_s, 6),
+            **({"shard_degree": self.shard_degree, "shard_degrees": self.shard_degrees,
+                "fsdp_comm_s": round(self.fsdp_comm_s, 6),
                 "fsdp_bytes_per_step": self.fsdp_bytes_per_step}
                if self.shard_degree > 1 else {}),
             "stages": [list(st) for st in self.stages],
@@ -158,7 +162,8 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
                      memory_gb=memory_use(cluster, model, stages, groups, micro_batch_size,
                                           num_micro_batches, diloco, config,
                                           reshard_after_forward, outer_state),
-                     timeline=boxes, shard_degree=degree, fsdp_comm_s=fsdp,
+                     timeline=boxes, shard_degree=degree,
+                     shard_degrees=[int(d) for d in stage_degrees(groups)], fsdp_comm_s=fsdp,
                      fsdp_bytes_per_step=fsdp_bytes_per_step(
                          model, stages, groups, num_micro_batches, reshard_after_forward),
                      run_step_s=breakdown.step_s)
