@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 
 import pytest
 import torch
@@ -17,13 +16,11 @@ from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, load_plan, save_plan
 from modules.config import PlanOverrideConfig, RunConfig
-from modules.data.dataset import DEFAULT_CORPUS, Sharder, TextData, load_tokens
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
 from modules.plan_flags import apply_overrides
-from modules.sync.diloco import DiLoCoOptimizer
 from modules.train.checkpoint import step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
-from modules.train.model import StageModel, tie_weights_
-from modules.train.trainer import make_inner_optimizer, set_lr
+from testkit.reference import threaded_diloco_losses
 from tests.conftest import run_entry
 
 W, H = 3, 2
@@ -44,50 +41,6 @@ def _launch(tmp_path, plan, metrics, *extra):
                      str(metrics), "--timeout-s", "60", *extra, timeout=200)
 
 
-def _reference(plan: Plan, data: TextData, cfg: RunConfig) -> list[list[float]]:
-    """The rule by hand: R full models in threads; steps 0..W-1 average the gradients (a thread
-    barrier) and step AdamW; then DiLoCoOptimizer restarted at the weights of step W."""
-    spec, R, w = get_model(plan.model), plan.num_replicas, plan.sync.warmup_steps
-    sharder = Sharder(data, R, plan.num_micro_batches, plan.micro_batch_size)
-    slots: list = [None] * R
-    barrier = threading.Barrier(R, timeout=60)
-    losses: list[list[float]] = [[] for _ in range(R)]
-
-    def reduce(r: int, t: torch.Tensor) -> None:
-        slots[r] = t.clone()
-        barrier.wait()
-        t.copy_(sum(slots[1:], slots[0]) / R)
-        barrier.wait()
-
-    def worker(r: int) -> None:
-        model = tie_weights_(StageModel(spec, 0, spec.num_layers, seed=cfg.seed))
-        inner = make_inner_optimizer(model, cfg)
-        opt = DiLoCoOptimizer(model.parameters(), inner, inner_steps=plan.sync.inner_steps,
-                              all_reduce_fn=lambda t: reduce(r, t))
-        for step in range(cfg.steps):
-            xs, ys = sharder.micro_batches(step, r)
-            opt.zero_grad()
-            loss = model(torch.cat(xs), torch.cat(ys))
-            loss.backward()
-            set_lr(inner, step, cfg)
-            if step < w:
-                for p in model.parameters():
-                    reduce(r, p.grad)
-                inner.step()
-                if step + 1 == w:
-                    opt.restart()
-            else:
-                opt.step()
-            losses[r].append(float(loss.detach()))
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(R)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return losses
-
-
 @pytest.mark.timeout(240)
 def test_warmup_switches_at_step_w_on_every_rank_and_matches_the_rule(tmp_path):
     if not DEFAULT_CORPUS.exists():
@@ -105,8 +58,9 @@ def test_warmup_switches_at_step_w_on_every_rank_and_matches_the_rule(tmp_path):
         assert [r["outer_step"] for r in rs] == [0, 0, 0, 0, 1, 1, 2]
     spec = get_model("gpt-tiny")
     torch.set_num_threads(1)
-    want = _reference(plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len, spec.vocab_size),
-                      RunConfig(steps=steps))
+    want = threaded_diloco_losses(
+        plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len, spec.vocab_size),
+        RunConfig(steps=steps))
     got = [[r["loss"] for r in rs] for rs in recs]
     assert got == want  # bit-identical to the hand-written rule
 
