@@ -17,7 +17,6 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, load_plan, save_plan
 from modules.config import PlanOverrideConfig, RunConfig
 from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
-from modules.plan_flags import apply_overrides
 from modules.train.checkpoint import step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
 from testkit.reference import threaded_diloco_losses
@@ -103,10 +102,12 @@ def test_bad_warmup_is_refused_by_name(tmp_path):
     RunConfig(steps=9).resolve(_plan(warmup=9))  # all warm-up: allowed
     # the runner's flag overrides the plan's W and is checked like it
     over = RunConfig(steps=20, overrides=PlanOverrideConfig(sync_warmup_steps=12))
-    assert apply_overrides(_plan(), over).sync.warmup_steps == 12
+    assert over.resolve(_plan()).plan.sync.warmup_steps == 12
     with pytest.raises(UserError, match="--sync-warmup-steps: sync.warmup_steps: 4 only"):
-        apply_overrides(Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]]),
-                        RunConfig(overrides=PlanOverrideConfig(sync_warmup_steps=4)))
+        RunConfig(overrides=PlanOverrideConfig(sync_warmup_steps=4)).resolve(
+            Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]]))
+    with pytest.raises(UserError, match="sync.warmup_steps: 30 is longer than the run"):
+        RunConfig(steps=20, overrides=PlanOverrideConfig(sync_warmup_steps=30)).resolve(_plan())
     # through the CLI: exit 2, one line, no traceback
     plan_path = tmp_path / "plan.json"
     save_plan(_plan(warmup=50), plan_path)
@@ -115,6 +116,16 @@ def test_bad_warmup_is_refused_by_name(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sync.warmup_steps: 50 is longer than the run (--steps 10)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # the launcher checks the runner's flags before any rank starts, overrides included (it
+    # resolves the run as every rank does)
+    from scripts.launch_local import check_runner_args
+    save_plan(_plan(), plan_path)
+    with pytest.raises(UserError, match=r"sync.warmup_steps: 30 is longer than the run"):
+        check_runner_args(["--steps", "20", "--sync-warmup-steps", "30"], str(plan_path),
+                          _plan())
+    with pytest.raises(UserError, match=r"--fragments/--overlap: only apply to sync mode "
+                                        r"diloco \(the plan's is 'allreduce'\)"):
+        check_runner_args(["--sync", "allreduce", "--overlap", "on"], str(plan_path), _plan())
 
 
 def test_old_plans_without_the_field_load_with_no_warmup(tmp_path):
