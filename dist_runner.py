@@ -100,33 +100,26 @@ def resolve_run(launch: LaunchConfig, cfg: RunConfig) -> tuple[ResolvedRun, Clus
     """The plan (and --cluster's cluster), checked against each other and the run's settings,
     and the launch target: the one record every later step reads. Without --plan, the obvious
     plan of --model, the world size and --stages (docs/models.md)."""
+    from modules.plan_flags import check_model_flag, plan_without_file
+    from scheduler.quick_plan import describe
+
     if launch.plan:
         plan, cluster = load_checked_plan(launch)
-        plan = _overridden(launch, cfg, plan)
+        check_model_flag(launch, plan)
+        if launch.coordinator and cfg.overrides.given():
+            raise UserError("--coordinator runs its own plan: put --sync, --inner-steps, "
+                            "--outer-lr, --outer-momentum, --compression and the batch into "
+                            "the plan (scheduler.py plan) instead of overriding them")
     else:
-        from modules.plan_flags import plan_without_file
-
         plan, cluster = plan_without_file(launch, cfg), None
     cfg = hf_settings(cfg, plan)
-    run = cfg.resolve(plan)
+    run = cfg.resolve(plan)  # the runner's overrides applied here, once
+    if not launch.plan:
+        print(f"no --plan: built {describe(run.plan)}", flush=True)
     if cluster is not None and cfg.metrics.run_dir:  # what `scheduler.py explain` reads
         save_cluster(cluster, Path(cfg.metrics.run_dir) / CLUSTER_NAME)
     target = resolve_launch(launch, len(plan.devices()))
     return dataclasses.replace(run, target=target), cluster
-
-
-def _overridden(launch: LaunchConfig, cfg: RunConfig, plan: Plan) -> Plan:
-    """--plan with the runner's sync and batch overrides (--sync, --inner-steps, ...) applied;
-    --model checked against the plan's model."""
-    from modules.plan_flags import apply_overrides, check_model_flag
-
-    check_model_flag(launch, plan)
-    changed = apply_overrides(plan, cfg)
-    if changed is not plan and launch.coordinator:
-        raise UserError("--coordinator runs its own plan: put --sync, --inner-steps, "
-                        "--outer-lr, --outer-momentum, --compression and the batch into the "
-                        "plan (scheduler.py plan) instead of overriding them")
-    return changed
 
 
 def load_checked_plan(launch: LaunchConfig) -> tuple[Plan, Cluster | None]:

@@ -47,13 +47,20 @@ def as_finite(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+def _num(x: float) -> str:
+    """An int bound in full (10**9 as 1000000000), a float one as %g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def range_text(lo: float | None, hi: float | None, lo_open: bool = False,
+               hi_open: bool = False) -> str:
+    """`in (0, 1]`, `>= 1`, `< 5`, or '' for bounds (None: unbounded on that side)."""
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
     if hi is not None:
-        return f"{'<' if hi_open else '<='} {hi:g}"
+        return f"{'<' if hi_open else '<='} {_num(hi)}"
     return ""
 
 
@@ -72,7 +79,7 @@ def finite_number(value: Any, where: str, lo: float | None = None, hi: float | N
     """
     x = as_finite(value)
     if x is None or not in_range(x, lo, hi, lo_open, hi_open):
-        bounds = _range_text(lo, hi, lo_open, hi_open)
+        bounds = range_text(lo, hi, lo_open, hi_open)
         raise UserError(f"{where}: must be a finite number{' ' + bounds if bounds else ''}, "
                         f"got {shown(value)}")
     return x
@@ -82,7 +89,7 @@ def integer(value: Any, where: str, lo: int | None = None, hi: int | None = None
     """`value` as an int (not a bool, not a float such as 2.0) within [lo, hi]; UserError
     otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or not in_range(value, lo, hi):
-        bounds = _range_text(lo, hi, False, False)
+        bounds = range_text(lo, hi)
         raise UserError(f"{where}: must be an integer{' ' + bounds if bounds else ''}, "
                         f"got {shown(value)}")
     return value

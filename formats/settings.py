@@ -121,21 +121,10 @@ def qualified(cls: type, name: str) -> str:
     return f"{cls.__name__}.{name}"
 
 
-def _num(x: float) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
 def range_text(meta: dict[str, Any]) -> str:
-    """`in (0, 1]`, `>= 1`, `< 5`, or '' for a field's bounds."""
-    lo, hi = meta.get("lo"), meta.get("hi")
-    lo_open, hi_open = meta.get("lo_open", False), meta.get("hi_open", False)
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {_num(lo)}"
-    if hi is not None:
-        return f"{'<' if hi_open else '<='} {_num(hi)}"
-    return ""
+    """`in (0, 1]`, `>= 1`, `< 5`, or '' for a field's bounds (checks.range_text)."""
+    return checks.range_text(meta.get("lo"), meta.get("hi"), meta.get("lo_open", False),
+                             meta.get("hi_open", False))
 
 
 def _choice_problem(meta: dict[str, Any], value: Any) -> str | None:

@@ -24,6 +24,7 @@ from formats.errors import UserError
 from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
+from scheduler.quick_plan import with_overrides
 
 __all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "flag_of"]  # re-exported for the runtime
 MIN_TIMEOUT_S = 1.0
@@ -486,6 +487,18 @@ class PlanOverrideConfig:
                 "outer_momentum": self.outer_momentum, "compression": self.compression,
                 "warmup_steps": self.sync_warmup_steps}
 
+    def given(self) -> bool:
+        """Whether any override is given (else the plan runs as it is)."""
+        return any(v is not None for v in dataclasses.asdict(self).values())
+
+    def apply(self, plan: Plan) -> Plan:
+        """The plan with these sync and batch overrides, checked like a plan file
+        (scheduler.quick_plan.with_overrides; the plan itself when none is given)."""
+        if not self.given():
+            return plan
+        return with_overrides(plan, self.sync_fields(), self.micro_batch_size,
+                              self.total_batch_size)
+
 
 DEFAULT_STEPS = 1000
 """--steps when not given (a short run; long runs say how long)."""
@@ -539,12 +552,13 @@ class RunConfig:
     def resolve(self, plan: Plan) -> ResolvedRun:
         """This rank's run: every override applied to the plan and every plan-dependent value
         resolved, once (UserError naming the flag when they do not fit the plan)."""
+        plan = self.overrides.apply(plan)  # --sync, --inner-steps, ..., the batch
         el = self.elastic
         start = el.start_replicas(plan.num_replicas)
         if (el.join or start is not None) and plan.sync.mode != "diloco":
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
-        ran = self.outer.apply(plan)
+        ran = self.outer.apply(plan)  # --fragments, --overlap: on top of the above
         compression = self.device.resolved_pipeline_compression(ran)
         if compression != ran.pipeline_compression:
             ran = dataclasses.replace(ran, pipeline_compression=compression)

@@ -3,8 +3,10 @@
 Without --plan the ranks build the obvious plan of --model, the world size and --stages
 (scheduler.quick_plan); with one, --model is checked against the model the plan was made for.
 Either way the overrides (--sync, --inner-steps, --outer-lr, --outer-momentum, --compression,
---sync-warmup-steps, --micro-batch-size, --total-batch-size) are applied once, here; every rank
-checks through the store that the others resolved the same (dist_runner.on_store).
+--sync-warmup-steps, --micro-batch-size, --total-batch-size) are applied once, by
+RunConfig.resolve (PlanOverrideConfig.apply, then OuterSyncConfig.apply's --fragments and
+--overlap); every rank checks through the store that the others resolved the same
+(dist_runner.on_store, agreed_plan_fields below).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from formats.hf_config import resolve_model
 from formats.models import ModelSpec
 from formats.plan import Plan
 from modules.config import LaunchConfig, RunConfig
-from scheduler.quick_plan import describe, obvious_plan, total_batch_size, with_overrides
+from scheduler.quick_plan import obvious_plan, total_batch_size
 
 
 def _world_size(launch: LaunchConfig) -> int:
@@ -40,8 +42,9 @@ def flag_model(launch: LaunchConfig, cfg: RunConfig) -> ModelSpec | None:
     return None
 
 
-def plan_without_file(launch: LaunchConfig, cfg: RunConfig, log=print) -> Plan:
-    """The obvious plan of the flags (no --plan), printed."""
+def plan_without_file(launch: LaunchConfig, cfg: RunConfig) -> Plan:
+    """The obvious plan of the flags (no --plan), before the runner's overrides (which
+    RunConfig.resolve applies, as to a plan file)."""
     if launch.coordinator or launch.cluster:
         raise UserError(f"{'--coordinator' if launch.coordinator else '--cluster'}: needs "
                         "--plan (make one with scheduler.py plan)")
@@ -49,9 +52,7 @@ def plan_without_file(launch: LaunchConfig, cfg: RunConfig, log=print) -> Plan:
     if spec is None:
         raise UserError("--plan or --model is required (a preset, or a Hugging Face "
                         "config.json or its folder)")
-    plan = apply_overrides(obvious_plan(spec, _world_size(launch), launch.stages), cfg)
-    log(f"no --plan: built {describe(plan)}")
-    return plan
+    return obvious_plan(spec, _world_size(launch), launch.stages)
 
 
 def check_model_flag(launch: LaunchConfig, plan: Plan) -> None:
@@ -64,16 +65,6 @@ def check_model_flag(launch: LaunchConfig, plan: Plan) -> None:
         shown = ", ".join(f"{k} {mine[k]!r} (plan: {theirs[k]!r})" for k in diff)
         raise UserError(f"--model {launch.model}: is not the model {launch.plan} was made for "
                         f"({plan.model}): {shown}; re-plan with this --model")
-
-
-def apply_overrides(plan: Plan, cfg: RunConfig) -> Plan:
-    """The plan with the runner's sync and batch overrides (the plan itself when none)."""
-    o = cfg.overrides
-    sync = o.sync_fields()
-    if all(v is None for v in sync.values()) and o.micro_batch_size is None \
-            and o.total_batch_size is None:
-        return plan
-    return with_overrides(plan, sync, o.micro_batch_size, o.total_batch_size)
 
 
 def agreed_plan_fields(plan: Plan) -> dict[str, Any]:

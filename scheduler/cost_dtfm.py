@@ -129,28 +129,38 @@ class DtfmObjective:
 
     def pp_edges(self, pipelines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward bottleneck time of each of the S-1 stage boundaries."""
-        fwd = self.act.at(pipelines[:, :-1], pipelines[:, 1:]).max(axis=0)  # (S-1,)
-        bwd = self.act.at(pipelines[:, 1:], pipelines[:, :-1]).max(axis=0)
-        return fwd, bwd
+        fwd, bwd = self._edges(np.asarray(pipelines)[None])
+        return fwd[0], bwd[0]
+
+    def _dp(self, groups: np.ndarray) -> np.ndarray:
+        """(B,) DP cost of (B, S, R) stage groups: its slowest group's."""
+        b, s, r = groups.shape
+        return self.dp_group_costs(groups.reshape(b * s, r)).reshape(b, s).max(axis=1)
+
+    def _edges(self, plans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B, S-1) forward and backward bottleneck of each boundary of (B, R, S) plans."""
+        src, dst = plans[:, :, :-1], plans[:, :, 1:]
+        return self.act.at(src, dst).max(axis=1), self.act.at(dst, src).max(axis=1)
+
+    def parts(self, plans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B,) DP and (B,) PP (forward + backward) seconds of (B, R, S) plans: the one
+        definition of the cost that `cost`, `costs` and `breakdown` all read."""
+        dp = self._dp(plans.transpose(0, 2, 1))
+        if plans.shape[2] == 1:
+            return dp, np.zeros(len(plans))
+        fwd, bwd = self._edges(plans)
+        return dp, fwd.sum(axis=1) + bwd.sum(axis=1)
 
     def cost(self, pipelines: np.ndarray) -> float:
         """DP + forward PP + backward PP, in seconds."""
-        dp = float(self.dp_group_costs(pipelines.T).max())
-        fwd, bwd = self.pp_edges(pipelines)
-        return dp + float(fwd.sum() + bwd.sum())
+        dp, pp = self.parts(np.asarray(pipelines)[None])
+        return float(dp[0] + pp[0])
 
     def costs(self, plans: np.ndarray) -> np.ndarray:
         """`cost` of each of the (B, R, S) plans at once -> (B,) seconds (the search scores
         its batches of candidates with one call)."""
-        b, r, s = plans.shape
-        groups = plans.transpose(0, 2, 1).reshape(b * s, r)
-        dp = self.grad.member_sums(groups).max(axis=1).reshape(b, s).max(axis=1)
-        if s == 1:
-            return dp
-        src, dst = plans[:, :, :-1], plans[:, :, 1:]
-        fwd = self.act.at(src, dst).max(axis=1).sum(axis=1)
-        bwd = self.act.at(dst, src).max(axis=1).sum(axis=1)
-        return dp + fwd + bwd
+        dp, pp = self.parts(plans)
+        return dp + pp
 
     def lower_bounds(self, groups: np.ndarray) -> np.ndarray:
         """For (B, S, R) stage groups in pipeline order: (B,) a floor under the cost of every
@@ -159,7 +169,7 @@ class DtfmObjective:
         at least the largest round trip of its matched pairs, which no perfect matching of the
         two groups can bring below max(largest row minimum, largest column minimum)."""
         b, s, r = groups.shape
-        dp = self.grad.member_sums(groups.reshape(b * s, r)).max(axis=1).reshape(b, s).max(axis=1)
+        dp = self._dp(groups)
         if s == 1:
             return dp
         shape = (b, s - 1, r, r)
@@ -171,7 +181,5 @@ class DtfmObjective:
 
     def breakdown(self, pipelines: np.ndarray) -> CostBreakdown:
         """The cost with its DP and PP parts."""
-        dp = float(self.dp_group_costs(pipelines.T).max())
-        fwd, bwd = self.pp_edges(pipelines)
-        pp = float(fwd.sum() + bwd.sum())
+        dp, pp = (float(x[0]) for x in self.parts(np.asarray(pipelines)[None]))
         return CostBreakdown("dtfm", dp + pp, {"dp_comm_s": dp, "pp_comm_s": pp}, self.stages)

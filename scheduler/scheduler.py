@@ -617,7 +617,7 @@ def _evaluate_sharded(args: argparse.Namespace, cluster: Cluster, plan: Plan) ->
     else:
         text = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
         print(f"{args.plan} on {cluster.name}: simulated cost {result.step_s:.3f} s "
-              f"(D = {result.shard_degree}; {text})")
+              f"(D = {' '.join(map(str, result.shard_degrees))}; {text})")
     return 0
 
 

@@ -58,7 +58,7 @@ from scheduler.planning import (
 )
 from scheduler.quality import PROVENANCE, loss_ratio, warmup_shares
 from scheduler.simulator.report import sync_label
-from scheduler.simulator.warmup import run_step_s
+from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS, run_step_s
 
 RISK_TOLERANCE = 0.02
 """A riskier configuration must predict a step more than this fraction shorter to be chosen
@@ -83,7 +83,7 @@ class SyncBounds:
     max_pipeline_compression: str = setting("none", flag="--allow-pipeline-compression",
                                             choices=PIPELINE_COMPRESSIONS)
     """--sync auto: most lossy pipeline compression it may choose: none < bf16 < int8"""
-    train_steps: int = setting(1000, lo=1, hi=MAX_INNER_STEPS)
+    train_steps: int = setting(DEFAULT_TRAIN_STEPS, lo=1, hi=MAX_INNER_STEPS)
     """--sync auto: steps the run will train (the runner's --steps): a DiLoCo warm-up's
     all-reduce steps are charged as their share of it"""
     max_loss_ratio: float = setting(1.02, lo=1.0, hi=10.0)

@@ -1,23 +1,37 @@
-"""`python scheduler/scheduler.py`: round trips and user errors (exit 2, nothing written)."""
+"""`python scheduler/scheduler.py`: round trips and user errors (exit 2, nothing written).
+
+Most tests run the script in this interpreter (`sched`: testkit/help_texts.run_script, as
+`__main__` with its argv, its output and exit status captured), which saves a fresh interpreter
+and its imports a call; test_bad_budget_exits_2_and_writes_nothing and
+test_runs_as_a_module_and_the_budget_caps_evaluations start real processes (the script, and
+`python -m scheduler.scheduler`)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
-from conftest import run_entry
+from conftest import ROOT, run_entry
 from test_cluster_formats import tiny_cluster_dict
+
+from testkit.help_texts import run_script
 
 SCHED = "scheduler/scheduler.py"
 
 
+def sched(*args: str) -> subprocess.CompletedProcess:
+    """`python scheduler/scheduler.py ARGS...`, run in this interpreter."""
+    return run_script(str(ROOT / SCHED), *args)
+
+
 def test_scenario_plan_evaluate_round_trip(tmp_path):
     cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
-    r = run_entry(SCHED, "scenario", "universities", "--seed", "2", "--out", str(cluster))
+    r = sched("scenario", "universities", "--seed", "2", "--out", str(cluster))
     assert r.returncode == 0, r.stderr
-    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
-                  "--replicas", "8", "--budget", "2500", "--out", str(plan), "--json", "--quiet",
-                  "--plot", str(tmp_path / "p.png"), "--objective", "dtfm")
+    r = sched("plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
+              "--replicas", "8", "--budget", "2500", "--out", str(plan), "--json", "--quiet",
+              "--plot", str(tmp_path / "p.png"), "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     saved = json.loads(plan.read_text())
@@ -26,15 +40,15 @@ def test_scenario_plan_evaluate_round_trip(tmp_path):
     assert summary["ratio_vs_random"] < 1 and summary["ratio_vs_index"] < 1
     assert sorted(d for chain in saved["pipelines"] for d in chain) == list(range(64))
     assert (tmp_path / "p.png").stat().st_size > 10_000
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
-                  "--objective", "dtfm")
+    r = sched("evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+              "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cost"] == pytest.approx(saved["predicted"]["cost"], rel=1e-5)
 
 
 def test_plan_prints_a_table_with_baselines(tmp_path):
-    r = run_entry(SCHED, "plan", "--scenario", "spot", "--model", "gpt3-xl", "--stages", "8",
-                  "--replicas", "8", "--budget", "1500", "--out", str(tmp_path / "p.json"))
+    r = sched("plan", "--scenario", "spot", "--model", "gpt3-xl", "--stages", "8",
+              "--replicas", "8", "--budget", "1500", "--out", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
     for row in ("ours (evolutionary)", "hand-structured (regions)", "best of 1000 random",
                 "index order", "evaluations", "dp_comm_s", "pp_comm_s"):
@@ -62,8 +76,8 @@ def _bad(raw_mutation):
 def test_bad_cluster_exits_2_and_writes_nothing(tmp_path, raw, message):
     cluster, out = tmp_path / "c.json", tmp_path / "p.json"
     cluster.write_text(json.dumps(raw))
-    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
-                  "2", "--replicas", "2", "--out", str(out))
+    r = sched("plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
+              "2", "--replicas", "2", "--out", str(out))
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and "np.float64" not in r.stderr
@@ -81,7 +95,7 @@ def test_bad_cluster_exits_2_and_writes_nothing(tmp_path, raw, message):
 def test_bad_arguments_exit_2(tmp_path, args, message):
     cluster, out = tmp_path / "c.json", tmp_path / "p.json"
     cluster.write_text(json.dumps(tiny_cluster_dict(4)))
-    r = run_entry(SCHED, "plan", "--cluster", str(cluster), *args, "--out", str(out))
+    r = sched("plan", "--cluster", str(cluster), *args, "--out", str(out))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
 
@@ -89,15 +103,15 @@ def test_bad_arguments_exit_2(tmp_path, args, message):
 def test_evaluate_rejects_a_plan_for_another_cluster(tmp_path):
     small, plan = tmp_path / "small.json", tmp_path / "p.json"
     small.write_text(json.dumps(tiny_cluster_dict(4)))
-    assert run_entry(SCHED, "plan", "--scenario", "datacenter", "--model", "gpt3-xl", "--stages",
-                     "8", "--replicas", "8", "--budget", "500", "--out", str(plan),
-                     "--quiet").returncode == 0
-    r = run_entry(SCHED, "evaluate", "--cluster", str(small), "--plan", str(plan))
+    assert sched("plan", "--scenario", "datacenter", "--model", "gpt3-xl", "--stages",
+                 "8", "--replicas", "8", "--budget", "500", "--out", str(plan),
+                 "--quiet").returncode == 0
+    r = sched("evaluate", "--cluster", str(small), "--plan", str(plan))
     assert r.returncode == 2 and "are not in cluster 'tiny'" in r.stderr
 
 
 def test_help_is_truthful():
-    r = run_entry(SCHED, "plan", "--help")
+    r = sched("plan", "--help")
     assert r.returncode == 0
     for flag in ("--scenario", "--cluster", "--stages", "--replicas", "--objective", "--budget",
                  "--search-seed", "--out", "--plot", "--json"):
@@ -111,8 +125,8 @@ def test_evaluate_scores_a_hand_written_plan(tmp_path):
     plan.write_text(json.dumps({"format": "plan/1", "model": "gpt-tiny",
                                 "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}],
                                 "pipelines": [[3, 1], [0, 2]]}))
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
-                  "--objective", "dtfm")
+    r = sched("evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+              "--objective", "dtfm")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     # By hand: 5 ms and 1 Gbps everywhere; one DP peer, one boundary each way.
@@ -131,7 +145,7 @@ def test_evaluate_names_a_bad_plan(tmp_path):
     plan.write_text(json.dumps({"format": "plan/1", "model": "gpt-tiny",
                                 "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}],
                                 "pipelines": [[3, 1], [3, 2]]}))
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan))
+    r = sched("evaluate", "--cluster", str(cluster), "--plan", str(plan))
     assert r.returncode == 2 and "device 3 appears twice" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -141,13 +155,12 @@ def test_bad_budget_exits_2_and_writes_nothing(tmp_path):
     r = run_entry(SCHED, "plan", "--scenario", "datacenter", "--model", "gpt3-xl", "--stages",
                   "8", "--replicas", "8", "--budget", "0", "--out", str(out))
     assert r.returncode == 2 and "--budget" in r.stderr and not out.exists()
+    assert "error: argument --budget: must be in [1, " in r.stderr and "Traceback" not in r.stderr
 
 
 def test_runs_as_a_module_and_the_budget_caps_evaluations(tmp_path):
-    import subprocess
     import sys
 
-    from conftest import ROOT
     out = tmp_path / "p.json"
     r = subprocess.run([sys.executable, "-m", "scheduler.scheduler", "plan", "--scenario",
                         "regional", "--seed", "1", "--model", "gpt3-xl", "--stages", "8",
@@ -165,12 +178,12 @@ def test_runs_as_a_module_and_the_budget_caps_evaluations(tmp_path):
 
 def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
     cluster, plan, png = tmp_path / "c.json", tmp_path / "p.json", tmp_path / "t.png"
-    assert run_entry(SCHED, "scenario", "mixed", "--seed", "1", "--out",
-                     str(cluster)).returncode == 0
-    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
-                  "--replicas", "8", "--budget", "600", "--random-samples", "50",
-                  "--sync", "diloco", "--inner-steps", "50", "--compression", "int8",
-                  "--out", str(plan), "--quiet")
+    assert sched("scenario", "mixed", "--seed", "1", "--out",
+                 str(cluster)).returncode == 0
+    r = sched("plan", "--cluster", str(cluster), "--model", "gpt3-xl", "--stages", "8",
+              "--replicas", "8", "--budget", "600", "--random-samples", "50",
+              "--sync", "diloco", "--inner-steps", "50", "--compression", "int8",
+              "--out", str(plan), "--quiet")
     assert r.returncode == 0, r.stderr
     saved = json.loads(plan.read_text())
     assert saved["predicted"]["objective"] == "simulated"
@@ -178,12 +191,12 @@ def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
                              "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False,
                              "fragments": 1}
     assert saved["pipeline_compression"] == "none"
-    r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan), "--json",
-                  "--timeline", str(png))
+    r = sched("simulate", "--cluster", str(cluster), "--plan", str(plan), "--json",
+              "--timeline", str(png))
     assert r.returncode == 0, r.stderr
     sim = json.loads(r.stdout)
     assert sim["step_s"] == pytest.approx(saved["predicted"]["step_s"], rel=1e-6)
-    r = run_entry(SCHED, "evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    r = sched("evaluate", "--cluster", str(cluster), "--plan", str(plan), "--json")
     assert r.returncode == 0, r.stderr  # scores the plan's own layer split
     assert json.loads(r.stdout)["cost"] == pytest.approx(saved["predicted"]["cost"], rel=1e-6)
     assert png.stat().st_size > 10_000
@@ -191,9 +204,9 @@ def test_default_objective_is_simulated_and_simulate_replays_the_plan(tmp_path):
 
 def test_shapes_are_searched_when_stages_and_replicas_are_left_out(tmp_path):
     plan = tmp_path / "p.json"
-    r = run_entry(SCHED, "plan", "--scenario", "random", "--seed", "3", "--model", "gpt-small",
-                  "--budget", "300", "--random-samples", "20", "--micro-batches", "4",
-                  "--out", str(plan), "--json", "--quiet")
+    r = sched("plan", "--scenario", "random", "--seed", "3", "--model", "gpt-small",
+              "--budget", "300", "--random-samples", "20", "--micro-batches", "4",
+              "--out", str(plan), "--json", "--quiet")
     assert r.returncode == 0, r.stderr
     saved = json.loads(plan.read_text())
     assert saved["search"]["shapes_tried"] == [[1, 64], [2, 32], [4, 16], [8, 8]] or \
@@ -203,31 +216,52 @@ def test_shapes_are_searched_when_stages_and_replicas_are_left_out(tmp_path):
 
 def test_simulate_rejects_a_plan_that_does_not_fit_in_memory(tmp_path):
     cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
-    assert run_entry(SCHED, "scenario", "worldwide", "--out", str(cluster)).returncode == 0
+    assert sched("scenario", "worldwide", "--out", str(cluster)).returncode == 0
     chains = [[r * 2, r * 2 + 1] for r in range(32)]  # gpt3-xl in 2 stages: 12 layers a V100
     plan.write_text(json.dumps({"format": "plan/1", "model": "gpt3-xl",
                                 "stages": [{"layers": [0, 12]}, {"layers": [12, 24]}],
                                 "pipelines": chains, "num_micro_batches": 61}))
-    r = run_entry(SCHED, "simulate", "--cluster", str(cluster), "--plan", str(plan))
+    r = sched("simulate", "--cluster", str(cluster), "--plan", str(plan))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "device" in r.stderr and "GB" in r.stderr
 
 
 def test_performance_model_flags_are_recorded_in_the_plan_and_reused(tmp_path):
     cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
-    assert run_entry(SCHED, "scenario", "lab", "--out", str(cluster)).returncode == 0
-    r = run_entry(SCHED, "plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
-                  "4", "--replicas", "2", "--micro-batch-size", "4", "--micro-batches", "4",
-                  "--mfu", "1", "--activation-bytes", "4", "--recompute", "off", "--budget", "300",
-                  "--random-samples", "20", "--out", str(plan), "--quiet")
+    assert sched("scenario", "lab", "--out", str(cluster)).returncode == 0
+    r = sched("plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages",
+              "4", "--replicas", "2", "--micro-batch-size", "4", "--micro-batches", "4",
+              "--mfu", "1", "--activation-bytes", "4", "--recompute", "off", "--budget", "300",
+              "--random-samples", "20", "--out", str(plan), "--quiet")
     assert r.returncode == 0, r.stderr
     saved = json.loads(plan.read_text())
     cfg = saved["search"]["sim_config"]
     assert (cfg["mfu"], cfg["activation_bytes"], cfg["recompute"]) == (1.0, 4, False)
-    sim = lambda *extra: json.loads(run_entry(SCHED, "simulate", "--cluster", str(cluster),
-                                              "--plan", str(plan), "--json", *extra).stdout)
+    sim = lambda *extra: json.loads(sched("simulate", "--cluster", str(cluster),
+                                          "--plan", str(plan), "--json", *extra).stdout)
     same = sim()  # the plan's own performance model by default
     assert same["step_s"] == pytest.approx(saved["predicted"]["step_s"], abs=2e-6)
     gpu = sim("--mfu", "0.4", "--activation-bytes", "2", "--recompute", "on")
     assert gpu["pp_comm_s"] < same["pp_comm_s"]  # half the activation bytes on the wire
     assert gpu["compute_s"] == pytest.approx(same["compute_s"] * 4 / 3 / 0.4, rel=1e-5)
+
+
+def test_simulate_reports_a_warmup_plans_run_mean_step(tmp_path):
+    cluster, plan = tmp_path / "c.json", tmp_path / "p.json"
+    assert sched("scenario", "lab", "--out", str(cluster)).returncode == 0
+    r = sched("plan", "--cluster", str(cluster), "--model", "gpt-tiny", "--stages", "2",
+              "--replicas", "4", "--sync", "diloco", "--inner-steps", "4",
+              "--sync-warmup-steps", "250", "--budget", "100", "--random-samples", "10",
+              "--out", str(plan), "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = sched("simulate", "--cluster", str(cluster), "--plan", str(plan), "--json")
+    assert r.returncode == 0, r.stderr
+    sim = json.loads(r.stdout)
+    warm = sim["warmup"]
+    assert (warm["warmup_steps"], warm["train_steps"], warm["train_steps_from"]) == \
+        (250, 1000, "default")
+    assert sim["sync"]["warmup_steps"] == 250 and warm["allreduce_step_s"] > sim["step_s"]
+    assert sim["run_step_s"] == pytest.approx(
+        (250 * warm["allreduce_step_s"] + 750 * sim["step_s"]) / 1000, abs=1e-5)
+    r = sched("simulate", "--cluster", str(cluster), "--plan", str(plan))
+    assert "run mean step (warm-up)" in r.stdout and "the runner's --steps default" in r.stdout

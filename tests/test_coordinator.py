@@ -103,6 +103,12 @@ def test_bad_coordinator_flags_are_exit_2(tmp_path):
                     "--rank", "0", "--fake-data", "--coordinator", "http://x")
     assert bad.returncode == 2 and "error: --coordinator: expected tcp://HOST:PORT" \
         in bad.stderr, bad.stderr
+    # the coordinator publishes its own plan: a rank's overrides of it are refused by name
+    from dist_runner import parse_args, resolve_run
+    with pytest.raises(UserError, match="--coordinator runs its own plan"):
+        resolve_run(*parse_args(["--plan", str(tmp_path / "plan.json"), "--rank", "0",
+                                 "--fake-data", "--coordinator", "tcp://127.0.0.1:2",
+                                 "--inner-steps", "4"]))
     listen = run_entry("scripts/coordinator.py", "--listen", "nowhere", "--plan",
                        str(tmp_path / "plan.json"))
     assert listen.returncode == 2 and "error: --listen: expected HOST:PORT" in listen.stderr

@@ -16,11 +16,9 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import RunConfig
 from modules.control.dist import PeerError, wait_for_peers
-from modules.data.dataset import DEFAULT_CORPUS, Sharder, TextData, load_tokens
-from modules.sync.diloco import DiLoCoOptimizer
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
 from modules.train.metrics import read_metrics, replica_metrics_path
-from modules.train.model import StageModel, tie_weights_
-from modules.train.trainer import make_inner_optimizer
+from testkit.reference import threaded_diloco_losses
 from tests.conftest import run_entry
 
 H, STEPS = 2, 4
@@ -31,42 +29,6 @@ def _launch(tmp_path, plan, *extra, timeout=150):
     return run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
                      "--threads-per-rank", "1", "--grace-s", "2", "--",
                      "--metrics", str(tmp_path / "m.jsonl"), *extra, timeout=timeout)
-
-
-def _threaded_reference(plan: Plan, data: TextData, cfg: RunConfig) -> list[list[float]]:
-    """R full models, each a DiLoCoOptimizer over AdamW, averaging through a thread barrier."""
-    spec = get_model(plan.model)
-    R = plan.num_replicas
-    sharder = Sharder(data, R, plan.num_micro_batches, plan.micro_batch_size)
-    slots: list = [None] * R
-    barrier = threading.Barrier(R, timeout=60)
-    losses: list[list[float]] = [[] for _ in range(R)]
-
-    def worker(r: int) -> None:
-        model = tie_weights_(StageModel(spec, 0, spec.num_layers, seed=cfg.seed))
-
-        def reduce(t: torch.Tensor) -> None:
-            slots[r] = t.clone()
-            barrier.wait()
-            t.copy_(torch.stack(slots).mean(0))
-            barrier.wait()
-
-        opt = DiLoCoOptimizer(model.parameters(), make_inner_optimizer(model, cfg),
-                              inner_steps=plan.sync.inner_steps, all_reduce_fn=reduce)
-        for step in range(cfg.steps):
-            xs, ys = sharder.micro_batches(step, r)
-            opt.zero_grad()
-            loss = model(torch.cat(xs), torch.cat(ys))
-            loss.backward()
-            opt.step()
-            losses[r].append(float(loss.detach()))
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(R)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return losses
 
 
 @pytest.mark.timeout(200)
@@ -98,8 +60,8 @@ def test_diloco_2x2_matches_hand_written_diloco_and_syncs_only_at_outer_steps(tm
     assert recs[0][-1]["val_loss"] == pytest.approx(recs[1][-1]["val_loss"], rel=1e-6)
     spec = get_model("gpt-tiny")
     torch.set_num_threads(1)
-    want = _threaded_reference(plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len,
-                                              spec.vocab_size), RunConfig(steps=STEPS))
+    want = threaded_diloco_losses(plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len,
+                                                 spec.vocab_size), RunConfig(steps=STEPS))
     got = [[r["loss"] for r in rs] for rs in recs]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
                                torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 
 import pytest
 import torch
@@ -17,13 +16,10 @@ from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import Plan, SyncConfig, load_plan, save_plan
 from modules.config import PlanOverrideConfig, RunConfig
-from modules.data.dataset import DEFAULT_CORPUS, Sharder, TextData, load_tokens
-from modules.plan_flags import apply_overrides
-from modules.sync.diloco import DiLoCoOptimizer
+from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
 from modules.train.checkpoint import step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
-from modules.train.model import StageModel, tie_weights_
-from modules.train.trainer import make_inner_optimizer, set_lr
+from testkit.reference import threaded_diloco_losses
 from tests.conftest import run_entry
 
 W, H = 3, 2
@@ -44,50 +40,6 @@ def _launch(tmp_path, plan, metrics, *extra):
                      str(metrics), "--timeout-s", "60", *extra, timeout=200)
 
 
-def _reference(plan: Plan, data: TextData, cfg: RunConfig) -> list[list[float]]:
-    """The rule by hand: R full models in threads; steps 0..W-1 average the gradients (a thread
-    barrier) and step AdamW; then DiLoCoOptimizer restarted at the weights of step W."""
-    spec, R, w = get_model(plan.model), plan.num_replicas, plan.sync.warmup_steps
-    sharder = Sharder(data, R, plan.num_micro_batches, plan.micro_batch_size)
-    slots: list = [None] * R
-    barrier = threading.Barrier(R, timeout=60)
-    losses: list[list[float]] = [[] for _ in range(R)]
-
-    def reduce(r: int, t: torch.Tensor) -> None:
-        slots[r] = t.clone()
-        barrier.wait()
-        t.copy_(sum(slots[1:], slots[0]) / R)
-        barrier.wait()
-
-    def worker(r: int) -> None:
-        model = tie_weights_(StageModel(spec, 0, spec.num_layers, seed=cfg.seed))
-        inner = make_inner_optimizer(model, cfg)
-        opt = DiLoCoOptimizer(model.parameters(), inner, inner_steps=plan.sync.inner_steps,
-                              all_reduce_fn=lambda t: reduce(r, t))
-        for step in range(cfg.steps):
-            xs, ys = sharder.micro_batches(step, r)
-            opt.zero_grad()
-            loss = model(torch.cat(xs), torch.cat(ys))
-            loss.backward()
-            set_lr(inner, step, cfg)
-            if step < w:
-                for p in model.parameters():
-                    reduce(r, p.grad)
-                inner.step()
-                if step + 1 == w:
-                    opt.restart()
-            else:
-                opt.step()
-            losses[r].append(float(loss.detach()))
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(R)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return losses
-
-
 @pytest.mark.timeout(240)
 def test_warmup_switches_at_step_w_on_every_rank_and_matches_the_rule(tmp_path):
     if not DEFAULT_CORPUS.exists():
@@ -105,8 +57,9 @@ def test_warmup_switches_at_step_w_on_every_rank_and_matches_the_rule(tmp_path):
         assert [r["outer_step"] for r in rs] == [0, 0, 0, 0, 1, 1, 2]
     spec = get_model("gpt-tiny")
     torch.set_num_threads(1)
-    want = _reference(plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len, spec.vocab_size),
-                      RunConfig(steps=steps))
+    want = threaded_diloco_losses(
+        plan, TextData(load_tokens(DEFAULT_CORPUS), spec.seq_len, spec.vocab_size),
+        RunConfig(steps=steps))
     got = [[r["loss"] for r in rs] for rs in recs]
     assert got == want  # bit-identical to the hand-written rule
 
@@ -149,10 +102,12 @@ def test_bad_warmup_is_refused_by_name(tmp_path):
     RunConfig(steps=9).resolve(_plan(warmup=9))  # all warm-up: allowed
     # the runner's flag overrides the plan's W and is checked like it
     over = RunConfig(steps=20, overrides=PlanOverrideConfig(sync_warmup_steps=12))
-    assert apply_overrides(_plan(), over).sync.warmup_steps == 12
+    assert over.resolve(_plan()).plan.sync.warmup_steps == 12
     with pytest.raises(UserError, match="--sync-warmup-steps: sync.warmup_steps: 4 only"):
-        apply_overrides(Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]]),
-                        RunConfig(overrides=PlanOverrideConfig(sync_warmup_steps=4)))
+        RunConfig(overrides=PlanOverrideConfig(sync_warmup_steps=4)).resolve(
+            Plan("local", "", "gpt-tiny", [(0, 4)], [[0], [1]]))
+    with pytest.raises(UserError, match="sync.warmup_steps: 30 is longer than the run"):
+        RunConfig(steps=20, overrides=PlanOverrideConfig(sync_warmup_steps=30)).resolve(_plan())
     # through the CLI: exit 2, one line, no traceback
     plan_path = tmp_path / "plan.json"
     save_plan(_plan(warmup=50), plan_path)
@@ -161,6 +116,16 @@ def test_bad_warmup_is_refused_by_name(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sync.warmup_steps: 50 is longer than the run (--steps 10)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # the launcher checks the runner's flags before any rank starts, overrides included (it
+    # resolves the run as every rank does)
+    from scripts.launch_local import check_runner_args
+    save_plan(_plan(), plan_path)
+    with pytest.raises(UserError, match=r"sync.warmup_steps: 30 is longer than the run"):
+        check_runner_args(["--steps", "20", "--sync-warmup-steps", "30"], str(plan_path),
+                          _plan())
+    with pytest.raises(UserError, match=r"--fragments/--overlap: only apply to sync mode "
+                                        r"diloco \(the plan's is 'allreduce'\)"):
+        check_runner_args(["--sync", "allreduce", "--overlap", "on"], str(plan_path), _plan())
 
 
 def test_old_plans_without_the_field_load_with_no_warmup(tmp_path):

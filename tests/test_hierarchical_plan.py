@@ -5,6 +5,7 @@ closed forms, and the planner's choice on a two-site cluster."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from scheduler.memory import stage_memory
 from scheduler.planning import PlanRequest, plan_best_shape
 from scheduler.search import SearchConfig
 from scheduler.shard_search import plan_hierarchical, shard_groups, sites
-from scheduler.simulator import LinkTables, SimConfig, build_inputs, simulate
+from scheduler.simulator import LinkTables, SimConfig, build_inputs, format_sim_table, simulate
 from scheduler.simulator.sharded import fsdp_collective_s, fsdp_compute
 from testkit.fuzz import plan_dict
 
@@ -236,6 +237,11 @@ def test_d_per_stage_memory_and_step():
                     timeline=False)
     assert res.dp_bytes_per_step == pytest.approx(flat.dp_bytes_per_step)
     assert res.step_s > flat.step_s  # stage 1's device runs two lanes
+    # the report names each stage's D (not "2 devices each": stage 1 has one device)
+    assert res.shard_degree == 2 and res.shard_degrees == [2, 1]
+    assert res.to_dict()["shard_degrees"] == [2, 1]
+    assert re.search(r"shard groups \(FSDP\) +2 1 devices each \(by stage\)",
+                     format_sim_table(res))
 
 
 # --------------------------------------------------------------------------- planner
@@ -337,7 +343,11 @@ def test_cli_plans_simulates_and_evaluates_a_sharded_plan(tmp_path, capsys):
                  "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)
     assert sim["shard_degree"] == 4 and sim["step_s"] == pytest.approx(plan.predicted["cost"])
+    assert sim["shard_degrees"] == [4]
+    assert main(["simulate", "--cluster", str(cluster_file), "--plan", str(plan_file)]) == 0
+    assert re.search(r"shard groups \(FSDP\) +4 devices each\n", capsys.readouterr().out)
     assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file)]) == 0
+    assert "simulated cost" in (out := capsys.readouterr().out) and "(D = 4;" in out
     assert main(["evaluate", "--cluster", str(cluster_file), "--plan", str(plan_file),
                  "--objective", "dtfm"]) == 2
     assert "only the simulated objective models" in capsys.readouterr().err

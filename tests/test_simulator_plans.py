@@ -39,6 +39,39 @@ def test_simulate_plan_reports_breakdown_and_table():
                                   "tokens_per_s", "dp_comm_per_round_s", "memory_gb"}
 
 
+def test_a_warmup_plan_reports_the_run_mean_step():
+    # sync.warmup_steps W: the first W steps all-reduce (the allreduce step of the same
+    # assignment and payload), the rest are DiLoCo steps; the run's mean is what
+    # `plan --sync auto` ranks a plan by, so simulate reports it beside the steady step
+    warm = plan_dict(sync={"mode": "diloco", "inner_steps": 50, "compression": "int8",
+                           "warmup_steps": 100})
+    res = simulate_plan(CLUSTER, None, plan_from_dict(warm), timeline=False)
+    ar = simulate_plan(CLUSTER, None, plan_from_dict(plan_dict(
+        sync={"mode": "allreduce", "inner_steps": 1, "compression": "int8"})), timeline=False)
+    steady = simulate_plan(CLUSTER, None, plan_from_dict(plan_dict()), timeline=False)
+    assert res.step_s == pytest.approx(steady.step_s)
+    assert (res.train_steps, res.train_steps_from) == (1000, "default")
+    assert res.allreduce_step_s == pytest.approx(ar.step_s) and ar.step_s > res.step_s
+    assert res.run_step_s == pytest.approx((100 * ar.step_s + 900 * res.step_s) / 1000)
+    out = res.to_dict()
+    assert out["run_step_s"] == pytest.approx(res.run_step_s, abs=1e-6)
+    assert out["warmup"] == {"warmup_steps": 100, "train_steps": 1000,
+                             "train_steps_from": "default",
+                             "allreduce_step_s": pytest.approx(ar.step_s, abs=1e-6)}
+    assert re.search(rf"run mean step \(warm-up\) +{res.run_step_s:.3f} s", format_sim_table(res))
+    # the run length the planner ranked it by, when the plan records one
+    res = simulate_plan(CLUSTER, None, plan_from_dict({**warm, "predicted": {"train_steps": 400}}),
+                        timeline=False)
+    assert (res.train_steps, res.train_steps_from) == (400, "plan")
+    assert res.run_step_s == pytest.approx((100 * ar.step_s + 300 * res.step_s) / 400)
+    assert "predicted.train_steps" in format_sim_table(res)
+    with pytest.raises(UserError, match="predicted.train_steps"):
+        simulate_plan(CLUSTER, None, plan_from_dict({**warm, "predicted": {"train_steps": 0}}))
+    # no warm-up: the run's mean is the steady step, and no warm-up entry
+    assert steady.run_step_s == steady.step_s and "warmup" not in steady.to_dict()
+    assert "run mean step" not in format_sim_table(steady)
+
+
 def test_timeline_png(tmp_path):
     res = simulate_plan(CLUSTER, None, plan_from_dict(plan_dict()))
     kinds = {b.kind for b in res.timeline}

@@ -34,12 +34,21 @@ def format_sim_table(result: SimResult) -> str:
         lines.append(f"{'outer sync per round':<32}{result.dp_sync_round_s:>12.3f} s  "
                      f"({result.dp_comm_round_s:.3f} exposed, "
                      f"{result.dp_sync_round_s - result.dp_comm_round_s:.3f} hidden)")
+    if sync.warmup_steps:
+        source = "the plan's predicted.train_steps" if result.train_steps_from == "plan" \
+            else "the runner's --steps default"
+        lines.append(f"{'run mean step (warm-up)':<32}{result.run_step_s:>12.3f} s  "
+                     f"(the first {sync.warmup_steps} of {result.train_steps} steps at "
+                     f"allreduce's {result.allreduce_step_s:.3f} s; {result.train_steps}: "
+                     f"{source})")
     lines.append(f"{'slowest stage all-reduce':<32}{max(result.dp_allreduce_s, default=0):>12.3f}"
                  f" s  ({sync_label(sync, result.pipeline_compression)})")
     lines.append(f"{'pipeline bytes per step':<32}{result.pp_bytes_per_step / 1e6:>12.3f} MB")
     lines.append(f"{'data-parallel bytes per step':<32}{result.dp_bytes_per_step / 1e6:>12.3f} MB")
     if result.shard_degree > 1:
-        lines.append(f"{'shard groups (FSDP)':<32}{result.shard_degree:>12d} devices each")
+        by_stage = " ".join(str(d) for d in result.shard_degrees)
+        lines.append(f"{'shard groups (FSDP)':<32}{by_stage:>12} devices each" +
+                     (" (by stage)" if len(set(result.shard_degrees)) > 1 else ""))
         lines.append(f"{'  exposed FSDP collectives':<32}{result.fsdp_comm_s:>12.3f} s  "
                      f"(part of compute)")
         lines.append(f"{'  FSDP bytes per step':<32}"

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from formats import checks
 from formats.cluster import Cluster
 from formats.models import ModelSpec
-from formats.plan import Entry, Plan, SyncConfig, validate_plan
+from formats.plan import MAX_INNER_STEPS, Entry, Plan, SyncConfig, validate_plan
 from scheduler.memory import check_plan_memory, stage_memory
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.events import TimelineBox, replay_events
@@ -28,6 +29,7 @@ from scheduler.simulator.sharded import (
     shard_groups,
     stage_degrees,
 )
+from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS, run_step_s
 
 
 @dataclass
@@ -44,12 +46,25 @@ class SimResult(StepBreakdown):
     pipeline_compression: str = "none"
     """How activations crossed the pipeline links (Plan.pipeline_compression)."""
     shard_degree: int = 1
-    """D: devices per shard group (1: no FSDP); `pipelines` then lists the R x D lanes."""
+    """The largest D (devices per shard group; 1: no FSDP); `pipelines` then lists the R x D
+    lanes."""
+    shard_degrees: list[int] = field(default_factory=list)
+    """D of every stage (stages of one plan may differ)."""
     fsdp_comm_s: float = 0.0
     """FSDP's collectives not hidden behind compute, per step on the busiest lane (a part of
     compute_s)."""
     fsdp_bytes_per_step: float = 0.0
     """Bytes FSDP's all-gathers and reduce-scatters put on the wire per step (all groups)."""
+    train_steps: int = 0
+    """With a warm-up (sync.warmup_steps W > 0): the run's length its mean step is over
+    (the plan's predicted.train_steps, else DEFAULT_TRAIN_STEPS); 0 without one."""
+    train_steps_from: str = ""
+    """Where train_steps came from: "plan" (predicted.train_steps) or "default"."""
+    allreduce_step_s: float = 0.0
+    """With a warm-up: the step of its W all-reduce steps (same assignment and payloads)."""
+    run_step_s: float = 0.0
+    """The run's mean step (simulator/warmup.run_step_s: W steps at allreduce_step_s, the
+    rest at step_s), as `plan --sync auto` ranks it; step_s without a warm-up."""
 
     def parts(self) -> dict[str, float]:
         """The breakdown in seconds; compute + bubble + pp_comm + tied_comm + dp_comm = step."""
@@ -72,9 +87,17 @@ class SimResult(StepBreakdown):
             "tokens_per_s": round(self.tokens_per_s, 3),
             "sync": {"mode": self.sync.mode, "inner_steps": self.sync.inner_steps,
                      "compression": self.sync.compression, "overlap": self.sync.overlap,
-                     "fragments": self.sync.fragments},
+                     "fragments": self.sync.fragments,
+                     "warmup_steps": self.sync.warmup_steps},
+            "run_step_s": round(self.run_step_s, 6),
+            **({"warmup": {"warmup_steps": self.sync.warmup_steps,
+                           "train_steps": self.train_steps,
+                           "train_steps_from": self.train_steps_from,
+                           "allreduce_step_s": round(self.allreduce_step_s, 6)}}
+               if self.sync.warmup_steps else {}),
             "pipeline_compression": self.pipeline_compression,
-            **({"shard_degree": self.shard_degree, "fsdp_comm_s": round(self.fsdp_comm_s, 6),
+            **({"shard_degree": self.shard_degree, "shard_degrees": self.shard_degrees,
+                "fsdp_comm_s": round(self.fsdp_comm_s, 6),
                 "fsdp_bytes_per_step": self.fsdp_bytes_per_step}
                if self.shard_degree > 1 else {}),
             "stages": [list(st) for st in self.stages],
@@ -139,9 +162,11 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
                      memory_gb=memory_use(cluster, model, stages, groups, micro_batch_size,
                                           num_micro_batches, diloco, config,
                                           reshard_after_forward, outer_state),
-                     timeline=boxes, shard_degree=degree, fsdp_comm_s=fsdp,
+                     timeline=boxes, shard_degree=degree,
+                     shard_degrees=[int(d) for d in stage_degrees(groups)], fsdp_comm_s=fsdp,
                      fsdp_bytes_per_step=fsdp_bytes_per_step(
-                         model, stages, groups, num_micro_batches, reshard_after_forward))
+                         model, stages, groups, num_micro_batches, reshard_after_forward),
+                     run_step_s=breakdown.step_s)
 
 
 def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
@@ -149,6 +174,26 @@ def simulate_plan(cluster: Cluster, model: ModelSpec | None, plan: Plan,
     """Validate `plan` against the cluster and model, then simulate one step of it."""
     model = model or plan.model_spec()
     validate_plan(plan, cluster, model)
-    return simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
-                    plan.micro_batch_size, plan.num_micro_batches, config, timeline,
-                    plan.pipeline_compression, plan.reshard_after_forward, plan.outer_state)
+    result = simulate(cluster, model, plan.stages, plan.pipelines, plan.sync,
+                      plan.micro_batch_size, plan.num_micro_batches, config, timeline,
+                      plan.pipeline_compression, plan.reshard_after_forward, plan.outer_state)
+    if plan.sync.warmup_steps:
+        warm = simulate(cluster, model, plan.stages, plan.pipelines,
+                        SyncConfig("allreduce", 1, plan.sync.compression),
+                        plan.micro_batch_size, plan.num_micro_batches, config, False,
+                        plan.pipeline_compression, plan.reshard_after_forward, plan.outer_state)
+        steps, source = plan_train_steps(plan)
+        result.train_steps, result.train_steps_from = steps, source
+        result.allreduce_step_s = warm.step_s
+        result.run_step_s = run_step_s(result.step_s, warm.step_s, plan.sync.warmup_steps,
+                                       steps)
+    return result
+
+
+def plan_train_steps(plan: Plan) -> tuple[int, str]:
+    """The run length a warm-up is charged over, and where it came from: the plan's
+    predicted.train_steps (what `plan --sync auto` ranked it by), else the runner's default."""
+    steps = plan.predicted.get("train_steps")
+    if steps is None:
+        return DEFAULT_TRAIN_STEPS, "default"
+    return checks.integer(steps, "predicted.train_steps", 1, MAX_INNER_STEPS), "plan"

@@ -6,6 +6,10 @@ this is their mix over the run. Pure: numbers in, numbers out.
 
 from __future__ import annotations
 
+DEFAULT_TRAIN_STEPS = 1000
+"""The run's length when nothing says otherwise: the runner's --steps default
+(modules/config.DEFAULT_STEPS; the planner may not import the runtime)."""
+
 
 def run_step_s(diloco_step_s: float, allreduce_step_s: float, warmup_steps: int,
                train_steps: int) -> float:
