@@ -244,3 +244,49 @@ def test_a_sharded_replica_joins_a_running_job_shard_by_shard(tmp_path):
             assert torch.equal(states[a][k], states[b][k]), (a, b, k)
     assert not all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # two shards
 
+
+
+@pytest.mark.timeout(400)
+def test_a_dropped_sharded_replica_rejoins_as_a_whole(tmp_path):
+    """2 replicas x D = 2, DiLoCo H = 4: kill -9 rank 3 (replica 1, shard 1) mid-run; rank 2,
+    its shard peer, stops saying its replica was dropped; replica 0 goes on; both devices of
+    replica 1 started again with --join form their shard group again (a new incarnation under
+    the same name), are admitted, and after the last outer step shard i of both replicas is
+    bit-identical."""
+    from modules.train.checkpoint import load_checkpoint
+    from testkit.fault_harness import Ranks, free_port, poll_exits
+
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                num_micro_batches=1, sync=SyncConfig("diloco", 4))
+    save_plan(plan, tmp_path / "plan.json")
+    ranks = Ranks(tmp_path / "plan.json", f"tcp://127.0.0.1:{free_port()}", tmp_path)
+    common = ("--fake-data", "--steps", "200", "--timeout-s", "60", "--heartbeat-timeout-s", "3",
+              "--min-replicas", "1", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "200",
+              "--log-every", "4", "--metrics", str(tmp_path / "m.jsonl"))
+    try:
+        for r in range(4):
+            ranks.start(r, *common)
+        assert ranks.wait_for_text(2, "outer_step 2:", 150), ranks.output(2)[-3000:]
+        ranks.kill(3)
+        assert ranks.procs[2].wait(60) == 1, ranks.output(2)[-3000:]
+        first = {r: ranks.output(r) for r in (2, 3)}
+        assert ranks.procs[0].poll() is None and ranks.procs[1].poll() is None
+        for r in (2, 3):
+            ranks.start(r, "--join", *common)
+        poll_exits(ranks, 250)
+    finally:
+        left = ranks.stop()
+    logs = "\n".join(f"[rank {r}] {ranks.output(r)[-1500:]}" for r in range(4))
+    assert left == [], logs
+    assert "my replica 1 was dropped" in first[2], first[2][-3000:]
+    assert "Traceback" not in first[2], first[2][-3000:]
+    assert "dropped replica(s) 1: rank 3" in ranks.output(0), logs
+    assert {r: p.returncode for r, p in ranks.procs.items()} == {0: 0, 1: 0, 2: 0, 3: 0}, logs
+    for joiner, source in ((2, 0), (3, 1)):
+        assert (f"received the outer model and momentum of stage 0 from rank {source}"
+                in ranks.output(joiner)), logs
+    states = {r: load_checkpoint(step_path(tmp_path / "ck", r, 200),
+                                 {"shard_degree": 2})["model"] for r in range(4)}
+    for a, b in ((0, 2), (1, 3)):  # shard i of both replicas
+        for k in states[a]:
+            assert torch.equal(states[a][k], states[b][k]), (a, b, k)
