@@ -20,6 +20,7 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import RunConfig
 from modules.data.dataset import FakeData
+from modules.quant.allreduce import reference_compressed_mean
 from modules.train.checkpoint import step_path
 from modules.train.model import StageModel, sync_local_tied_grads
 from modules.train.trainer import make_inner_optimizer, set_lr
@@ -109,7 +110,7 @@ def test_stages_of_different_d_train_like_the_unsharded_model(tmp_path, sharded,
 def _serial_diloco(plan: Plan, cfg: RunConfig, lanes_per_replica: int) -> list[list[float]]:
     """The rule, one process: R full models; each step replica r's inner AdamW on its lanes'
     batch; every H steps anchor <- outer Nesterov SGD step with mean_r(anchor - params_r) as
-    the gradient, params_r <- anchor."""
+    the gradient (through the plan's codec: reference_compressed_mean), params_r <- anchor."""
     spec, data, sync = get_model(plan.model), _data(), plan.sync
     R, per_lane = plan.num_replicas, plan.num_micro_batches * plan.micro_batch_size
     models = [StageModel(spec, 0, spec.num_layers, seed=cfg.seed) for _ in range(R)]
@@ -133,7 +134,8 @@ def _serial_diloco(plan: Plan, cfg: RunConfig, lanes_per_replica: int) -> list[l
         if (step + 1) % sync.inner_steps == 0:
             with torch.no_grad():
                 for i, a in enumerate(anchor):
-                    a.grad = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
+                    deltas = [a - list(m.parameters())[i] for m in models]
+                    a.grad = reference_compressed_mean(deltas, sync.compression).view_as(a)
                 outer.step()
                 for m in models:
                     for p, a in zip(m.parameters(), anchor):
@@ -142,11 +144,14 @@ def _serial_diloco(plan: Plan, cfg: RunConfig, lanes_per_replica: int) -> list[l
 
 
 @pytest.mark.timeout(300)
-def test_per_shard_diloco_equals_the_serial_rule(tmp_path):
-    sync = SyncConfig(mode="diloco", inner_steps=2)
+@pytest.mark.parametrize("compression,outer_state", [("none", "host"), ("fp16", "device")])
+def test_per_shard_diloco_equals_the_serial_rule(tmp_path, compression, outer_state):
+    """fp16: each device rounds its shard's pseudo-gradient to fp16 and the mean is rounded
+    again (modules.quant.allreduce); elementwise, so per shard == on the whole model."""
+    sync = SyncConfig(mode="diloco", inner_steps=2, compression=compression)
     plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
                 num_micro_batches=1, sync=sync)
-    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--outer-state", "host")
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--outer-state", outer_state)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     # each device averages only its shard with the same shard of the other replica
