@@ -332,3 +332,39 @@ def test_a_dropped_sharded_replica_rejoins_as_a_whole(tmp_path):
     for a, b in ((0, 2), (1, 3)):  # shard i of both replicas
         for k in states[a]:
             assert torch.equal(states[a][k], states[b][k]), (a, b, k)
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_two_nodes_each_a_sharded_replica(tmp_path):
+    """The seeds' launch: `torchrun --nnodes=2 --node_rank=N --nproc_per_node=2` twice (two
+    "nodes" on loopback, static rendezvous), each node one replica of D = 2 (torchrun's
+    global ranks 2N, 2N+1 = the plan's devices of replica N); DiLoCo across the nodes trains
+    as the serial rule does."""
+    import os
+    import subprocess
+    import sys
+
+    from testkit.fault_harness import free_port
+    from tests.conftest import ROOT
+
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                num_micro_batches=1, sync=SyncConfig(mode="diloco", inner_steps=2))
+    save_plan(plan, tmp_path / "plan.json")
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", ST_RUN_SECRET="ab" * 32)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(ROOT / "dist_runner.py"), "--plan", str(tmp_path / "plan.json"), "--fake-data",
+         "--steps", str(STEPS), "--threads", "1", "--metrics", str(metrics)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)]
+    outs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "rank 3: shard 1 of 2 of stage 0 with devices [2, 3] (FSDP2)" in outs[1], outs[1]
+    torch.set_num_threads(1)
+    want = _serial_diloco(plan, RunConfig(steps=STEPS), lanes_per_replica=2)
+    for r in range(2):
+        torch.testing.assert_close(torch.tensor(_losses(metrics, r), dtype=torch.float64),
+                                   torch.tensor(want[r], dtype=torch.float64),
+                                   rtol=1e-5, atol=0)
