@@ -5,9 +5,10 @@ Placement: a site is a region of the cluster file (devices that share fast links
 data centre). Each site's devices, by id, are cut into shard groups of D (a site's remainder
 is left out of that D); replica r takes S consecutive shard groups, so a replica's stages stay
 in one site when the site holds S groups and the replicas sync across sites. Where a site's
-devices differ in speed, two-stage layouts with a different D per stage are scored too: the
-fastest devices hold the stage of fewer devices (each of them runs L / D of the replica's L
-lanes), the others the stage of D = L (untied models: tied embeddings need the same D on
+devices differ in speed or memory, layouts of 2..8 stages with a different D per stage are
+scored too (every ascending vector of divisors of L ending in L, and its reverse): the
+fastest devices hold the stages of fewer devices (each of them runs L / D of the replica's L
+lanes), the slowest the stage of D = L (untied models: tied embeddings need the same D on
 both ends). The layer split
 balances the stages' compute on the slowest device of each stage (layer_split.split_layers),
 memory per device checked (memory.stage_memory with D). Every candidate is replayed by the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import combinations_with_replacement
 
 import numpy as np
 
@@ -32,6 +34,9 @@ from scheduler.memory import stage_memory
 from scheduler.planning import PlanRequest, default_micro_batches
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.step import SimResult, simulate
+
+MAX_MIXED_STAGES = 8
+"""The most stages a layout with D per stage is scored with (the D vectors multiply with S)."""
 
 
 def sites(cluster: Cluster) -> list[list[int]]:
@@ -134,40 +139,78 @@ def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     return out + mixed_candidates(cluster, model, req, syncs, deadline, bool(out))
 
 
-def mixed_layouts(cluster: Cluster, lanes: int) -> list[tuple[tuple[int, int], list]]:
-    """Two-stage layouts with a different D per stage, where a site's devices differ in speed:
-    per site, the fastest devices hold the stage of fewer devices (each runs L / D lanes),
-    the slower ones the stage of D = L; ((D0, D1), pipelines) for each order of the two."""
+def degree_vectors(lanes: int, s_count: int) -> list[tuple[int, ...]]:
+    """D per stage for `s_count` stages, ascending: each divides `lanes`, the last is `lanes`,
+    not all equal (those are the uniform layouts)."""
+    divisors = [d for d in range(1, lanes + 1) if lanes % d == 0]
+    return [(*head, lanes) for head in combinations_with_replacement(divisors, s_count - 1)
+            if head and min(head) < lanes]
+
+
+def _differing_sites(cluster: Cluster) -> list[list[int]]:
+    """Sites whose devices differ in speed or memory, each fastest (then largest) first."""
     out = []
-    for small in (d for d in range(1, lanes) if lanes % d == 0):
-        chains: list[list[list[int]]] = []
-        for site in sites(cluster):
-            if len({cluster.devices[d].tflops for d in site}) < 2:
-                continue  # devices alike: the same D everywhere balances better
-            ranked = sorted(site, key=lambda d: (-cluster.devices[d].tflops, d))
-            count = len(site) // (small + lanes)
-            fast, slow = ranked[:count * small], ranked[count * small:count * (small + lanes)]
-            chains += [[sorted(fast[r * small:(r + 1) * small]),
-                        sorted(slow[r * lanes:(r + 1) * lanes])] for r in range(count)]
-        if chains:
-            out.append(((small, lanes), chains))
-            out.append(((lanes, small), [chain[::-1] for chain in chains]))
+    for site in sites(cluster):
+        devs = [cluster.devices[d] for d in site]
+        if len({(d.tflops, d.memory_gb) for d in devs}) < 2:
+            continue  # devices alike: the same D everywhere balances better
+        out.append(sorted(site, key=lambda d: (-cluster.devices[d].tflops,
+                                               -cluster.devices[d].memory_gb, d)))
     return out
+
+
+def _carve(ranked: list[int], degrees: tuple[int, ...]) -> list[list[list[int]]]:
+    """A site's replicas for ascending `degrees`: the stage of fewest devices gets the site's
+    fastest devices (each runs L / D lanes), the next stage the next fastest, and so on."""
+    count = len(ranked) // sum(degrees)
+    pos, by_stage = 0, []
+    for d in degrees:
+        by_stage.append(ranked[pos:pos + count * d])
+        pos += count * d
+    return [[sorted(by_stage[s][r * d:(r + 1) * d]) for s, d in enumerate(degrees)]
+            for r in range(count)]
+
+
+def mixed_layouts(cluster: Cluster, lanes: int,
+                  max_stages: int = 2) -> list[tuple[tuple[int, ...], list]]:
+    """Layouts with a different D per stage (2..max_stages stages), where a site's devices
+    differ in speed or memory: for every ascending D vector (degree_vectors) each site is cut
+    into replicas by _carve; (degrees, pipelines) for the vector and for its reverse (the
+    stage of D = L first)."""
+    out = []
+    ranked_sites = _differing_sites(cluster)
+    for s_count in range(2, max_stages + 1):
+        for degrees in degree_vectors(lanes, s_count):
+            chains = [c for ranked in ranked_sites for c in _carve(ranked, degrees)]
+            if chains:
+                out.append((degrees, chains))
+                out.append((degrees[::-1], [chain[::-1] for chain in chains]))
+    return out
+
+
+def _most_stages(cluster: Cluster, model: ModelSpec, lanes: int) -> int:
+    """The most stages a mixed layout of L = `lanes` can have: one layer each, one device on
+    every stage but the last (L devices), within the largest site, at most MAX_MIXED_STAGES."""
+    biggest = max((len(s) for s in sites(cluster)), default=0)
+    return min(model.num_layers, biggest - lanes + 1, MAX_MIXED_STAGES)
 
 
 def mixed_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
                      syncs: tuple[SyncConfig, ...], deadline: float,
                      scored: bool) -> list[Candidate]:
-    """D per stage (mixed_layouts) for every L in 2..req.max_shard, under each sync, until
+    """D per stage (mixed_layouts, up to _most_stages stages) for every L in
+    2..req.max_shard, under each sync, until
     `deadline` (`scored`: a layout was scored already)."""
     out: list[Candidate] = []
     if model.tie_embeddings or model.num_layers < 2:
         return out  # tied embeddings need the same D on the first and the last stage
     digest = cluster.sha256()
     for lanes in range(2, min(req.max_shard, model.shard_limit()) + 1):
-        for degrees, pipes in mixed_layouts(cluster, lanes):
-            need = {mode: [memory_table(model, req, d, mode == "diloco", lanes // d)
-                           for d in degrees] for mode in {sync.mode for sync in syncs}}
+        tables: dict[tuple[str, int], np.ndarray] = {}  # per (sync mode, D): stages share them
+        for degrees, pipes in mixed_layouts(cluster, lanes, _most_stages(cluster, model, lanes)):
+            for mode, d in {(sync.mode, d) for sync in syncs for d in degrees} - tables.keys():
+                tables[mode, d] = memory_table(model, req, d, mode == "diloco", lanes // d)
+            need = {sync.mode: [tables[sync.mode, d] for d in degrees] for sync in syncs}
             for sync in syncs:
                 if (out or scored) and time.perf_counter() > deadline:
                     return out

@@ -18,7 +18,13 @@ from formats.plan import Plan, SyncConfig, load_plan, plan_from_dict, save_plan,
 from scheduler.memory import stage_memory
 from scheduler.planning import PlanRequest, plan_best_shape
 from scheduler.search import SearchConfig
-from scheduler.shard_search import plan_hierarchical, shard_groups, sites
+from scheduler.shard_search import (
+    degree_vectors,
+    mixed_layouts,
+    plan_hierarchical,
+    shard_groups,
+    sites,
+)
 from scheduler.simulator import LinkTables, SimConfig, build_inputs, format_sim_table, simulate
 from scheduler.simulator.sharded import fsdp_collective_s, fsdp_compute
 from testkit.fuzz import plan_dict
@@ -317,6 +323,48 @@ def test_planner_gives_the_fast_device_of_a_site_the_stage_of_fewer_devices():
     assert plan.pipelines == [[[0], [1, 2]], [[3], [4, 5]]]
     assert best.per_sequence_s < every[0].per_sequence_s  # every[0]: the D = 1 plan
     validate_plan(plan, cluster, model)
+
+
+def test_d_vectors_for_more_than_two_stages():
+    assert degree_vectors(2, 2) == [(1, 2)]
+    assert degree_vectors(4, 3) == [(1, 1, 4), (1, 2, 4), (1, 4, 4), (2, 2, 4), (2, 4, 4)]
+    assert degree_vectors(3, 1) == []  # one stage: uniform D only
+
+
+def test_planner_scores_three_stages_of_different_d_with_memory_per_device():
+    """Two sites of two fast (312 TFLOPS, 80 GB) and two slow (100 TFLOPS, 4 GB) devices,
+    llama-150m (untied), DiLoCo H = 50 int8, --max-shard 2: 3-stage layouts with D per stage
+    are scored; (1, 1, 2) (the slow pair on the last stage, with the head) does not fit the
+    slow devices' 4 GB; (2, 1, 1) does and is written: the slow pair shards stage 0, each fast
+    device holds a stage of its own, faster per sequence than the D = 1 search's 4 x 1 x 2."""
+    site, fast = [0] * 4 + [1] * 4, {0, 1, 4, 5}
+    devs = [Device(i, f"d{i}", f"site-{site[i]}", f"10.0.0.{i + 1}", "X",
+                   312.0 if i in fast else 100.0, 80.0 if i in fast else 4.0) for i in range(8)]
+    same = np.array([[site[i] == site[j] for j in range(8)] for i in range(8)])
+    lat, bw = np.where(same, 0.01, 40.0), np.where(same, 100.0, 1.0)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(bw, np.inf)
+    cluster, model = Cluster("mixed3", devs, lat, bw), get_model("llama-150m")
+    assert [d for d, _ in mixed_layouts(cluster, 2, 3)] == [(1, 2), (2, 1), (1, 1, 2), (2, 1, 1)]
+    sync = SyncConfig("diloco", 50, "int8", overlap=True)
+    req = PlanRequest(0, 0, micro_batch_size=8, objective="simulated", sync=sync, max_shard=2,
+                      search=SearchConfig(budget=200, time_limit_s=60, seed=0),
+                      random_samples=20)
+    flat = plan_best_shape(cluster, model, req).plan
+    best, every = plan_hierarchical(cluster, model, req, (sync,), flat, time.perf_counter())
+    by_label = {c.label: c for c in every}
+    assert by_label["3 x (1, 1, 2)-way x 2, diloco"].step_s == float("inf")  # 4 GB devices
+    plan = best.plan
+    assert isinstance(plan, Plan) and plan.shard_degrees() == [2, 1, 1], best.label
+    assert plan.pipelines == [[[2, 3], [1], [0]], [[6, 7], [5], [4]]]
+    assert best.per_sequence_s < every[0].per_sequence_s  # every[0]: the D = 1 plan
+    validate_plan(plan, cluster, model)
+    for chain in plan.pipelines:  # every device holds its stage's share within its memory
+        for (a, b), group in zip(plan.stages, chain):
+            lanes = 2 // len(group)
+            need = stage_memory(model, a, b, 8, plan.num_micro_batches * lanes, True,
+                                req.sim.memory(), len(group)).total_bytes
+            assert all(need <= devs[d].memory_gb * 1e9 for d in group)
 
 
 def test_max_shard_default_is_one():

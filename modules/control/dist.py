@@ -90,13 +90,20 @@ class Topology:
         return self.stage == self.num_stages - 1
 
 
+def _stages_text(plan: Plan) -> str:
+    """'2 stages', or with shard groups '2 stages of D = [2, 2] devices'."""
+    text = f"{plan.num_stages} stages"
+    return f"{text} of D = {plan.shard_degrees()} devices" if plan.is_sharded else text
+
+
 def check_world(plan: Plan, world_size: int) -> None:
     """The plan must use device ids 0..world_size-1 exactly (rank = device id)."""
     devices = sorted(plan.devices())
     if len(devices) != world_size:
         raise UserError(f"world size {world_size} disagrees with the plan, which has "
                         f"{len(devices)} devices ({plan.num_replicas} replicas x "
-                        f"{plan.num_stages} stages); pass --world-size {len(devices)}")
+                        f"{_stages_text(plan)}); pass --world-size {len(devices)} (under "
+                        f"torchrun: --nnodes x --nproc-per-node = {len(devices)})")
     if devices != list(range(world_size)):
         raise UserError(f"plan devices {devices} are not 0..{world_size - 1}; rank = device id, "
                         "so the plan must use every id from 0 to world_size-1")

@@ -5,7 +5,9 @@ a generation change (a replica dropped) destroys and re-forms the default group 
 group made with `dist.new_group`, while a shard group lives as long as its replica. torch's
 DeviceMesh resolves a group by its registered name, and `dist.destroy_process_group()`
 forgets every name and map entry, so `ShardGroup.register` is called again after each
-re-formation.
+re-formation. Each incarnation of a group (its replica dropped and rejoining with --join) meets
+under a prefix of its own: the members count their arrivals in the store, D arrivals a
+formation.
 gloo on CPU ranks; torch's own NCCL on CUDA ranks (FSDP2 needs reduce-scatter on the device).
 """
 
@@ -75,8 +77,12 @@ def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank
                       device: torch.device, timeout_s: float) -> ShardGroup:
     """Form the group `name` among `ranks` (every member calls this with the same arguments);
     PeerError naming the members when one does not come within `timeout_s`."""
-    # process groups meet under keys only the run can name (modules.control.hidden)
-    prefix = dist.PrefixStore(f"shard/{name}/", hidden_store(store))
+    # process groups meet under keys only the run can name (modules.control.hidden); each
+    # incarnation of the group (a dropped replica rejoining forms it again) meets under its own
+    # prefix: gloo would otherwise read the dead incarnation's addresses
+    hidden = hidden_store(store)
+    incarnation = (hidden.add(f"shard/{name}/arrivals", 1) - 1) // len(ranks)
+    prefix = dist.PrefixStore(f"shard/{name}/{incarnation}/", hidden)
     me, size = ranks.index(rank), len(ranks)
     try:
         kind, backend = _backend(prefix, me, size, device, timeout_s)
