@@ -17,8 +17,10 @@ predicted s/step and the measured one, the bytes every host put on the wire per 
 counters) and those that crossed between the sites (the per-destination tc classes whose rate
 is the cross-site rate), tokens/s, the final validation loss relative to allreduce's, the
 largest parameter + gradient + AdamW (+ DiLoCo anchor and momentum) bytes a rank holds
-(computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the wall time each
-row needed to reach allreduce's final training loss (a 5-step running mean). Writes
+(computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the training seconds
+each row needed to reach allreduce's final validation loss (evaluated every --eval-every steps;
+a row that had not reached it in its equal-token steps trains on, resumed from its checkpoint,
+for allreduce's training seconds: equal wall time, testkit/lab.train_on). Writes
 OUT/results.json {"rows": [...]} (first row allreduce) and prints the table and the targets.
 """
 
@@ -136,7 +138,9 @@ def cross_site_bytes(net: Network, cross_kbit: int) -> int:
 
 def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
               out: Path) -> tuple[str, dict[str, float]]:
-    """Predict and train every run on equal tokens; (why not shaped, cross-site MB/step)."""
+    """Predict and train every run on equal tokens, then every run after allreduce on for
+    allreduce's training seconds unless it reached allreduce's final validation loss
+    (lab.train_on); (why not shaped, cross-site MB/step of the equal-token steps)."""
     cluster = load_cluster(cluster_path)
     s = sites(cluster)
     cross_kbit = int(cluster.bandwidth_gbps[s[0][0], s[1][0]] * 1e6)
@@ -151,11 +155,14 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             h = plan.sync.inner_steps
             steps = max(args.warmup_steps + h, round(args.steps * base_lanes / lanes(plan) / h) * h)
             before = cross_site_bytes(net, cross_kbit)
-            metrics = lab.train(r, net, steps, out, ["--eval-sequences", str(args.eval_sequences),
-                                                     "--seed", str(args.seed),
-                                                     "--eval-every", str(args.eval_every)])
+            extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
+                     "--eval-every", str(args.eval_every)]
+            metrics = lab.train(r, net, steps, out, extra, checkpoint=r is not runs[0])
             cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / steps / 1e6
             lab.read_metrics(r, metrics, args.warmup_steps)
+            if r is not runs[0]:  # equal wall time to allreduce's loss (lab.train_on)
+                lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
+                             args.warmup_steps, steps)
     finally:
         net.down()
     return net.reason, cross
@@ -175,6 +182,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
                                         if base.final_val_loss and r.final_val_loss else None),
             "max_state_mb_per_rank": max_state_mb(plan),
             "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base.final_val_loss),
+            "trained_s": r.trained_s, "steps_trained": r.steps_trained,
             "val_loss": r.final_val_loss, "prediction_error": r.error})
     return rows
 
