@@ -15,7 +15,12 @@ every payload at int8. Each row has the simulator's predicted s/step, the measur
 bytes every host put on the wire per step (tc counters), tokens/s, the validation loss after the
 same number of tokens relative to allreduce's (real text, the same seed), and the training
 seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; evaluated every
---eval-every steps, evaluations left out of all timings). Writes OUT/results.json
+--eval-every steps, evaluations left out of all timings). Every row is first trained --steps
+steps (the columns at equal steps); allreduce trains first, and a row that has not reached its
+final validation loss by then trains on, resumed from its checkpoint (bit-identical to one
+longer run), until it has trained as many seconds as allreduce did: equal wall time, the
+comparison "which plan gets me to this loss sooner" (testkit/lab.train_on). Writes
+OUT/results.json
 ({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
 """
 
@@ -219,7 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default=str(ROOT / "out/bad_network"), help="where it all goes")
     p.add_argument("--quick", action="store_true",
-                   help="the lab only, fewer steps (within 6 minutes on 2 cores)")
+                   help="the lab only, fewer steps (about 10 minutes on 2 cores)")
     p.add_argument("--seed", type=int, default=0, help="scenario, search and data seed")
     p.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
     p.add_argument("--micro-batch-size", type=int, default=4)
