@@ -195,12 +195,13 @@ def table(rows: list[dict], shaped: bool) -> str:
              "s to allreduce's loss |", "|" + "---|" * 11]
     for r in rows:
         loss, t = r["loss_ratio_vs_allreduce"], r["seconds_to_allreduce_loss"]
+        reached = f"not in {r['trained_s']:.0f}" if t is None else f"{t:.0f}"
         lines.append(
             f"| {r['name']} | {r['shard_degree']} | {r['predicted_s']:.3f} | "
             f"{r['measured_s']:.3f} | {r['prediction_error'] * 100:+.0f}% | "
             f"{r['wire_mb_per_step']:.2f} | {r['cross_site_mb_per_step']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {'-' if loss is None else f'{loss:.3f}'} | "
-            f"{r['max_state_mb_per_rank']:.1f} | {'never' if t is None else f'{t:.0f}'} |")
+            f"{r['max_state_mb_per_rank']:.1f} | {reached} |")
     return "\n".join(lines)
 
 
