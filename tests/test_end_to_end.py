@@ -37,7 +37,8 @@ def test_demo_trains_four_plans_on_the_emulated_network_and_tears_it_down(tmp_pa
         assert t is None or t <= run["trained_s"] + 1e-9
     assert ours["steps_trained"] == 6 and ours["seconds_to_allreduce_loss"] is not None
     for run in (rnd, dil, auto):
-        assert run["seconds_to_allreduce_loss"] is not None or run["steps_trained"] > 6, run
+        assert (run["seconds_to_allreduce_loss"] is not None or run["steps_trained"] > 6
+                or run["trained_s"] >= 0.97 * ours["trained_s"]), run["name"]  # slower: done
     # the random plan is a permutation of the same devices, in the same shape
     plans = [json.loads((out / f"{n}.json").read_text()) for n in ("ours", "random")]
     assert sorted(sum(plans[0]["pipelines"], [])) == sorted(sum(plans[1]["pipelines"], []))
