@@ -16,9 +16,10 @@ bytes every host put on the wire per step (tc counters), tokens/s, the validatio
 same number of tokens relative to allreduce's (real text, the same seed), and the training
 seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; evaluated every
 --eval-every steps, evaluations left out of all timings). Every row is first trained --steps
-steps (the columns at equal steps); allreduce trains first, and a row that has not reached its
-final validation loss by then trains on, resumed from its checkpoint (bit-identical to one
-longer run), until it has trained as many seconds as allreduce did: equal wall time, the
+steps (the columns at equal steps come from those); allreduce trains first, and every other
+row trains on in the same launch for allreduce's training seconds (steps from its predicted
+s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one longer run) if
+that fell short and it has not reached allreduce's final validation loss: equal wall time, the
 comparison "which plan gets me to this loss sooner" (testkit/lab.train_on). Writes
 OUT/results.json
 ({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
@@ -132,10 +133,13 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
     try:
         net.up()
         for r in runs:
-            metrics = lab.train(r, net, args.steps, out, extra, checkpoint=r is not runs[0])
-            lab.read_metrics(r, metrics, args.warmup_steps)
-            if r is not runs[0]:
-                lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
+            base = runs[0] if r is not runs[0] else None
+            steps = lab.budget_steps(r, base and base.trained_s, args.steps,
+                                     load_plan(r.plan_path).sync.inner_steps, args.eval_every)
+            metrics = lab.train(r, net, steps, out, extra, checkpoint=bool(base))
+            lab.read_metrics(r, metrics, args.warmup_steps, args.steps)
+            if base:
+                lab.train_on(r, net, out, extra, base.final_val_loss, base.trained_s,
                              args.warmup_steps, args.steps)
     finally:
         net.down()

@@ -13,9 +13,9 @@
 4. runs each plan with dist_runner.py (scripts/launch_local.py) on real text;
 5. prints predicted vs measured step time, the prediction error, tokens/s, bytes on the wire
    (tc counters of every host) and the speed-ups, and the training seconds each run took to
-   reach the allreduce run's final validation loss: every run after it trains on (resumed
-   from its checkpoint) for the allreduce run's training seconds unless it reached that loss
-   in its --steps (equal wall time, lab.train_on); writes a plot and results.json;
+   reach the allreduce run's final validation loss: every run after it trains on for the
+   allreduce run's training seconds (equal wall time; the other columns are of its first
+   --steps steps; lab.budget_steps, lab.train_on); writes a plot and results.json;
 6. tears the namespaces down, also after an error or Ctrl+C.
 """
 
@@ -89,8 +89,10 @@ def train(run: Run, net: Network, args: argparse.Namespace, out: Path,
     After `base` (the allreduce run, trained first): on for its training seconds unless it
     reached base's final validation loss (lab.train_on: equal wall time to loss)."""
     extra = ["--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]
-    lab.read_metrics(run, lab.train(run, net, args.steps, out, extra, checkpoint=bool(base)),
-                     args.warmup_steps)
+    steps = lab.budget_steps(run, base and base.trained_s, args.steps,
+                             load_plan(run.plan_path).sync.inner_steps, args.eval_every)
+    lab.read_metrics(run, lab.train(run, net, steps, out, extra, checkpoint=bool(base)),
+                     args.warmup_steps, args.steps)
     if base is not None:
         lab.train_on(run, net, out, extra, base.final_val_loss, base.trained_s,
                      args.warmup_steps, args.steps)

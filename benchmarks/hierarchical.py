@@ -19,8 +19,9 @@ is the cross-site rate), tokens/s, the final validation loss relative to allredu
 largest parameter + gradient + AdamW (+ DiLoCo anchor and momentum) bytes a rank holds
 (computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the training seconds
 each row needed to reach allreduce's final validation loss (evaluated every --eval-every steps;
-a row that had not reached it in its equal-token steps trains on, resumed from its checkpoint,
-for allreduce's training seconds: equal wall time, testkit/lab.train_on). Writes
+every row after allreduce trains on past its equal-token steps for allreduce's training seconds:
+equal wall time, testkit/lab.budget_steps and train_on; the other columns are of the
+equal-token steps). Writes
 OUT/results.json {"rows": [...]} (first row allreduce) and prints the table and the targets.
 """
 
@@ -138,9 +139,9 @@ def cross_site_bytes(net: Network, cross_kbit: int) -> int:
 
 def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
               out: Path) -> tuple[str, dict[str, float]]:
-    """Predict and train every run on equal tokens, then every run after allreduce on for
-    allreduce's training seconds unless it reached allreduce's final validation loss
-    (lab.train_on); (why not shaped, cross-site MB/step of the equal-token steps)."""
+    """Predict and train every run on equal tokens, every run after allreduce on for
+    allreduce's training seconds (lab.budget_steps, lab.train_on); (why not shaped, cross-site
+    MB/step)."""
     cluster = load_cluster(cluster_path)
     s = sites(cluster)
     cross_kbit = int(cluster.bandwidth_gbps[s[0][0], s[1][0]] * 1e6)
@@ -157,10 +158,13 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             before = cross_site_bytes(net, cross_kbit)
             extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
                      "--eval-every", str(args.eval_every)]
-            metrics = lab.train(r, net, steps, out, extra, checkpoint=r is not runs[0])
-            cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / steps / 1e6
-            lab.read_metrics(r, metrics, args.warmup_steps)
-            if r is not runs[0]:  # equal wall time to allreduce's loss (lab.train_on)
+            base = runs[0] if r is not runs[0] else None  # equal wall time to its loss:
+            launched = lab.budget_steps(r, base and base.trained_s, steps, h,  # lab.train_on
+                                        args.eval_every)
+            metrics = lab.train(r, net, launched, out, extra, checkpoint=bool(base))
+            cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / launched / 1e6
+            lab.read_metrics(r, metrics, args.warmup_steps, steps)
+            if base:
                 lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
                              args.warmup_steps, steps)
     finally:

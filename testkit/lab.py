@@ -5,6 +5,7 @@ on it, and what a run measured (step time, tokens/s, bytes on the wire, losses).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -379,11 +380,27 @@ def training_clock(recs: list[dict[str, Any]], resumed_at: list[int] = ()) -> li
     return out
 
 
+BUDGET_MARGIN = 1.1
+"""budget_steps plans this much more than the budget over the predicted s/step (the lab's
+predictions were measured within about 10% on a quiet machine; train_on covers the rest)."""
 BUDGET_COVERED = 0.97
 """train_on stops extending a run once it trained this share of the budget (a relaunch costs
 more than the last few steps would tell)."""
 MAX_EXTENSIONS = 2
 """train_on's relaunches per run at most (the first usually covers the budget)."""
+
+
+def budget_steps(run: Run, budget_s: float | None, steps: int, round_steps: int = 1,
+                 eval_every: int = 0) -> int:
+    """Steps to launch `run` with so that it likely trains `budget_s` training seconds in one
+    launch (a relaunch costs a fresh start): the budget over its predicted s/step with
+    BUDGET_MARGIN, at least `steps`, rounded up to whole rounds of `round_steps`. Just `steps`
+    when a longer launch would not evaluate at step `steps` (not a multiple of `eval_every`):
+    the equal-steps loss needs that evaluation (train_on relaunches for the rest)."""
+    if not (budget_s and run.predicted_s > 0 and eval_every and steps % eval_every == 0):
+        return steps
+    want = math.ceil(budget_s * BUDGET_MARGIN / run.predicted_s)
+    return max(steps, -(-want // round_steps) * round_steps)
 
 
 def train_on(run: Run, net: Network, out: Path, extra: list[str], target: float | None,

@@ -82,3 +82,13 @@ def test_train_on_extends_a_run_for_the_budget_unless_it_reached_the_loss(tmp_pa
     assert run.trained_s == pytest.approx(11.0) and lab.seconds_to_loss(run, 2.5) == 8.0
     # the equal-steps columns stay those of the first 4 steps
     assert run.final_val_loss == 2.96 and run.measured_s == pytest.approx(1.0)
+
+
+def test_budget_steps_launches_a_row_for_the_budget_in_one_go():
+    run = lab.Run("r", None, predicted_s=0.5)
+    # 40 s at 0.5 s/step with a 10% margin: 88 steps, rounded up to whole rounds of H = 5
+    assert lab.budget_steps(run, 40.0, 30, 5, 5) == 90
+    assert lab.budget_steps(run, 10.0, 30, 5, 5) == 30  # the equal-steps part at least
+    assert lab.budget_steps(run, None, 30, 4, 5) == 30  # allreduce itself: no budget
+    # a longer launch would not evaluate at step 6 (every 5): launch 6, train_on does the rest
+    assert lab.budget_steps(run, 40.0, 6, 1, 5) == 6
