@@ -12,7 +12,10 @@
    otherwise it runs on loopback without shaping and says so);
 4. runs each plan with dist_runner.py (scripts/launch_local.py) on real text;
 5. prints predicted vs measured step time, the prediction error, tokens/s, bytes on the wire
-   (tc counters of every host) and the speed-ups, and writes a plot and results.json;
+   (tc counters of every host) and the speed-ups, and the training seconds each run took to
+   reach the allreduce run's final validation loss: every run after it trains on for the
+   allreduce run's training seconds (equal wall time; the other columns are of its first
+   --steps steps; lab.budget_steps, lab.train_on); writes a plot and results.json;
 6. tears the namespaces down, also after an error or Ctrl+C.
 """
 
@@ -80,11 +83,19 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
                f"pipeline {plan.pipeline_compression})", path)
 
 
-def train(run: Run, net: Network, args: argparse.Namespace, out: Path) -> None:
-    """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes."""
-    lab.read_metrics(run, lab.train(run, net, args.steps, out, [
-        "--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]),
-        args.warmup_steps)
+def train(run: Run, net: Network, args: argparse.Namespace, out: Path,
+          base: Run | None = None) -> None:
+    """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes.
+    After `base` (the allreduce run, trained first): on for its training seconds unless it
+    reached base's final validation loss (lab.train_on: equal wall time to loss)."""
+    extra = ["--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]
+    steps = lab.budget_steps(run, base and base.trained_s, args.steps,
+                             load_plan(run.plan_path).sync.inner_steps, args.eval_every)
+    lab.read_metrics(run, lab.train(run, net, steps, out, extra, checkpoint=bool(base)),
+                     args.warmup_steps, args.steps)
+    if base is not None:
+        lab.train_on(run, net, out, extra, base.final_val_loss, base.trained_s,
+                     args.warmup_steps, args.steps)
 
 
 def table(runs: list[Run], shaped: bool) -> str:
@@ -109,7 +120,7 @@ def time_to_loss_table(runs: list[Run]) -> str:
     for r in runs:
         t = lab.seconds_to_loss(r, target)
         lines.append(f"| {r.name} | {r.final_val_loss or float('nan'):.4f} | "
-                     f"{'not reached' if t is None else f'{t:.1f}'} | "
+                     f"{f'not reached in {r.trained_s:.1f}' if t is None else f'{t:.1f}'} | "
                      f"{f'{t / base:.2f}x' if t is not None and base else '-'} |")
     return "\n".join(lines)
 
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         net.up()
         for r in runs:
-            train(r, net, args, out)
+            train(r, net, args, out, None if r is runs[0] else runs[0])
     finally:
         net.down()
     lab.check_after(cal, args.model, args.micro_batch_size)

@@ -17,8 +17,11 @@ predicted s/step and the measured one, the bytes every host put on the wire per 
 counters) and those that crossed between the sites (the per-destination tc classes whose rate
 is the cross-site rate), tokens/s, the final validation loss relative to allreduce's, the
 largest parameter + gradient + AdamW (+ DiLoCo anchor and momentum) bytes a rank holds
-(computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the wall time each
-row needed to reach allreduce's final training loss (a 5-step running mean). Writes
+(computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the training seconds
+each row needed to reach allreduce's final validation loss (evaluated every --eval-every steps;
+every row after allreduce trains on past its equal-token steps for allreduce's training seconds:
+equal wall time, testkit/lab.budget_steps and train_on; the other columns are of the
+equal-token steps). Writes
 OUT/results.json {"rows": [...]} (first row allreduce) and prints the table and the targets.
 """
 
@@ -136,7 +139,9 @@ def cross_site_bytes(net: Network, cross_kbit: int) -> int:
 
 def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
               out: Path) -> tuple[str, dict[str, float]]:
-    """Predict and train every run on equal tokens; (why not shaped, cross-site MB/step)."""
+    """Predict and train every run on equal tokens, every run after allreduce on for
+    allreduce's training seconds (lab.budget_steps, lab.train_on); (why not shaped, cross-site
+    MB/step)."""
     cluster = load_cluster(cluster_path)
     s = sites(cluster)
     cross_kbit = int(cluster.bandwidth_gbps[s[0][0], s[1][0]] * 1e6)
@@ -151,11 +156,17 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             h = plan.sync.inner_steps
             steps = max(args.warmup_steps + h, round(args.steps * base_lanes / lanes(plan) / h) * h)
             before = cross_site_bytes(net, cross_kbit)
-            metrics = lab.train(r, net, steps, out, ["--eval-sequences", str(args.eval_sequences),
-                                                     "--seed", str(args.seed),
-                                                     "--eval-every", str(args.eval_every)])
-            cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / steps / 1e6
-            lab.read_metrics(r, metrics, args.warmup_steps)
+            extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
+                     "--eval-every", str(args.eval_every)]
+            base = runs[0] if r is not runs[0] else None  # equal wall time to its loss:
+            launched = lab.budget_steps(r, base and base.trained_s, steps, h,  # lab.train_on
+                                        args.eval_every)
+            metrics = lab.train(r, net, launched, out, extra, checkpoint=bool(base))
+            cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / launched / 1e6
+            lab.read_metrics(r, metrics, args.warmup_steps, steps)
+            if base:
+                lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
+                             args.warmup_steps, steps)
     finally:
         net.down()
     return net.reason, cross
@@ -175,6 +186,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
                                         if base.final_val_loss and r.final_val_loss else None),
             "max_state_mb_per_rank": max_state_mb(plan),
             "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base.final_val_loss),
+            "trained_s": r.trained_s, "steps_trained": r.steps_trained,
             "val_loss": r.final_val_loss, "prediction_error": r.error})
     return rows
 
@@ -187,12 +199,13 @@ def table(rows: list[dict], shaped: bool) -> str:
              "s to allreduce's loss |", "|" + "---|" * 11]
     for r in rows:
         loss, t = r["loss_ratio_vs_allreduce"], r["seconds_to_allreduce_loss"]
+        reached = f"not in {r['trained_s']:.0f}" if t is None else f"{t:.0f}"
         lines.append(
             f"| {r['name']} | {r['shard_degree']} | {r['predicted_s']:.3f} | "
             f"{r['measured_s']:.3f} | {r['prediction_error'] * 100:+.0f}% | "
             f"{r['wire_mb_per_step']:.2f} | {r['cross_site_mb_per_step']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {'-' if loss is None else f'{loss:.3f}'} | "
-            f"{r['max_state_mb_per_rank']:.1f} | {'never' if t is None else f'{t:.0f}'} |")
+            f"{r['max_state_mb_per_rank']:.1f} | {reached} |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ the pipeline compression) enter the search as an outer layer around the assignme
    assignments with the simulated objective (its own layer split each), until the deadline:
    first the most compressed one of each (mode, H, overlap, fragments), then the other
    compressions of those that came near the fastest (score_choices).
-3. Warm-ups (with_warmups): each DiLoCo configuration once per warm-up share the quality
+3. Warm-ups (with_warmups): each DiLoCo configuration once per warm-up (in steps) the quality
    table measured (scheduler.quality), its cost the run's mean step (the warm-up's steps at the
    allreduce step of the same payloads and assignment; scheduler.simulator.warmup), and its
    predicted loss ratio to allreduce.
@@ -56,7 +56,7 @@ from scheduler.planning import (
     plan_best_shape,
     predicted,
 )
-from scheduler.quality import PROVENANCE, loss_ratio, warmup_shares
+from scheduler.quality import PROVENANCE, loss_ratio, warmup_options
 from scheduler.simulator.report import sync_label
 from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS, run_step_s
 
@@ -188,7 +188,8 @@ def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE,
 
 def with_warmups(scored: list[Scored], train_steps: int) -> list[Scored]:
     """Every scored configuration with its predicted loss ratio; each DiLoCo one once per
-    warm-up share the quality table measured for its H, its cost the mean step of a run of
+    warm-up the quality table measured for its H (scheduler.quality.warmup_options), its cost
+    the mean step of a run of
     `train_steps` (the warm-up's steps at the allreduce step of the same payloads on the same
     assignment)."""
     ar = {(s.anchor, s.choice.sync.compression, s.choice.pipeline_compression): s.cost.cost_s
@@ -200,8 +201,7 @@ def with_warmups(scored: list[Scored], train_steps: int) -> list[Scored]:
             out.append(replace(s, loss_ratio=loss_ratio(sync, train_steps)))
             continue
         key = (s.anchor, sync.compression, s.choice.pipeline_compression)
-        for share in warmup_shares(sync.inner_steps) or (0.0,):
-            w = min(round(share * train_steps), train_steps)
+        for w in warmup_options(sync.inner_steps, train_steps) or (0,):
             if w and key not in ar:
                 continue  # its warm-up's step was not scored (the deadline)
             warm = replace(sync, warmup_steps=w)

@@ -5,6 +5,7 @@ on it, and what a run measured (step time, tokens/s, bytes on the wire, losses).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -42,8 +43,14 @@ class Run:
     final_val_loss: float | None = None
     """Validation loss at the end of the run (replica 0), when the run evaluated."""
     val_losses: list[tuple[float, float]] = field(default_factory=list)
-    """(training seconds since the first step began, evaluations left out; validation loss)
-    of replica 0 at each evaluation (--eval-every)."""
+    """(training seconds since the first step began, evaluations and relaunches left out;
+    validation loss) of replica 0 at each evaluation (--eval-every)."""
+    trained_s: float = 0.0
+    """Training seconds over every step it trained (the same clock as val_losses)."""
+    steps_trained: int = 0
+    """Steps it trained, extensions (train_on) included."""
+    resumed_at: list[int] = field(default_factory=list)
+    """Steps at which train_on resumed it (each a new launch: its gap is left out)."""
 
     @property
     def error(self) -> float:
@@ -293,19 +300,25 @@ def netns_unavailable() -> str:
     return f"missing {', '.join(missing)}" if missing else ""
 
 
-def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) -> Path:
+def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = (),
+          checkpoint: bool = False, resume: bool = False) -> Path:
     """Run the plan's ranks for `steps` steps (dist_runner flags `extra` added); fill in the
-    wire bytes per step; returns replica 0's metrics file."""
+    wire bytes per step (not when resuming: those of the first launch stay); returns replica
+    0's metrics file. `checkpoint`: every rank saves at the end (what `resume` continues from,
+    bit-identically: train_on)."""
     run_dir = out / run.plan_path.stem
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
     metrics = run_dir / "metrics.jsonl"
-    log(f"training {run.name}: {steps} steps (predicted {run.predicted_s:.3f} s/step)")
+    what = f"on to step {steps}" if resume else f"{steps} steps"
+    log(f"training {run.name}: {what} (predicted {run.predicted_s:.3f} s/step)")
     before = net.wire_bytes()
+    ckpt = ["--ckpt-dir", str(run_dir / "ckpt")] if checkpoint or resume else []
     cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
            *net.launch_args(), "--", "--steps", str(steps), "--threads", "1",
            "--metrics", str(metrics), "--log-every", str(max(1, steps // 5)),
-           "--timeout-s", "120", *extra]
+           "--timeout-s", "120", *ckpt, *(["--resume"] if resume else []), *extra]
     with open(run_dir / "launch.log", "w") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, STATUS_ENV: "1"})  # pass status lines on
@@ -319,36 +332,97 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) 
         if proc.wait() != 0:
             raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
                             f"see {run_dir / 'launch.log'}")
-    run.wire_bytes_per_step = (net.wire_bytes() - before) / steps
+    if not resume:
+        run.wire_bytes_per_step = (net.wire_bytes() - before) / steps
     return metrics
 
 
-def read_metrics(run: Run, path: Path, warmup_steps: int) -> None:
+def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | None = None
+                 ) -> None:
     """Measured step time and tokens/s over whole outer rounds of the run's plan after the
-    warm-up (rounded up to a round), DP bytes, losses and the final validation loss, from
-    replica 0's metrics."""
+    warm-up (rounded up to a round), DP bytes and the final validation loss, from replica 0's
+    metrics, over its first `measured_steps` steps (None: all; train_on's extension past them
+    only adds to the losses, val_losses and trained_s)."""
     recs = [json.loads(line) for line in path.read_text().splitlines()]
-    recs = [r for r in recs if "step_s" in r]  # step records (not the summary)
+    recs = [r for r in recs if "step_s" in r]  # step records (not the summaries)
+    clock = training_clock(recs, run.resumed_at)
+    run.trained_s, run.steps_trained = (clock[-1] if clock else 0.0), len(recs)
+    run.losses = [(t, r["loss"]) for t, r in zip(clock, recs)]
+    run.val_losses = [(t, r["val_loss"]) for t, r in zip(clock, recs)
+                      if r.get("val_loss") is not None]
+    recs = recs[:measured_steps] if measured_steps else recs
     round_steps = load_plan(run.plan_path).sync.inner_steps
     first = -(-warmup_steps // round_steps) * round_steps
     last = len(recs) - (len(recs) - first) % round_steps  # whole DiLoCo rounds
     if last - first < 1:
         raise UserError(f"{len(recs)} steps leave no measured steps after {first} warm-up steps")
-    wall = [r["wall_time"] for r in recs]
-    start = wall[0] - recs[0]["step_s"]  # when the first step began
-    begin = wall[first - 1] if first else start  # the end of the warm-up
-    # evaluations run after their record's wall_time: the ones inside the window left out
-    evals = np.cumsum([0.0] + [r.get("eval_s", 0.0) for r in recs])
-    span = wall[last - 1] - begin - (evals[last - 1] - evals[max(first - 1, 0)])
+    span = clock[last - 1] - (clock[first - 1] if first else 0.0)
     run.measured_s = span / (last - first)
     tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
     run.tokens_per_s = tokens / span
     run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
-    run.losses = [(r["wall_time"] - start, r["loss"]) for r in recs]
     vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     run.final_val_loss = vals[-1] if vals else None
-    run.val_losses = [(r["wall_time"] - start - evals[i], r["val_loss"])
-                      for i, r in enumerate(recs) if r.get("val_loss") is not None]
+
+
+def training_clock(recs: list[dict[str, Any]], resumed_at: list[int] = ()) -> list[float]:
+    """Training seconds at the end of each step record: wall time since its launch's first
+    step began, less the evaluations (which run after their record's wall_time) before it in
+    that launch, plus what the launches before it trained; a launch begins at the first
+    record and after each step of `resumed_at` (the relaunch's gap left out)."""
+    out: list[float] = []
+    start = evals = 0.0
+    for i, r in enumerate(recs):
+        if i == 0 or r["step"] - 1 in resumed_at:
+            start, evals = r["wall_time"] - r["step_s"] - (out[-1] if out else 0.0), 0.0
+        out.append(r["wall_time"] - start - evals)
+        evals += r.get("eval_s", 0.0)
+    return out
+
+
+BUDGET_MARGIN = 1.1
+"""budget_steps plans this much more than the budget over the predicted s/step (the lab's
+predictions were measured within about 10% on a quiet machine; train_on covers the rest)."""
+BUDGET_COVERED = 0.97
+"""train_on stops extending a run once it trained this share of the budget (a relaunch costs
+more than the last few steps would tell)."""
+MAX_EXTENSIONS = 2
+"""train_on's relaunches per run at most (the first usually covers the budget)."""
+
+
+def budget_steps(run: Run, budget_s: float | None, steps: int, round_steps: int = 1,
+                 eval_every: int = 0) -> int:
+    """Steps to launch `run` with so that it likely trains `budget_s` training seconds in one
+    launch (a relaunch costs a fresh start): the budget over its predicted s/step with
+    BUDGET_MARGIN, at least `steps`, rounded up to whole rounds of `round_steps`. Just `steps`
+    when a longer launch would not evaluate at step `steps` (not a multiple of `eval_every`):
+    the equal-steps loss needs that evaluation (train_on relaunches for the rest)."""
+    if not (budget_s and run.predicted_s > 0 and eval_every and steps % eval_every == 0):
+        return steps
+    want = math.ceil(budget_s * BUDGET_MARGIN / run.predicted_s)
+    return max(steps, -(-want // round_steps) * round_steps)
+
+
+def train_on(run: Run, net: Network, out: Path, extra: list[str], target: float | None,
+             budget_s: float, warmup_steps: int, measured_steps: int) -> None:
+    """Equal wall time: resume `run` (trained by `train(..., checkpoint=True)`) from its last
+    checkpoint and train it on until it has trained `budget_s` training seconds, unless its
+    validation loss already reached `target`. Steps to add: the budget left over the run's
+    measured s/step, plus one (the relaunch's first step is slower). The steps before
+    `measured_steps` keep the equal-steps columns; resuming is bit-identical to having
+    trained that many steps in one launch (constant learning rate; the plan's warm-up W is
+    a step count, unchanged by a longer run)."""
+    for _ in range(MAX_EXTENSIONS):
+        left = budget_s - run.trained_s
+        if (target is None or seconds_to_loss(run, target) is not None
+                or left <= budget_s * (1 - BUDGET_COVERED) or run.measured_s <= 0):
+            return
+        more = int(np.ceil(left / run.measured_s)) + 1
+        log(f"  {run.name}: allreduce's loss not reached in {run.trained_s:.1f} s: "
+            f"{more} more steps for its {budget_s:.1f} s")
+        run.resumed_at.append(run.steps_trained)
+        metrics = train(run, net, run.steps_trained + more, out, extra, resume=True)
+        read_metrics(run, metrics, warmup_steps, measured_steps)
 
 
 def seconds_to_loss(run: Run, target: float | None) -> float | None:

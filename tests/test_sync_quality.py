@@ -9,11 +9,12 @@ import pytest
 from formats.plan import SyncConfig
 from scheduler import quality
 from scheduler.objective import CostBreakdown
-from scheduler.quality import LOSS_TABLE, PROVENANCE, loss_ratio, warmup_shares
+from scheduler.quality import LOSS_TABLE, PROVENANCE, loss_ratio, warmup_options
 from scheduler.simulator.warmup import run_step_s, warmup_share
 from scheduler.sync_search import Scored, SyncChoice, choose, with_warmups
 
-TABLE = {10: ((0.0, 1.20), (0.1, 1.05), (0.2, 1.01)), 20: ((0.1, 1.10), (0.2, 1.03))}
+TABLE = {10: ((0, 1.20), (40, 1.05), (80, 1.01)), 20: ((40, 1.10), (80, 1.03))}
+"""Warm-up steps of a 400-step run (quality.MEASURED_STEPS)."""
 
 
 @pytest.fixture
@@ -37,21 +38,35 @@ def test_run_step_charges_the_warmup_at_allreduce_step():
 def test_loss_ratio_looks_up_the_table_within_its_limits(table):
     assert loss_ratio(SyncConfig(), 400) == 1.0
     assert loss_ratio(diloco(10, 40), 400) == pytest.approx(1.05)
-    assert loss_ratio(diloco(10, 60), 400) == pytest.approx(1.05)  # the next smaller share
+    assert loss_ratio(diloco(10, 60), 400) == pytest.approx(1.05)  # the next smaller warm-up
     assert loss_ratio(diloco(10, 400), 400) == 1.0  # all warm-up
-    assert loss_ratio(diloco(20, 0), 400) is None  # below every measured share of H = 20
+    assert loss_ratio(diloco(20, 0), 400) is None  # below every measured warm-up of H = 20
     assert loss_ratio(diloco(40, 80), 400) is None  # H above the table: no prediction
     # between H = 1 (allreduce, 1.0) and 10, and between 10 and 20: linear in H
     assert loss_ratio(diloco(4, 40), 400) == pytest.approx(1 + 0.05 * 3 / 9)
     assert loss_ratio(diloco(15, 80), 400) == pytest.approx((1.01 + 1.03) / 2)
-    assert warmup_shares(4) == (0.0, 0.1, 0.2) and warmup_shares(64) == ()
+    assert warmup_options(4, 400) == (0, 40, 80) and warmup_options(64, 400) == ()
+
+
+def test_the_warmup_is_steps_in_long_runs_and_a_share_in_short_ones(table):
+    # a 1,200-step run needs the 400-step run's 80 steps, not 20% of it (240)
+    assert loss_ratio(diloco(10, 80), 1200) == pytest.approx(1.01)
+    assert loss_ratio(diloco(10, 40), 1200) == pytest.approx(1.05)
+    assert warmup_options(10, 1200) == (0, 40, 80)
+    # a run shorter than the table's 400 steps: the same share (30 steps: 80 -> 6)
+    assert warmup_options(10, 30) == (0, 3, 6)
+    assert loss_ratio(diloco(10, 6), 30) == pytest.approx(1.01)
+    assert loss_ratio(diloco(10, 5), 30) == pytest.approx(1.05)  # 5/30 of 400 = 66.7 -> 40
+    assert warmup_options(10, 50) == (0, 5, 10)  # rounded up: never less than measured
+    assert loss_ratio(diloco(10, 5), 50) == pytest.approx(1.05)
 
 
 def test_the_shipped_table_has_provenance_and_sane_values():
     assert "diloco_convergence.py" in PROVENANCE and "2026" in PROVENANCE
     for h, rows in LOSS_TABLE.items():
-        assert h >= 2 and [s for s, _ in rows] == sorted(s for s, _ in rows)
-        assert all(0 <= s < 1 and r > 0.9 for s, r in rows)
+        assert h >= 2 and [w for w, _ in rows] == sorted(w for w, _ in rows)
+        assert all(isinstance(w, int) and 0 <= w < quality.MEASURED_STEPS and r > 0.9
+                   for w, r in rows)
 
 
 def test_warmups_are_charged_and_the_choice_is_bounded_by_the_loss_ratio(table):

@@ -30,3 +30,65 @@ def test_time_to_loss_and_step_time_leave_evaluations_out(tmp_path):
     assert lab.seconds_to_loss(run, 2.7) == 4.0
     assert lab.seconds_to_loss(run, 2.0) is None
     assert lab.seconds_to_loss(run, None) is None
+
+
+def write(path, recs):
+    """A replica-0 metrics file, each launch ending in a summary record (no step_s)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def step(i: int, wall: float, val: float | None = None, eval_s: float = 0.0,
+         step_s: float = 1.0) -> dict:
+    return ({"step": i, "step_s": step_s, "wall_time": wall, "tokens_per_s": 10.0,
+             "dp_bytes_sent": 0, "loss": 3.0}
+            | ({"val_loss": val, "eval_s": eval_s} if val is not None else {}))
+
+
+def test_training_clock_leaves_out_the_relaunch_gap_and_evaluations():
+    # launch 1: steps 1-4 at 1 s, an evaluation of 0.5 s after step 2; relaunch 100 s later,
+    # its first step 2 s (slower: a fresh process), then 1 s
+    recs = [step(1, 11.0), step(2, 12.0, 2.9, 0.5), step(3, 13.5), step(4, 14.5, 2.8, 0.5),
+            step(5, 117.0, step_s=2.0), step(6, 118.0, 2.7, 0.5)]
+    assert lab.training_clock(recs, [4]) == pytest.approx([1, 2, 3, 4, 6, 7])
+    # without the resume point the gap would count: the relaunch has to be named
+    assert lab.training_clock(recs, [])[4] == pytest.approx(106.0)
+
+
+def test_train_on_extends_a_run_for_the_budget_unless_it_reached_the_loss(tmp_path,
+                                                                         monkeypatch):
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[0]]), tmp_path / "p.json")
+    path = tmp_path / "m.jsonl"
+    first = [step(i, 10.0 + i, 3.0 - i / 100 if i % 2 == 0 else None) for i in range(1, 5)]
+    write(path, first + [{"summary": True}])
+    calls = []
+
+    def fake_train(run, net, steps, out, extra=(), checkpoint=False, resume=False):
+        # the resumed launch: steps 5.. at 1 s each from wall time 500, losses falling
+        assert resume and extra == ["--x"]
+        calls.append(steps)
+        more = [step(i, 500.0 + i - 4, 2.5 if i >= 8 else 2.9) for i in range(5, steps + 1)]
+        write(path, first + [{"summary": True}] + more)
+        return path
+
+    monkeypatch.setattr(lab, "train", fake_train)
+    run = lab.Run("r", tmp_path / "p.json")
+    lab.read_metrics(run, path, 0)
+    assert (run.trained_s, run.steps_trained, run.final_val_loss) == (4.0, 4, 2.96)
+    lab.train_on(run, None, tmp_path, ["--x"], 2.96, 10.0, 0, 4)  # reached: nothing to do
+    assert calls == []
+    lab.train_on(run, None, tmp_path, ["--x"], 2.5, 10.0, 0, 4)
+    # 6 s of the budget left at 1 s/step, plus one: steps 5..11, one launch
+    assert calls == [11] and run.resumed_at == [4]
+    assert run.trained_s == pytest.approx(11.0) and lab.seconds_to_loss(run, 2.5) == 8.0
+    # the equal-steps columns stay those of the first 4 steps
+    assert run.final_val_loss == 2.96 and run.measured_s == pytest.approx(1.0)
+
+
+def test_budget_steps_launches_a_row_for_the_budget_in_one_go():
+    run = lab.Run("r", None, predicted_s=0.5)
+    # 40 s at 0.5 s/step with a 10% margin: 88 steps, rounded up to whole rounds of H = 5
+    assert lab.budget_steps(run, 40.0, 30, 5, 5) == 90
+    assert lab.budget_steps(run, 10.0, 30, 5, 5) == 30  # the equal-steps part at least
+    assert lab.budget_steps(run, None, 30, 4, 5) == 30  # allreduce itself: no budget
+    # a longer launch would not evaluate at step 6 (every 5): launch 6, train_on does the rest
+    assert lab.budget_steps(run, 40.0, 6, 1, 5) == 6
