@@ -21,6 +21,7 @@ from formats.models import get_model
 from formats.plan import load_plan
 from formats.run_metrics import STATUS_ENV, STATUS_PREFIX, format_status, parse_status
 from scheduler.scenarios import make_scenario
+from scheduler.simulator.kernel import OUTER_CPU_FIELD as OUTER_FIELD
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -81,9 +82,24 @@ def calibrated_cluster(scenario: str, seed: int, model: str, micro_batch_size: i
     return calibrated
 
 
-NOISE_LIMIT = 0.10
-"""The most the machine's measured speed may move (between calibration rounds, or between the
-calibration before the runs and the one after) for the predictions to be judged."""
+PREDICTION_BAR = 0.15
+"""The benchmarks' target: every prediction within 15% of what was measured."""
+NOISE_LIMIT = PREDICTION_BAR
+"""The most the machine's measured speed may move (between the calibration's rounds, or between
+the calibration before the runs and the check after) for a miss of PREDICTION_BAR to be blamed
+on the model. Tied to the bar: a drift that alone could make a prediction miss by the bar makes
+a miss NOISY (not judged); a smaller one cannot, so the miss is the model's (MISS). On a quiet
+2-core machine the check after the runs moves 5-10% (2 rounds of 5 steps), so a limit equal to
+that (the former 10%) said NOISY on quiet machines. A prediction within the bar is PASS
+whatever the noise."""
+
+
+def verdict(error: float, noisy: str) -> str:
+    """PASS when |error| <= PREDICTION_BAR; else NOISY when the machine did not hold still
+    (`noisy`: noise_verdict's reason), MISS when it did."""
+    if abs(error) <= PREDICTION_BAR:
+        return "PASS"
+    return "NOISY" if noisy else "MISS"
 
 
 def machine() -> dict[str, Any]:
@@ -135,7 +151,8 @@ def sharing_record(c: Any) -> dict[str, Any]:
             "pair_gflops": [f / 1e9 for f in c.pair_flops],
             "shared_gflops": [f / 1e9 for f in c.shared_flops], "processes": c.processes,
             "core_gflops": c.core_flops / 1e9, "shared_cores": c.shared_cores,
-            "background_load": c.background_load, "spread": c.spread}
+            "background_load": c.background_load, "spread": c.spread,
+            "outer_cpu_s": dict(c.outer_cpu_s)}
 
 
 def noise_verdict(before: Any, after: Any = None) -> str:
@@ -176,7 +193,10 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
         f"within {(sharing.spread - 1) * 100:.0f}%): {sharing.core_flops / 1e9:.1f} GFLOP/s "
         f"with a core to itself, {sharing.shared_cores:.2f} cores shared with "
         f"{sharing.background_load:.1f} tasks of other work")
-    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter")
+    log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter; DiLoCo "
+        "outer round (all at once, gloo on loopback): " + ", ".join(
+            f"{p} {sharing.outer_flops_per_param(p):.0f}" for p in sharing.outer_cpu_s)
+        + " FLOPs per parameter")
     devices = [replace(d, tflops=sharing.core_flops / 1e12) for d in cluster.devices]  # s
     save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps),
                  cluster_path)
@@ -184,7 +204,9 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
     save_calibration(cal_path, {
         "shared_cores": round(sharing.shared_cores, 4),
         "background_load": round(sharing.background_load, 4),
-        "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2)},
+        "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2),
+        **{OUTER_FIELD[p]: round(sharing.outer_flops_per_param(p), 2)
+           for p in sharing.outer_cpu_s}},
         runtime="cpu", measured={"machine": m} | sharing_record(sharing))
     return LabCalibration(cluster_path, cal_path, sharing, m)
 
@@ -195,7 +217,7 @@ def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
 
     log("checking the machine's speed again after the runs")
     cal.after = measure_core_sharing(get_model(model), micro_batch_size,
-                                     cal.sharing.processes, rounds=2)
+                                     cal.sharing.processes, rounds=2, outer=False)
     log(f"  alone {cal.after.alone / 1e9:.1f}, at once {cal.after.shared / 1e9:.1f} GFLOP/s "
         f"per rank ({cal.after.shared_cores:.2f} cores, {cal.after.background_load:.1f} tasks "
         "of other work)")
