@@ -66,22 +66,6 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return p
 
 
-def calibrated_cluster(scenario: str, seed: int, model: str, micro_batch_size: int,
-                       path: Path) -> Cluster:
-    """The scenario with each device's tflops measured with all ranks training at once."""
-    from modules.device.calibrate import measure_train_flops_shared  # torch: only when measuring
-
-    cluster = make_scenario(scenario, seed)
-    log(f"measuring FLOP/s per rank: {cluster.num_devices} processes training {model} "
-        f"(micro-batch {micro_batch_size}) at once on {os.cpu_count()} cores")
-    flops = measure_train_flops_shared(get_model(model), micro_batch_size, cluster.num_devices)
-    log(f"  {flops / 1e9:.1f} GFLOP/s per rank")
-    devices = [replace(d, tflops=flops / 1e12) for d in cluster.devices]
-    calibrated = Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps)
-    save_cluster(calibrated, path)
-    return calibrated
-
-
 PREDICTION_BAR = 0.15
 """The benchmarks' target: every prediction within 15% of what was measured."""
 NOISE_LIMIT = PREDICTION_BAR

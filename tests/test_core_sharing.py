@@ -269,3 +269,25 @@ def test_calibration_measures_the_outer_rounds_cpu_through_gloo():
     assert set(c.outer_cpu_s) == {"none", "fp16", "int8"}
     assert 0.0 < c.outer_cpu_s["none"] < c.outer_cpu_s["int8"]
     assert c.outer_flops_per_param("int8") > c.outer_flops_per_param("none") > 0.0
+
+
+def test_shard_groups_share_the_cores_over_all_lanes_and_fsdp_is_not_stretched():
+    """2 replicas x 4-way shard groups, one stage, on 2 shared cores: the 8 lanes always
+    compute at once, so the compute (not FSDP's collectives, priced on the links) is stretched
+    by 8 / 2 = 4, as a 1 x 8 plan's is; per-shard outer rounds charged on 1/D of the
+    parameters."""
+    model = get_model("gpt-tiny")
+    groups = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    sync = SyncConfig("diloco", 4, "int8")
+
+    def run(config):
+        return simulate(lab_like(0.020), model, [(0, model.num_layers)], groups, sync, 4, 4,
+                        config, timeline=False)
+
+    alone, shared = run(CPU), run(replace(CPU, shared_cores=2.0))
+    raw = alone.compute_s - alone.fsdp_comm_s
+    assert shared.compute_s - shared.fsdp_comm_s == pytest.approx(4 * raw, rel=1e-6)
+    assert shared.fsdp_comm_s == pytest.approx(alone.fsdp_comm_s, rel=1e-9)
+    charged = run(replace(CPU, shared_cores=2.0, outer_int8_flops_per_param=400.0))
+    extra = 4 * model.stage_params(0, model.num_layers) / 4 * 400.0 / 0.020e12 / 4
+    assert charged.compute_s - shared.compute_s == pytest.approx(extra, rel=1e-6)

@@ -9,7 +9,9 @@ The lab's ranks share the machine's cores, and how many compute at once depends 
 `measure_core_sharing` measures both ends, side by side in the same processes: one rank
 computing alone and all N at once, for several rounds. Their ratio gives the cores the ranks
 effectively share (the simulator's `shared_cores`: scheduler/simulator/sharing.py), and the
-spread between rounds says whether the machine was quiet enough to judge by.
+spread between rounds says whether the machine was quiet enough to judge by. Then all N join
+one gloo group and run the runtime's own DiLoCo outer round per payload, timing each process's
+CPU (the simulator's outer_*flops_per_param).
 """
 
 from __future__ import annotations
@@ -83,31 +85,6 @@ def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1
     finally:
         torch.set_num_threads(before)
     return flops / statistics.median(times)
-
-
-def _worker(spec: ModelSpec, micro_batch_size: int, repeats: int, barrier: Any,
-            out: Any) -> None:
-    os.setsid()  # a session of its own, as launch_local gives each rank (see _sharing_worker)
-    out.put(measure_train_flops(spec, micro_batch_size, 1, repeats, barrier=barrier))
-
-
-def measure_train_flops_shared(spec: ModelSpec, micro_batch_size: int, processes: int,
-                               repeats: int = 7) -> float:
-    """Mean per-process FLOP/s when `processes` single-thread processes train at once.
-
-    This is the speed each rank of a run sees when that many ranks share this machine's
-    cores (8 ranks on 2 cores get about a quarter of a core's speed each).
-    """
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
-    barrier, out = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(spec, micro_batch_size, repeats, barrier, out))
-             for _ in range(processes)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return statistics.fmean(results)
 
 
 @dataclass(frozen=True)
