@@ -96,7 +96,9 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from modules.device.calibrate import usable_cores  # the fit's cap: the same count
+
+    cores = usable_cores()
     return {"cores": cores, "cpu": name, "load_1min": round(os.getloadavg()[0], 2)}
 
 

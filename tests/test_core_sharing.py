@@ -291,3 +291,15 @@ def test_shard_groups_share_the_cores_over_all_lanes_and_fsdp_is_not_stretched()
     charged = run(replace(CPU, shared_cores=2.0, outer_int8_flops_per_param=400.0))
     extra = 4 * model.stage_params(0, model.num_layers) / 4 * 400.0 / 0.020e12 / 4
     assert charged.compute_s - shared.compute_s == pytest.approx(extra, rel=1e-6)
+
+
+def test_the_calibration_caps_the_cores_at_the_cpu_affinity():
+    """A lab pinned to one core (sched_setaffinity, as `taskset -c 0` does) fits at most one
+    core, not the machine's count."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {0}); "
+            "from modules.device.calibrate import usable_cores; print(usable_cores())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

@@ -87,6 +87,14 @@ def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1
     return flops / statistics.median(times)
 
 
+def usable_cores() -> int:
+    """The cores this process (and the ranks it launches, which inherit it) may run on: its
+    CPU affinity (`taskset -c 0,1` makes a 2-core lab on a bigger machine), else the count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class CoreSharing:
     """What `measure_core_sharing` measured: per round, one rank alone and all at once."""
@@ -283,5 +291,5 @@ def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
                                                      if k == f"outer-{p}" and r2 == r)
                                     for r in range(rounds))
                for p in OUTER_PAYLOADS if outer}
-    return CoreSharing(processes, alone, [m["shared"] for m in mean], os.cpu_count() or 1,
+    return CoreSharing(processes, alone, [m["shared"] for m in mean], usable_cores(),
                        [m["pair"] for m in mean], opt, params, outer_s)
