@@ -45,6 +45,10 @@ class Run:
     val_losses: list[tuple[float, float]] = field(default_factory=list)
     """(training seconds since the first step began, evaluations left out; validation loss)
     of replica 0 at each evaluation (--eval-every)."""
+    emulation_cpu_s_per_step: float = 0.0
+    """CPU seconds per step the lab's userspace delay lines used (scripts/delay_line.py, where
+    the kernel has no sch_netem): the link emulation's own CPU, on the cores the ranks use and
+    not in the performance model (0 with netem or on loopback)."""
 
     @property
     def error(self) -> float:
@@ -280,6 +284,21 @@ class Network:
         return ["--netns-map", str(self.dir / "rank_netns.json"), "--host", "198.18.0.1",
                 "--gloo-ifname", "eth0"]
 
+    def emulation_cpu_s(self) -> float:
+        """CPU seconds this lab's userspace delay lines have used so far (0 without any)."""
+        if not self.active:
+            return 0.0
+        from scripts.netemu.netns import load_state
+
+        total = 0
+        for pid in load_state(self.prefix).delay_pids.values():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone: counted up to its last reading only
+            total += int(stat[11]) + int(stat[12])  # utime, stime (fields 14, 15)
+        return total / os.sysconf("SC_CLK_TCK")
+
     def wire_bytes(self) -> int:
         """Bytes every host has sent on its eth0 so far (tc root qdisc counters)."""
         if not self.active:
@@ -309,7 +328,7 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) 
     run_dir.mkdir(parents=True)
     metrics = run_dir / "metrics.jsonl"
     log(f"training {run.name}: {steps} steps (predicted {run.predicted_s:.3f} s/step)")
-    before = net.wire_bytes()
+    before, cpu_before = net.wire_bytes(), net.emulation_cpu_s()
     cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
            *net.launch_args(), "--", "--steps", str(steps), "--threads", "1",
            "--metrics", str(metrics), "--log-every", str(max(1, steps // 5)),
@@ -328,6 +347,10 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = ()) 
             raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
                             f"see {run_dir / 'launch.log'}")
     run.wire_bytes_per_step = (net.wire_bytes() - before) / steps
+    run.emulation_cpu_s_per_step = (net.emulation_cpu_s() - cpu_before) / steps
+    if run.emulation_cpu_s_per_step:
+        log(f"  the delay lines used {run.emulation_cpu_s_per_step:.3f} CPU s a step "
+            "(link emulation, not in the model)")
     return metrics
 
 

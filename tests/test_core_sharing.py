@@ -303,3 +303,22 @@ def test_the_calibration_caps_the_cores_at_the_cpu_affinity():
             "from modules.device.calibrate import usable_cores; print(usable_cores())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+def test_the_lab_reads_its_delay_lines_cpu_seconds(monkeypatch, tmp_path):
+    """The link emulation's own CPU (userspace delay lines) is read from /proc per recorded pid:
+    here this process stands in for one, and its CPU time grows as it works."""
+    import os
+    import types
+
+    import scripts.netemu.netns as netns
+    from testkit.lab import Network
+
+    net = Network(tmp_path / "cluster.json", tmp_path, False)
+    assert net.emulation_cpu_s() == 0.0  # not active: no delay lines
+    net.active = True
+    monkeypatch.setattr(netns, "load_state", lambda prefix: types.SimpleNamespace(
+        delay_pids={"ns-0": os.getpid(), "ns-1": 2 ** 22 + 1}))  # the second one is gone
+    before = net.emulation_cpu_s()
+    sum(i * i for i in range(3_000_000))
+    assert net.emulation_cpu_s() > before > 0.0
