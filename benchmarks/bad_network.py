@@ -139,6 +139,7 @@ def result_rows(runs: list[Run]) -> list[dict]:
              "loss_ratio_vs_allreduce": (r.final_val_loss / base
                                          if base and r.final_val_loss else None),
              "val_loss": r.final_val_loss, "prediction_error": r.error,
+             "emulation_cpu_s_per_step": r.emulation_cpu_s_per_step,
              "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base)} for r in runs]
 
 

@@ -173,6 +173,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
         rows.append({
             "name": r.name, "shard_degree": plan.lanes_per_replica, "predicted_s": r.predicted_s,
             "measured_s": r.measured_s, "wire_mb_per_step": r.wire_bytes_per_step / 1e6,
+            "emulation_cpu_s_per_step": r.emulation_cpu_s_per_step,
             "cross_site_mb_per_step": cross.get(r.name, 0.0), "tokens_per_s": r.tokens_per_s,
             "loss_ratio_vs_allreduce": (r.final_val_loss / base.final_val_loss
                                         if base.final_val_loss and r.final_val_loss else None),
