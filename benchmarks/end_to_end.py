@@ -126,13 +126,12 @@ def time_to_loss_table(runs: list[Run]) -> str:
 
 
 def targets(runs: list[Run], shaped: bool, noisy: str = "") -> list[str]:
-    """The issue's targets, each with its measured value and verdict (the predictions'
-    verdicts are NOISY, not PASS or MISS, when the machine's speed did not hold: `noisy`)."""
+    """The issue's targets, each with its measured value and verdict (a prediction that misses
+    is NOISY, not MISS, when the machine's speed did not hold: `noisy`, lab.verdict)."""
     ours, rnd, dil, auto = runs
     out = [f"NOISY machine too noisy to judge the predictions: {noisy}"] if noisy else []
     for r in runs:
-        ok = abs(r.error) <= 0.15
-        verdict = "NOISY" if noisy else "PASS" if ok else "MISS"
+        verdict = lab.verdict(r.error, noisy)
         out.append(f"{verdict} prediction within 15% for {r.name}: {r.error * 100:+.1f}%")
     pred, meas = rnd.predicted_s / ours.predicted_s, rnd.measured_s / ours.measured_s
     ok = meas > 1.0 and (pred > 1.0) == (meas > 1.0)

@@ -39,6 +39,7 @@ from scheduler.simulator.kernel import (
     StepTimes,
     no_transfers,
     optimizer_flops,
+    outer_round_flops,
     payload_bytes_per_param,
     plan_links,
     ring_allreduce_s,
@@ -102,6 +103,13 @@ class SimulatedObjective:
                 self.model, self.micro_batch_size, self.num_micro_batches, self.diloco,
                 self.config.memory())
         self.mem_need = self._mem_need[self.diloco]
+        self.outer_flops = outer_round_flops(params_table(self.model), self.config, sync,
+                                             self.num_micro_batches)
+        """DiLoCo's outer round's CPU per micro-batch (charged with more than one replica)."""
+
+    def _flops(self, replicas: int) -> np.ndarray:
+        """Forward FLOPs per micro-batch by layer range: compute, optimizer, outer round."""
+        return self.flops + self.outer_flops if replicas > 1 else self.flops
 
     def with_sync(self, sync: SyncConfig, pipeline_compression: str = "none"
                   ) -> SimulatedObjective:
@@ -122,7 +130,7 @@ class SimulatedObjective:
         """The layer split of layer_split.split_layers for this candidate ([] if none fits)."""
         n = cand.pipelines.shape[0]
         slowest = cand.flops_per_s.min(axis=0)  # (S,)
-        compute = self.flops[None] * (1.0 + self.config.backward_factor) \
+        compute = self._flops(n)[None] * (1.0 + self.config.backward_factor) \
             * self.num_micro_batches / slowest[:, None, None]
         if n > 1:
             # Payloads take few distinct values (k layers, +- embedding, +- head): evaluate the
@@ -141,7 +149,8 @@ class SimulatedObjective:
         b = np.array([st[1] for st in stages])
         if (self.mem_need[a, b] > cand.memory_bytes).any():
             return np.inf, None
-        inputs = step_inputs(cand, self.flops[a, b], self.payload[a, b], self.config,
+        flops = self._flops(cand.pipelines.shape[0])[a, b]
+        inputs = step_inputs(cand, flops, self.payload[a, b], self.config,
                              self.num_micro_batches, self.sync)
         times = replay_fast(inputs)
         return times.step_s, (inputs, times)

@@ -57,4 +57,6 @@ def test_demo_trains_four_plans_on_the_emulated_network_and_tears_it_down(tmp_pa
     assert res["machine"]["cores"] >= 1 and res["machine"]["cpu"] and "machine: " in r.stdout
     assert len(res["calibration"]["alone_gflops"]) == 3 and res["check_after_runs"]
     verdicts = [ln.split()[0] for ln in r.stdout.splitlines() if "prediction within" in ln]
-    assert verdicts and set(verdicts) <= ({"NOISY"} if res["too_noisy"] else {"PASS", "MISS"})
+    # a miss is NOISY on a machine that did not hold still, MISS on one that did
+    assert verdicts and set(verdicts) <= ({"PASS", "NOISY"} if res["too_noisy"]
+                                          else {"PASS", "MISS"})

@@ -9,7 +9,9 @@ The lab's ranks share the machine's cores, and how many compute at once depends 
 `measure_core_sharing` measures both ends, side by side in the same processes: one rank
 computing alone and all N at once, for several rounds. Their ratio gives the cores the ranks
 effectively share (the simulator's `shared_cores`: scheduler/simulator/sharing.py), and the
-spread between rounds says whether the machine was quiet enough to judge by.
+spread between rounds says whether the machine was quiet enough to judge by. Then all N join
+one gloo group and run the runtime's own DiLoCo outer round per payload, timing each process's
+CPU (the simulator's outer_*flops_per_param).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -83,29 +87,12 @@ def measure_train_flops(spec: ModelSpec, micro_batch_size: int, threads: int = 1
     return flops / statistics.median(times)
 
 
-def _worker(spec: ModelSpec, micro_batch_size: int, repeats: int, barrier: Any,
-            out: Any) -> None:
-    os.setsid()  # a session of its own, as launch_local gives each rank (see _sharing_worker)
-    out.put(measure_train_flops(spec, micro_batch_size, 1, repeats, barrier=barrier))
-
-
-def measure_train_flops_shared(spec: ModelSpec, micro_batch_size: int, processes: int,
-                               repeats: int = 7) -> float:
-    """Mean per-process FLOP/s when `processes` single-thread processes train at once.
-
-    This is the speed each rank of a run sees when that many ranks share this machine's
-    cores (8 ranks on 2 cores get about a quarter of a core's speed each).
-    """
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
-    barrier, out = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(spec, micro_batch_size, repeats, barrier, out))
-             for _ in range(processes)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return statistics.fmean(results)
+def usable_cores() -> int:
+    """The cores this process (and the ranks it launches, which inherit it) may run on: its
+    CPU affinity (`taskset -c 0,1` makes a 2-core lab on a bigger machine), else the count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +111,19 @@ class CoreSharing:
     """Per round: seconds of one AdamW step over the whole model, one process alone."""
     params: int = 0
     """The model's parameters."""
+    outer_cpu_s: dict[str, float] = field(default_factory=dict)
+    """By payload (none, fp16, int8): CPU seconds (all of a process's threads) one rank spent
+    on a DiLoCo outer round over the whole model with all `processes` in one gloo group on
+    loopback (pseudo-gradient, codec, all-reduce, Nesterov, merge), mean over ranks, median
+    over rounds (empty: not measured)."""
+
+    def outer_flops_per_param(self, compression: str) -> float:
+        """An outer round's CPU per parameter in FLOPs at the speed of a core to itself (the
+        simulator's outer_*flops_per_param): CPU seconds x core_flops / params (0: not
+        measured)."""
+        if compression not in self.outer_cpu_s or not self.params:
+            return 0.0
+        return self.outer_cpu_s[compression] * self.core_flops / self.params
 
     @property
     def optimizer_flops_per_param(self) -> float:
@@ -165,6 +165,11 @@ class CoreSharing:
         return self.fit()[0]
 
     def fit(self) -> tuple[float, float, float]:
+        """(s, C, L) of `_fitted` (computed once: every property reads it)."""
+        return self._fitted
+
+    @cached_property
+    def _fitted(self) -> tuple[float, float, float]:
         """(s, C, L): speed(n) = s min(1, C / (n + L)) fitted (least squares in logs, s in
         closed form) to the medians of 1, 2 and all processes at once: C = the machine's cores
         and the L that fits best, or, when that fits worse than the cores not adding up (cache
@@ -186,7 +191,6 @@ class CoreSharing:
         i = int(np.argmin(err))
         return float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1])
 
-
     @property
     def spread(self) -> float:
         """Largest max/min ratio between rounds of any figure (1 = perfectly steady)."""
@@ -196,7 +200,7 @@ class CoreSharing:
 
 
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
-                    repeats: int, barrier: Any, out: Any) -> None:
+                    repeats: int, barrier: Any, out: Any, store: str = "") -> None:
     # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
     # autogroup scheduling (sched_autogroup_enabled), CPU is shared between sessions first,
     # so 8 processes of one session get one session's share beside other work, 8 sessions
@@ -219,26 +223,73 @@ def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: 
             out.put(("alone", r, flops / statistics.median(step() for _ in range(repeats))))
             out.put(("optimizer", r, statistics.median(opt_step() for _ in range(repeats))))
         barrier.wait()
+    if store:
+        _outer_rounds(index, barrier.parties, model, store, rounds, out)
+
+
+OUTER_PAYLOADS = ("none", "fp16", "int8")
+"""The payloads whose outer round's CPU the calibration measures."""
+
+
+def _outer_rounds(index: int, processes: int, model: torch.nn.Module, store: str, rounds: int,
+                  out: Any) -> None:
+    """All processes in one gloo group on loopback (as a 1 x N DiLoCo lab run): per payload and
+    round, the CPU seconds (time.process_time: every thread of the process, gloo's included) of
+    one outer round through the runtime's own code (DiLoCoOptimizer over CommAverage)."""
+    import torch.distributed as dist
+
+    from modules.comm.gloo import GlooCommunicator
+    from modules.sync.average import CommAverage
+    from modules.sync.diloco import DiLoCoOptimizer
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the lab's ranks talk on loopback
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=index,
+                            world_size=processes)
+    try:
+        comm = GlooCommunicator(None, 120.0)
+        params = list(model.parameters())
+        inner = torch.optim.SGD(params, lr=0.0)
+        for payload in OUTER_PAYLOADS:
+            opt = DiLoCoOptimizer(params, inner, inner_steps=1,
+                                  all_reduce_fn=CommAverage(comm, payload, "calibration"))
+            opt.outer_step()  # warm-up: the outer momentum's state, the codec's first calls
+            for r in range(rounds):
+                dist.barrier()
+                t0 = time.process_time()
+                opt.outer_step()
+                out.put((f"outer-{payload}", r, time.process_time() - t0))
+    finally:
+        dist.destroy_process_group()
 
 
 def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
-                         rounds: int = 3, repeats: int = 5) -> CoreSharing:
+                         rounds: int = 3, repeats: int = 5, outer: bool = True) -> CoreSharing:
     """Per round: FLOP/s of one single-thread process training alone and the mean per-process
-    FLOP/s with `processes` of them at once, measured in the same warm processes."""
+    FLOP/s with `processes` of them at once, measured in the same warm processes; with `outer`
+    (and more than one process) the CPU of a DiLoCo outer round per payload, all at once."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
     barrier, out = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_sharing_worker,
-                         args=(i, spec, micro_batch_size, rounds, repeats, barrier, out))
-             for i in range(processes)]
-    for p in procs:
-        p.start()
-    got = [out.get(timeout=600) for _ in range(rounds * (processes + min(processes, 2) + 2))]
-    for p in procs:
-        p.join()
+    outer = outer and processes > 1
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store") if outer else ""
+        procs = [ctx.Process(target=_sharing_worker, args=(i, spec, micro_batch_size, rounds,
+                                                           repeats, barrier, out, store))
+                 for i in range(processes)]
+        for p in procs:
+            p.start()
+        count = rounds * (processes + min(processes, 2) + 2
+                          + (len(OUTER_PAYLOADS) * processes if outer else 0))
+        got = [out.get(timeout=600) for _ in range(count)]
+        for p in procs:
+            p.join()
     alone = [f for kind, r, f in sorted(got) if kind == "alone"]
     opt = [f for kind, r, f in sorted(got) if kind == "optimizer"]
     mean = [{kind: statistics.fmean(f for k, r2, f in got if k == kind and r2 == r)
              for kind in ("shared", "pair")} for r in range(rounds)]
     params = spec.stage_params(0, spec.num_layers)
-    return CoreSharing(processes, alone, [m["shared"] for m in mean], os.cpu_count() or 1,
-                       [m["pair"] for m in mean], opt, params)
+    outer_s = {p: statistics.median(statistics.fmean(f for k, r2, f in got
+                                                     if k == f"outer-{p}" and r2 == r)
+                                    for r in range(rounds))
+               for p in OUTER_PAYLOADS if outer}
+    return CoreSharing(processes, alone, [m["shared"] for m in mean], usable_cores(),
+                       [m["pair"] for m in mean], opt, params, outer_s)

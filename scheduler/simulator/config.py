@@ -18,7 +18,8 @@ MAX_INT8_BLOCK = 1 << 20
 """Largest int8 block (values per scale): far above the 256 the codec uses."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
                     "outer_store_round_trips", "shared_cores", "background_load",
-                    "optimizer_flops_per_param")
+                    "optimizer_flops_per_param", "outer_flops_per_param",
+                    "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
@@ -72,6 +73,19 @@ class SimConfig:
     """The optimizer step's CPU per parameter, in FLOPs at the device's training speed (its
     seconds x the measured FLOP/s / the parameters); 0: not charged (GPU hosts, where it is
     small beside the step). The CPU lab's calibration measures AdamW's."""
+    outer_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
+    """DiLoCo: the CPU one rank spends per parameter on an outer round with an fp32 payload
+    (pseudo-gradient, the gloo all-reduce's own reductions and copies, the Nesterov step, the
+    merge), in FLOPs at the device's training speed; 0: not charged (GPU hosts). Charged
+    (with R > 1) as compute spread over the round's H steps: the overlapped round's background
+    thread takes its CPU beside them, a blocking one all ranks at once (the CPU lab's
+    calibration measures it: modules/device/calibrate.py)."""
+    outer_fp16_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
+    """As outer_flops_per_param, for a round with an fp16 payload (the codec's encode and
+    decode included)."""
+    outer_int8_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
+    """As outer_flops_per_param, for a round with an int8 payload (the codec's encode and
+    decode included)."""
     runtime: str | None = setting(None, choices=RUNTIME_NAMES, noun="runtime")
     """The RUNTIME_PROFILES entry these settings started from (None: the generic defaults).
     Recorded in the plan; fields given explicitly afterwards may differ from the profile."""

@@ -388,7 +388,9 @@ def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, i
     tokens = micro_batch_size * model.seq_len
     params = np.array([model.stage_params(a, b) for a, b in stages], dtype=float)
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
-    flops = flops + optimizer_flops(params, config, num_micro_batches)
+    flops = (flops + optimizer_flops(params, config, num_micro_batches)
+             + (outer_round_flops(params, config, sync, num_micro_batches)
+                if pipelines.shape[0] > 1 else 0.0))
     payload = params * payload_bytes_per_param(sync.compression, config.int8_block)
     return step_inputs(links, flops, payload, config, num_micro_batches, sync)
 
@@ -400,6 +402,24 @@ def optimizer_flops(stage_params: np.ndarray, config: SimConfig,
     the step's compute grows by exactly that much (0 unless calibrated: the CPU lab)."""
     return (stage_params * config.optimizer_flops_per_param
             / (num_micro_batches * (1.0 + config.backward_factor)))
+
+
+OUTER_CPU_FIELD = {"none": "outer_flops_per_param", "fp16": "outer_fp16_flops_per_param",
+                   "int8": "outer_int8_flops_per_param"}
+"""The SimConfig field holding a DiLoCo outer round's CPU per parameter, by payload."""
+
+
+def outer_round_flops(stage_params: np.ndarray, config: SimConfig, sync: SyncConfig,
+                      num_micro_batches: int) -> np.ndarray:
+    """DiLoCo's outer round's CPU (SimConfig.outer_*flops_per_param for the payload x the
+    stage's parameters, once per round of H steps) as forward FLOPs per micro-batch: spread
+    over the round's forwards and backwards, as optimizer_flops (0 with allreduce or
+    uncalibrated; the caller charges it only with more than one replica)."""
+    if sync.mode != "diloco":
+        return np.zeros_like(stage_params)
+    per_param = getattr(config, OUTER_CPU_FIELD[sync.compression])
+    return (stage_params * per_param
+            / (sync.inner_steps * num_micro_batches * (1.0 + config.backward_factor)))
 
 
 def no_transfers(inputs: StepInputs) -> StepInputs:

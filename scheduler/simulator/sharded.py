@@ -36,6 +36,8 @@ What the runtime does and the model charges (R replicas, S stages, D devices per
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from formats.models import ModelSpec
@@ -45,11 +47,14 @@ from scheduler.simulator.kernel import (
     LinkTables,
     RingTable,
     StepInputs,
+    optimizer_flops,
+    outer_round_flops,
     payload_bytes_per_param,
     plan_links,
     ring_order,
     step_inputs,
 )
+from scheduler.simulator.sharing import core_slowdown
 
 FSDP_BYTES_PER_PARAM = 4.0
 """FSDP2 gathers fp32 parameters and reduce-scatters fp32 gradients (no MixedPrecisionPolicy)."""
@@ -221,17 +226,44 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
     flops = np.array([model.stage_flops_per_token(a, b) for a, b in stages]) * tokens
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
     payload = np.array([model.stage_params(a, b) * per_param for a, b in stages]) / degrees
+    flops = flops + lane_cpu_flops(model, stages, lanes, config, sync, groups.shape[0],
+                                   num_micro_batches)
+    alone = replace(config, shared_cores=0.0)  # the cores are shared over all lanes: below
     per_shard = [step_inputs(plan_links(tables, model, groups[:, :, i], sync, micro_batch_size,
                                         config, rings, pipeline_compression),
-                             flops, np.where(i % per_device == 0, payload, 0.0), config,
+                             flops, np.where(i % per_device == 0, payload, 0.0), alone,
                              num_micro_batches, sync)
                  for i in range(lanes)]
     collective = np.repeat(fsdp_stage_times(tables, model, stages, groups), lanes, axis=0)
     blocks = np.array([b - a for a, b in stages], dtype=float)
     raw_fwd = _interleave([x.t_fwd for x in per_shard])
     raw_bwd = _interleave([x.t_bwd for x in per_shard])
-    t_fwd, t_bwd = fsdp_compute(raw_fwd, raw_bwd, collective, blocks, num_micro_batches,
-                                reshard_after_forward, per_device.astype(float),
-                                overlap=config.runtime != "cpu")
-    exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * per_device) * num_micro_batches
-    return merge_shards(per_shard, t_fwd, t_bwd), float(exposed.max())
+    def with_fsdp(k: float) -> tuple[np.ndarray, np.ndarray]:
+        return fsdp_compute(raw_fwd * k, raw_bwd * k, collective, blocks, num_micro_batches,
+                            reshard_after_forward, per_device.astype(float),
+                            overlap=config.runtime != "cpu")
+
+    t_fwd, t_bwd = with_fsdp(1.0)
+    merged = merge_shards(per_shard, t_fwd, t_bwd)
+    k = 1.0
+    if config.shared_cores > 0:  # the CPU lab: every lane's ranks share the host's cores
+        k = core_slowdown(t_fwd, t_bwd, merged.fwd_tx, merged.fwd_lat, merged.bwd_tx,
+                          merged.bwd_lat, num_micro_batches, config.shared_cores,
+                          config.background_load)
+        t_fwd, t_bwd = with_fsdp(k)
+        merged = replace(merged, t_fwd=t_fwd, t_bwd=t_bwd)
+    exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * k * per_device) * num_micro_batches
+    return merged, float(exposed.max())
+
+
+def lane_cpu_flops(model: ModelSpec, stages: list[tuple[int, int]], lanes: int,
+                   config: SimConfig, sync: SyncConfig, replicas: int,
+                   num_micro_batches: int) -> np.ndarray:
+    """(S,) forward FLOPs per micro-batch a lane adds for its device's optimizer step and
+    (DiLoCo, R > 1) outer round: on 1/D of the stage's parameters, which the device's L / D
+    lanes share (so params / L per lane); 0 unless calibrated (the CPU lab)."""
+    params = np.array([model.stage_params(a, b) for a, b in stages], dtype=float) / lanes
+    extra = optimizer_flops(params, config, num_micro_batches)
+    if replicas > 1:
+        extra = extra + outer_round_flops(params, config, sync, num_micro_batches)
+    return extra
