@@ -308,7 +308,7 @@ class HivemindOuter:
                 "momentum": has_momentum, "completed": self.completed}
         with self.lock:
             self.snapshot = (meta, tensors)
-        if self.averager is not None:
+        if self.averager is not None and not self.cfg.client_mode:  # a client shares no state
             self.averager.state_sharing_priority = float(self.completed)
 
     def _shared(self) -> tuple[dict, list[torch.Tensor]]:
