@@ -394,7 +394,7 @@ def ratios(rows: list[dict]) -> None:
     against the store row of the same kind."""
     by_name = {r["name"]: r for r in rows}
     for r in rows:
-        st = by_name.get("store_loopback" if r["net"] == "nat"  # no store row behind NATs
+        st = by_name.get("store_loopback" if r.get("net") == "nat"  # no store row behind NATs
                          else r["name"].replace(r["backend"], "store", 1))
         if "skipped" in r or st is None or "skipped" in st:
             continue
