@@ -352,7 +352,7 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
     """Reading the roster connects my p2pd to each replica at the addresses its entry
     carries (on the namespace lab libp2p's routing alone did not, and groups never
     formed there); an entry whose addresses do not answer is named in a
-    warning, once."""
+    warning, once; a --client-mode replica announces no address (nobody dials it)."""
     from modules.control.dht import Roster
 
     a = start_dht([], ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
@@ -368,6 +368,7 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
         for _ in range(2):
             roster._link([[dead, ["/ip4/127.0.0.1/tcp/1"]]])
         assert len(lines) == 1 and f"could not connect to replica peer {dead}" in lines[0], lines
+        assert roster.maddrs and Roster(a, "rt", 0, 1, 30.0, client_mode=True).maddrs == []
     finally:
         roster.close()
         for d in (a, b):

@@ -140,7 +140,7 @@ class HivemindOuter:
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
-                             self.log)
+                             self.log, client_mode=cfg.client_mode)
         if not joining:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
