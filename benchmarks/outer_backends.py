@@ -1,7 +1,8 @@
 """The same DiLoCo run with the store backend and with --outer-backend hivemind: on loopback,
 on namespace hosts shaped like the lab, and with a replica killed and replaced.
 
-    python benchmarks/outer_backends.py --out-dir D [--quick] [--rows loopback,shaped,overlap,fault]
+    python benchmarks/outer_backends.py --out-dir D [--quick]
+        [--rows loopback,shaped,overlap,fault,nat]
 
 4 replicas x 1 stage of gpt-tiny on real text (the default corpus), H = 10, int8 outer
 payload, one CPU thread per rank; the store rows run the 4 ranks on one rendezvous store
@@ -16,7 +17,14 @@ payload, one CPU thread per rank; the store rows run the 4 ranks on one rendezvo
   overlap   the shaped rows with sync.overlap on (the outer sync hides behind the next round's
             compute);
   fault     loopback, 30 rounds: kill -9 of replica 3 in the middle of round 2's inner steps, a
-            new replica 3 started with --join when the survivors finished round 4.
+            new replica 3 started with --join when the survivors finished round 4;
+  nat       hivemind only, on the NAT lab of the hole-punching tests
+            (udp_hole_punching_test/netns_lab.py: two LANs behind MASQUERADE NATs that drop
+            unsolicited packets, a public side): a bare DHT node (scripts/dht_node.py) and
+            replicas 0 and 1 on the public side, replicas 2 and 3 each behind a NAT with
+            --client-mode (needs root and iptables). The store cannot run there (gloo connects
+            every pair of ranks both ways), so its loss ratio is against the store's loopback
+            row when that ran in the same invocation (same plan and steps: expect 1.0000).
 
 Per row: seconds per outer sync (mean and max of the steps that synced: their comm_s; and the
 mean after round 1, whose wait includes the start barrier), bytes
@@ -26,8 +34,7 @@ parameter difference between replicas after the last round (from the final check
 rows add `survived` (every survivor and the joiner exited 0), `stall_s` (the survivors' longest
 step after the kill minus their median step) and `joiner_caught_up` (the joiner's final
 parameters equal the survivors'). A row that cannot run says why (`skipped`). Writes
-OUT/results.json ({"rows": [...]}, the fields issue 23 names) and prints the table. The NAT
-row of issue 23 is not here (docs/hivemind.md, "Not done").
+OUT/results.json ({"rows": [...]}, the fields issue 23 names) and prints the table.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,13 +56,15 @@ if not __package__:
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from testkit.fault_harness import ROOT, write_trial_plan  # noqa: E402
-from testkit.hivemind_runs import HivemindRun, load_models, max_param_diff  # noqa: E402
+from testkit.hivemind_runs import PEERS, HivemindRun, load_models, max_param_diff  # noqa: E402
 
 REPLICAS = 4
 H = 10
 SHAPED_GBPS = 0.05
 """50 Mbit/s between any two replicas, as between the lab's replicas."""
-ROWS = ("loopback", "shaped", "overlap", "fault")
+ROWS = ("loopback", "shaped", "overlap", "fault", "nat")
+NAT_CLIENTS = {2: "a", 3: "b"}
+"""Replicas behind a NAT (-> the lab's side); the others sit on the public side."""
 FAULT_STEPS = 30 * H
 """Long enough that a joiner started after round 4 finds the survivors still training with
 rounds to go (its start took up to 13 rounds, ~60 s, with the load average at 25)."""
@@ -102,6 +112,85 @@ def shaped_hosts(out: Path) -> Iterator[dict]:
     finally:
         subprocess.run([py, str(ROOT / "scripts/local_cluster.py"), "down", "--prefix", prefix],
                        capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def nat_hosts(out: Path, clients: dict[int, str], replicas: int = REPLICAS) -> Iterator[dict]:
+    """The two-NAT lab with a bare DHT node on its public side; yields HivemindRun's hosts
+    ({"netns", "addrs", "clients", "peers": the node's address}); removes it all after."""
+    from udp_hole_punching_test.netns_lab import CLIENT_IPS, SERVER_IP, Lab
+
+    lab = Lab(f"ob{os.getpid() % 100000}n")
+    node = None
+    try:
+        lab.up()
+        log = out / "dht_node.log"
+        with open(log, "w") as f:
+            node = subprocess.Popen([*lab.exec_prefix("pub"), sys.executable,
+                                     str(ROOT / "scripts/dht_node.py"), "--host-maddrs",
+                                     f"/ip4/{SERVER_IP}/tcp/0"], stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        peers = node_address(log, node)
+        netns = {r: lab.ns(f"cli{clients[r]}" if r in clients else "pub") for r in range(replicas)}
+        addrs = {r: CLIENT_IPS[clients[r]] if r in clients else SERVER_IP
+                 for r in range(replicas)}
+        yield {"netns": netns, "addrs": addrs, "clients": set(clients), "peers": peers}
+    finally:
+        if node is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(20)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+        lab.close()
+
+
+def node_address(log: Path, node: subprocess.Popen, timeout: float = 90) -> str:
+    """The --initial-peers address the DHT node printed (RuntimeError with its log if none)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and node.poll() is None:
+        found = PEERS.search(log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise RuntimeError(f"the DHT node printed no address:\n{log.read_text()[-2000:]}")
+
+
+def run_nat(plan: Path, out: Path, steps: int, hosts: dict, replicas: int = REPLICAS) -> None:
+    """Train the NAT row: the public replicas first (each through the node and the public
+    replicas before it), then the clients (through the node and every public replica)."""
+    run = HivemindRun(plan, out, netns=hosts["netns"], addrs=hosts["addrs"], ifname="lo")
+    args = common_args(out, steps, None)
+    peers = [hosts["peers"]]
+    try:
+        for r in range(replicas):
+            if r in hosts["clients"]:
+                run.start(r, *args, "--client-mode", peers=",".join(peers))
+            else:
+                run.start(r, *args, peers=",".join(peers))
+                peers.append(run.peers_of(r))
+        codes = wait_or_fail(run, 900)
+        if any(codes.values()):
+            raise RuntimeError(f"hivemind NAT run failed: {codes}; logs in {out}")
+        left = run.p2pd_left()
+        if left:
+            raise RuntimeError(f"p2pd processes {left} outlived the NAT run")
+    finally:
+        run.stop()
+
+
+def wait_or_fail(run: HivemindRun, timeout: float) -> dict[int, int | None]:
+    """Exit status of every rank, returning as soon as one failed (the others would only wait
+    `--timeout-s` for it); None: still running at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = {r: p.poll() for r, p in run.procs.items()}
+        if any(codes.values()) or all(c is not None for c in codes.values()):
+            return codes
+        time.sleep(0.5)
+    return {r: p.poll() for r, p in run.procs.items()}
 
 
 def new_run(backend: str, plan: Path, out: Path, hosts: dict | None) -> HivemindRun:
@@ -223,7 +312,7 @@ def one_row(args: argparse.Namespace, kind: str, backend: str, hosts: dict | Non
     name = f"{backend}_{kind}"
     out = args.out_dir / name
     out.mkdir(exist_ok=True)
-    net = "loopback" if kind in ("loopback", "fault") else "shaped"
+    net = {"loopback": "loopback", "fault": "loopback", "nat": "nat"}.get(kind, "shaped")
     plan = make_plan(args.out_dir, overlap=kind == "overlap")
     refused = refusal(backend, plan)
     if refused:
@@ -231,7 +320,11 @@ def one_row(args: argparse.Namespace, kind: str, backend: str, hosts: dict | Non
         return {"name": name, "backend": backend, "net": net, "skipped": refused}
     t0 = time.monotonic()
     try:
-        if kind == "fault":
+        if kind == "nat":
+            run_nat(plan, out, args.steps, hosts)
+            row = summarize(name, backend, net, out, args.steps, list(range(REPLICAS)))
+            row["behind_nat"] = sorted(hosts["clients"])
+        elif kind == "fault":
             fault = run_fault(backend, plan, out)
             row = summarize(name, backend, net, out, FAULT_STEPS,
                             [r for r in range(REPLICAS) if r != KILLED])
@@ -275,8 +368,25 @@ def all_rows(args: argparse.Namespace) -> list[dict]:
         else:
             with shaped_hosts(args.out_dir) as hosts:
                 rows += [one_row(args, k, b, hosts) for k in shaped for b in ("store", "hivemind")]
+    if "nat" in args.rows:
+        rows.append(nat_row(args))
     ratios(rows)
     return rows
+
+
+def nat_row(args: argparse.Namespace) -> dict:
+    """The hivemind row on the NAT lab (or why it cannot run here)."""
+    from udp_hole_punching_test.netns_lab import missing_requirements
+
+    why = missing_requirements()
+    if why:
+        return {"name": "hivemind_nat", "backend": "hivemind", "net": "nat", "skipped": why}
+    try:
+        with nat_hosts(args.out_dir, NAT_CLIENTS) as hosts:
+            return one_row(args, "nat", "hivemind", hosts)
+    except (RuntimeError, OSError) as e:
+        print(f"hivemind_nat: FAILED: {e}", flush=True)
+        return {"name": "hivemind_nat", "backend": "hivemind", "net": "nat", "skipped": str(e)}
 
 
 def ratios(rows: list[dict]) -> None:
@@ -284,7 +394,8 @@ def ratios(rows: list[dict]) -> None:
     against the store row of the same kind."""
     by_name = {r["name"]: r for r in rows}
     for r in rows:
-        st = by_name.get(r["name"].replace(r["backend"], "store", 1))
+        st = by_name.get("store_loopback" if r.get("net") == "nat"  # no store row behind NATs
+                         else r["name"].replace(r["backend"], "store", 1))
         if "skipped" in r or st is None or "skipped" in st:
             continue
         r["loss_ratio_vs_store"] = round(r["final_loss"] / st["final_loss"], 4)

@@ -39,6 +39,8 @@ class HivemindRun:
     """Replica -> the namespace host it runs in (none: this host's loopback)."""
     addrs: dict[int, str] = field(default_factory=dict)
     """Replica -> its address in its namespace host."""
+    ifname: str = "eth0"
+    """gloo's interface in a namespace host (the replica's own store is on its loopback)."""
 
     def start(self, rank: int, *args: str, peers: str | None = None) -> None:
         """Start dist_runner.py --rank rank with --outer-backend hivemind (and --initial-peers
@@ -59,7 +61,7 @@ class HivemindRun:
             cmd += ["--initial-peers", peers]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if self.netns:
-            env["GLOO_SOCKET_IFNAME"] = "eth0"  # the namespace host's link, not its loopback
+            env["GLOO_SOCKET_IFNAME"] = self.ifname  # the namespace host's link by default
         with open(self.out_dir / f"rank{rank}.log", "w") as log:
             self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 env=env, cwd=ROOT, start_new_session=True)

@@ -20,7 +20,7 @@ from modules.control.dht import SplitGuard, parse_maddrs, start_dht, visible_mad
 from modules.control.signals import TERM_STATUS  # noqa: E402
 from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
 from modules.sync.diloco import DiLoCoOptimizer, OuterRoundSkipped, OuterState  # noqa: E402
-from modules.sync.hivemind_exact import CodecWire, ExactAverager  # noqa: E402
+from modules.sync.hivemind_exact import CodecWire, ExactAverager, reducer_of  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import (  # noqa: E402
     HivemindRun,
@@ -33,7 +33,8 @@ FAKE_ID = "12D3KooWBpJ5MYtL1QxfmJV1CyweZGo8w2zuDEW3J5E9z6P7oJra"
 
 
 def _average(dhts, inputs, compression, prefix, replicas):
-    """One round of ExactAverager over `dhts` (peer i is replica replicas[i]); the results."""
+    """One round of ExactAverager over `dhts` (peer i is replica replicas[i]; a client-mode
+    DHT gives a client-mode averager); the results."""
     avs = [ExactAverager([x.clone()], d, wire=CodecWire(compression), start=True, prefix=prefix,
                          target_group_size=len(dhts), min_matchmaking_time=10.0,
                          request_timeout=2.0, sender_timeout=20, reducer_timeout=40)
@@ -84,6 +85,37 @@ def test_codec_inside_hivemind_equals_the_store_backends():
     finally:
         for d in dhts:
             d.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_client_mode_peers_average_exactly_through_the_others():
+    """Four peers, two in --client-mode (they accept no incoming streams, so they reduce
+    nothing): their chunks are reduced by the others in the owner's order, so every peer
+    still ends with reference_compressed_mean's bytes, the store backend's result."""
+    first = start_dht([], LOOP, [], False, 30)
+    dhts = [first] + [start_dht(visible_maddrs(first), LOOP, [], client, 30)
+                      for client in (False, True, True)]
+    try:
+        g = torch.Generator().manual_seed(1)
+        inputs = [torch.randn(50_003, generator=g) * (i + 1) for i in range(4)]
+        replicas = [0, 2, 1, 3]  # the clients are replicas 1 and 3: chunks 1 and 3 move
+        in_replica_order = [inputs[replicas.index(r)] for r in range(4)]
+        outs = _average(dhts, inputs, "int8", "tclient", replicas)
+        ref = reference_compressed_mean(in_replica_order, "int8")
+        for o in outs:
+            assert torch.equal(o, ref), float((o - ref).abs().max())
+    finally:
+        for d in dhts:
+            d.shutdown()
+
+
+def test_chunks_of_client_peers_go_to_the_others_in_turn():
+    """reducer_of: a client's chunk to the accepting peers cyclically; none accepting: error."""
+    assert reducer_of(4, set()) == [0, 1, 2, 3]
+    assert reducer_of(4, {1, 3}) == [0, 0, 2, 2]
+    assert reducer_of(5, {0, 1, 2}) == [3, 4, 3, 3, 4]
+    with pytest.raises(Exception, match="client mode"):
+        reducer_of(2, {0, 1})
 
 
 def test_round_skipped_keeps_local_params_or_takes_the_state():
@@ -320,7 +352,7 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
     """Reading the roster connects my p2pd to each replica at the addresses its entry
     carries (on the namespace lab libp2p's routing alone did not, and groups never
     formed there); an entry whose addresses do not answer is named in a
-    warning, once."""
+    warning, once; a --client-mode replica announces no address (nobody dials it)."""
     from modules.control.dht import Roster
 
     a = start_dht([], ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
@@ -336,6 +368,7 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
         for _ in range(2):
             roster._link([[dead, ["/ip4/127.0.0.1/tcp/1"]]])
         assert len(lines) == 1 and f"could not connect to replica peer {dead}" in lines[0], lines
+        assert roster.maddrs and Roster(a, "rt", 0, 1, 30.0, client_mode=True).maddrs == []
     finally:
         roster.close()
         for d in (a, b):

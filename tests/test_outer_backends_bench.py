@@ -30,6 +30,14 @@ def test_ratios_against_the_store_row_of_the_same_kind():
     assert "loss_ratio_vs_store" not in rows[3]
 
 
+def test_the_nat_row_is_compared_with_the_store_loopback_row():
+    """No store row can run behind the NATs (gloo connects both ways): the loopback one."""
+    rows = [_row("store_loopback", "store", 0.1, 4.0, 100.0),
+            dict(_row("hivemind_nat", "hivemind", 0.4, 4.0, 50.0), net="nat")]
+    ob.ratios(rows)
+    assert (rows[1]["loss_ratio_vs_store"], rows[1]["sync_s_vs_store"]) == (1.0, 4.0)
+
+
 def test_stall_is_the_survivors_longest_step_after_the_kill_over_their_median(tmp_path):
     for r, name in ((0, "m.jsonl"), (1, "m.r1.jsonl"), (2, "m.r2.jsonl")):
         recs = [{"step_s": 0.1, "wall_time": 10.0 + i} for i in range(9)]
@@ -39,9 +47,9 @@ def test_stall_is_the_survivors_longest_step_after_the_kill_over_their_median(tm
 
 
 def test_rows_flag_and_refusals():
-    assert ob.rows_arg("shaped,fault") == ("shaped", "fault")
+    assert ob.rows_arg("shaped,fault,nat") == ("shaped", "fault", "nat")
     with pytest.raises(argparse.ArgumentTypeError, match="expected some of loopback"):
-        ob.rows_arg("shaped,nat")
+        ob.rows_arg("shaped,wan")
 
 
 def test_hivemind_overlap_row_is_refused_by_dist_runners_own_check(tmp_path):

@@ -164,10 +164,12 @@ class Roster:
     thread, and the roster as others wrote it (see the module docstring)."""
 
     def __init__(self, dht: Any, run: str, stage: int, replica: int, ttl_s: float,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, client_mode: bool = False) -> None:
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{stage}", replica, ttl_s, log)
-        self.maddrs = visible_maddrs(dht)
+        # a --client-mode replica (behind a NAT) announces no address: dialling its LAN
+        # address from outside only costs the others LINK_TIMEOUT_S (seen on the NAT lab)
+        self.maddrs = [] if client_mode else visible_maddrs(dht)
         self.linked: set[str] = {str(dht.peer_id)}
         """Peers this rank's p2pd was told to connect to (itself: nothing to do)."""
         self.stop = threading.Event()

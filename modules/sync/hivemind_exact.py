@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
@@ -88,26 +88,43 @@ class CodecWire(CompressionBase):
         return {"none": 1.0, "fp16": 0.5}.get(self.compression, 0.25 + 1.0 / self.block)
 
 
-def owner_views(flat: torch.Tensor, world: int, block: int,
-                segment: int = SEGMENT) -> tuple[list[torch.Tensor], list[float]]:
-    """Views of `flat` grouped by owner (owner j: chunk j of every segment, as in
-    modules.comm.compressed) and the number of values each owner reduces."""
+def reducer_of(world: int, clients: set[int]) -> list[int]:
+    """Who reduces chunk j: j itself, or for a --client-mode peer (no incoming streams), the
+    peers that accept in turn (the k-th client's chunk to the k-th of them, cyclically)."""
+    hosts = [j for j in range(world) if j not in clients]
+    if not hosts:
+        raise AllreduceException("every peer of the group is in client mode: nobody reduces")
+    order = sorted(clients)
+    return [j if j not in clients else hosts[order.index(j) % len(hosts)] for j in range(world)]
+
+
+def owner_views(flat: torch.Tensor, world: int, block: int, segment: int = SEGMENT,
+                clients: set[int] | None = None
+                ) -> tuple[list[torch.Tensor], list[float], list[list[int]]]:
+    """Views of `flat` grouped by the peer that reduces them (chunk j of every segment is
+    replica j's, as in modules.comm.compressed; a client's chunk goes to `reducer_of`), the
+    number of values each peer reduces, and per peer the chunk (= owner) of each of its views,
+    so the reducer sums in the owner's order whoever hosts the chunk."""
+    host = reducer_of(world, clients or set())
     views: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    owners: list[list[int]] = [[] for _ in range(world)]
     for slo, shi in segment_bounds(flat.numel(), segment, block):
         for j, (lo, hi) in enumerate(chunk_bounds(shi - slo, world, block)):
             if hi > lo:
-                views[j].append(flat[slo + lo: slo + hi])
+                views[host[j]].append(flat[slo + lo: slo + hi])
+                owners[host[j]].append(j)
     sizes = [float(sum(v.numel() for v in vs)) for vs in views]
-    return [v for vs in views for v in vs], sizes
+    return [v for vs in views for v in vs], sizes, owners
 
 
 class OrderedReducer(TensorPartReducer):
     """Keeps every sender's part and reduces them in a fixed order when all are in: the
-    owner's own first, then the others by sender index (= replica order), weight 0 skipped."""
+    part's owner's first (`owners[i]`: me, or the client whose chunk I host), then the others
+    by sender index (= replica order), weight 0 skipped."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, owner: int,
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, owners: list[int],
                  wire: CodecWire) -> None:
-        self.owner, self.wire = owner, wire
+        self.owners, self.wire = owners, wire
         self.parts: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -138,7 +155,8 @@ class OrderedReducer(TensorPartReducer):
         """All current senders in: the mean in the fixed order, then the next part."""
         if self.current_part_accumulated_from < self.num_current_senders:
             return
-        order = [self.owner] + sorted(i for i in self.parts if i != self.owner)
+        owner = self.owners[self.current_part_index]
+        order = [owner] + sorted(i for i in self.parts if i != owner)
         used = [self.parts[i][0] for i in order if i in self.parts and self.parts[i][1] > 0]
         if not used:  # only weight-0 senders: nothing to average (never committed)
             self.current_part_future.set_exception(AllreduceException("no weighted sender"))
@@ -154,17 +172,15 @@ class ExactRunner(AllReduceRunner):
     """AllReduceRunner with OrderedReducer, our wire codec and the mean itself (not a delta)
     sent back; `failed` says whether any sender or reducer was lost."""
 
-    def __init__(self, *, wire: CodecWire, **kwargs: Any) -> None:
+    def __init__(self, *, wire: CodecWire, owners: list[int], **kwargs: Any) -> None:
         super().__init__(compression=wire, part_size_bytes=WHOLE_PARTS, **kwargs)
         self.wire = wire
-        owner = (self.sender_peer_ids.index(self.peer_id)
-                 if self.peer_id in self.sender_peer_ids else -1)
         replaced = self.tensor_part_reducer
         replaced.num_senders = 0  # never used: no "received 0%" warning when it is dropped
         replaced.finalize()
         self.tensor_part_reducer = OrderedReducer(
             tuple(p.shape for p in self.parts_for_local_averaging), len(self.sender_peer_ids),
-            owner, wire)
+            owners, wire)
 
     @property
     def failed(self) -> bool:
@@ -265,18 +281,23 @@ class ExactAverager(DecentralizedAverager):
         """Order the group by replica and run ExactRunner; the result is written only when the
         whole round succeeded."""
         loads = self.serializer.loads
-        gathered = [loads(loads(g)[2]) for g in group_info.gathered]
-        by_peer = dict(zip(group_info.peer_ids, gathered))
+        unpacked = [loads(g) for g in group_info.gathered]  # [bandwidth, mode, user data]
+        by_peer = {p: loads(u[2]) for p, u in zip(group_info.peer_ids, unpacked)}
+        client = {p for p, u in zip(group_info.peer_ids, unpacked)
+                  if u[1] == AveragingMode.CLIENT.value}
         order = sorted(group_info.peer_ids, key=lambda p: (by_peer[p]["replica"], p.to_bytes()))
         async with enter_asynchronously(self.get_tensors()) as local:
             flat = local[0]
             out = flat.clone()
-            views, sizes = owner_views(out, len(order), self.wire.block)
+            views, sizes, owners = owner_views(out, len(order), self.wire.block,
+                                               clients={j for j, p in enumerate(order)
+                                                        if p in client})
             runner = ExactRunner(
                 p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=views,
                 group_id=group_info.group_id, ordered_peer_ids=order, peer_fractions=sizes,
                 weight=kwargs["weight"], sender_timeout=kwargs.get("sender_timeout"),
-                reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire)
+                reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire,
+                owners=owners[order.index(self.peer_id)])
             self._running_groups[group_info.group_id].set_result(runner)
             results = []
             async for result in runner:

@@ -140,7 +140,7 @@ class HivemindOuter:
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
-                             self.log)
+                             self.log, client_mode=cfg.client_mode)
         if not joining:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
@@ -308,7 +308,7 @@ class HivemindOuter:
                 "momentum": has_momentum, "completed": self.completed}
         with self.lock:
             self.snapshot = (meta, tensors)
-        if self.averager is not None:
+        if self.averager is not None and not self.cfg.client_mode:  # a client shares no state
             self.averager.state_sharing_priority = float(self.completed)
 
     def _shared(self) -> tuple[dict, list[torch.Tensor]]:
