@@ -127,7 +127,7 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
     loss (lab.train_on); returns why it was not shaped."""
     for r in runs:
         predict(r, cluster_path)
-    net = Network(cluster_path, out, not args.no_netns)
+    net = Network(cluster_path, out, not args.no_netns, args.mtu)
     extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
              "--eval-every", str(args.eval_every)]
     try:
@@ -249,6 +249,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
+    p.add_argument("--mtu", type=int, default=1500,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 60)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10

@@ -193,6 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "well within it on the lab)")
     p.add_argument("--no-netns", action="store_true",
                    help="run on loopback without shaping even when root")
+    p.add_argument("--mtu", type=int, default=1500,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
     args = p.parse_args(argv)
     h = args.inner_steps
     if h < 1 or args.steps < 1 or args.warmup_steps < 0:
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = make_plans(args, cluster_path, out)
     for r in runs:
         predict(r, cluster_path)
-    net = Network(cluster_path, out, not args.no_netns)
+    net = Network(cluster_path, out, not args.no_netns, args.mtu)
     try:
         net.up()
         for r in runs:

@@ -149,7 +149,7 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
     s = sites(cluster)
     cross_kbit = int(cluster.bandwidth_gbps[s[0][0], s[1][0]] * 1e6)
     base_lanes = lanes(load_plan(runs[0].plan_path))
-    net, cross = Network(cluster_path, out, not args.no_netns), {}
+    net, cross = Network(cluster_path, out, not args.no_netns, args.mtu), {}
     for r in runs:
         predict(r, cluster_path)
     try:
@@ -269,6 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
+    p.add_argument("--mtu", type=int, default=1500,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 80)
     if args.steps <= args.warmup_steps:

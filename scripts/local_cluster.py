@@ -80,7 +80,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UserError(f"--sshd {args.sshd}: " + (sshd_missing() or "no such file (give a "
                         "public key, e.g. ~/.ssh/id_ed25519.pub, or an authorized_keys file)"))
     require_root_tools(args.cmd)
-    st = netns.create(args.prefix, len(groups))
+    st = netns.create(args.prefix, len(groups), args.mtu)
     try:
         st.groups = [list(g) for g in groups]
         st.group_by, st.link_gbps = args.group_by, args.link_gbps
@@ -171,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="link capacity in Gbit/s; a class above it is an error (100)")
     up.add_argument("--delay", choices=DELAY_MODES, default="auto",
                     help="auto: netem if the kernel has it, else the NFQUEUE delay line")
+    up.add_argument("--mtu", type=argtypes.integer(netns.MIN_MTU, netns.MAX_MTU),
+                    default=netns.DEFAULT_MTU,
+                    help="the hosts' interface MTU in bytes (1500). Without netem the NFQUEUE "
+                    "delay line handles every packet in Python on the ranks' cores: 9000 cuts "
+                    "its CPU per byte ~3x (docs/emulator.md)")
     up.add_argument("--out-dir", help="where ip_list, netns_map.json, cluster.json go")
     up.add_argument("--sshd", metavar="AUTHORIZED_KEYS",
                     help="also run a real sshd on port 22 of every host, accepting root logins "

@@ -254,8 +254,10 @@ def predict(run: Run, cluster_path: Path) -> None:
 class Network:
     """The namespace hosts of the cluster (or loopback when they cannot be made)."""
 
-    def __init__(self, cluster_path: Path, out: Path, use_netns: bool) -> None:
+    def __init__(self, cluster_path: Path, out: Path, use_netns: bool, mtu: int = 1500) -> None:
         self.prefix = f"e2e{os.getpid() % 10000}"
+        self.mtu = mtu
+        """The hosts' MTU (local_cluster.py up --mtu)."""
         self.dir = out / "net"
         self.active = False
         self.cluster_path = cluster_path
@@ -271,10 +273,11 @@ class Network:
         log(f"bringing up {load_cluster(self.cluster_path).num_devices} namespace hosts "
             f"({self.prefix}-*) with the cluster's rates and delays")
         sh([PY, str(ROOT / "scripts/local_cluster.py"), "up", "--cluster", str(self.cluster_path),
-            "--prefix", self.prefix, "--out-dir", str(self.dir), "--link-gbps", "10"])
+            "--prefix", self.prefix, "--out-dir", str(self.dir), "--link-gbps", "10",
+            "--mtu", str(self.mtu)])
         self.active = True
         mode = json.loads((self.dir / "netns_map.json").read_text())["delay_mode"]
-        log(f"  delay applied by: {mode}")
+        log(f"  delay applied by: {mode}; MTU {self.mtu}")
 
     def down(self) -> None:
         """Remove every namespace, veth, bridge and delay line of this run."""

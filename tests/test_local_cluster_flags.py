@@ -26,3 +26,19 @@ def test_up_sshd_without_a_key_file_exits_2_before_any_namespace(keys, tmp_path,
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith(f"error: --sshd {keys}: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+@pytest.mark.parametrize("mtu", ["1000", "70000", "x"])
+def test_up_with_a_bad_mtu_exits_2_before_any_namespace(mtu, tmp_path, monkeypatch, capsys):
+    def create(*args: object) -> None:
+        raise AssertionError("a namespace was created")
+
+    monkeypatch.setattr("scripts.netemu.netns.create", create)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(cluster_dict()))
+    with pytest.raises(SystemExit) as exit_:
+        run_main(local_cluster.main, ["up", "--cluster", "c.json", "--hosts", "2",
+                                      "--prefix", "fz", "--mtu", mtu])
+    assert exit_.value.code == 2
+    assert "--mtu" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]

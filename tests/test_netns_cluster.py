@@ -116,6 +116,26 @@ def test_up_shapes_rates_probe_and_down(tmp_path, prefix) -> None:
     assert again.returncode == 0 and "nothing of prefix" in again.stdout
 
 
+def test_jumbo_mtu_hosts_are_still_shaped(tmp_path, prefix) -> None:
+    # --mtu 9000 (fewer packets for the userspace delay line): every interface at 9000 and
+    # htb still holds a 40 Mbit/s link with 9000-byte packets.
+    rates = [[1000, 40], [40, 1000]]
+    c = _cluster(tmp_path / "c.json", 0.0, rates)
+    out = tmp_path / "out"
+    up = run_entry("scripts/local_cluster.py", "up", "--cluster", c, "--prefix", prefix,
+                   "--out-dir", str(out), "--link-gbps", "1", "--mtu", "9000")
+    assert up.returncode == 0, up.stderr
+    for cmd in (["ip", "-n", f"{prefix}-0", "link", "show", "eth0"],
+                ["ip", "link", "show", f"{prefix}-v1"]):
+        assert " mtu 9000 " in subprocess.run(cmd, capture_output=True, text=True).stdout
+    probe = run_entry("scripts/local_cluster.py", "probe", "--prefix", prefix, "--seconds", "1")
+    assert probe.returncode in (0, 1), probe.stderr
+    meas = load_cluster(out / "measured.json")
+    assert 0.85 * 0.040 <= meas.bandwidth_gbps[0, 1] <= 1.02 * 0.040, meas.bandwidth_gbps
+    assert run_entry("scripts/local_cluster.py", "down", "--prefix", prefix).returncode == 0
+    assert _leftovers(prefix) == []
+
+
 @pytest.mark.timeout(120)
 def test_delay_line_gives_configured_rtt(tmp_path, prefix) -> None:
     if not _has_nfqueue():

@@ -106,11 +106,20 @@ def _existing_links() -> set[str]:
     return {m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)[:@]", out, re.M)}
 
 
-def create(prefix: str, num_hosts: int) -> NetnsState:
-    """Create the bridge and `num_hosts` namespace hosts; on failure everything is removed."""
+DEFAULT_MTU = 1500
+"""The hosts' MTU unless told otherwise: the internet's."""
+MIN_MTU, MAX_MTU = 1280, 65535
+"""IPv6's minimum (so every stack works) .. what a veth accepts."""
+
+
+def create(prefix: str, num_hosts: int, mtu: int = DEFAULT_MTU) -> NetnsState:
+    """Create the bridge and `num_hosts` namespace hosts (interfaces at `mtu` bytes); on failure
+    everything is removed."""
     check_prefix(prefix)
     if not 1 <= num_hosts <= MAX_HOSTS:
         raise UserError(f"--hosts: must be 1..{MAX_HOSTS}, got {num_hosts}")
+    if not MIN_MTU <= mtu <= MAX_MTU:
+        raise UserError(f"--mtu: must be {MIN_MTU}..{MAX_MTU} bytes, got {mtu}")
     if state_path(prefix).exists():
         raise UserError(f"a local cluster with prefix {prefix!r} is already up "
                         f"({state_path(prefix)}); run `local_cluster.py down --prefix {prefix}` "
@@ -134,10 +143,10 @@ def create(prefix: str, num_hosts: int) -> NetnsState:
             st.save()
             sh(["ip", "netns", "add", ns])
             sh(["ip", "link", "add", veth, "type", "veth", "peer", "name", IFACE, "netns", ns])
-            sh(["ip", "link", "set", veth, "master", bridge])
+            sh(["ip", "link", "set", veth, "mtu", str(mtu), "master", bridge])
             sh(["ip", "link", "set", veth, "up"])
             sh(["ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", IFACE])
-            sh(["ip", "-n", ns, "link", "set", IFACE, "up"])
+            sh(["ip", "-n", ns, "link", "set", IFACE, "mtu", str(mtu), "up"])
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
     except BaseException:
         destroy(prefix)
