@@ -237,8 +237,11 @@ def targets(rows: list[dict], noisy: str = "") -> list[str]:
                f"ratio {loss if loss is None else round(loss, 3)} (target <= 1.02)")
     th, tf = hier["seconds_to_allreduce_loss"], flat["seconds_to_allreduce_loss"]
     ok = th is not None and (tf is None or th < tf)
-    out.append(f"{'PASS' if ok else 'MISS'} hierarchical reaches allreduce's loss in {th} s, "
-               f"flat DiLoCo in {tf} s (target: sooner)")
+    def said(t: float | None) -> str:
+        return "never" if t is None else f"{t:.1f} s"
+
+    out.append(f"{'PASS' if ok else 'MISS'} hierarchical reaches allreduce's loss in "
+               f"{said(th)}, flat DiLoCo in {said(tf)} (target: sooner)")
     return out
 
 
