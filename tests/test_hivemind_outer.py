@@ -369,6 +369,25 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path, overlap):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, overlap):
+    """SIGINT once the averager runs (hivemind's run_in_background sets SIG_IGN for SIGINT in
+    the host process; the backend puts Ctrl+C back): exit 130, no traceback, no p2pd left,
+    while the round (blocking, or in the background) waits for the other replica."""
+    run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    try:
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap)
+        run.peers_of(0)
+        assert run.wait_for(0, r"waiting for 2 replicas", 40), run.output(0)
+        run.procs[0].send_signal(signal.SIGINT)
+        assert run.wait(20)[0] == 130, run.output(0)
+        assert "Traceback" not in run.output(0), run.output(0)
+        assert run.p2pd_left() == [], "p2pd outlived its replica"
+    finally:
+        run.stop()
+
+
+@pytest.mark.timeout(60)
 def test_kill_9_of_the_rank_alone_leaves_no_p2pd(tmp_path):
     """kill -9 of the rank process only (not its session): its DHT process notices, stops its
     p2pd and exits (modules/control/dht.py's orphan guard)."""

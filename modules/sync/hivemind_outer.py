@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -142,6 +143,9 @@ class HivemindOuter:
         self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
         self.publish(outer)
+        # hivemind's run_in_background sets SIGINT to SIG_IGN in this (the host) process, not
+        # only in the averager's: put Ctrl+C back afterwards, or a replica ignores it
+        on_int = signal.getsignal(signal.SIGINT)
         self.averager = ExactAverager(
             [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
             state_fn=self._shared,
@@ -152,6 +156,8 @@ class HivemindOuter:
             next_chunk_timeout=avg_s,  # hivemind's per-chunk wait when loading state
             initial_group_bits="0" * ROUND_BITS,
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
+        if threading.current_thread() is threading.main_thread() and on_int is not None:
+            signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
                              self.log, client_mode=cfg.client_mode)
