@@ -354,7 +354,8 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path, overlap):
     other replica in round 1): the emergency exit, no traceback, no p2pd left."""
     run = HivemindRun(_plan(tmp_path, 2), tmp_path)
     try:
-        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap)
+        # --replicas 0: the start barrier passes; round 1 then waits for the other replica
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap, "--replicas", "0")
         run.peers_of(0)
         started = r"step 1/1000" if overlap == "off" else r"step 7/1000"  # round 1 in flight
         assert run.wait_for(0, started, 40), run.output(0)
@@ -368,17 +369,26 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path, overlap):
         run.stop()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, overlap):
     """SIGINT once the averager runs (hivemind's run_in_background sets SIG_IGN for SIGINT in
     the host process; the backend puts Ctrl+C back): exit 130, no traceback, no p2pd left,
-    while the round (blocking, or in the background) waits for the other replica."""
+    in the start barrier (waiting for the other replica) and, started alone (--replicas 0),
+    while round 1 (blocking, or in the background) waits for the other replica."""
     run = HivemindRun(_plan(tmp_path, 2), tmp_path)
     try:
         run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap)
         run.peers_of(0)
         assert run.wait_for(0, r"waiting for 2 replicas", 40), run.output(0)
+        time.sleep(0.5)
+        run.procs[0].send_signal(signal.SIGINT)
+        assert run.wait(20)[0] == 130, run.output(0)
+        assert "Traceback" not in run.output(0), run.output(0)
+        assert run.p2pd_left() == [], "p2pd outlived its replica"
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap, "--replicas", "0")
+        assert run.wait_for(0, r"step 4/1000", 40), run.output(0)
+        time.sleep(1.0)  # blocking: in round 1; overlap: round 1 in the background
         run.procs[0].send_signal(signal.SIGINT)
         assert run.wait(20)[0] == 130, run.output(0)
         assert "Traceback" not in run.output(0), run.output(0)

@@ -165,6 +165,8 @@ class HivemindOuter:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
                                 list(cfg.initial_peers), self.log)
+        if not joining:  # the start barrier before step 1, as the store's rendezvous
+            self._await_start()
 
     # -- one round ---------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, index: int) -> int:
@@ -241,9 +243,10 @@ class HivemindOuter:
                 return None  # others completed it without me: take their state
 
     def _await_start(self) -> None:
-        """Before the first round: wait (at most --timeout-s) until every replica of the plan is
-        in the roster, as the store's rendezvous waits for every rank, so that a replica slower
-        to start is not left out of round 1."""
+        """Before step 1 (`attach`): wait (at most --timeout-s) until every replica that starts
+        is in the roster, as the store's rendezvous waits for every rank, so that a replica
+        slower to start is not left out of round 1 and round 1 does not carry the wait (with
+        overlap: on the background thread, where the training thread would wait for it)."""
         expected, t0 = self.cfg.starting, time.monotonic()
         live = self.roster.live()
         if len(live) < expected:
