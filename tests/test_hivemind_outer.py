@@ -377,6 +377,9 @@ def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, over
     in the start barrier (waiting for the other replica) and, started alone (--replicas 0),
     while round 1 (blocking, or in the background) waits for the other replica."""
     run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    # a test process started in the background ignores SIGINT, and its children inherit that;
+    # a handler here is reset to the default in them (what a replica in a terminal has)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap)
         run.peers_of(0)
@@ -394,6 +397,7 @@ def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, over
         assert "Traceback" not in run.output(0), run.output(0)
         assert run.p2pd_left() == [], "p2pd outlived its replica"
     finally:
+        signal.signal(signal.SIGINT, before)
         run.stop()
 
 
@@ -479,10 +483,10 @@ def test_background_round_nobody_completed_is_skipped_at_the_boundary():
                for p, b in zip(model.parameters(), before))
     pseudo = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor0,
                                                                     model.parameters())])
-    assert torch.equal(sent[1], pseudo)  # round 1 sends both rounds' drift
     opt.zero_grad()
     model(torch.ones(4)).sum().backward()
-    opt.step()  # boundary 3 collects round 1: applied
+    opt.step()  # boundary 3 collects round 1 (the worker has run it): applied
+    assert torch.equal(sent[1], pseudo)  # round 1 sent both rounds' drift
     assert not all(torch.equal(a, b) for a, b in zip(opt.anchor, anchor0))
     rounds.drain()
     rounds.close()
