@@ -12,7 +12,6 @@ delay line's CPU seconds per MB and the throughput, with ratios to the first MTU
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from formats.errors import UserError, run_main  # noqa: E402
-from testkit.lab import netns_unavailable  # noqa: E402
+from testkit.lab import netns_unavailable, process_cpu_s  # noqa: E402
 
 A, B, ADDR_A, ADDR_B, PORT = "dlca", "dlcb", "198.18.9.1", "198.18.9.2", 5001
 RECV = ("import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,"
@@ -49,12 +48,6 @@ def pair(mtu: int) -> None:
         ip("-n", ns, "link", "set", dev, "mtu", str(mtu), "up")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(mtu: int, mb: int) -> tuple[float, float]:
     """(delay line CPU s per MB, MB/s) for `mb` MB sent from A to B at `mtu`."""
     pair(mtu)
@@ -68,11 +61,11 @@ def measure(mtu: int, mb: int) -> tuple[float, float]:
         for proc in (dl, rx):
             if proc.stdout.readline().strip() != "ready":
                 raise UserError(f"mtu {mtu}: a helper process did not start")
-        before, t0 = cpu_s(dl.pid), time.monotonic()
+        before, t0 = process_cpu_s(dl.pid), time.monotonic()
         subprocess.run(["ip", "netns", "exec", A, sys.executable, "-c", SEND, ADDR_B,
                         str(PORT), str(mb)], check=True)
         rx.wait(timeout=600)
-        wall, used = time.monotonic() - t0, cpu_s(dl.pid) - before
+        wall, used = time.monotonic() - t0, process_cpu_s(dl.pid) - before
     finally:
         for proc in (rx, dl):
             proc.terminate()

@@ -251,6 +251,15 @@ def predict(run: Run, cluster_path: Path) -> None:
     run.predicted_s = json.loads(p.stdout)["step_s"]
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 class Network:
     """The namespace hosts of the cluster (or loopback when they cannot be made)."""
 
@@ -300,14 +309,9 @@ class Network:
             return 0.0
         from scripts.netemu.netns import load_state
 
-        total = 0
-        for pid in load_state(self.prefix).delay_pids.values():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone: counted up to its last reading only
-            total += int(stat[11]) + int(stat[12])  # utime, stime (fields 14, 15)
-        return total / os.sysconf("SC_CLK_TCK")
+        # a delay line that is gone counts up to its last reading only
+        return sum(process_cpu_s(pid) or 0.0
+                   for pid in load_state(self.prefix).delay_pids.values())
 
     def wire_bytes(self) -> int:
         """Bytes every host has sent on its eth0 so far (tc root qdisc counters)."""

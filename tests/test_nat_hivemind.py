@@ -7,7 +7,6 @@ row, small). Run under `flock /tmp/netns.lock` (namespaces collide between paral
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -23,25 +22,7 @@ from udp_hole_punching_test.netns_lab import missing_requirements as lab_missing
 pytestmark = pytest.mark.netns
 
 
-def _skip_reason() -> str | None:
-    why = lab_missing()
-    if why:
-        return why
-    probe = f"nathvprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    try:
-        nat = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-L"],
-                             capture_output=True, text=True)
-        if nat.returncode != 0:
-            return f"iptables NAT table unusable in a namespace: {nat.stderr.strip()}"
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-_REASON = _skip_reason()
+_REASON = lab_missing()  # root, tools, a namespace with a NAT table
 if _REASON:
     pytest.skip(_REASON, allow_module_level=True)
 

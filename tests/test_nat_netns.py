@@ -28,25 +28,7 @@ _counter = itertools.count()
 pytestmark = pytest.mark.netns
 
 
-def _skip_reason() -> str | None:
-    why = lab_missing()
-    if why:
-        return why
-    probe = f"natprobe{os.getpid()}"
-    proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return f"cannot create a network namespace: {proc.stderr.strip()}"
-    try:
-        nat = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-L"],
-                             capture_output=True, text=True)  # fmt: skip
-        if nat.returncode != 0:
-            return f"iptables NAT table unusable in a namespace: {nat.stderr.strip()}"
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-_REASON = _skip_reason()
+_REASON = lab_missing()  # root, tools, a namespace with a NAT table
 if _REASON:
     pytest.skip(_REASON, allow_module_level=True)
 

@@ -32,6 +32,22 @@ def missing_requirements() -> str | None:
     for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")):
         if shutil.which(tool) is None:
             return f"`{tool}` not found (Debian package {pkg})"
+    return _nat_namespace_unusable()
+
+
+def _nat_namespace_unusable() -> str | None:
+    """Why a namespace with a NAT table cannot be made (a container may forbid either)."""
+    probe = f"natprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    try:
+        nat = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-L"],
+                             capture_output=True, text=True)
+        if nat.returncode != 0:
+            return f"iptables NAT table unusable in a namespace: {nat.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
