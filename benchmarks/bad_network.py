@@ -104,10 +104,15 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     auto_plan = load_plan(auto)
     runs.append(Run(f"planner --sync auto ({describe(auto_plan)})", auto))
     if auto_plan.sync.mode == "diloco":  # the planner picks the least risky within 2%:
-        squeezed = out / "auto-int8.json"  # its plan with every payload at int8, for bytes
-        save_plan(replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
-                          pipeline_compression="int8", predicted={}), squeezed)
-        runs.append(Run("+ int8 DP and pipeline", squeezed))
+        squeezed = replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
+                           pipeline_compression="int8", predicted={})  # every payload int8
+        same = (squeezed.sync, squeezed.pipeline_compression) == (
+            auto_plan.sync, auto_plan.pipeline_compression)
+        if same:  # training the same plan again would only measure the machine's noise
+            log("  the --sync auto plan is int8 already: no '+ int8 DP and pipeline' row")
+        else:
+            save_plan(squeezed, out / "auto-int8.json")
+            runs.append(Run("+ int8 DP and pipeline", out / "auto-int8.json"))
     return runs
 
 
@@ -249,8 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
-    p.add_argument("--mtu", type=int, default=1500,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
+    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
+                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 60)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = lab.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size,
-                            out / "calibrated.json")
+                            out / "calibrated.json", args.micro_batches)
     args.calibration = cal.calibration_path  # every plan: the measured core sharing
     results = {"rows": run_variant("lab", load_cluster(cal.cluster_path), args, out)}
     if not args.quick:

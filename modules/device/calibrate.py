@@ -33,23 +33,30 @@ from formats.models import ModelSpec
 from modules.train.model import StageModel
 
 
-def _train_step(spec: ModelSpec, micro_batch_size: int,
-                seed: int) -> tuple[Callable[[], float], float, torch.nn.Module]:
-    """(a function timing one forward + backward of the whole model, its FLOPs, the model):
-    FLOPs counted as the simulator does without recomputation, 3 x the forward FLOPs of every
-    layer and the head."""
+def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int, micro_batches: int = 1
+                ) -> tuple[Callable[[], float], float, torch.nn.Module]:
+    """(a function timing one training step of the whole model, its FLOPs, the model): the
+    runtime's GPipe order over `micro_batches` micro-batches (every forward, then every
+    backward, gradients accumulating: modules/pipeline/stage.py), which is slower per FLOP than
+    one micro-batch at a time (the activations of all of them live at once: 15-20% on the
+    lab's 2-core Xeon, gpt-tiny, 4 x 4). FLOPs counted as the simulator does without
+    recomputation, 3 x the forward FLOPs of every layer and the head."""
     model = StageModel(spec, 0, spec.num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-    y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+    shape = (micro_batch_size, spec.seq_len)
+    xs = [torch.randint(0, spec.vocab_size, shape, generator=gen) for _ in range(micro_batches)]
+    ys = [torch.randint(0, spec.vocab_size, shape, generator=gen) for _ in range(micro_batches)]
 
     def step() -> float:
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        model(x, y).backward()
+        losses = [model(x, y) / micro_batches for x, y in zip(xs, ys)]
+        for loss in losses:
+            loss.backward()
         return time.perf_counter() - t0
 
-    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
+    flops = (3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size
+             * spec.seq_len * micro_batches)
     return step, flops, model
 
 
@@ -200,14 +207,15 @@ class CoreSharing:
 
 
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
-                    repeats: int, barrier: Any, out: Any, store: str = "") -> None:
+                    repeats: int, barrier: Any, out: Any, store: str = "",
+                    micro_batches: int = 1) -> None:
     # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
     # autogroup scheduling (sched_autogroup_enabled), CPU is shared between sessions first,
     # so 8 processes of one session get one session's share beside other work, 8 sessions
     # eight shares (measured: 4x apart under a load of 30).
     os.setsid()
     torch.set_num_threads(1)
-    step, flops, model = _train_step(spec, micro_batch_size, 0)
+    step, flops, model = _train_step(spec, micro_batch_size, 0, micro_batches)
     opt_step = _optimizer_step(model)
     for _ in range(2):  # warm-up: allocator, kernels' first calls, AdamW's state
         step()
@@ -263,17 +271,20 @@ def _outer_rounds(index: int, processes: int, model: torch.nn.Module, store: str
 
 
 def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
-                         rounds: int = 3, repeats: int = 5, outer: bool = True) -> CoreSharing:
+                         rounds: int = 3, repeats: int = 5, outer: bool = True,
+                         micro_batches: int = 1) -> CoreSharing:
     """Per round: FLOP/s of one single-thread process training alone and the mean per-process
-    FLOP/s with `processes` of them at once, measured in the same warm processes; with `outer`
-    (and more than one process) the CPU of a DiLoCo outer round per payload, all at once."""
+    FLOP/s with `processes` of them at once, measured in the same warm processes, each step
+    `micro_batches` micro-batches in the runtime's order; with `outer` (and more than one
+    process) the CPU of a DiLoCo outer round per payload, all at once."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
     barrier, out = ctx.Barrier(processes), ctx.Queue()
     outer = outer and processes > 1
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store") if outer else ""
         procs = [ctx.Process(target=_sharing_worker, args=(i, spec, micro_batch_size, rounds,
-                                                           repeats, barrier, out, store))
+                                                           repeats, barrier, out, store,
+                                                           micro_batches))
                  for i in range(processes)]
         for p in procs:
             p.start()
