@@ -9,18 +9,20 @@ for all-reduce and trains the same assignment with, row by row:
 
     allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
 
-and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment and
-warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan with
-every payload at int8. Each row has the simulator's predicted s/step, the measured s/step, the
-bytes every host put on the wire per step (tc counters), tokens/s, the validation loss after the
-same number of tokens relative to allreduce's (real text, the same seed), and the training
-seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; evaluated every
---eval-every steps, evaluations left out of all timings). Every row is first trained --steps
-steps (the columns at equal steps come from those); allreduce trains first, and every other
-row trains on in the same launch for allreduce's training seconds (steps from its predicted
-s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one longer run) if
-that fell short and it has not reached allreduce's final validation loss: equal wall time, the
-comparison "which plan gets me to this loss sooner" (testkit/lab.train_on). Writes
+and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment
+and warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan
+with every payload at int8 (unless it is already). Each row has the simulator's predicted
+s/step, the measured s/step, the bytes every host put on the wire per step (tc counters),
+tokens/s, the validation loss after the same number of tokens relative to allreduce's (real
+text, the same seed), and the training seconds to reach allreduce's final validation loss
+(seconds_to_allreduce_loss; evaluated every --eval-every steps, evaluations left out of all
+timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
+row's first launch after the warm-up (lab.read_metrics). Allreduce trains first, --steps steps,
+and every other row trains on in the same launch for allreduce's training seconds (steps from
+its predicted s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one
+longer run) if that fell short and it has not reached allreduce's final validation loss: equal
+wall time, the comparison "which plan gets me to this loss sooner" (testkit/lab.train_on).
+Writes
 OUT/results.json
 ({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
 """
