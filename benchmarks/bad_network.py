@@ -22,9 +22,8 @@ and every other row trains on in the same launch for allreduce's training second
 its predicted s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one
 longer run) if that fell short and it has not reached allreduce's final validation loss: equal
 wall time, the comparison "which plan gets me to this loss sooner" (testkit/lab.train_on).
-Writes
-OUT/results.json
-({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
+Writes OUT/results.json ({"rows": [...]} for the lab, first row allreduce; "harsh_rows"
+likewise) and prints the tables.
 """
 
 from __future__ import annotations
