@@ -107,8 +107,8 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     if auto_plan.sync.mode == "diloco":  # the planner picks the least risky within 2%:
         squeezed = replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
                            pipeline_compression="int8", predicted={})  # every payload int8
-        same = (squeezed.sync, squeezed.pipeline_compression) == (
-            auto_plan.sync, auto_plan.pipeline_compression)
+        same = squeezed.sync == auto_plan.sync and (  # one stage: no pipeline payload
+            auto_plan.num_stages == 1 or auto_plan.pipeline_compression == "int8")
         if same:  # training the same plan again would only measure the machine's noise
             log("  the --sync auto plan is int8 already: no '+ int8 DP and pipeline' row")
         else:
