@@ -150,7 +150,8 @@ def sharing_record(c: Any) -> dict[str, Any]:
             "pair_gflops": [f / 1e9 for f in c.pair_flops],
             "shared_gflops": [f / 1e9 for f in c.shared_flops], "processes": c.processes,
             "core_gflops": c.core_flops / 1e9, "shared_cores": c.shared_cores,
-            "background_load": c.background_load, "spread": c.spread,
+            "background_load": c.background_load, "core_contention": c.contention,
+            "spread": c.spread,
             "outer_cpu_s": dict(c.outer_cpu_s)}
 
 
@@ -193,7 +194,8 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
         f"{cluster.num_devices} at once {sharing.shared / 1e9:.1f} GFLOP/s per rank (rounds "
         f"within {(sharing.spread - 1) * 100:.0f}%): {sharing.core_flops / 1e9:.1f} GFLOP/s "
         f"with a core to itself, {sharing.shared_cores:.2f} cores shared with "
-        f"{sharing.background_load:.1f} tasks of other work")
+        f"{sharing.background_load:.1f} tasks of other work, each rank computing beside "
+        f"another {sharing.contention * 100:.1f}% slower")
     log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter; DiLoCo "
         "outer round (all at once, gloo on loopback): " + ", ".join(
             f"{p} {sharing.outer_flops_per_param(p):.0f}" for p in sharing.outer_cpu_s)
@@ -205,6 +207,7 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
     save_calibration(cal_path, {
         "shared_cores": round(sharing.shared_cores, 4),
         "background_load": round(sharing.background_load, 4),
+        "core_contention": round(sharing.contention, 4),
         "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2),
         **{OUTER_FIELD[p]: round(sharing.outer_flops_per_param(p), 2)
            for p in sharing.outer_cpu_s}},
