@@ -18,9 +18,11 @@ seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; e
 --eval-every steps, evaluations left out of all timings). Every row is first trained --steps
 steps (the columns at equal steps come from those); allreduce trains first, and every other
 row trains on in the same launch for allreduce's training seconds (steps from its predicted
-s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one longer run) if
-that fell short and it has not reached allreduce's final validation loss: equal wall time, the
-comparison "which plan gets me to this loss sooner" (testkit/lab.train_on). Writes
+s/step, lab.budget_steps), or until an evaluation from step --steps on reaches allreduce's
+final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its
+checkpoint (bit-identical to one longer run) if that fell short and it has not reached that
+loss: equal wall time, the comparison "which plan gets me to this loss sooner"
+(testkit/lab.train_on). Writes
 OUT/results.json
 ({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
 """
@@ -136,10 +138,12 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
             base = runs[0] if r is not runs[0] else None
             steps = lab.budget_steps(r, base and base.trained_s, args.steps,
                                      load_plan(r.plan_path).sync.inner_steps, args.eval_every)
-            metrics = lab.train(r, net, steps, out, extra, checkpoint=bool(base))
+            # after allreduce: stop once at its final loss (from step --steps on)
+            more = lab.stop_flags(base.final_val_loss, args.steps) if base else []
+            metrics = lab.train(r, net, steps, out, extra + more, checkpoint=bool(base))
             lab.read_metrics(r, metrics, args.warmup_steps, args.steps)
             if base:
-                lab.train_on(r, net, out, extra, base.final_val_loss, base.trained_s,
+                lab.train_on(r, net, out, extra + more, base.final_val_loss, base.trained_s,
                              args.warmup_steps, args.steps)
     finally:
         net.down()
