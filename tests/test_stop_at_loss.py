@@ -2,9 +2,9 @@
 the lowest live replica) is at or below the target, every rank ends the run after that same
 step, as if --steps had been that step: final checkpoint, metrics marked, one log line per
 rank; --resume from there continues bit-identically to a run without the flag (allreduce and
-overlapped DiLoCo, 2 stages x 2 replicas). The decision is one store record per evaluation
-step; a rank that waits for it in vain agrees with the others to go on. Refusals name the
-flag."""
+overlapped DiLoCo, 2 stages x 2 replicas). The decision is one store record per
+evaluation step; a rank that waits for it in vain agrees with the others to go on. Refusals
+name the flag."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ STEPS, EVERY = 8, 2
 EVAL = ["--eval-every", str(EVERY), "--eval-sequences", "4"]
 
 
-def _plan(sync: SyncConfig) -> Plan:
-    return Plan("local", "", "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]],
+def _plan(sync: SyncConfig, stages: int = 2) -> Plan:
+    """`stages` x 2 replicas of gpt-tiny (4 layers)."""
+    split = [(0, 2), (2, 4)] if stages == 2 else [(0, 4)]
+    return Plan("local", "", "gpt-tiny", split, [[r * stages + s for s in range(stages)]
+                                                 for r in range(2)],
                 micro_batch_size=2, num_micro_batches=2, sync=sync)
 
 
@@ -54,11 +57,11 @@ def _losses(metrics) -> list[list[tuple]]:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sync, min_steps", [
-    (SyncConfig(), 0),
-    (SyncConfig(mode="diloco", inner_steps=2, overlap=True), 3)], ids=["allreduce", "diloco"])
+    (SyncConfig(), 0), (SyncConfig(mode="diloco", inner_steps=2, overlap=True), 3)],
+    ids=["allreduce", "diloco"])
 def test_every_rank_stops_at_the_first_evaluation_at_the_loss_and_resumes_bit_identically(
         tmp_path, sync, min_steps):
-    plan = _plan(sync)
+    plan, stages = _plan(sync), 2
     full = tmp_path / "full.jsonl"
     _launch(tmp_path, plan, full, "--steps", str(STEPS), "--ckpt-dir", str(tmp_path / "ckf"))
     want = _losses(full)
@@ -71,7 +74,7 @@ def test_every_rank_stops_at_the_first_evaluation_at_the_loss_and_resumes_bit_id
     ck, cut = tmp_path / "ck", tmp_path / "cut.jsonl"
     proc = _launch(tmp_path, plan, cut, "--steps", str(STEPS), "--ckpt-dir", str(ck),
                    "--stop-at-loss", repr(target), "--min-steps", str(min_steps))
-    for rank in range(4):  # every rank says so, at the same step
+    for rank in range(2 * stages):  # every rank says so, at the same step
         lines = re.findall(rf"^\[rank {rank}\] step (\d+): validation loss (\S+) <= "
                            rf"--stop-at-loss {re.escape(repr(target))} \(replica 0\): stopping$",
                            proc.stdout, re.M)
@@ -84,6 +87,8 @@ def test_every_rank_stops_at_the_first_evaluation_at_the_loss_and_resumes_bit_id
         assert all("stop_check_s" in r for r in rs if r["step"] % EVERY == 0
                    and r["step"] >= min_steps)
     assert _losses(cut) == [rs[:stop] for rs in want]  # the same run up to there
+    if sync.overlap:  # the round of step `stop` was in flight: the checkpoint holds it
+        assert load_checkpoint(step_path(ck, 0, stop), {})["opt"]["pending"]
 
     # --resume without the flag: on to --steps, bit-identical to the run that never stopped
     proc = _launch(tmp_path, plan, cut, "--steps", str(STEPS), "--ckpt-dir", str(ck),
@@ -91,7 +96,7 @@ def test_every_rank_stops_at_the_first_evaluation_at_the_loss_and_resumes_bit_id
     assert f"resumed from step {stop}" in proc.stdout
     assert not re.search(r"\): stopping$", proc.stdout, re.M)
     assert _losses(cut) == want
-    for rank in range(4):
+    for rank in range(2 * stages):
         a = load_checkpoint(step_path(tmp_path / "ckf", rank, STEPS), {})["model"]
         b = load_checkpoint(step_path(ck, rank, STEPS), {})["model"]
         assert all(torch.equal(a[k], b[k]) for k in a), rank

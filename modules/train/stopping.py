@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from modules.config import RunConfig
 from modules.control.protocol import stop_key
 
 
@@ -81,3 +82,11 @@ class StopAtLoss:
         """The log line of a stop, the same on every rank."""
         return (f"step {step}: validation loss {decision.val_loss:.6g} <= --stop-at-loss "
                 f"{self.target} (replica {decision.replica}): stopping")
+
+
+def stop_at_loss(cfg: RunConfig, store: Any, log=print) -> StopAtLoss | None:
+    """This rank's side of the run's --stop-at-loss (None without the flag)."""
+    data = cfg.data
+    if data.stop_at_loss is None:
+        return None
+    return StopAtLoss(store, data.stop_at_loss, data.min_steps, cfg.timeout_s, log)

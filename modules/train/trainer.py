@@ -47,7 +47,7 @@ from modules.train.checkpointing import Checkpointing, checkpoint_meta
 from modules.train.hf_weights import load_stage_weights
 from modules.train.model import StageModel
 from modules.train.outer_sync import OuterSync
-from modules.train.stopping import StopAtLoss
+from modules.train.stopping import stop_at_loss
 from modules.train.tracking import open_rank_timing, open_trackers
 
 if TYPE_CHECKING:
@@ -138,10 +138,7 @@ class Trainer:
         self.opt: torch.optim.Optimizer | DiLoCoOptimizer = (
             self.outer.optimizer if self.outer is not None else self.inner)
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
-        self.stopping = (StopAtLoss(self.membership.store, cfg.data.stop_at_loss,
-                                    cfg.data.min_steps, cfg.timeout_s, self.log)
-                         if cfg.data.stop_at_loss is not None else None)
-        """--stop-at-loss: the run's decision at each evaluation (None without it)."""
+        self.stopping = stop_at_loss(cfg, self.membership.store, self.log)  # None: no flag
         self.ckpt = self._make_checkpointing()
         """Saves, resume, and the saves of a failing rank (writes nothing without --ckpt-dir)."""
         self.groups: Groups | None = None
