@@ -9,22 +9,23 @@ for all-reduce and trains the same assignment with, row by row:
 
     allreduce | DiLoCo+int8 | + overlap | + fragments | + pipeline bf16 | + pipeline int8
 
-and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment and
-warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan with
-every payload at int8. Each row has the simulator's predicted s/step, the measured s/step, the
-bytes every host put on the wire per step (tc counters), tokens/s, the validation loss after the
-same number of tokens relative to allreduce's (real text, the same seed), and the training
-seconds to reach allreduce's final validation loss (seconds_to_allreduce_loss; evaluated every
---eval-every steps, evaluations left out of all timings). Every row is first trained --steps
-steps (the columns at equal steps come from those); allreduce trains first, and every other
-row trains on in the same launch for allreduce's training seconds (steps from its predicted
-s/step, lab.budget_steps), or until an evaluation from step --steps on reaches allreduce's
-final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its
+and then the planner's own choice (`plan --sync auto --train-steps STEPS`, its own assignment
+and warm-up; the fastest run within its predicted loss bound, docs/bad_links.md), and that plan
+with every payload at int8 (unless it is already). Each row has the simulator's predicted
+s/step, the measured s/step, the bytes every host put on the wire per step (tc counters),
+tokens/s, the validation loss after the same number of tokens relative to allreduce's (real
+text, the same seed), and the training seconds to reach allreduce's final validation loss
+(seconds_to_allreduce_loss; evaluated every --eval-every steps, evaluations left out of all
+timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
+row's first launch after the warm-up (lab.read_metrics). Allreduce trains first, --steps steps,
+and every other row trains on in the same launch for allreduce's training seconds (steps from
+its predicted s/step, lab.budget_steps), or until an evaluation from step --steps on reaches
+allreduce's final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its
 checkpoint (bit-identical to one longer run) if that fell short and it has not reached that
 loss: equal wall time, the comparison "which plan gets me to this loss sooner"
-(testkit/lab.train_on). Writes
-OUT/results.json
-({"rows": [...]} for the lab, first row allreduce; "harsh_rows" likewise) and prints the tables.
+(testkit/lab.train_on).
+Writes OUT/results.json ({"rows": [...]} for the lab, first row allreduce; "harsh_rows"
+likewise) and prints the tables.
 """
 
 from __future__ import annotations
@@ -106,10 +107,15 @@ def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[
     auto_plan = load_plan(auto)
     runs.append(Run(f"planner --sync auto ({describe(auto_plan)})", auto))
     if auto_plan.sync.mode == "diloco":  # the planner picks the least risky within 2%:
-        squeezed = out / "auto-int8.json"  # its plan with every payload at int8, for bytes
-        save_plan(replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
-                          pipeline_compression="int8", predicted={}), squeezed)
-        runs.append(Run("+ int8 DP and pipeline", squeezed))
+        squeezed = replace(auto_plan, sync=replace(auto_plan.sync, compression="int8"),
+                           pipeline_compression="int8", predicted={})  # every payload int8
+        same = squeezed.sync == auto_plan.sync and (  # one stage: no pipeline payload
+            auto_plan.num_stages == 1 or auto_plan.pipeline_compression == "int8")
+        if same:  # training the same plan again would only measure the machine's noise
+            log("  the --sync auto plan is int8 already: no '+ int8 DP and pipeline' row")
+        else:
+            save_plan(squeezed, out / "auto-int8.json")
+            runs.append(Run("+ int8 DP and pipeline", out / "auto-int8.json"))
     return runs
 
 
@@ -253,8 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
-    p.add_argument("--mtu", type=int, default=1500,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
+    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
+                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 60)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = lab.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size,
-                            out / "calibrated.json")
+                            out / "calibrated.json", args.micro_batches)
     args.calibration = cal.calibration_path  # every plan: the measured core sharing
     results = {"rows": run_variant("lab", load_cluster(cal.cluster_path), args, out)}
     if not args.quick:

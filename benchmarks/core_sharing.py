@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cal = lab.calibrate_lab("lab", 0, "gpt-tiny", 4, out / "calibrated.json")
+    cal = lab.calibrate_lab("lab", 0, "gpt-tiny", 4, out / "calibrated.json", 4)
     calibrated = load_cluster(out / "calibrated.json")
     save_cluster(fast_links(calibrated), out / "cluster.json")
     save_cluster(fast_links(calibrated, cal.sharing.shared / 1e12), out / "old_cluster.json")

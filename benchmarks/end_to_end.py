@@ -196,8 +196,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "well within it on the lab)")
     p.add_argument("--no-netns", action="store_true",
                    help="run on loopback without shaping even when root")
-    p.add_argument("--mtu", type=int, default=1500,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
+    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
+                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
     args = p.parse_args(argv)
     h = args.inner_steps
     if h < 1 or args.steps < 1 or args.warmup_steps < 0:
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     cluster_path = out / "cluster.json"
     cal = lab.calibrate_lab(args.scenario, args.seed, args.model, args.micro_batch_size,
-                            cluster_path)
+                            cluster_path, args.micro_batches)
     args.calibration = cal.calibration_path  # every plan: the measured core sharing
     runs = make_plans(args, cluster_path, out)
     for r in runs:

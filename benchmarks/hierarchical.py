@@ -276,8 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
     p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
-    p.add_argument("--mtu", type=int, default=1500,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; 1500)")
+    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
+                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 80)
     if args.steps <= args.warmup_steps:
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = lab.calibrate_lab("badlink", args.seed, args.model, args.micro_batch_size,
-                            out / "cluster.json")
+                            out / "cluster.json", args.micro_batches)
     args.calibration = cal.calibration_path  # plan (and so predict) on the lab's calibration
     runs = make_plans(args, out / "cluster.json", out)
     why_not, cross = train_all(runs, args, out / "cluster.json", out)

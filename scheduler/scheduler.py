@@ -104,7 +104,7 @@ SYNC_FLAGS: dict[type, tuple[str, ...]] = {
 SHARD_FLAGS = ("max_shard", "outer_state")
 """The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
 SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips",
-             "shared_cores", "background_load", "optimizer_flops_per_param",
+             "shared_cores", "background_load", "core_contention", "optimizer_flops_per_param",
              "outer_flops_per_param", "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
 FLAG_OF_FIELD: dict[str, str] = {
@@ -203,6 +203,7 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
                         "outer_store_round_trips, shared_cores, background_load, "
+                        "core_contention, "
                         "optimizer_flops_per_param, outer_flops_per_param, "
                         "outer_fp16_flops_per_param, outer_int8_flops_per_param, all optional)")
     add_field_flags(g, SimConfig, SIM_FLAGS)

@@ -128,6 +128,8 @@ class LabCalibration:
     sharing: Any
     """modules.device.calibrate.CoreSharing of the calibration before the runs."""
     machine: dict[str, Any]
+    micro_batches: int = 1
+    """Micro-batches per measured step (the plans' num_micro_batches)."""
     after: Any = None
     """CoreSharing of the check after the runs (None until check_after)."""
 
@@ -148,7 +150,8 @@ def sharing_record(c: Any) -> dict[str, Any]:
             "pair_gflops": [f / 1e9 for f in c.pair_flops],
             "shared_gflops": [f / 1e9 for f in c.shared_flops], "processes": c.processes,
             "core_gflops": c.core_flops / 1e9, "shared_cores": c.shared_cores,
-            "background_load": c.background_load, "spread": c.spread,
+            "background_load": c.background_load, "core_contention": c.contention,
+            "spread": c.spread,
             "outer_cpu_s": dict(c.outer_cpu_s)}
 
 
@@ -170,26 +173,29 @@ def noise_verdict(before: Any, after: Any = None) -> str:
 
 
 def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
-                  cluster_path: Path) -> LabCalibration:
+                  cluster_path: Path, micro_batches: int) -> LabCalibration:
     """The scenario with each device's tflops = one rank training alone, and a calibration file
     (beside the cluster, `calibration.json`) with the cores the ranks share and the other work
     beside them: measured side by side, all ranks at once, 2 at once and one alone, 3 rounds,
-    medians, fitted (modules/device/calibrate.py)."""
+    medians, fitted (modules/device/calibrate.py); each measured step `micro_batches`
+    micro-batches in the runtime's order (all forwards, then all backwards)."""
     from modules.device.calibrate import measure_core_sharing  # torch: only when measuring
     from scheduler.simulator import save_calibration
 
     cluster = make_scenario(scenario, seed)
     m = machine()
     log(f"machine: {describe_machine(m)}")
-    log(f"measuring FLOP/s per rank: processes training {model} (micro-batch "
-        f"{micro_batch_size}), {cluster.num_devices} at once, 2 at once, 1 alone, 3 rounds, "
+    log(f"measuring FLOP/s per rank: processes training {model} ({micro_batches} micro-batches "
+        f"of {micro_batch_size}), {cluster.num_devices} at once, 2 at once, 1 alone, 3 rounds, "
         "each process a session of its own (as the ranks are)")
-    sharing = measure_core_sharing(get_model(model), micro_batch_size, cluster.num_devices)
+    sharing = measure_core_sharing(get_model(model), micro_batch_size, cluster.num_devices,
+                                   micro_batches=micro_batches)
     log(f"  alone {sharing.alone / 1e9:.1f}, 2 at once {sharing.pair / 1e9:.1f}, "
         f"{cluster.num_devices} at once {sharing.shared / 1e9:.1f} GFLOP/s per rank (rounds "
         f"within {(sharing.spread - 1) * 100:.0f}%): {sharing.core_flops / 1e9:.1f} GFLOP/s "
         f"with a core to itself, {sharing.shared_cores:.2f} cores shared with "
-        f"{sharing.background_load:.1f} tasks of other work")
+        f"{sharing.background_load:.1f} tasks of other work, each rank computing beside "
+        f"another {sharing.contention * 100:.1f}% slower")
     log(f"  AdamW step: {sharing.optimizer_flops_per_param:.0f} FLOPs per parameter; DiLoCo "
         "outer round (all at once, gloo on loopback): " + ", ".join(
             f"{p} {sharing.outer_flops_per_param(p):.0f}" for p in sharing.outer_cpu_s)
@@ -201,11 +207,12 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
     save_calibration(cal_path, {
         "shared_cores": round(sharing.shared_cores, 4),
         "background_load": round(sharing.background_load, 4),
+        "core_contention": round(sharing.contention, 4),
         "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2),
         **{OUTER_FIELD[p]: round(sharing.outer_flops_per_param(p), 2)
            for p in sharing.outer_cpu_s}},
         runtime="cpu", measured={"machine": m} | sharing_record(sharing))
-    return LabCalibration(cluster_path, cal_path, sharing, m)
+    return LabCalibration(cluster_path, cal_path, sharing, m, micro_batches)
 
 
 def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
@@ -214,7 +221,8 @@ def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
 
     log("checking the machine's speed again after the runs")
     cal.after = measure_core_sharing(get_model(model), micro_batch_size,
-                                     cal.sharing.processes, rounds=2, outer=False)
+                                     cal.sharing.processes, rounds=2, outer=False,
+                                     micro_batches=cal.micro_batches)
     log(f"  alone {cal.after.alone / 1e9:.1f}, at once {cal.after.shared / 1e9:.1f} GFLOP/s "
         f"per rank ({cal.after.shared_cores:.2f} cores, {cal.after.background_load:.1f} tasks "
         "of other work)")
@@ -260,10 +268,18 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+LAB_MTU = 9000
+"""The lab's hosts' MTU: jumbo frames, so that without sch_netem the userspace delay lines
+(Python per packet, on the ranks' own cores) handle 3.6x fewer packets per MB than at 1500
+(benchmarks/delay_line_cpu.py; docs/emulator.md). TCP over the shaped links moves the same
+bytes at the same rates either way."""
+
+
 class Network:
     """The namespace hosts of the cluster (or loopback when they cannot be made)."""
 
-    def __init__(self, cluster_path: Path, out: Path, use_netns: bool, mtu: int = 1500) -> None:
+    def __init__(self, cluster_path: Path, out: Path, use_netns: bool, mtu: int = LAB_MTU
+                 ) -> None:
         self.prefix = f"e2e{os.getpid() % 10000}"
         self.mtu = mtu
         """The hosts' MTU (local_cluster.py up --mtu)."""
@@ -397,10 +413,12 @@ def stop_flags(target: float | None, measured_steps: int) -> list[str]:
 
 def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | None = None
                  ) -> None:
-    """Measured step time and tokens/s over whole outer rounds of the run's plan after the
-    warm-up (rounded up to a round), DP bytes and the final validation loss, from replica 0's
-    metrics, over its first `measured_steps` steps (None: all; train_on's extension past them
-    only adds to the losses, val_losses and trained_s)."""
+    """From replica 0's metrics: the measured step time and tokens/s over every whole outer
+    round of the run's first launch after the warm-up and the plan's W (rounded up to a
+    round; more than the first `measured_steps` steps: one round of H = 8 is too few to judge
+    a prediction by, and a DiLoCo row reaches its steady step only after its first rounds),
+    DP bytes, and the final validation loss at `measured_steps` (None: the last; train_on's
+    extension past them only adds to the losses, val_losses and trained_s)."""
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     recs = [r for r in recs if "step_s" in r]  # step records (not the summaries)
     clock = training_clock(recs, run.resumed_at)
@@ -409,20 +427,23 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | 
     run.val_losses = [(t, r["val_loss"]) for t, r in zip(clock, recs)
                       if r.get("val_loss") is not None]
     if measured_steps and len(recs) < measured_steps:  # not with stop_flags' --min-steps
-        log(f"  note: {run.name} trained {len(recs)} steps, fewer than the {measured_steps} of "
-            "the equal-steps columns: those are over its steps")
-    recs = recs[:measured_steps] if measured_steps else recs
-    round_steps = load_plan(run.plan_path).sync.inner_steps
-    first = -(-warmup_steps // round_steps) * round_steps
-    last = len(recs) - (len(recs) - first) % round_steps  # whole DiLoCo rounds
+        log(f"  note: {run.name} trained {len(recs)} steps, fewer than the {measured_steps} "
+            "of the equal-steps loss: its loss ratio is that of its last evaluation")
+    launch = recs[:run.resumed_at[0]] if run.resumed_at else recs  # one launch: one clock
+    sync = load_plan(run.plan_path).sync  # its all-reduce warm-up W is not the predicted step
+    round_steps, skip = sync.inner_steps, max(warmup_steps, sync.warmup_steps)
+    first = -(-skip // round_steps) * round_steps
+    last = len(launch) - (len(launch) - first) % round_steps  # whole DiLoCo rounds
     if last - first < 1:
-        raise UserError(f"{len(recs)} steps leave no measured steps after {first} warm-up steps")
+        raise UserError(f"{len(launch)} steps leave no measured steps after {first} warm-up "
+                        "steps")
     span = clock[last - 1] - (clock[first - 1] if first else 0.0)
     run.measured_s = span / (last - first)
-    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in recs[first:last])
+    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in launch[first:last])
     run.tokens_per_s = tokens / span
     run.runtime_dp_bytes_per_step = float(np.mean([r["dp_bytes_sent"] for r in recs]))
-    vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
+    equal = recs[:measured_steps] if measured_steps else recs
+    vals = [r["val_loss"] for r in equal if r.get("val_loss") is not None]
     run.final_val_loss = vals[-1] if vals else None
 
 

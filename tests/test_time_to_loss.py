@@ -111,6 +111,6 @@ def test_stop_flags_end_a_row_at_the_exact_target_after_the_equal_steps_part(tmp
     assert lab.step_records(tmp_path / "m.jsonl") == 4
     run = lab.Run("r", tmp_path / "p.json")
     lab.read_metrics(run, tmp_path / "m.jsonl", 0, 6)
-    assert "note: r trained 4 steps, fewer than the 6 of the equal-steps columns" in \
+    assert "note: r trained 4 steps, fewer than the 6 of the equal-steps loss" in \
         capsys.readouterr().out
     assert (run.steps_trained, run.final_val_loss) == (4, 2.5)

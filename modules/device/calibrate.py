@@ -33,23 +33,30 @@ from formats.models import ModelSpec
 from modules.train.model import StageModel
 
 
-def _train_step(spec: ModelSpec, micro_batch_size: int,
-                seed: int) -> tuple[Callable[[], float], float, torch.nn.Module]:
-    """(a function timing one forward + backward of the whole model, its FLOPs, the model):
-    FLOPs counted as the simulator does without recomputation, 3 x the forward FLOPs of every
-    layer and the head."""
+def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int, micro_batches: int = 1
+                ) -> tuple[Callable[[], float], float, torch.nn.Module]:
+    """(a function timing one training step of the whole model, its FLOPs, the model): the
+    runtime's GPipe order over `micro_batches` micro-batches (every forward, then every
+    backward, gradients accumulating: modules/pipeline/stage.py), which is slower per FLOP than
+    one micro-batch at a time (the activations of all of them live at once: 15-20% on the
+    lab's 2-core Xeon, gpt-tiny, 4 x 4). FLOPs counted as the simulator does without
+    recomputation, 3 x the forward FLOPs of every layer and the head."""
     model = StageModel(spec, 0, spec.num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
-    y = torch.randint(0, spec.vocab_size, (micro_batch_size, spec.seq_len), generator=gen)
+    shape = (micro_batch_size, spec.seq_len)
+    xs = [torch.randint(0, spec.vocab_size, shape, generator=gen) for _ in range(micro_batches)]
+    ys = [torch.randint(0, spec.vocab_size, shape, generator=gen) for _ in range(micro_batches)]
 
     def step() -> float:
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        model(x, y).backward()
+        losses = [model(x, y) / micro_batches for x, y in zip(xs, ys)]
+        for loss in losses:
+            loss.backward()
         return time.perf_counter() - t0
 
-    flops = 3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size * spec.seq_len
+    flops = (3.0 * spec.stage_flops_per_token(0, spec.num_layers) * micro_batch_size
+             * spec.seq_len * micro_batches)
     return step, flops, model
 
 
@@ -160,36 +167,52 @@ class CoreSharing:
         return self.fit()[2]
 
     @property
+    def contention(self) -> float:
+        """What each other process computing at once costs one beyond its share of the cores
+        (the fit's g: the simulator's core_contention)."""
+        return self.fit()[3]
+
+    @property
     def core_flops(self) -> float:
         """FLOP/s of one process with a core to itself (the fit's s)."""
         return self.fit()[0]
 
-    def fit(self) -> tuple[float, float, float]:
-        """(s, C, L) of `_fitted` (computed once: every property reads it)."""
+    def fit(self) -> tuple[float, float, float, float]:
+        """(s, C, L, g) of `_fitted` (computed once: every property reads it)."""
         return self._fitted
 
     @cached_property
-    def _fitted(self) -> tuple[float, float, float]:
-        """(s, C, L): speed(n) = s min(1, C / (n + L)) fitted (least squares in logs, s in
-        closed form) to the medians of 1, 2 and all processes at once: C = the machine's cores
-        and the L that fits best, or, when that fits worse than the cores not adding up (cache
-        contention: L = 0, C fitted), that. Without the 2-at-once figure: L = 0, C = processes
-        x shared / alone."""
+    def _fitted(self) -> tuple[float, float, float, float]:
+        """(s, C, L, g): speed(n) = s min(1, C / (n + L)) / (1 + g (n - 1)) fitted (least
+        squares in logs, s in closed form) to the medians of 1, 2 and all processes at once,
+        in one of three forms, whichever fits best: C = the machine's cores and the L that
+        fits (other work beside), C fitted (L = g = 0: the cores do not add up), or C = the
+        machine's cores and the g that fits (L = 0: each process computing beside the others
+        slows them, e.g. cache refills between more runnable processes; the quiet lab's case:
+        2 at once 3% slower than alone, 8 at once 7% slower than 2 cores' share). Without the
+        2-at-once figure: L = g = 0, C = processes x shared / alone."""
         cpu = float(self.cpu_count)
         if not self.pair_flops:
-            return self.alone, min(max(self.processes * self.shared / self.alone, 0.05), cpu), 0.0
+            return (self.alone, min(max(self.processes * self.shared / self.alone, 0.05), cpu),
+                    0.0, 0.0)
         n = np.array([1.0, 2.0, self.processes])
         y = np.log([self.alone, self.pair, self.shared])
         loads = np.linspace(0.0, 64.0, 1281)
         cores = np.linspace(0.05, cpu, 400)
-        grid = np.concatenate([np.stack([np.full_like(loads, cpu), loads], 1),
-                               np.stack([cores, np.zeros_like(cores)], 1)])  # (C, L) rows
-        shape = np.log(np.minimum(1.0, grid[:, :1] / (n[None] + grid[:, 1:])))
+        gs = np.linspace(0.0, 0.5, 1001)
+        zero = np.zeros_like
+        grid = np.concatenate([  # (C, L, g) rows: the three forms
+            np.stack([np.full_like(loads, cpu), loads, zero(loads)], 1),
+            np.stack([cores, zero(cores), zero(cores)], 1),
+            np.stack([np.full_like(gs, cpu), zero(gs), gs], 1)])
+        shape = (np.log(np.minimum(1.0, grid[:, :1] / (n[None] + grid[:, 1:2])))
+                 - np.log1p(grid[:, 2:] * (n[None] - 1.0)))
         log_s = np.mean(y[None] - shape, axis=1, keepdims=True)
         err = np.sum((y[None] - shape - log_s) ** 2, axis=1)
-        err[len(loads):] += 1e-4  # at a tie, the machine's own cores
+        err[len(loads):] += 1e-4  # at a tie, the machine's own cores and no contention
         i = int(np.argmin(err))
-        return float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1])
+        return (float(np.exp(log_s[i, 0])), float(grid[i, 0]), float(grid[i, 1]),
+                float(grid[i, 2]))
 
     @property
     def spread(self) -> float:
@@ -200,14 +223,15 @@ class CoreSharing:
 
 
 def _sharing_worker(index: int, spec: ModelSpec, micro_batch_size: int, rounds: int,
-                    repeats: int, barrier: Any, out: Any, store: str = "") -> None:
+                    repeats: int, barrier: Any, out: Any, store: str = "",
+                    micro_batches: int = 1) -> None:
     # A session of its own, as scripts/launch_local.py gives each rank: with the kernel's
     # autogroup scheduling (sched_autogroup_enabled), CPU is shared between sessions first,
     # so 8 processes of one session get one session's share beside other work, 8 sessions
     # eight shares (measured: 4x apart under a load of 30).
     os.setsid()
     torch.set_num_threads(1)
-    step, flops, model = _train_step(spec, micro_batch_size, 0)
+    step, flops, model = _train_step(spec, micro_batch_size, 0, micro_batches)
     opt_step = _optimizer_step(model)
     for _ in range(2):  # warm-up: allocator, kernels' first calls, AdamW's state
         step()
@@ -263,17 +287,20 @@ def _outer_rounds(index: int, processes: int, model: torch.nn.Module, store: str
 
 
 def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
-                         rounds: int = 3, repeats: int = 5, outer: bool = True) -> CoreSharing:
+                         rounds: int = 3, repeats: int = 5, outer: bool = True,
+                         micro_batches: int = 1) -> CoreSharing:
     """Per round: FLOP/s of one single-thread process training alone and the mean per-process
-    FLOP/s with `processes` of them at once, measured in the same warm processes; with `outer`
-    (and more than one process) the CPU of a DiLoCo outer round per payload, all at once."""
+    FLOP/s with `processes` of them at once, measured in the same warm processes, each step
+    `micro_batches` micro-batches in the runtime's order; with `outer` (and more than one
+    process) the CPU of a DiLoCo outer round per payload, all at once."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited torch thread pools
     barrier, out = ctx.Barrier(processes), ctx.Queue()
     outer = outer and processes > 1
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store") if outer else ""
         procs = [ctx.Process(target=_sharing_worker, args=(i, spec, micro_batch_size, rounds,
-                                                           repeats, barrier, out, store))
+                                                           repeats, barrier, out, store,
+                                                           micro_batches))
                  for i in range(processes)]
         for p in procs:
             p.start()

@@ -18,7 +18,7 @@ MAX_INT8_BLOCK = 1 << 20
 """Largest int8 block (values per scale): far above the 256 the codec uses."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
                     "outer_store_round_trips", "shared_cores", "background_load",
-                    "optimizer_flops_per_param", "outer_flops_per_param",
+                    "core_contention", "optimizer_flops_per_param", "outer_flops_per_param",
                     "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
@@ -69,6 +69,12 @@ class SimConfig:
     background_load: float = setting(0.0, lo=0.0, hi=4096.0)
     """With shared_cores: tasks of other work that always run beside the ranks and take their
     share of the cores (a loaded machine); 0: a quiet one."""
+    core_contention: float = setting(0.0, lo=0.0, hi=10.0)
+    """With shared_cores: what each other rank computing at the same time costs a rank beyond
+    its share of the cores (cache refills as the kernel switches between more runnable
+    processes, memory bandwidth): its compute is stretched by 1 + core_contention x (n - 1)
+    when n compute at once; 0: none. The calibration fits it to the speeds of 1, 2 and all
+    ranks at once (measured 0.02-0.03 on the lab's 2-core Xeon)."""
     optimizer_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
     """The optimizer step's CPU per parameter, in FLOPs at the device's training speed (its
     seconds x the measured FLOP/s / the parameters); 0: not charged (GPU hosts, where it is

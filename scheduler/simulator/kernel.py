@@ -362,7 +362,7 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
         t_fwd = t_fwd * core_slowdown(t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
                                       links.fwd_lat, links.bwd_tx, links.bwd_lat,
                                       num_micro_batches, config.shared_cores,
-                                      config.background_load)
+                                      config.background_load, config.core_contention)
     r_count, s_count = links.pipelines.shape
     diloco = sync.mode == "diloco"
     fragments = sync.fragments if diloco else 1

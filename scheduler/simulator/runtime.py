@@ -16,6 +16,7 @@ Calibration file, format `calibration/1` (JSON object; every key but `format` op
      "outer_store_round_trips": 3,      DiLoCo store round trips per outer step, [0, 100]
      "shared_cores": 1.9,               cores all ranks share (the CPU lab), 0 = none shared
      "background_load": 0.0,            other tasks always running beside them
+     "core_contention": 0.03,           each rank computing beside another: its cost, [0, 10]
      "optimizer_flops_per_param": 40,   the optimizer step's CPU per parameter, FLOPs
      "outer_flops_per_param": 30,       DiLoCo: an outer round's CPU per parameter (fp32
      "outer_fp16_flops_per_param": 40,  payload; fp16; int8: codec included), FLOPs
@@ -46,6 +47,7 @@ from scheduler.simulator.config import (
 
 CALIBRATION_FORMAT = "calibration/1"
 FLOAT_SETTINGS = ("mfu", "collective_latency_factor", "shared_cores", "background_load",
+                  "core_contention",
                   "optimizer_flops_per_param", "outer_flops_per_param",
                   "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """Settings stored as floats whatever number the file gives (2 -> 2.0)."""

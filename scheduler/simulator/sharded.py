@@ -249,7 +249,7 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
     if config.shared_cores > 0:  # the CPU lab: every lane's ranks share the host's cores
         k = core_slowdown(t_fwd, t_bwd, merged.fwd_tx, merged.fwd_lat, merged.bwd_tx,
                           merged.bwd_lat, num_micro_batches, config.shared_cores,
-                          config.background_load)
+                          config.background_load, config.core_contention)
         t_fwd, t_bwd = with_fsdp(k)
         merged = replace(merged, t_fwd=t_fwd, t_bwd=t_bwd)
     exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * k * per_device) * num_micro_batches

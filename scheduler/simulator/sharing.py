@@ -11,9 +11,12 @@ leave some idle, waiting on a transfer (and a rank that waits on the network tak
 The model is a fixed point of the replay: replay the GPipe step with every compute stretched
 by k, take its concurrency profile n(t) (how many forwards/backwards run at each instant, by a
 sweep over their intervals), and set k to the slowdown the work saw in it, weighted by work:
-k = sum n dt max(1, (n + L)/C) / sum n dt. Repeat until k settles. A plan whose ranks all compute
-at once gets k = N/C exactly (what a calibration with all N processes at once measures); a
-pipeline whose ranks take turns gets less. It is a mean-field model (one k for the whole
+k = sum n dt f(n) / sum n dt with f(n) = max(1, (n + L)/C) (1 + g (n - 1)), where g (the
+calibration's core_contention) is what each other rank computing at once costs beyond its
+share of the cores (cache refills between more runnable processes: fitted to the speeds of 1,
+2 and all N at once). Repeat until k settles. A plan whose ranks all compute at once gets
+k = f(N) exactly (what a calibration with all N processes at once measures); a pipeline whose
+ranks take turns gets less. It is a mean-field model (one k for the whole
 step, not one per instant), kept because the planner replays it thousands of times.
 """
 
@@ -61,11 +64,17 @@ def compute_intervals(t_fwd: np.ndarray, t_bwd: np.ndarray, fwd_tx: np.ndarray,
     return np.concatenate([a.ravel() for a in starts]), np.concatenate([a.ravel() for a in ends])
 
 
+def slowdown_at(n: np.ndarray | float, cores: float, load: float = 0.0,
+                contention: float = 0.0) -> np.ndarray | float:
+    """f(n): how much slower each of n ranks computing at once runs than one alone."""
+    return np.maximum(1.0, (n + load) / cores) * (1.0 + contention * np.maximum(n - 1.0, 0.0))
+
+
 def work_weighted_slowdown(starts: np.ndarray, ends: np.ndarray, cores: float,
-                           load: float = 0.0) -> float:
+                           load: float = 0.0, contention: float = 0.0) -> float:
     """The slowdown the work in these intervals sees when `cores` cores are shared equally by
-    whoever runs at each instant and `load` other tasks that always run:
-    sum n dt max(1, (n + load)/cores) / sum n dt over the sweep's pieces."""
+    whoever runs at each instant, `load` other tasks always run and each rank computing at
+    once costs the others `contention`: sum n dt f(n) / sum n dt over the sweep's pieces."""
     times = np.concatenate([starts, ends])
     steps = np.concatenate([np.ones_like(starts), -np.ones_like(ends)])
     order = np.lexsort((steps, times))  # at a tie, ends (-1) before starts: no false overlap
@@ -74,25 +83,25 @@ def work_weighted_slowdown(starts: np.ndarray, ends: np.ndarray, cores: float,
     work = float(np.sum(n * dt))
     if work <= 0.0:
         return 1.0
-    return float(np.sum(n * dt * np.maximum(1.0, (n + load) / cores))) / work
+    return float(np.sum(n * dt * slowdown_at(n, cores, load, contention))) / work
 
 
 def core_slowdown(t_fwd: np.ndarray, t_bwd: np.ndarray, fwd_tx: np.ndarray, fwd_lat: np.ndarray,
                   bwd_tx: np.ndarray, bwd_lat: np.ndarray, num_micro_batches: int,
-                  cores: float, load: float = 0.0) -> float:
+                  cores: float, load: float = 0.0, contention: float = 0.0) -> float:
     """The factor k >= 1 that stretches every compute of the step when its ranks share
-    `cores` cores with `load` other always-running tasks (the fixed point described in the
-    module docstring)."""
+    `cores` cores with `load` other always-running tasks and `contention` (the fixed point
+    described in the module docstring)."""
     ranks = t_fwd.size
     # From everyone computing at once (the most k can be) downwards: stretching the compute
     # against fixed transfers overlaps the ranks more, so k's map is increasing and the
     # iterates fall monotonically to the largest fixed point (exact in one round when the
     # transfers are free: the profile then scales with k).
-    slow = max(1.0, (ranks + load) / cores)
+    slow = float(slowdown_at(float(ranks), cores, load, contention))
     for _ in range(MAX_ROUNDS):
         starts, ends = compute_intervals(t_fwd * slow, t_bwd * slow, fwd_tx, fwd_lat, bwd_tx,
                                          bwd_lat, num_micro_batches)
-        new = work_weighted_slowdown(starts, ends, cores, load)
+        new = work_weighted_slowdown(starts, ends, cores, load, contention)
         if abs(new - slow) <= TOLERANCE * slow:
             return new
         slow = new
