@@ -19,9 +19,11 @@ text, the same seed), and the training seconds to reach allreduce's final valida
 timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
 row's first launch after the warm-up (lab.read_metrics). Allreduce trains first, --steps steps,
 and every other row trains on in the same launch for allreduce's training seconds (steps from
-its predicted s/step, lab.budget_steps), resumed from its checkpoint (bit-identical to one
-longer run) if that fell short and it has not reached allreduce's final validation loss: equal
-wall time, the comparison "which plan gets me to this loss sooner" (testkit/lab.train_on).
+its predicted s/step, lab.budget_steps), or until an evaluation from step --steps on reaches
+allreduce's final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its
+checkpoint (bit-identical to one longer run) if that fell short and it has not reached that
+loss: equal wall time, the comparison "which plan gets me to this loss sooner"
+(testkit/lab.train_on).
 Writes OUT/results.json ({"rows": [...]} for the lab, first row allreduce; "harsh_rows"
 likewise) and prints the tables.
 """
@@ -142,10 +144,12 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
             base = runs[0] if r is not runs[0] else None
             steps = lab.budget_steps(r, base and base.trained_s, args.steps,
                                      load_plan(r.plan_path).sync.inner_steps, args.eval_every)
-            metrics = lab.train(r, net, steps, out, extra, checkpoint=bool(base))
+            # after allreduce: stop once at its final loss (from step --steps on)
+            more = lab.stop_flags(base.final_val_loss, args.steps) if base else []
+            metrics = lab.train(r, net, steps, out, extra + more, checkpoint=bool(base))
             lab.read_metrics(r, metrics, args.warmup_steps, args.steps)
             if base:
-                lab.train_on(r, net, out, extra, base.final_val_loss, base.trained_s,
+                lab.train_on(r, net, out, extra + more, base.final_val_loss, base.trained_s,
                              args.warmup_steps, args.steps)
     finally:
         net.down()
@@ -235,7 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default=str(ROOT / "out/bad_network"), help="where it all goes")
     p.add_argument("--quick", action="store_true",
-                   help="the lab only, fewer steps (about 14 minutes on 2 shared cores)")
+                   help="the lab only, fewer steps (about 12 minutes on 2 shared cores)")
     p.add_argument("--seed", type=int, default=0, help="scenario, search and data seed")
     p.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
     p.add_argument("--micro-batch-size", type=int, default=4)

@@ -14,8 +14,9 @@
 5. prints predicted vs measured step time, the prediction error, tokens/s, bytes on the wire
    (tc counters of every host) and the speed-ups, and the training seconds each run took to
    reach the allreduce run's final validation loss: every run after it trains on for the
-   allreduce run's training seconds (equal wall time; the other columns are of its first
-   --steps steps; lab.budget_steps, lab.train_on); writes a plot and results.json;
+   allreduce run's training seconds, or until it reached that loss (--stop-at-loss from step
+   --steps on; equal wall time; the other columns are of its first --steps steps;
+   lab.budget_steps, lab.train_on, lab.stop_flags); writes a plot and results.json;
 6. tears the namespaces down, also after an error or Ctrl+C.
 """
 
@@ -89,6 +90,8 @@ def train(run: Run, net: Network, args: argparse.Namespace, out: Path,
     After `base` (the allreduce run, trained first): on for its training seconds unless it
     reached base's final validation loss (lab.train_on: equal wall time to loss)."""
     extra = ["--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]
+    if base is not None:  # stop once at base's final loss (from step --steps on)
+        extra += lab.stop_flags(base.final_val_loss, args.steps)
     steps = lab.budget_steps(run, base and base.trained_s, args.steps,
                              load_plan(run.plan_path).sync.inner_steps, args.eval_every)
     lab.read_metrics(run, lab.train(run, net, steps, out, extra, checkpoint=bool(base)),

@@ -19,9 +19,10 @@ is the cross-site rate), tokens/s, the final validation loss relative to allredu
 largest parameter + gradient + AdamW (+ DiLoCo anchor and momentum) bytes a rank holds
 (computed from the plan: 16 bytes a parameter, + 8 with DiLoCo, / D), and the training seconds
 each row needed to reach allreduce's final validation loss (evaluated every --eval-every steps;
-every row after allreduce trains on past its equal-token steps for allreduce's training seconds:
-equal wall time, testkit/lab.budget_steps and train_on; the other columns are of the
-equal-token steps). Writes
+every row after allreduce trains on past its equal-token steps for allreduce's training seconds,
+or until it reached that loss (--stop-at-loss from its equal-token steps on): equal wall time,
+testkit/lab.budget_steps, train_on and stop_flags; the other columns are of the equal-token
+steps). Writes
 OUT/results.json {"rows": [...]} (first row allreduce) and prints the table and the targets.
 Predictions use the lab's calibration (testkit/lab.py calibrate_lab: the cores the ranks share,
 the optimizer's and the outer round's CPU; docs/simulator.md), checked again after the runs:
@@ -164,9 +165,12 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             base = runs[0] if r is not runs[0] else None  # equal wall time to its loss:
             launched = lab.budget_steps(r, base and base.trained_s, steps, h,  # lab.train_on
                                         args.eval_every)
+            if base:  # stopped once at its final loss (from the equal-steps part on)
+                extra += lab.stop_flags(base.final_val_loss, steps)
             metrics = lab.train(r, net, launched, out, extra, checkpoint=bool(base))
-            cross[r.name] = (cross_site_bytes(net, cross_kbit) - before) / launched / 1e6
             lab.read_metrics(r, metrics, args.warmup_steps, steps)
+            cross[r.name] = ((cross_site_bytes(net, cross_kbit) - before) / r.steps_trained
+                             / 1e6)  # the steps this launch trained (it may have stopped)
             if base:
                 lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
                              args.warmup_steps, steps)

@@ -165,6 +165,14 @@ class DataConfig:
     """validation loss every K steps (0: only at the end when --eval-sequences > 0)"""
     eval_sequences: int = setting(0, lo=0, hi=MAX_COUNT)
     """validation sequences per evaluation (0: none)"""
+    stop_at_loss: float | None = setting(None, lo=0.0, hi=MAX_COUNT)
+    """end the run at the first evaluation (every --eval-every steps) whose validation loss is
+    at or below this: every rank stops after that step as if it were --steps (final checkpoint,
+    metrics record marked stopped_at_loss); the lowest live replica's loss decides
+    (docs/runtime.md)"""
+    min_steps: int = setting(0, lo=0, hi=MAX_COUNT)
+    """with --stop-at-loss: train at least this many steps (an evaluation before step N does
+    not stop the run)"""
 
     def __post_init__(self) -> None:
         check(self, flag_of)
@@ -177,6 +185,20 @@ class DataConfig:
             raise UserError("--tokenizer: must be `bytes` or a tokenizer.json path, got ''")
         if not self.text_field:
             raise UserError("--text-field: must name a field, got ''")
+        self._check_stop_at_loss()
+
+    def _check_stop_at_loss(self) -> None:
+        """--stop-at-loss needs evaluations to decide at; --min-steps needs --stop-at-loss."""
+        if self.stop_at_loss is None:
+            if self.min_steps:
+                raise UserError(f"--min-steps {self.min_steps}: only applies with "
+                                "--stop-at-loss; drop it or give --stop-at-loss LOSS")
+            return
+        for flag, value in (("--eval-every", self.eval_every),
+                            ("--eval-sequences", self.eval_sequences)):
+            if not value:
+                raise UserError(f"--stop-at-loss: needs {flag} > 0 (the run stops at an "
+                                f"evaluation of the validation loss); give {flag} N")
 
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
@@ -531,6 +553,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check(self, flag_of)
+        if self.data.min_steps > self.steps:
+            raise UserError(f"--min-steps {self.data.min_steps}: more than --steps "
+                            f"{self.steps}, so --stop-at-loss could never stop the run; lower "
+                            "it or train longer")
+        if self.data.stop_at_loss is not None and self.hivemind.outer_backend == "hivemind":
+            raise UserError("--stop-at-loss: not with --outer-backend hivemind (each replica "
+                            "has its own store, so the replicas have none to agree on the step "
+                            "to stop at); use --outer-backend store, or train to --steps")
 
     def check_paths(self) -> None:
         """The checks that need the file system: the metrics file, the run folder and the

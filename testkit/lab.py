@@ -383,13 +383,32 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = (),
         if proc.wait() != 0:
             raise UserError(f"{run.name}: launch_local.py exited {proc.returncode}; "
                             f"see {run_dir / 'launch.log'}")
+    trained = step_records(metrics)
+    if trained < steps:  # --stop-at-loss (stop_flags) ended it at an evaluation
+        log(f"  {run.name}: stopped after step {trained} of {steps} (--stop-at-loss: reached "
+            "the target)")
     if not resume:
-        run.wire_bytes_per_step = (net.wire_bytes() - before) / steps
-        run.emulation_cpu_s_per_step = (net.emulation_cpu_s() - cpu_before) / steps
+        run.wire_bytes_per_step = (net.wire_bytes() - before) / trained
+        run.emulation_cpu_s_per_step = (net.emulation_cpu_s() - cpu_before) / trained
         if run.emulation_cpu_s_per_step:
             log(f"  the delay lines used {run.emulation_cpu_s_per_step:.3f} CPU s a step "
                 "(link emulation, not in the model)")
     return metrics
+
+
+def step_records(path: Path) -> int:
+    """The step records in a metrics file (steps trained, over every launch it holds)."""
+    return sum(1 for line in path.read_text().splitlines() if '"step_s"' in line)
+
+
+def stop_flags(target: float | None, measured_steps: int) -> list[str]:
+    """dist_runner flags that end a row once its validation loss reached `target` (the
+    allreduce row's final one) at an evaluation at or after step `measured_steps` (the
+    equal-steps columns need those steps): --stop-at-loss, --min-steps; none without a
+    target. The loss is written as repr: the runtime compares the same float."""
+    if target is None:
+        return []
+    return ["--stop-at-loss", repr(target), "--min-steps", str(measured_steps)]
 
 
 def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | None = None
@@ -407,6 +426,9 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | 
     run.losses = [(t, r["loss"]) for t, r in zip(clock, recs)]
     run.val_losses = [(t, r["val_loss"]) for t, r in zip(clock, recs)
                       if r.get("val_loss") is not None]
+    if measured_steps and len(recs) < measured_steps:  # not with stop_flags' --min-steps
+        log(f"  note: {run.name} trained {len(recs)} steps, fewer than the {measured_steps} "
+            "of the equal-steps loss: its loss ratio is that of its last evaluation")
     launch = recs[:run.resumed_at[0]] if run.resumed_at else recs  # one launch: one clock
     sync = load_plan(run.plan_path).sync  # its all-reduce warm-up W is not the predicted step
     round_steps, skip = sync.inner_steps, max(warmup_steps, sync.warmup_steps)

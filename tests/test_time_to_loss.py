@@ -92,3 +92,25 @@ def test_budget_steps_launches_a_row_for_the_budget_in_one_go():
     assert lab.budget_steps(run, None, 30, 4, 5) == 30  # allreduce itself: no budget
     # a longer launch would not evaluate at step 6 (every 5): launch 6, train_on does the rest
     assert lab.budget_steps(run, 40.0, 6, 1, 5) == 6
+
+
+def test_stop_flags_end_a_row_at_the_exact_target_after_the_equal_steps_part(tmp_path,
+                                                                            capsys):
+    import dist_runner
+
+    assert lab.stop_flags(None, 30) == []
+    target = 3.2612345678901234
+    flags = lab.stop_flags(target, 30)
+    assert flags == ["--stop-at-loss", repr(target), "--min-steps", "30"]
+    _, cfg = dist_runner.parse_args(["--steps", "90", "--eval-every", "5", "--eval-sequences",
+                                     "4", *flags])
+    assert (cfg.data.stop_at_loss, cfg.data.min_steps) == (target, 30)  # the same float
+    # a row that trained fewer steps than the equal-steps part: said, and read over its steps
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[0]]), tmp_path / "p.json")
+    write(tmp_path / "m.jsonl", [step(i, 10.0 + i, 2.5 if i == 4 else None) for i in range(1, 5)])
+    assert lab.step_records(tmp_path / "m.jsonl") == 4
+    run = lab.Run("r", tmp_path / "p.json")
+    lab.read_metrics(run, tmp_path / "m.jsonl", 0, 6)
+    assert "note: r trained 4 steps, fewer than the 6 of the equal-steps loss" in \
+        capsys.readouterr().out
+    assert (run.steps_trained, run.final_val_loss) == (4, 2.5)

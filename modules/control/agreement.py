@@ -1,9 +1,10 @@
 """Settings each rank resolves on its own but all must share, agreed through the store.
 
-A rank's tokenizer, pipeline payload and DiLoCo schedule come from its own flags; one rank
-started with another value would fail much later (a collective of the wrong size, store keys
-nobody else writes) or, worse, drift silently (another --overlap-alpha). The first rank whose
-store answers records its values; every other rank compares and stops (exit 2) naming the flag.
+A rank's tokenizer, pipeline payload, DiLoCo schedule and --stop-at-loss come from its own
+flags; one rank started with another value would fail much later (a collective of the wrong
+size, store keys nobody else writes) or, worse, drift silently (another --overlap-alpha). The
+first rank whose store answers records its values; every other rank compares and stops (exit 2)
+naming the flag.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from modules.plan_flags import agreed_plan_fields
 def agreed_fields(run: ResolvedRun, tokenizer: TokenizerId) -> dict[str, Any]:
     """The fields of a rank's resolved run that every rank must share, by the flag that sets
     them (`tokenizer`: the identity of the data's tokenizer)."""
-    sync = run.plan.sync
+    sync, data = run.plan.sync, run.cfg.data
+    # --stop-at-loss: every rank reads the decision at the same evaluation steps
+    stop = ({"--min-steps": data.min_steps, "--eval-every": data.eval_every}
+            if data.stop_at_loss is not None else {})
     return {"--tokenizer": tokenizer.meta(),
+            "--stop-at-loss": data.stop_at_loss, **stop,
             "--pipeline-compression": run.plan.pipeline_compression,
             "--fragments": sync.fragments, "--overlap": sync.overlap,
             "--overlap-alpha": run.overlap_alpha,

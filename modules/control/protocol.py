@@ -12,6 +12,8 @@ Ranks are device ids of the plan. Keys by who writes them:
   `comm/device/{rank}` (device kind, GPU and host: the backend choice per group);
 - the leader only (rank 0, or the coordinator): the generations `ft/gen/{g}` (JSON) and the
   counter `ft/gen` (the newest g);
+- with --stop-at-loss, at each evaluation step N: `run/stop/{N}` (the decision), claimed by the
+  reporting rank of the lowest live replica, or by a rank that waited for it in vain;
 - the coordinator: `coord/info` (its host, pid and plan) when it starts; the first rank that
   reaches it: `coord/run` (the run settings the coordinator leads by; the others check theirs);
 - the members of a DiLoCo outer step: arrival `.../stage{s}/outer{k}/{rank}` and the commit
@@ -47,6 +49,13 @@ RUN_AGREED = "run/agreed"
 """JSON of the per-rank settings every rank must share (tokenizer identity, pipeline payload,
 the DiLoCo schedule's overrides): set once, by the first rank whose store answers
 (modules.control.agreement)."""
+
+
+def stop_key(step: int) -> str:
+    """--stop-at-loss: JSON of the decision at evaluation step `step` (stop, the validation
+    loss and replica that decided it), claimed once (the first signed record is the run's;
+    modules.train.stopping)."""
+    return f"run/stop/{step}"
 
 
 def info_key(rank: int) -> str:

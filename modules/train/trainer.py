@@ -47,6 +47,7 @@ from modules.train.checkpointing import Checkpointing, checkpoint_meta
 from modules.train.hf_weights import load_stage_weights
 from modules.train.model import StageModel
 from modules.train.outer_sync import OuterSync
+from modules.train.stopping import stop_at_loss
 from modules.train.tracking import open_rank_timing, open_trackers
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class Trainer:
         self.opt: torch.optim.Optimizer | DiLoCoOptimizer = (
             self.outer.optimizer if self.outer is not None else self.inner)
         """What each step steps: DiLoCo (inner step, every H steps the outer one) or AdamW."""
+        self.stopping = stop_at_loss(cfg, self.membership.store, self.log)  # None: no flag
         self.ckpt = self._make_checkpointing()
         """Saves, resume, and the saves of a failing rank (writes nothing without --ckpt-dir)."""
         self.groups: Groups | None = None
@@ -284,7 +286,8 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps."""
+        """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps, or
+        to the evaluation at which --stop-at-loss stops every rank."""
         cfg, topo = self.cfg, self.topo
         self.membership.start(on_fatal=self._on_fatal)
         on_terminate(lambda why: self._on_fatal(why, TERM_STATUS))  # emergency checkpoint
@@ -302,15 +305,13 @@ class Trainer:
         records = []
         try:
             vanish_step, status = cfg.debug.vanish_at(topo.rank)  # tests' lost-peer hook
-            while self.step < cfg.steps:
+            last = False
+            while not last and self.step < cfg.steps:
                 if self.step + 1 == vanish_step:
                     self.log(f"debug: vanishing before step {self.step + 1}")
                     os._exit(status)
                 rec = self._measured_step()
-                last = self.step == cfg.steps
-                every = cfg.data.eval_every
-                if self.val and ((every and self.step % every == 0) or last):
-                    self._evaluate_into(rec)
+                last = self._evaluate_if_due(rec)  # --steps, or --stop-at-loss agreed
                 if reports:
                     records.append(rec)
                     self._log_progress(rec, last)
@@ -436,6 +437,40 @@ class Trainer:
         if self.shard is not None:
             self.shard.after_eval()
         return loss
+
+    def _evaluate_if_due(self, rec: dict[str, Any]) -> bool:
+        """Evaluate after this step when due (every --eval-every steps and the last); True when
+        the run ends after it: the step is --steps, or --stop-at-loss stops every rank here."""
+        cfg = self.cfg
+        last, every = self.step == cfg.steps, cfg.data.eval_every
+        if not self.val or not ((every and self.step % every == 0) or last):
+            return last
+        self._evaluate_into(rec)
+        if not last and self._should_stop(rec):
+            rec["stopped_at_loss"] = True
+            return True
+        return last
+
+    def _should_stop(self, rec: dict[str, Any]) -> bool:
+        """--stop-at-loss: the run's one decision at this evaluation (the reporting rank of the
+        lowest live replica decides from its validation loss; modules.train.stopping); its
+        wait is in `stop_check_s` (training time: the replicas meet here instead of at the
+        next outer step)."""
+        stopping = self.stopping
+        if stopping is None or not stopping.due(self.step):
+            return False
+        t0, topo, decider = time.perf_counter(), self.topo, min(self.replicas)
+        try:
+            if topo.is_last and topo.shard == 0 and topo.replica == decider:
+                decision = stopping.decide(self.step, rec.get("val_loss"), topo.replica)
+            else:
+                decision = stopping.follow(self.step, decider)
+        except RuntimeError as e:  # the store itself is gone
+            raise self._peer_failure(e) from None
+        rec["stop_check_s"] = round(time.perf_counter() - t0, 6)
+        if decision.stop:
+            self.log(stopping.stop_line(self.step, decision))
+        return decision.stop
 
     def _evaluate_into(self, rec: dict[str, Any]) -> None:
         """The validation loss into this step's record, and the evaluation's time (it runs
