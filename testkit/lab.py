@@ -449,16 +449,18 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | 
 
 def training_clock(recs: list[dict[str, Any]], resumed_at: list[int] = ()) -> list[float]:
     """Training seconds at the end of each step record: wall time since its launch's first
-    step began, less the evaluations (which run after their record's wall_time) before it in
-    that launch, plus what the launches before it trained; a launch begins at the first
-    record and after each step of `resumed_at` (the relaunch's gap left out)."""
+    step began, less the evaluations and --stop-at-loss checks (both run after their record's
+    wall_time: the check is the benchmark's own, a store round trip to the deciding replica,
+    0.2-1 s each on the loaded lab) before it in that launch, plus what the launches before it
+    trained; a launch begins at the first record and after each step of `resumed_at` (the
+    relaunch's gap left out)."""
     out: list[float] = []
     start = evals = 0.0
     for i, r in enumerate(recs):
         if i == 0 or r["step"] - 1 in resumed_at:
             start, evals = r["wall_time"] - r["step_s"] - (out[-1] if out else 0.0), 0.0
         out.append(r["wall_time"] - start - evals)
-        evals += r.get("eval_s", 0.0)
+        evals += r.get("eval_s", 0.0) + r.get("stop_check_s", 0.0)
     return out
 
 

@@ -454,8 +454,8 @@ class Trainer:
     def _should_stop(self, rec: dict[str, Any]) -> bool:
         """--stop-at-loss: the run's one decision at this evaluation (the reporting rank of the
         lowest live replica decides from its validation loss; modules.train.stopping); its
-        wait is in `stop_check_s` (training time: the replicas meet here instead of at the
-        next outer step)."""
+        wait is in `stop_check_s` (after the record's wall_time, like an evaluation: the lab
+        benchmarks leave both out of their training clock)."""
         stopping = self.stopping
         if stopping is None or not stopping.due(self.step):
             return False
