@@ -114,3 +114,9 @@ def test_stop_flags_end_a_row_at_the_exact_target_after_the_equal_steps_part(tmp
     assert "note: r trained 4 steps, fewer than the 6 of the equal-steps loss" in \
         capsys.readouterr().out
     assert (run.steps_trained, run.final_val_loss) == (4, 2.5)
+
+
+def test_training_clock_leaves_out_the_stop_at_loss_checks():
+    # an evaluation of 0.5 s and a --stop-at-loss check of 0.25 s after step 2
+    recs = [step(1, 11.0), step(2, 12.0, 2.9, 0.5) | {"stop_check_s": 0.25}, step(3, 13.75)]
+    assert lab.training_clock(recs) == pytest.approx([1, 2, 3])
