@@ -17,6 +17,11 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   model, bit-identical again); if nobody did, the round is skipped with the local
   pseudo-gradient kept (the next round's carries both), the same choice on every replica
   that saw it fail, so they stay equal;
+- with sync.overlap (modules.sync.hivemind_overlap) the rounds run on a background thread
+  that never touches the model: a round that failed here is completed with the average of a
+  replica that completed it (downloaded from that replica's shared state), or, when nobody
+  completed it, ends as skipped, and the training thread skips the outer step at the next
+  round boundary (the local pseudo-gradient stays: the next one carries both rounds' drift);
 - a replica started with --join loads the outer model, momentum and round count from the
   most advanced peer (bounded attempts, each within the averaging deadline, with a message
   per attempt), then takes part in the next round with weight 0 and continues bit-identical.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +43,7 @@ import torch
 
 from formats.cluster import Cluster
 from formats.plan import Plan
-from modules.comm import PeerError
+from modules.comm import CommStats, PeerError
 from modules.control.dht import (
     Roster,
     SplitGuard,
@@ -50,6 +56,7 @@ from modules.control.dht import (
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.outer_deadlines import OuterDeadlines, derive
+from modules.sync.overlap import OuterJob, OverlapSync
 
 if TYPE_CHECKING:
     from modules.config import ResolvedRun
@@ -58,6 +65,9 @@ ROUND_BITS = 16
 """Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""
+KEEP_RESULTS = 2
+"""Overlap: the last averaged results a replica shares (a peer that failed round k fetches
+it while this replica may already have completed round k + 1)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,11 @@ class HivemindOuter:
         self.rounds_s: list[float] = []
         """Seconds of every completed round (matchmaking included)."""
         self.lock = threading.Lock()
+        self.background = False
+        """sync.overlap: rounds run on the background thread (the only one that calls the
+        averager); a failed round takes a peer's average of it, never a peer's state."""
+        self.results: dict[int, torch.Tensor] = {}
+        """Overlap: round -> its average, the last KEEP_RESULTS completed (shared with peers)."""
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
@@ -128,6 +143,9 @@ class HivemindOuter:
         self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
         self.publish(outer)
+        # hivemind's run_in_background sets SIGINT to SIG_IGN in this (the host) process, not
+        # only in the averager's: put Ctrl+C back afterwards, or a replica ignores it
+        on_int = signal.getsignal(signal.SIGINT)
         self.averager = ExactAverager(
             [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
             state_fn=self._shared,
@@ -138,6 +156,8 @@ class HivemindOuter:
             next_chunk_timeout=avg_s,  # hivemind's per-chunk wait when loading state
             initial_group_bits="0" * ROUND_BITS,
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
+        if threading.current_thread() is threading.main_thread() and on_int is not None:
+            signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
                              self.log, client_mode=cfg.client_mode)
@@ -145,6 +165,8 @@ class HivemindOuter:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
                                 list(cfg.initial_peers), self.log)
+        if not joining:  # the start barrier before step 1, as the store's rendezvous
+            self._await_start()
 
     # -- one round ---------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, index: int) -> int:
@@ -157,6 +179,8 @@ class HivemindOuter:
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(flat)
         group = self._round(index, weight)
+        if group is None and self.background:
+            return self._recover_background(flat, index)
         if group is None:
             raise self._recover(index)
         with self.averager.get_tensors() as tensors:
@@ -164,8 +188,21 @@ class HivemindOuter:
         took = time.monotonic() - t0
         self.rounds_s.append(took)
         self._report(index, took, sorted(group))
-        self.completed = index + 1
+        self._completed(index, flat)
         return self._bytes_sent(flat.numel(), group)
+
+    def _completed(self, index: int, average: torch.Tensor) -> None:
+        """Round `index` is done here; with overlap, share its average and say so in the DHT
+        at once (the state-sharing priority: the rounds completed)."""
+        self.completed = index + 1
+        if not self.background:
+            return  # publish, on the training thread, declares it with the outer state
+        with self.lock:
+            self.results[index] = average.detach().cpu().float().clone()
+            for old in sorted(self.results)[:-KEEP_RESULTS]:
+                del self.results[old]
+        if not self.cfg.client_mode:  # a client shares nothing
+            self.averager.state_sharing_priority = float(self.completed)
 
     def _round(self, index: int, weight: float) -> list[int] | None:
         """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
@@ -206,9 +243,10 @@ class HivemindOuter:
                 return None  # others completed it without me: take their state
 
     def _await_start(self) -> None:
-        """Before the first round: wait (at most --timeout-s) until every replica of the plan is
-        in the roster, as the store's rendezvous waits for every rank, so that a replica slower
-        to start is not left out of round 1."""
+        """Before step 1 (`attach`): wait (at most --timeout-s) until every replica that starts
+        is in the roster, as the store's rendezvous waits for every rank, so that a replica
+        slower to start is not left out of round 1 and round 1 does not carry the wait (with
+        overlap: on the background thread, where the training thread would wait for it)."""
         expected, t0 = self.cfg.starting, time.monotonic()
         live = self.roster.live()
         if len(live) < expected:
@@ -272,6 +310,44 @@ class HivemindOuter:
                  "tried it; skipped, keeping the local pseudo-gradient for the next round")
         return OuterRoundSkipped(None)
 
+    def _recover_background(self, flat: torch.Tensor, index: int) -> int:
+        """Overlap, after round `index` failed here (the background thread): put the average of
+        a replica that completed it into `flat` (0 bytes sent), or raise OuterRoundSkipped(None)
+        when nobody did; PeerError when one did and its average could not be fetched within
+        --timeout-s (the outer models would part)."""
+        wait_until = time.monotonic() + self.deadlines.averaging_s
+        while self._best_peer_rounds() <= index and time.monotonic() < wait_until:
+            time.sleep(0.5)
+        if self._best_peer_rounds() <= index:
+            self.log(f"outer round {index + 1} of stage {self.stage} failed on every replica "
+                     "that tried it; skipped at the next round boundary, keeping the local "
+                     "pseudo-gradient for the next round")
+            raise OuterRoundSkipped(None)
+        give_up = time.monotonic() + self.cfg.timeout_s
+        while time.monotonic() < give_up:
+            got = self._fetch()
+            if got is not None and index in got[0]:
+                flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
+                self.log(f"outer round {index + 1} of stage {self.stage} failed here; took "
+                         "its average from a replica that completed it")
+                self._completed(index, flat)
+                return 0
+            time.sleep(0.5)
+        raise PeerError(f"outer round {index + 1} of stage {self.stage}: a replica completed it "
+                        f"but none shared its average within {self.cfg.timeout_s:g} s "
+                        "(--timeout-s); stopping rather than leaving the outer models apart")
+
+    def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
+        """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
+        try:
+            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+        except TimeoutError:
+            return None
+        if got is None or got[0].get("run") != self.cfg.run:
+            return None
+        rounds = [int(r) for r in got[0].get("results", [])]
+        return rounds, list(got[1][2:2 + len(rounds)])
+
     def _best_peer_rounds(self) -> float:
         """The most rounds any other peer of my stage declared done (-1: none declared)."""
         found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
@@ -308,13 +384,18 @@ class HivemindOuter:
                 "momentum": has_momentum, "completed": self.completed}
         with self.lock:
             self.snapshot = (meta, tensors)
+        if self.background:  # the background thread declares its rounds (_completed)
+            return
         if self.averager is not None and not self.cfg.client_mode:  # a client shares no state
             self.averager.state_sharing_priority = float(self.completed)
 
     def _shared(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a loading peer gets: the outer state and (overlap) the last rounds' averages."""
         with self.lock:
             assert self.snapshot is not None
-            return self.snapshot
+            meta, tensors = self.snapshot
+            rounds = sorted(self.results)
+            return {**meta, "results": rounds}, tensors + [self.results[r] for r in rounds]
 
     def join(self) -> OuterState:
         """--join: the state of a live peer, in at most JOIN_ATTEMPTS tries (PeerError after)."""
@@ -347,6 +428,56 @@ class HivemindOuter:
                     with contextlib.suppress(Exception):  # already gone
                         part.shutdown()
             self.averager = self.dht = self.roster = None
+
+
+class BackgroundRounds(OverlapSync):
+    """sync.overlap over hivemind: the rounds run on OverlapSync's worker thread, which never
+    touches the model; a round that failed there (nobody completed it: the attempt returned
+    None) is not redone, `finish` raises OuterRoundSkipped(None) on the training thread at the
+    next round boundary and DiLoCo skips that outer step (a round that failed only here was
+    already completed on the worker with a peer's average: HivemindOuter._recover_background)."""
+
+    def finish(self, job: OuterJob) -> None:
+        """Block until `job` is over; OuterRoundSkipped(None) when nobody completed it."""
+        t0 = time.perf_counter()
+        try:
+            job.done.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        self.jobs.remove(job)
+        if job.error is not None:
+            raise job.error
+        if not job.ok:
+            raise OuterRoundSkipped(None)
+
+    def drain(self) -> None:
+        """Wait for every job in flight; results (or skips) stay for `finish`."""
+        t0 = time.perf_counter()
+        try:
+            for j in list(self.jobs):
+                j.done.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        for j in self.jobs:
+            if j.error is not None:
+                raise j.error
+
+
+def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
+                       ) -> Callable[[torch.Tensor, int], int | None]:
+    """BackgroundRounds' attempt: one hivemind round on the worker thread; the bytes sent
+    (counted into `stats`, the background accounting), or None when nobody completed it."""
+    hivemind.background = True
+
+    def attempt(flat: torch.Tensor, index: int) -> int | None:
+        try:
+            sent = hivemind.all_reduce(flat, index)
+        except OuterRoundSkipped:
+            return None
+        if stats is not None:
+            stats.bytes_sent += sent
+        return sent
+    return attempt
 
 
 def quiet_hivemind() -> None:
