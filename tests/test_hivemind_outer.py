@@ -525,3 +525,128 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
         roster.close()
         for d in (a, b):
             d.shutdown()
+
+
+class _FakeDHT:
+    """What Roster and HivemindOuter read of a DHT: `answers[key]` is what get returns."""
+
+    def __init__(self, peer_id: str = FAKE_ID) -> None:
+        from hivemind.p2p import PeerID
+
+        self.peer_id = PeerID.from_base58(peer_id)
+        self.answers: dict = {}
+
+    def get(self, key, latest=False):
+        return self.answers.get(key)
+
+    def get_visible_maddrs(self):
+        return []
+
+
+def _entries(**replicas):
+    """A DHT dictionary value: replica -> (roster entry of a --client-mode peer, expiration)."""
+    from hivemind.utils import ValueWithExpiration
+
+    return ValueWithExpiration({int(r[1:]): ValueWithExpiration([peer, []], exp)
+                                for r, (peer, exp) in replicas.items()}, max(
+                                    (e for _, e in replicas.values()), default=0.0))
+
+
+def test_roster_keeps_an_entry_until_it_expires(monkeypatch):
+    """A DHT read that comes back empty or partial (a lookup that timed out under load) does
+    not drop a replica whose entry has not expired; an expired one is dropped."""
+    import hivemind.utils
+
+    from modules.control.dht import Roster
+
+    now = [1000.0]
+    monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: now[0])
+    dht = _FakeDHT()
+    roster = Roster(dht, "rt", 0, 0, 3.0, log=print, client_mode=True)
+    key = "rt_roster_s0"
+    dht.answers[key] = _entries(r0=(FAKE_ID, 1003.0), r1=(PEER_B, 1003.0), r2=(PEER_C, 1002.0))
+    assert roster.live() == {0, 1, 2} and roster.peers() == {PEER_B, PEER_C}
+    dht.answers[key] = None  # a read that found nothing
+    assert roster.live() == {0, 1, 2}
+    now[0] = 1002.5  # replica 2's entry expired, and the read misses replica 1 (not expired)
+    dht.answers[key] = _entries(r0=(FAKE_ID, 1005.5))
+    assert roster.live() == {0, 1} and roster.peers() == {PEER_B}
+    now[0] = 1004.0
+    assert roster.live() == {0}
+
+
+PEER_B = "12D3KooWSjtLceP4PpkctnkcgjdXoGBmC2skoLb12ybijWGAF3EB"
+PEER_C = "12D3KooWEc18wRzA5EdjBmbApgEM78K2VMS3nWa4N523d64XHEph"
+
+
+class _FakeAverager:
+    """The averager's surface _recover_background uses: its prefix, peer id and the state a
+    peer shares (`shared`: (meta, tensors) or None)."""
+
+    prefix = "run_s0"
+
+    def __init__(self, dht) -> None:
+        self.peer_id, self.shared, self.loads = dht.peer_id, None, 0
+
+    def load_state_from_peers(self, timeout=None):
+        self.loads += 1
+        return self.shared
+
+
+def _background_outer(declared: dict[str, float], live: list[str], averaging_s: float):
+    """A HivemindOuter on fakes, after a failed background round: `declared`: peer -> the
+    rounds it declared done; `live`: the peers in the roster (besides me, replica 0)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    from modules.sync.hivemind_outer import HivemindOuter, HivemindSettings
+    from modules.sync.outer_deadlines import OuterDeadlines
+
+    hv = HivemindOuter.__new__(HivemindOuter)
+    hv.cfg = HivemindSettings((), (), (), False, "run", 30.0, 3.0, 2, 3, "none", None, None)
+    hv.deadlines = OuterDeadlines(0.5, averaging_s, None, "test")
+    hv.stage, hv.replica, hv.background, hv.completed = 0, 0, True, 0
+    hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
+    hv.log = hv.lines.append
+    hv.dht = _FakeDHT()
+    hv.averager = _FakeAverager(hv.dht)
+    hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
+        {PeerID.from_base58(p).to_bytes(): ValueWithExpiration(v, 2e9)
+         for p, v in declared.items()}, 2e9)
+
+    class Roster:
+        def live(self):
+            return {0} | {i + 1 for i in range(len(live))}
+
+        def peers(self):
+            return set(live)
+
+    hv.roster = Roster()
+    return hv
+
+
+def test_background_round_completed_only_by_a_dead_replica_is_skipped():
+    """Overlap: round 3 (index 2) failed here; the only replica that declared it done is no
+    longer in the roster (it completed the round and was killed): the survivors skip it once
+    no live replica declared it for the averaging deadline, rather than waiting --timeout-s
+    for an average nobody alive has and stopping."""
+    hv = _background_outer({PEER_C: 3.0, PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(OuterRoundSkipped):
+        hv._recover_background(torch.zeros(4), 2)
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert hv.averager.loads == 0 and "failed on every live replica" in hv.lines[-1], hv.lines
+
+
+def test_background_round_completed_by_a_live_replica_takes_its_average():
+    """Overlap: a live replica declared round 3 done and shares its average: it is copied into
+    the job's tensor (0 bytes sent), and this replica declares the round done in turn."""
+    hv = _background_outer({PEER_B: 3.0}, [PEER_B], averaging_s=1.0)
+    average = torch.arange(4.0)
+    hv.averager.shared = ({"run": "run", "results": [1, 2]},
+                          [torch.zeros(4), torch.zeros(0), torch.ones(4), average])
+    hv.averager.state_sharing_priority = 0.0
+    flat = torch.zeros(4)
+    assert hv._recover_background(flat, 2) == 0
+    assert torch.equal(flat, average) and hv.completed == 3
+    assert hv.averager.state_sharing_priority == 3.0 and torch.equal(hv.results[2], average)

@@ -52,6 +52,7 @@ from modules.control.dht import (
     parse_maddrs,
     run_id,
     start_dht,
+    stop_now,
 )
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterRoundSkipped, OuterState
@@ -239,7 +240,7 @@ class HivemindOuter:
                          f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
                          f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
                          f"live replicas {sorted(live)}): {first(e)}")
-            if time.monotonic() > give_up or self._best_peer_rounds() > index:
+            if time.monotonic() > give_up or self._best_peer_rounds(self.background) > index:
                 return None  # others completed it without me: take their state
 
     def _await_start(self) -> None:
@@ -312,30 +313,40 @@ class HivemindOuter:
 
     def _recover_background(self, flat: torch.Tensor, index: int) -> int:
         """Overlap, after round `index` failed here (the background thread): put the average of
-        a replica that completed it into `flat` (0 bytes sent), or raise OuterRoundSkipped(None)
-        when nobody did; PeerError when one did and its average could not be fetched within
-        --timeout-s (the outer models would part)."""
-        wait_until = time.monotonic() + self.deadlines.averaging_s
-        while self._best_peer_rounds() <= index and time.monotonic() < wait_until:
-            time.sleep(0.5)
-        if self._best_peer_rounds() <= index:
-            self.log(f"outer round {index + 1} of stage {self.stage} failed on every replica "
-                     "that tried it; skipped at the next round boundary, keeping the local "
-                     "pseudo-gradient for the next round")
-            raise OuterRoundSkipped(None)
+        a live replica that completed it into `flat` (0 bytes sent), or raise
+        OuterRoundSkipped(None) once no live replica has declared it done for the averaging
+        deadline in a row (nobody alive has it: every survivor skips it); PeerError when live
+        replicas declared it done and none shared it within --timeout-s.
+
+        Only live replicas (the roster) count: a replica that completed the round and died
+        at once (killed mid-round, the others' parts already in) left a declaration that
+        outlives it, and waiting for its average made every survivor stop after --timeout-s.
+        A survivor that did take the average from it declares it in turn, and the others
+        take it from that survivor."""
         give_up = time.monotonic() + self.cfg.timeout_s
-        while time.monotonic() < give_up:
-            got = self._fetch()
-            if got is not None and index in got[0]:
-                flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
-                self.log(f"outer round {index + 1} of stage {self.stage} failed here; took "
-                         "its average from a replica that completed it")
-                self._completed(index, flat)
-                return 0
+        quiet_since = time.monotonic()
+        while True:
+            self.roster.live()  # refreshes who counts
+            if self._best_peer_rounds(live_only=True) > index:
+                quiet_since = time.monotonic()
+                got = self._fetch()
+                if got is not None and index in got[0]:
+                    flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
+                    self.log(f"outer round {index + 1} of stage {self.stage} failed here; took "
+                             "its average from a replica that completed it")
+                    self._completed(index, flat)
+                    return 0
+            elif time.monotonic() - quiet_since > self.deadlines.averaging_s:
+                self.log(f"outer round {index + 1} of stage {self.stage} failed on every live "
+                         "replica that tried it; skipped at the next round boundary, keeping "
+                         "the local pseudo-gradient for the next round")
+                raise OuterRoundSkipped(None)
+            if time.monotonic() > give_up:
+                raise PeerError(f"outer round {index + 1} of stage {self.stage}: a replica "
+                                f"completed it but none shared its average within "
+                                f"{self.cfg.timeout_s:g} s (--timeout-s); stopping rather than "
+                                "leaving the outer models apart")
             time.sleep(0.5)
-        raise PeerError(f"outer round {index + 1} of stage {self.stage}: a replica completed it "
-                        f"but none shared its average within {self.cfg.timeout_s:g} s "
-                        "(--timeout-s); stopping rather than leaving the outer models apart")
 
     def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
@@ -348,14 +359,19 @@ class HivemindOuter:
         rounds = [int(r) for r in got[0].get("results", [])]
         return rounds, list(got[1][2:2 + len(rounds)])
 
-    def _best_peer_rounds(self) -> float:
-        """The most rounds any other peer of my stage declared done (-1: none declared)."""
+    def _best_peer_rounds(self, live_only: bool = False) -> float:
+        """The most rounds any other peer of my stage declared done (-1: none declared);
+        `live_only`: only peers in the roster as `roster.live` last read it."""
+        from hivemind.p2p import PeerID
+
         found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
             return -1.0
+        live = {PeerID.from_base58(p).to_bytes() for p in self.roster.peers()}
         values = [v.value for k, v in found.value.items()
-                  if k != mine and isinstance(v.value, (int, float))]
+                  if k != mine and isinstance(v.value, (int, float))
+                  and (not live_only or k in live)]
         return max(values, default=-1.0)
 
     def load_state(self) -> OuterState | None:
@@ -417,6 +433,11 @@ class HivemindOuter:
         raise PeerError(f"--join: no live replica of run {self.cfg.run} shared the state of "
                         f"stage {self.stage} in {JOIN_ATTEMPTS} attempts (initial peers "
                         f"{','.join(self.cfg.initial_peers) or '(none)'}); is the run alive?")
+
+    def abort(self) -> None:
+        """The rank's emergency exit (it os._exits next; any thread, no lock): the DHT and
+        averager processes and their p2pd stop now, silently (modules.control.dht.stop_now)."""
+        stop_now([p.pid for p in (self.averager, self.dht) if p is not None and p.pid])
 
     def close(self) -> None:
         """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
