@@ -650,3 +650,29 @@ def test_background_round_completed_by_a_live_replica_takes_its_average():
     assert hv._recover_background(flat, 2) == 0
     assert torch.equal(flat, average) and hv.completed == 3
     assert hv.averager.state_sharing_priority == 3.0 and torch.equal(hv.results[2], average)
+
+
+def test_every_attempt_of_a_round_uses_the_rounds_group_key():
+    """hivemind moves a peer's group bits on when a group is assembled (each member to other
+    bits), so an attempt that assembled a group and then failed (a replica killed in it) left
+    the survivors on different keys: each attempt sets the round's bits again, and hivemind
+    does not retry inside a step (its retries would use the moved bits)."""
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
+    hv._set_target = lambda size: None
+    calls = []
+
+    def set_group_bits(bits):
+        hv.averager.bits = bits
+
+    def step(gather, weight, timeout, allow_retries=True):
+        calls.append((hv.averager.bits, allow_retries))
+        if len(calls) == 1:  # assembled, then a member died mid-way: hivemind moved the bits
+            hv.averager.bits = "1" + hv.averager.bits[1:]
+            raise RuntimeError("a peer left the round mid-way")
+        assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
+        return {b"a": {"replica": 0}, b"b": {"replica": 1}}
+
+    hv.averager.set_group_bits, hv.averager.step = set_group_bits, step
+    assert hv._round(5, 1.0) == [0, 1]
+    assert calls == [(format(5, "016b"), False)] * 2, calls

@@ -209,7 +209,7 @@ class HivemindOuter:
         """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
         the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
-        self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        bits = format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
         give_up = time.monotonic() + cfg.timeout_s
         while True:
             live = self.roster.live()
@@ -228,11 +228,17 @@ class HivemindOuter:
                 time.sleep(0.5)
                 continue
             self._set_target(max(2, len(live)))
+            # the round's key again at every attempt, and no retry inside hivemind's step:
+            # hivemind moves a peer's group bits on as soon as a group is assembled
+            # (update_key_on_group_assembled), each member to other bits, so after a group
+            # that failed mid-way (a replica killed in it) the survivors' retries never met
+            # again and the round failed on all of them after --timeout-s
+            self.averager.set_group_bits(bits)
             t1 = time.monotonic()
             try:
                 gathered = self.averager.step(
                     gather={"replica": self.replica, "round": index}, weight=weight,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s)
+                    timeout=deadlines.matchmaking_s + deadlines.averaging_s, allow_retries=False)
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
