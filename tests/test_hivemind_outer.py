@@ -618,7 +618,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
         def live(self):
             return {0} | {i + 1 for i in range(len(live))}
 
-        def peers(self):
+        def peers(self, sharing=False):
             return set(live)
 
     hv.roster = Roster()
@@ -676,3 +676,34 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
     hv.averager.set_group_bits, hv.averager.step = set_group_bits, step
     assert hv._round(5, 1.0) == [0, 1]
     assert calls == [(format(5, "016b"), False)] * 2, calls
+
+
+def test_a_replica_lingers_until_the_others_declared_its_last_round():
+    """After the last step a replica stays (sharing) until every live sharing replica declared
+    the rounds it completed: a peer whose side of the last round failed takes it from it
+    meanwhile; bounded (matchmaking + 2 x averaging deadline) when one never does."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    hv = _background_outer({PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    hv.completed = 3
+    polls = []
+    live = hv.roster.live
+
+    def live_then_b_catches_up():
+        polls.append(1)
+        if len(polls) == 3:  # B took round 3 from me and declared it
+            hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
+                {PeerID.from_base58(PEER_B).to_bytes(): ValueWithExpiration(3.0, 2e9)}, 2e9)
+        return live()
+
+    hv.roster.live = live_then_b_catches_up
+    t0 = time.monotonic()
+    hv.linger()
+    assert len(polls) == 3 and time.monotonic() - t0 < 2.0 and hv.lines == [], hv.lines
+    hv = _background_outer({PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    hv.completed = 3
+    t0 = time.monotonic()
+    hv.linger()  # B never declares round 3: leave after 0.5 + 2 x 1.0 s, saying so
+    assert 2.4 < time.monotonic() - t0 < 5.0
+    assert f"leaving before replica peer(s) ['{PEER_B}'] declared round 3" in hv.lines[-1]

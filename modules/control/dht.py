@@ -266,10 +266,12 @@ class Roster:
         self.seen = {r: v for r, v in self.seen.items() if v[1] > now}
         return set(self.seen) | {self.replica}
 
-    def peers(self) -> set[str]:
-        """Peer ids (base58) of the replicas `live` last saw, mine excluded."""
+    def peers(self, sharing: bool = False) -> set[str]:
+        """Peer ids (base58) of the replicas `live` last saw, mine excluded; `sharing`: only
+        those that announce addresses (a --client-mode replica shares no state)."""
         return {str(v[0][0]) for r, v in self.seen.items()
-                if r != self.replica and isinstance(v[0], list) and v[0]}
+                if r != self.replica and isinstance(v[0], list) and v[0]
+                and (not sharing or (len(v[0]) > 1 and v[0][1]))}
 
     def _link(self, entries: list[Any]) -> None:
         """Connect my p2pd to every replica of the roster it was not told of yet, at the

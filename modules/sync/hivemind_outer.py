@@ -365,20 +365,50 @@ class HivemindOuter:
         rounds = [int(r) for r in got[0].get("results", [])]
         return rounds, list(got[1][2:2 + len(rounds)])
 
-    def _best_peer_rounds(self, live_only: bool = False) -> float:
-        """The most rounds any other peer of my stage declared done (-1: none declared);
-        `live_only`: only peers in the roster as `roster.live` last read it."""
+    def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
+        """Peer id -> the rounds that peer of my stage declared done, me excluded;
+        `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
+        not in --client-mode)."""
         from hivemind.p2p import PeerID
 
         found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
-            return -1.0
-        live = {PeerID.from_base58(p).to_bytes() for p in self.roster.peers()}
-        values = [v.value for k, v in found.value.items()
-                  if k != mine and isinstance(v.value, (int, float))
-                  and (not live_only or k in live)]
-        return max(values, default=-1.0)
+            return {}
+        live = {PeerID.from_base58(p).to_bytes() for p in self.roster.peers(sharing)}
+        return {k: float(v.value) for k, v in found.value.items()
+                if k != mine and isinstance(v.value, (int, float))
+                and (not live_only or k in live)}
+
+    def _best_peer_rounds(self, live_only: bool = False) -> float:
+        """The most rounds any other peer of my stage declared done (-1: none declared)."""
+        return max(self._declared(live_only).values(), default=-1.0)
+
+    def linger(self) -> None:
+        """After the last step, before `close`: stay (sharing my state and averages) until
+        every live replica that shares state declared the rounds I completed, at most one
+        failed attempt and one download (matchmaking + 2 x averaging deadline).
+
+        Why: a replica leaves as soon as its last round completed here; a peer whose side of
+        that round failed (the leaver's last means were still on the wire when its p2pd
+        stopped: seen in the kill test, 0.3 s into the round) then found nobody to take the
+        round from, and skipped it (or, before, exited 1 after --timeout-s) while the leaver
+        had applied it. Clients declare nothing and are not waited for."""
+        if (self.averager is None or self.deadlines is None or self.cfg.client_mode
+                or not self.completed):
+            return
+        d, waiting = self.deadlines, set()
+        until = time.monotonic() + d.matchmaking_s + 2 * d.averaging_s
+        while time.monotonic() < until:
+            self.roster.live()
+            declared = self._declared(live_only=True, sharing=True)
+            waiting = {p for p in self.roster.peers(sharing=True)
+                       if declared.get(_peer_bytes(p), -1.0) < self.completed}
+            if not waiting:
+                return
+            time.sleep(0.5)
+        self.log(f"leaving before replica peer(s) {sorted(waiting)} declared round "
+                 f"{self.completed} of stage {self.stage} done")
 
     def load_state(self) -> OuterState | None:
         """The outer state of the most advanced peer (None when none answered in time)."""
@@ -505,6 +535,12 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
             stats.bytes_sent += sent
         return sent
     return attempt
+
+
+def _peer_bytes(peer: str) -> bytes:
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(peer).to_bytes()
 
 
 def quiet_hivemind() -> None:
