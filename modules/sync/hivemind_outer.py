@@ -17,11 +17,15 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   model, bit-identical again); if nobody did, the round is skipped with the local
   pseudo-gradient kept (the next round's carries both), the same choice on every replica
   that saw it fail, so they stay equal;
-- with sync.overlap (modules.sync.hivemind_overlap) the rounds run on a background thread
+- with sync.overlap (BackgroundRounds, below) the rounds run on a background thread
   that never touches the model: a round that failed here is completed with the average of a
-  replica that completed it (downloaded from that replica's shared state), or, when nobody
-  completed it, ends as skipped, and the training thread skips the outer step at the next
-  round boundary (the local pseudo-gradient stays: the next one carries both rounds' drift);
+  live replica that completed it (downloaded from that replica's shared state), or, when no
+  live replica completed it, ends as skipped, and the training thread skips the outer step
+  at the next round boundary (the local pseudo-gradient stays: the next one carries both
+  rounds' drift);
+- every attempt of a round sets the round's group bits again (hivemind moves them on once a
+  group is assembled); after its last step a replica lingers until the others declared its
+  last round (`linger`), so that one whose side of it failed can take it from it;
 - a replica started with --join loads the outer model, momentum and round count from the
   most advanced peer (bounded attempts, each within the averaging deadline, with a message
   per attempt), then takes part in the next round with weight 0 and continues bit-identical.
@@ -369,13 +373,11 @@ class HivemindOuter:
         """Peer id -> the rounds that peer of my stage declared done, me excluded;
         `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
         not in --client-mode)."""
-        from hivemind.p2p import PeerID
-
         found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
             return {}
-        live = {PeerID.from_base58(p).to_bytes() for p in self.roster.peers(sharing)}
+        live = {_peer_bytes(p) for p in self.roster.peers(sharing)}
         return {k: float(v.value) for k, v in found.value.items()
                 if k != mine and isinstance(v.value, (int, float))
                 and (not live_only or k in live)}
@@ -538,6 +540,7 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
 
 
 def _peer_bytes(peer: str) -> bytes:
+    """A peer id's bytes (the DHT's subkeys) from its base58 text (the roster's)."""
     from hivemind.p2p import PeerID
 
     return PeerID.from_base58(peer).to_bytes()
