@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(run, topo, placement, log, hivemind)
         trainer.run()
+        if hivemind is not None:  # a peer whose last round failed takes it from me meanwhile
+            hivemind.linger()
     finally:
         if hivemind is not None:  # its DHT, averager and p2pd, also on Ctrl+C
             hivemind.close()

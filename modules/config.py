@@ -461,9 +461,6 @@ class HivemindConfig:
             raise UserError(f"--fragments {plan.sync.fragments}: --outer-backend hivemind "
                             "averages whole outer steps only; pass --fragments 1 or use "
                             "--outer-backend store")
-        if plan.sync.overlap:  # a failed background round cannot take a peer's state yet
-            raise UserError("--overlap on: --outer-backend hivemind runs the outer sync "
-                            "blocking only; pass --overlap off or use --outer-backend store")
         if plan.sync.warmup_steps:  # the warm-up all-reduces gradients over the run's store
             raise UserError("--outer-backend hivemind: not with a DiLoCo warm-up "
                             f"(sync.warmup_steps {plan.sync.warmup_steps}) yet; pass "

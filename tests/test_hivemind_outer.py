@@ -229,6 +229,55 @@ def test_replicas_reach_identical_parameters(tmp_path, replicas):
     assert run.p2pd_left() == []
 
 
+def _opt_tensors(ck_dir, ranks, step):
+    """Each rank's DiLoCo outer model (anchor) and pending pseudo-gradients, flat."""
+    from modules.train.checkpoint import load_checkpoint, step_path
+
+    out = []
+    for r in ranks:
+        opt = load_checkpoint(step_path(ck_dir, r, step), {})["opt"]
+        out.append(torch.cat([a.reshape(-1) for a in opt["anchor"]]
+                             + [k.reshape(-1) for _, _, k in opt["pending"]]))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_overlap_equals_the_store_backends_overlap(tmp_path):
+    """--overlap on, 2 replicas on loopback, int8: the hivemind backend's parameters, outer
+    model and pending pseudo-gradient equal the store backend's overlap, bit for bit, for the
+    same inputs (every round completes)."""
+    plan = tmp_path / "plan.json"
+    write_trial_plan(plan, 2, 1, "diloco", inner_steps=5)
+    plan.write_text(plan.read_text().replace('"compression": "none"', '"compression": "int8"'))
+    got = {}
+    for backend in ("store", "hivemind"):
+        out = tmp_path / backend
+        out.mkdir()
+        run = HivemindRun(plan, out, backend=backend)
+        try:
+            extra = ("--fake-data", "--overlap", "on")
+            peers = None if backend == "store" else _start_replicas(run, 1, 20, *extra)
+            for r in range(1 if backend == "hivemind" else 0, 2):
+                run.start(r, "--steps", "20", "--ckpt-dir", str(out / "ck"), *extra,
+                          peers=peers)
+            codes = run.wait(150)
+            logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in (0, 1))
+            assert codes == {0: 0, 1: 0}, (backend, codes, logs)
+            assert "running in the background" in run.output(0), logs
+            assert "failed" not in run.output(0) + run.output(1), logs  # every round completed
+            got[backend] = (load_models(out / "ck", [0, 1], 20),
+                            _opt_tensors(out / "ck", [0, 1], 20))
+        finally:
+            run.stop()
+        assert run.p2pd_left() == []
+    (store_models, store_opt), (hv_models, hv_opt) = got["store"], got["hivemind"]
+    for r in (0, 1):
+        assert max_param_diff([store_models[r], hv_models[r]]) == 0.0, r
+        assert torch.equal(store_opt[r], hv_opt[r]), r
+    assert torch.equal(hv_opt[0][:hv_opt[0].numel() // 2], hv_opt[1][:hv_opt[1].numel() // 2])
+    assert max_param_diff(hv_models) > 0  # overlap's merge keeps each replica's local progress
+
+
 @pytest.mark.timeout(120)
 def test_killed_replica_is_dropped(tmp_path):
     """Three replicas; replica 2 is killed (kill -9 of its session) after round 1: once its
@@ -243,6 +292,30 @@ def test_killed_replica_is_dropped(tmp_path):
         assert codes[0] == 0 and codes[1] == 0, (codes, logs)
         assert "replica(s) [2] left the DHT roster" in run.output(0), logs
         assert max_param_diff(load_models(tmp_path / "ck", [0, 1], 40)) == 0.0, logs
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
+
+
+@pytest.mark.timeout(150)
+def test_overlap_killed_replica_is_dropped_and_outer_models_stay_equal(tmp_path):
+    """--overlap on, three replicas; replica 2 is killed (kill -9 of its session) in the middle
+    of round 2's inner steps, while round 1's average runs in the background: the survivors
+    go on without it and end with the same outer model (and pending pseudo-gradient
+    inputs agreed), bit for bit, after the rounds that followed."""
+    run = HivemindRun(_plan(tmp_path, 3, inner_steps=4), tmp_path)
+    steps = 40
+    try:
+        _start_replicas(run, 3, steps, "--fake-data", "--heartbeat-timeout-s", "3",
+                        "--overlap", "on")
+        assert run.wait_for(2, r"step 6/", 90), run.output(2)
+        run.kill(2)
+        codes = run.wait(120)
+        logs = "\n".join(f"[{r}] {run.output(r)[-3000:]}" for r in (0, 1))
+        assert codes[0] == 0 and codes[1] == 0, (codes, logs)
+        assert "replica(s) [2] left the DHT roster" in run.output(0), logs
+        anchors = [t[:t.numel() // 2] for t in _opt_tensors(tmp_path / "ck", [0, 1], steps)]
+        assert torch.equal(anchors[0], anchors[1]), logs
     finally:
         run.stop()
     assert run.p2pd_left() == []
@@ -275,12 +348,17 @@ def test_late_joiner_loads_state_and_ends_identical(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path, overlap):
+    """SIGTERM while training (with --overlap on: while the background thread waits for the
+    other replica in round 1): the emergency exit, no traceback, no p2pd left."""
     run = HivemindRun(_plan(tmp_path, 2), tmp_path)
     try:
-        run.start(0, "--steps", "1000", "--fake-data")
+        # --replicas 0: the start barrier passes; round 1 then waits for the other replica
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap, "--replicas", "0")
         run.peers_of(0)
-        assert run.wait_for(0, r"step 1/1000", 40), run.output(0)
+        started = r"step 1/1000" if overlap == "off" else r"step 7/1000"  # round 1 in flight
+        assert run.wait_for(0, started, 40), run.output(0)
         run.procs[0].send_signal(signal.SIGTERM)
         code = run.wait(20)[0]
         assert code == TERM_STATUS, run.output(0)  # the store backend's emergency exit
@@ -288,6 +366,41 @@ def test_sigterm_stops_a_replica_without_leaving_p2pd(tmp_path):
         assert "Traceback" not in run.output(0), run.output(0)
         assert run.p2pd_left() == [], "p2pd outlived its replica"
     finally:
+        run.stop()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, overlap):
+    """SIGINT once the averager runs (hivemind's run_in_background sets SIG_IGN for SIGINT in
+    the host process; the backend puts Ctrl+C back): exit 130, no traceback, no p2pd left,
+    in the start barrier (waiting for the other replica) and, started alone (--replicas 0),
+    while round 1 (blocking, or in the background) waits for the other replica."""
+    run = HivemindRun(_plan(tmp_path, 2), tmp_path)
+    # a test process started in the background ignores SIGINT, and its children inherit that;
+    # a handler here is reset to the default in them (what a replica in a terminal has)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap)
+        run.peers_of(0)
+        assert run.wait_for(0, r"waiting for 2 replicas", 40), run.output(0)
+        time.sleep(0.5)
+        run.procs[0].send_signal(signal.SIGINT)
+        assert run.wait(20)[0] == 130, run.output(0)
+        assert "Traceback" not in run.output(0), run.output(0)
+        assert run.p2pd_left() == [], "p2pd outlived its replica"
+        run.start(0, "--steps", "1000", "--fake-data", "--overlap", overlap, "--replicas", "0")
+        assert run.wait_for(0, r"step 4/1000", 40), run.output(0)
+        time.sleep(1.0)  # blocking: in round 1; overlap: round 1 in the background
+        run.procs[0].send_signal(signal.SIGINT)
+        assert run.wait(20)[0] == 130, run.output(0)
+        # known (docs/hivemind.md, Not done): a DHT call cut by Ctrl+C may leave the forked DHT
+        # process an EOFError traceback ("Process DHT-1:"); the rank itself prints none
+        assert run.output(0).count("Traceback") == run.output(0).count("\nProcess DHT-"), \
+            run.output(0)
+        assert run.p2pd_left() == [], "p2pd outlived its replica"
+    finally:
+        signal.signal(signal.SIGINT, before)
         run.stop()
 
 
@@ -325,9 +438,9 @@ def test_shard_groups_and_allreduce_refused_by_name():
         hv.resolve(plan_from_dict(plan_dict("allreduce")))
 
 
-def test_fragments_and_overlap_refused_by_name():
-    """--fragments > 1 and --overlap on are refused each by its own flag (exit 2 before
-    anything starts), with what to pass instead."""
+def test_fragments_refused_by_name_and_overlap_accepted():
+    """--fragments > 1 is refused by its own flag (exit 2 before anything starts), with what to
+    pass instead; --overlap on runs (the rounds in the background, BackgroundRounds)."""
     from formats.plan import plan_from_dict
     from modules.config import HivemindConfig, RunConfig
     from testkit.fuzz import plan_dict
@@ -339,8 +452,47 @@ def test_fragments_and_overlap_refused_by_name():
         hv.resolve(plan_from_dict(fragmented))
     overlapped = plan_dict("diloco")
     overlapped["sync"].update(overlap=True)
-    with pytest.raises(UserError, match=r"^--overlap on: .*pass --overlap off"):
-        hv.resolve(plan_from_dict(overlapped))
+    assert hv.resolve(plan_from_dict(overlapped)).overlapped
+
+
+def test_background_round_nobody_completed_is_skipped_at_the_boundary():
+    """Overlap over hivemind: a background round that nobody completed (the attempt returns
+    None) is not redone; at the next boundary DiLoCo applies no outer step (the anchor stays,
+    the parameters keep their local progress) and the next pseudo-gradient carries both
+    rounds' drift; a round that completed is applied as with the store backend."""
+    from modules.sync.hivemind_outer import BackgroundRounds
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    sent = []
+
+    def attempt(flat, index):
+        sent.append(flat.clone())
+        return None if index == 0 else 1  # round 0 failed everywhere, round 1 completed
+
+    rounds = BackgroundRounds(attempt, lambda: None)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = DiLoCoOptimizer(model.parameters(), inner, inner_steps=1, overlap=True,
+                          reducer=rounds)
+    anchor0 = [a.clone() for a in opt.anchor]
+    for _ in range(2):  # boundary 1 launches round 0; boundary 2 collects it (skipped)
+        opt.zero_grad()
+        model(torch.ones(4)).sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.anchor, anchor0))  # no outer step
+    # no merge either: the parameters are the inner step's, nothing else
+    assert all(torch.equal(p, b.add(p.grad, alpha=-0.1))
+               for p, b in zip(model.parameters(), before))
+    pseudo = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(anchor0,
+                                                                    model.parameters())])
+    opt.zero_grad()
+    model(torch.ones(4)).sum().backward()
+    opt.step()  # boundary 3 collects round 1 (the worker has run it): applied
+    assert torch.equal(sent[1], pseudo)  # round 1 sent both rounds' drift
+    assert not all(torch.equal(a, b) for a, b in zip(opt.anchor, anchor0))
+    rounds.drain()
+    rounds.close()
 
 
 async def _peers_of(dht, node) -> list[str]:
@@ -373,3 +525,185 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
         roster.close()
         for d in (a, b):
             d.shutdown()
+
+
+class _FakeDHT:
+    """What Roster and HivemindOuter read of a DHT: `answers[key]` is what get returns."""
+
+    def __init__(self, peer_id: str = FAKE_ID) -> None:
+        from hivemind.p2p import PeerID
+
+        self.peer_id = PeerID.from_base58(peer_id)
+        self.answers: dict = {}
+
+    def get(self, key, latest=False):
+        return self.answers.get(key)
+
+    def get_visible_maddrs(self):
+        return []
+
+
+def _entries(**replicas):
+    """A DHT dictionary value: replica -> (roster entry of a --client-mode peer, expiration)."""
+    from hivemind.utils import ValueWithExpiration
+
+    return ValueWithExpiration({int(r[1:]): ValueWithExpiration([peer, []], exp)
+                                for r, (peer, exp) in replicas.items()}, max(
+                                    (e for _, e in replicas.values()), default=0.0))
+
+
+def test_roster_keeps_an_entry_until_it_expires(monkeypatch):
+    """A DHT read that comes back empty or partial (a lookup that timed out under load) does
+    not drop a replica whose entry has not expired; an expired one is dropped."""
+    import hivemind.utils
+
+    from modules.control.dht import Roster
+
+    now = [1000.0]
+    monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: now[0])
+    dht = _FakeDHT()
+    roster = Roster(dht, "rt", 0, 0, 3.0, log=print, client_mode=True)
+    key = "rt_roster_s0"
+    dht.answers[key] = _entries(r0=(FAKE_ID, 1003.0), r1=(PEER_B, 1003.0), r2=(PEER_C, 1002.0))
+    assert roster.live() == {0, 1, 2} and roster.peers() == {PEER_B, PEER_C}
+    dht.answers[key] = None  # a read that found nothing
+    assert roster.live() == {0, 1, 2}
+    now[0] = 1002.5  # replica 2's entry expired, and the read misses replica 1 (not expired)
+    dht.answers[key] = _entries(r0=(FAKE_ID, 1005.5))
+    assert roster.live() == {0, 1} and roster.peers() == {PEER_B}
+    now[0] = 1004.0
+    assert roster.live() == {0}
+
+
+PEER_B = "12D3KooWSjtLceP4PpkctnkcgjdXoGBmC2skoLb12ybijWGAF3EB"
+PEER_C = "12D3KooWEc18wRzA5EdjBmbApgEM78K2VMS3nWa4N523d64XHEph"
+
+
+class _FakeAverager:
+    """The averager's surface _recover_background uses: its prefix, peer id and the state a
+    peer shares (`shared`: (meta, tensors) or None)."""
+
+    prefix = "run_s0"
+
+    def __init__(self, dht) -> None:
+        self.peer_id, self.shared, self.loads = dht.peer_id, None, 0
+
+    def load_state_from_peers(self, timeout=None):
+        self.loads += 1
+        return self.shared
+
+
+def _background_outer(declared: dict[str, float], live: list[str], averaging_s: float):
+    """A HivemindOuter on fakes, after a failed background round: `declared`: peer -> the
+    rounds it declared done; `live`: the peers in the roster (besides me, replica 0)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    from modules.sync.hivemind_outer import HivemindOuter, HivemindSettings
+    from modules.sync.outer_deadlines import OuterDeadlines
+
+    hv = HivemindOuter.__new__(HivemindOuter)
+    hv.cfg = HivemindSettings((), (), (), False, "run", 30.0, 3.0, 2, 3, "none", None, None)
+    hv.deadlines = OuterDeadlines(0.5, averaging_s, None, "test")
+    hv.stage, hv.replica, hv.background, hv.completed = 0, 0, True, 0
+    hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
+    hv.log = hv.lines.append
+    hv.dht = _FakeDHT()
+    hv.averager = _FakeAverager(hv.dht)
+    hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
+        {PeerID.from_base58(p).to_bytes(): ValueWithExpiration(v, 2e9)
+         for p, v in declared.items()}, 2e9)
+
+    class Roster:
+        def live(self):
+            return {0} | {i + 1 for i in range(len(live))}
+
+        def peers(self, sharing=False):
+            return set(live)
+
+    hv.roster = Roster()
+    return hv
+
+
+def test_background_round_completed_only_by_a_dead_replica_is_skipped():
+    """Overlap: round 3 (index 2) failed here; the only replica that declared it done is no
+    longer in the roster (it completed the round and was killed): the survivors skip it once
+    no live replica declared it for the averaging deadline, rather than waiting --timeout-s
+    for an average nobody alive has and stopping."""
+    hv = _background_outer({PEER_C: 3.0, PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(OuterRoundSkipped):
+        hv._recover_background(torch.zeros(4), 2)
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert hv.averager.loads == 0 and "failed on every live replica" in hv.lines[-1], hv.lines
+
+
+def test_background_round_completed_by_a_live_replica_takes_its_average():
+    """Overlap: a live replica declared round 3 done and shares its average: it is copied into
+    the job's tensor (0 bytes sent), and this replica declares the round done in turn."""
+    hv = _background_outer({PEER_B: 3.0}, [PEER_B], averaging_s=1.0)
+    average = torch.arange(4.0)
+    hv.averager.shared = ({"run": "run", "results": [1, 2]},
+                          [torch.zeros(4), torch.zeros(0), torch.ones(4), average])
+    hv.averager.state_sharing_priority = 0.0
+    flat = torch.zeros(4)
+    assert hv._recover_background(flat, 2) == 0
+    assert torch.equal(flat, average) and hv.completed == 3
+    assert hv.averager.state_sharing_priority == 3.0 and torch.equal(hv.results[2], average)
+
+
+def test_every_attempt_of_a_round_uses_the_rounds_group_key():
+    """hivemind moves a peer's group bits on when a group is assembled (each member to other
+    bits), so an attempt that assembled a group and then failed (a replica killed in it) left
+    the survivors on different keys: each attempt sets the round's bits again, and hivemind
+    does not retry inside a step (its retries would use the moved bits)."""
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
+    hv._set_target = lambda size: None
+    calls = []
+
+    def set_group_bits(bits):
+        hv.averager.bits = bits
+
+    def step(gather, weight, timeout, allow_retries=True):
+        calls.append((hv.averager.bits, allow_retries))
+        if len(calls) == 1:  # assembled, then a member died mid-way: hivemind moved the bits
+            hv.averager.bits = "1" + hv.averager.bits[1:]
+            raise RuntimeError("a peer left the round mid-way")
+        assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
+        return {b"a": {"replica": 0}, b"b": {"replica": 1}}
+
+    hv.averager.set_group_bits, hv.averager.step = set_group_bits, step
+    assert hv._round(5, 1.0) == [0, 1]
+    assert calls == [(format(5, "016b"), False)] * 2, calls
+
+
+def test_a_replica_lingers_until_the_others_declared_its_last_round():
+    """After the last step a replica stays (sharing) until every live sharing replica declared
+    the rounds it completed: a peer whose side of the last round failed takes it from it
+    meanwhile; bounded (matchmaking + 2 x averaging deadline) when one never does."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    hv = _background_outer({PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    hv.completed = 3
+    polls = []
+    live = hv.roster.live
+
+    def live_then_b_catches_up():
+        polls.append(1)
+        if len(polls) == 3:  # B took round 3 from me and declared it
+            hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
+                {PeerID.from_base58(PEER_B).to_bytes(): ValueWithExpiration(3.0, 2e9)}, 2e9)
+        return live()
+
+    hv.roster.live = live_then_b_catches_up
+    t0 = time.monotonic()
+    hv.linger()
+    assert len(polls) == 3 and time.monotonic() - t0 < 2.0 and hv.lines == [], hv.lines
+    hv = _background_outer({PEER_B: 2.0}, [PEER_B], averaging_s=1.0)
+    hv.completed = 3
+    t0 = time.monotonic()
+    hv.linger()  # B never declares round 3: leave after 0.5 + 2 x 1.0 s, saying so
+    assert 2.4 < time.monotonic() - t0 < 5.0
+    assert f"leaving before replica peer(s) ['{PEER_B}'] declared round 3" in hv.lines[-1]

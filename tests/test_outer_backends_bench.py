@@ -52,8 +52,9 @@ def test_rows_flag_and_refusals():
         ob.rows_arg("shaped,wan")
 
 
-def test_hivemind_overlap_row_is_refused_by_dist_runners_own_check(tmp_path):
+def test_overlap_rows_run_with_both_backends(tmp_path):
+    """dist_runner's own check refuses neither overlap row (--overlap on runs over hivemind)."""
     plan = ob.make_plan(tmp_path, overlap=True)
-    assert ob.refusal("hivemind", plan).startswith("--overlap on:")
+    assert ob.refusal("hivemind", plan) == ""
     assert ob.refusal("store", plan) == ""
     assert ob.refusal("hivemind", ob.make_plan(tmp_path)) == ""

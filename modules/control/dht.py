@@ -119,15 +119,67 @@ def _watch_parent(poll_s: float) -> None:
     threading.Thread(target=watch, name="orphan-guard", daemon=True).start()
 
 
-def _children(name: str) -> list[int]:
-    """Pids of this process's children called `name` (from /proc)."""
-    me, out = str(os.getpid()), []
+def _children(name: str, parent: int | None = None) -> list[int]:
+    """Pids of the children called `name` of `parent` (default: this process), from /proc."""
+    me, out = str(parent or os.getpid()), []
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError, IndexError):
             if (entry.name.isdigit() and (entry / "comm").read_text().strip() == name
                     and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me):
                 out.append(int(entry.name))  # stat's 4th field: the parent's pid
     return out
+
+
+def stop_now(pids: Sequence[int]) -> None:
+    """The emergency exit of a rank (SIGTERM, a fatal error; it os._exits next): stop its
+    hivemind processes `pids` (DHT, averager) and their p2pd at once, with nothing printed.
+
+    Why not their own shutdown, or the orphan guard alone: hivemind's processes pass every
+    MPFuture's result pipe to each other by SCM_RIGHTS through multiprocessing's
+    resource_sharer, whose receiving side connects back to the *sending* process's listener
+    thread after the message arrived. A process that dies (os._exit, or os._exit noticed by
+    the guard up to a second later, one process at a time) between a send and that fetch
+    leaves the other with an EOFError inside multiprocessing (the DHT process's loop dies
+    with "Process DHT-1: Traceback ... resource_sharer.py"), or with a traceback from the
+    listener thread (sys.excepthook). Here no process can see another die: both are first
+    stopped (SIGSTOP: frozen, their sockets still open), their p2pd told to stop (SIGTERM;
+    its connections close, so peers see this replica leave now), then both killed."""
+    import multiprocessing.util
+
+    # this process's own resource_sharer thread stays silent when a stopped peer's pending
+    # fetch breaks: it reports errors only while multiprocessing.util.is_exiting() is False,
+    # which is what the interpreter's own exit sets first (this process is exiting)
+    multiprocessing.util._exiting = True
+    for sig in (signal.SIGSTOP, None, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(OSError):  # already gone
+                if sig is None:
+                    for daemon in _children("p2pd", pid):
+                        os.kill(daemon, signal.SIGTERM)
+                else:
+                    os.kill(pid, sig)
+
+
+def hand_over_fds(timeout_s: float = 2.0) -> None:
+    """In a hivemind process that is about to exit on its own (the averager after its
+    shutdown): wait, at most `timeout_s`, until the other processes have collected every
+    file descriptor it offered them, then stop its resource_sharer thread.
+
+    Each DHT call sends an MPFuture whose result pipe travels by SCM_RIGHTS through
+    multiprocessing's resource_sharer: the receiver (the DHT process) fetches it from this
+    process's listener after reading the message. The averager's last calls (matchmaking
+    cancelled by the shutdown declares it is no longer looking) are often still unfetched
+    when its process ends; the DHT process then connects to a listener that died with the
+    connection pending and its loop dies with an EOFError ("Process DHT-1: Traceback ...
+    resource_sharer.py"). Stopping the thread after the wait lets the transfer in progress
+    finish (it serves connections one at a time) and closes the listener before exiting."""
+    from multiprocessing import resource_sharer
+
+    pending = getattr(resource_sharer._resource_sharer, "_cache", {})  # key -> fd offered
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    resource_sharer.stop(timeout=timeout_s)
 
 
 def visible_maddrs(dht: Any) -> list[str]:
@@ -172,6 +224,8 @@ class Roster:
         self.maddrs = [] if client_mode else visible_maddrs(dht)
         self.linked: set[str] = {str(dht.peer_id)}
         """Peers this rank's p2pd was told to connect to (itself: nothing to do)."""
+        self.seen: dict[int, tuple[Any, float]] = {}
+        """Replica -> (its entry, the entry's expiration time), from the reads so far."""
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="dht-roster", daemon=True)
 
@@ -194,12 +248,30 @@ class Roster:
                 self.log(f"warning: DHT roster refresh failed ({first(e)})")
 
     def live(self) -> set[int]:
-        """Replicas whose entry has not expired (mine included)."""
+        """Replicas whose entry has not expired (mine included).
+
+        An entry read once counts until its own expiration time, also when a later read
+        misses it: under load a DHT get can come back empty or partial (a lookup that timed
+        out), and a live replica must not flap out of the roster (that shrank the next
+        group's target and logged a live replica as gone)."""
+        from hivemind.utils import get_dht_time
+
         found = self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {self.replica}
-        self._link([e.value for e in found.value.values()])
-        return {int(k) for k in found.value} | {self.replica}
+        if found is not None and isinstance(found.value, dict):
+            self._link([e.value for e in found.value.values()])
+            for k, e in found.value.items():
+                if e.expiration_time > self.seen.get(int(k), (None, 0.0))[1]:
+                    self.seen[int(k)] = (e.value, e.expiration_time)
+        now = get_dht_time()
+        self.seen = {r: v for r, v in self.seen.items() if v[1] > now}
+        return set(self.seen) | {self.replica}
+
+    def peers(self, sharing: bool = False) -> set[str]:
+        """Peer ids (base58) of the replicas `live` last saw, mine excluded; `sharing`: only
+        those that announce addresses (a --client-mode replica shares no state)."""
+        return {str(v[0][0]) for r, v in self.seen.items()
+                if r != self.replica and isinstance(v[0], list) and v[0]
+                and (not sharing or (len(v[0]) > 1 and v[0][1]))}
 
     def _link(self, entries: list[Any]) -> None:
         """Connect my p2pd to every replica of the roster it was not told of yet, at the

@@ -53,7 +53,8 @@ class Reducer(Protocol):
         ...
 
     def finish(self, job: OuterJob) -> None:
-        """Block until `job.flat` holds the average."""
+        """Block until `job.flat` holds the average (OuterRoundSkipped: nobody completed the
+        round; DiLoCo skips that outer step)."""
         ...
 
 
@@ -225,8 +226,11 @@ class DiLoCoOptimizer:
             return
         job = self.pending.pop(f, None)
         if job is not None:
-            self.reducer.finish(job)
-            self._outer_update(f, job.flat)
+            try:
+                self.reducer.finish(job)
+                self._outer_update(f, job.flat)
+            except OuterRoundSkipped:  # nobody completed it (hivemind): no outer step; the
+                pass  # anchor stays, so the next pseudo-gradient carries this round's drift
         self.pending[f] = self.reducer.launch(self._pseudo(f), self.syncs)
         self.syncs += 1
 

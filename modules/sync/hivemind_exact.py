@@ -34,6 +34,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
 
+from modules.control.dht import hand_over_fds
 from modules.quant.allreduce import (
     SEGMENT,
     chunk_bounds,
@@ -260,6 +261,12 @@ class ExactAverager(DecentralizedAverager):
         self.wire = wire
         self.state_fn = state_fn
         super().__init__(tensors, dht, **kwargs)
+
+    def run(self) -> None:
+        """(the averager process) hivemind's loop until shutdown, then hand over the file
+        descriptors still offered to the DHT process before exiting (dht.hand_over_fds)."""
+        super().run()
+        hand_over_fds()
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
         """The state a loading peer receives (the host process's latest snapshot)."""

@@ -17,6 +17,15 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   model, bit-identical again); if nobody did, the round is skipped with the local
   pseudo-gradient kept (the next round's carries both), the same choice on every replica
   that saw it fail, so they stay equal;
+- with sync.overlap (BackgroundRounds, below) the rounds run on a background thread
+  that never touches the model: a round that failed here is completed with the average of a
+  live replica that completed it (downloaded from that replica's shared state), or, when no
+  live replica completed it, ends as skipped, and the training thread skips the outer step
+  at the next round boundary (the local pseudo-gradient stays: the next one carries both
+  rounds' drift);
+- every attempt of a round sets the round's group bits again (hivemind moves them on once a
+  group is assembled); after its last step a replica lingers until the others declared its
+  last round (`linger`), so that one whose side of it failed can take it from it;
 - a replica started with --join loads the outer model, momentum and round count from the
   most advanced peer (bounded attempts, each within the averaging deadline, with a message
   per attempt), then takes part in the next round with weight 0 and continues bit-identical.
@@ -27,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +47,7 @@ import torch
 
 from formats.cluster import Cluster
 from formats.plan import Plan
-from modules.comm import PeerError
+from modules.comm import CommStats, PeerError
 from modules.control.dht import (
     Roster,
     SplitGuard,
@@ -46,10 +56,12 @@ from modules.control.dht import (
     parse_maddrs,
     run_id,
     start_dht,
+    stop_now,
 )
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.outer_deadlines import OuterDeadlines, derive
+from modules.sync.overlap import OuterJob, OverlapSync
 
 if TYPE_CHECKING:
     from modules.config import ResolvedRun
@@ -58,6 +70,9 @@ ROUND_BITS = 16
 """Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""
+KEEP_RESULTS = 2
+"""Overlap: the last averaged results a replica shares (a peer that failed round k fetches
+it while this replica may already have completed round k + 1)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,11 @@ class HivemindOuter:
         self.rounds_s: list[float] = []
         """Seconds of every completed round (matchmaking included)."""
         self.lock = threading.Lock()
+        self.background = False
+        """sync.overlap: rounds run on the background thread (the only one that calls the
+        averager); a failed round takes a peer's average of it, never a peer's state."""
+        self.results: dict[int, torch.Tensor] = {}
+        """Overlap: round -> its average, the last KEEP_RESULTS completed (shared with peers)."""
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
@@ -128,6 +148,9 @@ class HivemindOuter:
         self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
         self.publish(outer)
+        # hivemind's run_in_background sets SIGINT to SIG_IGN in this (the host) process, not
+        # only in the averager's: put Ctrl+C back afterwards, or a replica ignores it
+        on_int = signal.getsignal(signal.SIGINT)
         self.averager = ExactAverager(
             [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
             state_fn=self._shared,
@@ -138,6 +161,8 @@ class HivemindOuter:
             next_chunk_timeout=avg_s,  # hivemind's per-chunk wait when loading state
             initial_group_bits="0" * ROUND_BITS,
             client_mode=cfg.client_mode, declare_state_period=max(2.0, cfg.heartbeat_s))
+        if threading.current_thread() is threading.main_thread() and on_int is not None:
+            signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
                              self.log, client_mode=cfg.client_mode)
@@ -145,6 +170,8 @@ class HivemindOuter:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
                                 list(cfg.initial_peers), self.log)
+        if not joining:  # the start barrier before step 1, as the store's rendezvous
+            self._await_start()
 
     # -- one round ---------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, index: int) -> int:
@@ -157,6 +184,8 @@ class HivemindOuter:
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(flat)
         group = self._round(index, weight)
+        if group is None and self.background:
+            return self._recover_background(flat, index)
         if group is None:
             raise self._recover(index)
         with self.averager.get_tensors() as tensors:
@@ -164,14 +193,27 @@ class HivemindOuter:
         took = time.monotonic() - t0
         self.rounds_s.append(took)
         self._report(index, took, sorted(group))
-        self.completed = index + 1
+        self._completed(index, flat)
         return self._bytes_sent(flat.numel(), group)
+
+    def _completed(self, index: int, average: torch.Tensor) -> None:
+        """Round `index` is done here; with overlap, share its average and say so in the DHT
+        at once (the state-sharing priority: the rounds completed)."""
+        self.completed = index + 1
+        if not self.background:
+            return  # publish, on the training thread, declares it with the outer state
+        with self.lock:
+            self.results[index] = average.detach().cpu().float().clone()
+            for old in sorted(self.results)[:-KEEP_RESULTS]:
+                del self.results[old]
+        if not self.cfg.client_mode:  # a client shares nothing
+            self.averager.state_sharing_priority = float(self.completed)
 
     def _round(self, index: int, weight: float) -> list[int] | None:
         """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
         the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
-        self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        bits = format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
         give_up = time.monotonic() + cfg.timeout_s
         while True:
             live = self.roster.live()
@@ -190,11 +232,17 @@ class HivemindOuter:
                 time.sleep(0.5)
                 continue
             self._set_target(max(2, len(live)))
+            # the round's key again at every attempt, and no retry inside hivemind's step:
+            # hivemind moves a peer's group bits on as soon as a group is assembled
+            # (update_key_on_group_assembled), each member to other bits, so after a group
+            # that failed mid-way (a replica killed in it) the survivors' retries never met
+            # again and the round failed on all of them after --timeout-s
+            self.averager.set_group_bits(bits)
             t1 = time.monotonic()
             try:
                 gathered = self.averager.step(
                     gather={"replica": self.replica, "round": index}, weight=weight,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s)
+                    timeout=deadlines.matchmaking_s + deadlines.averaging_s, allow_retries=False)
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
@@ -202,13 +250,14 @@ class HivemindOuter:
                          f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
                          f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
                          f"live replicas {sorted(live)}): {first(e)}")
-            if time.monotonic() > give_up or self._best_peer_rounds() > index:
+            if time.monotonic() > give_up or self._best_peer_rounds(self.background) > index:
                 return None  # others completed it without me: take their state
 
     def _await_start(self) -> None:
-        """Before the first round: wait (at most --timeout-s) until every replica of the plan is
-        in the roster, as the store's rendezvous waits for every rank, so that a replica slower
-        to start is not left out of round 1."""
+        """Before step 1 (`attach`): wait (at most --timeout-s) until every replica that starts
+        is in the roster, as the store's rendezvous waits for every rank, so that a replica
+        slower to start is not left out of round 1 and round 1 does not carry the wait (with
+        overlap: on the background thread, where the training thread would wait for it)."""
         expected, t0 = self.cfg.starting, time.monotonic()
         live = self.roster.live()
         if len(live) < expected:
@@ -272,15 +321,96 @@ class HivemindOuter:
                  "tried it; skipped, keeping the local pseudo-gradient for the next round")
         return OuterRoundSkipped(None)
 
-    def _best_peer_rounds(self) -> float:
-        """The most rounds any other peer of my stage declared done (-1: none declared)."""
+    def _recover_background(self, flat: torch.Tensor, index: int) -> int:
+        """Overlap, after round `index` failed here (the background thread): put the average of
+        a live replica that completed it into `flat` (0 bytes sent), or raise
+        OuterRoundSkipped(None) once no live replica has declared it done for the averaging
+        deadline in a row (nobody alive has it: every survivor skips it); PeerError when live
+        replicas declared it done and none shared it within --timeout-s.
+
+        Only live replicas (the roster) count: a replica that completed the round and died
+        at once (killed mid-round, the others' parts already in) left a declaration that
+        outlives it, and waiting for its average made every survivor stop after --timeout-s.
+        A survivor that did take the average from it declares it in turn, and the others
+        take it from that survivor."""
+        give_up = time.monotonic() + self.cfg.timeout_s
+        quiet_since = time.monotonic()
+        while True:
+            self.roster.live()  # refreshes who counts
+            if self._best_peer_rounds(live_only=True) > index:
+                quiet_since = time.monotonic()
+                got = self._fetch()
+                if got is not None and index in got[0]:
+                    flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
+                    self.log(f"outer round {index + 1} of stage {self.stage} failed here; took "
+                             "its average from a replica that completed it")
+                    self._completed(index, flat)
+                    return 0
+            elif time.monotonic() - quiet_since > self.deadlines.averaging_s:
+                self.log(f"outer round {index + 1} of stage {self.stage} failed on every live "
+                         "replica that tried it; skipped at the next round boundary, keeping "
+                         "the local pseudo-gradient for the next round")
+                raise OuterRoundSkipped(None)
+            if time.monotonic() > give_up:
+                raise PeerError(f"outer round {index + 1} of stage {self.stage}: a replica "
+                                f"completed it but none shared its average within "
+                                f"{self.cfg.timeout_s:g} s (--timeout-s); stopping rather than "
+                                "leaving the outer models apart")
+            time.sleep(0.5)
+
+    def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
+        """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
+        try:
+            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+        except TimeoutError:
+            return None
+        if got is None or got[0].get("run") != self.cfg.run:
+            return None
+        rounds = [int(r) for r in got[0].get("results", [])]
+        return rounds, list(got[1][2:2 + len(rounds)])
+
+    def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
+        """Peer id -> the rounds that peer of my stage declared done, me excluded;
+        `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
+        not in --client-mode)."""
         found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
-            return -1.0
-        values = [v.value for k, v in found.value.items()
-                  if k != mine and isinstance(v.value, (int, float))]
-        return max(values, default=-1.0)
+            return {}
+        live = {_peer_bytes(p) for p in self.roster.peers(sharing)}
+        return {k: float(v.value) for k, v in found.value.items()
+                if k != mine and isinstance(v.value, (int, float))
+                and (not live_only or k in live)}
+
+    def _best_peer_rounds(self, live_only: bool = False) -> float:
+        """The most rounds any other peer of my stage declared done (-1: none declared)."""
+        return max(self._declared(live_only).values(), default=-1.0)
+
+    def linger(self) -> None:
+        """After the last step, before `close`: stay (sharing my state and averages) until
+        every live replica that shares state declared the rounds I completed, at most one
+        failed attempt and one download (matchmaking + 2 x averaging deadline).
+
+        Why: a replica leaves as soon as its last round completed here; a peer whose side of
+        that round failed (the leaver's last means were still on the wire when its p2pd
+        stopped: seen in the kill test, 0.3 s into the round) then found nobody to take the
+        round from, and skipped it (or, before, exited 1 after --timeout-s) while the leaver
+        had applied it. Clients declare nothing and are not waited for."""
+        if (self.averager is None or self.deadlines is None or self.cfg.client_mode
+                or not self.completed):
+            return
+        d, waiting = self.deadlines, set()
+        until = time.monotonic() + d.matchmaking_s + 2 * d.averaging_s
+        while time.monotonic() < until:
+            self.roster.live()
+            declared = self._declared(live_only=True, sharing=True)
+            waiting = {p for p in self.roster.peers(sharing=True)
+                       if declared.get(_peer_bytes(p), -1.0) < self.completed}
+            if not waiting:
+                return
+            time.sleep(0.5)
+        self.log(f"leaving before replica peer(s) {sorted(waiting)} declared round "
+                 f"{self.completed} of stage {self.stage} done")
 
     def load_state(self) -> OuterState | None:
         """The outer state of the most advanced peer (None when none answered in time)."""
@@ -308,13 +438,18 @@ class HivemindOuter:
                 "momentum": has_momentum, "completed": self.completed}
         with self.lock:
             self.snapshot = (meta, tensors)
+        if self.background:  # the background thread declares its rounds (_completed)
+            return
         if self.averager is not None and not self.cfg.client_mode:  # a client shares no state
             self.averager.state_sharing_priority = float(self.completed)
 
     def _shared(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a loading peer gets: the outer state and (overlap) the last rounds' averages."""
         with self.lock:
             assert self.snapshot is not None
-            return self.snapshot
+            meta, tensors = self.snapshot
+            rounds = sorted(self.results)
+            return {**meta, "results": rounds}, tensors + [self.results[r] for r in rounds]
 
     def join(self) -> OuterState:
         """--join: the state of a live peer, in at most JOIN_ATTEMPTS tries (PeerError after)."""
@@ -337,6 +472,11 @@ class HivemindOuter:
                         f"stage {self.stage} in {JOIN_ATTEMPTS} attempts (initial peers "
                         f"{','.join(self.cfg.initial_peers) or '(none)'}); is the run alive?")
 
+    def abort(self) -> None:
+        """The rank's emergency exit (it os._exits next; any thread, no lock): the DHT and
+        averager processes and their p2pd stop now, silently (modules.control.dht.stop_now)."""
+        stop_now([p.pid for p in (self.averager, self.dht) if p is not None and p.pid])
+
     def close(self) -> None:
         """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
         with self.lock:
@@ -347,6 +487,63 @@ class HivemindOuter:
                     with contextlib.suppress(Exception):  # already gone
                         part.shutdown()
             self.averager = self.dht = self.roster = None
+
+
+class BackgroundRounds(OverlapSync):
+    """sync.overlap over hivemind: the rounds run on OverlapSync's worker thread, which never
+    touches the model; a round that failed there (nobody completed it: the attempt returned
+    None) is not redone, `finish` raises OuterRoundSkipped(None) on the training thread at the
+    next round boundary and DiLoCo skips that outer step (a round that failed only here was
+    already completed on the worker with a peer's average: HivemindOuter._recover_background)."""
+
+    def finish(self, job: OuterJob) -> None:
+        """Block until `job` is over; OuterRoundSkipped(None) when nobody completed it."""
+        t0 = time.perf_counter()
+        try:
+            job.done.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        self.jobs.remove(job)
+        if job.error is not None:
+            raise job.error
+        if not job.ok:
+            raise OuterRoundSkipped(None)
+
+    def drain(self) -> None:
+        """Wait for every job in flight; results (or skips) stay for `finish`."""
+        t0 = time.perf_counter()
+        try:
+            for j in list(self.jobs):
+                j.done.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        for j in self.jobs:
+            if j.error is not None:
+                raise j.error
+
+
+def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
+                       ) -> Callable[[torch.Tensor, int], int | None]:
+    """BackgroundRounds' attempt: one hivemind round on the worker thread; the bytes sent
+    (counted into `stats`, the background accounting), or None when nobody completed it."""
+    hivemind.background = True
+
+    def attempt(flat: torch.Tensor, index: int) -> int | None:
+        try:
+            sent = hivemind.all_reduce(flat, index)
+        except OuterRoundSkipped:
+            return None
+        if stats is not None:
+            stats.bytes_sent += sent
+        return sent
+    return attempt
+
+
+def _peer_bytes(peer: str) -> bytes:
+    """A peer id's bytes (the DHT's subkeys) from its base58 text (the roster's)."""
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(peer).to_bytes()
 
 
 def quiet_hivemind() -> None:

@@ -57,8 +57,14 @@ class OuterSync:
         to a step's record when counted)."""
         self.seen = (0, 0.0)
         """(background bytes, exposed wait s) already attributed to a step's record."""
-        self.overlap: OverlapSync | None = (
-            OverlapSync(self._attempt, self.refresh, log) if run.overlapped else None)
+        self.overlap: OverlapSync | None = None
+        if run.overlapped and hivemind is not None:  # rounds in the averager's background
+            from modules.sync.hivemind_outer import BackgroundRounds, background_attempt
+
+            self.overlap = BackgroundRounds(background_attempt(hivemind, background_stats),
+                                            lambda: None, log)
+        elif run.overlapped:
+            self.overlap = OverlapSync(self._attempt, self.refresh, log)
         """Runs the outer all-reduces in the background (modules.sync.overlap)."""
         self.average: GroupAverage = no_average
         """Averages a flat tensor over my stage group (sync.compression's payload)."""

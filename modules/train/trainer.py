@@ -261,6 +261,8 @@ class Trainer:
             self.log(saved)
         sys.stdout.flush()
         sys.stderr.flush()
+        if self.hivemind is not None:  # its processes stop first, so none sees this one die
+            self.hivemind.abort()
         os._exit(status)
 
     # -- the state a checkpoint holds --------------------------------------------------------
