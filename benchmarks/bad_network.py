@@ -239,7 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default=str(ROOT / "out/bad_network"), help="where it all goes")
     p.add_argument("--quick", action="store_true",
-                   help="the lab only, fewer steps (about 12 minutes on 2 shared cores)")
+                   help="the lab only, fewer steps (about 9 minutes on 2 quiet cores)")
     p.add_argument("--seed", type=int, default=0, help="scenario, search and data seed")
     p.add_argument("--model", default="gpt-tiny", help="model preset (default gpt-tiny)")
     p.add_argument("--micro-batch-size", type=int, default=4)
