@@ -150,14 +150,16 @@ def stop_now(pids: Sequence[int]) -> None:
     # fetch breaks: it reports errors only while multiprocessing.util.is_exiting() is False,
     # which is what the interpreter's own exit sets first (this process is exiting)
     multiprocessing.util._exiting = True
-    for sig in (signal.SIGSTOP, None, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(OSError):  # already gone
-                if sig is None:
-                    for daemon in _children("p2pd", pid):
-                        os.kill(daemon, signal.SIGTERM)
-                else:
-                    os.kill(pid, sig)
+    _signal(pids, signal.SIGSTOP)
+    _signal([daemon for pid in pids for daemon in _children("p2pd", pid)], signal.SIGTERM)
+    _signal(pids, signal.SIGKILL)
+
+
+def _signal(pids: Sequence[int], sig: int) -> None:
+    """Send `sig` to each of `pids` (one already gone is skipped)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
 
 
 def hand_over_fds(timeout_s: float = 2.0) -> None:

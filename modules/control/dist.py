@@ -89,6 +89,12 @@ class Topology:
         """Whether this rank runs the last stage (computes the loss)."""
         return self.stage == self.num_stages - 1
 
+    @property
+    def reports(self) -> bool:
+        """Whether this rank speaks for its replica: the last stage's first shard (it has the
+        replica's loss; one metrics writer per replica, the --stop-at-loss decider)."""
+        return self.is_last and self.shard == 0
+
 
 def _stages_text(plan: Plan) -> str:
     """'2 stages', or with shard groups '2 stages of D = [2, 2] devices'."""

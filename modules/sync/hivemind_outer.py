@@ -250,8 +250,10 @@ class HivemindOuter:
                          f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
                          f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
                          f"live replicas {sorted(live)}): {first(e)}")
-            if time.monotonic() > give_up or self._best_peer_rounds(self.background) > index:
-                return None  # others completed it without me: take their state
+            # others completed it without me: take their state (with overlap, a live one's)
+            done = self._best_peer_rounds(live_only=self.background) > index
+            if time.monotonic() > give_up or done:
+                return None
 
     def _await_start(self) -> None:
         """Before step 1 (`attach`): wait (at most --timeout-s) until every replica that starts
@@ -377,7 +379,7 @@ class HivemindOuter:
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
             return {}
-        live = {_peer_bytes(p) for p in self.roster.peers(sharing)}
+        live = {_peer_bytes(p) for p in self.roster.peers(sharing)} if live_only else set()
         return {k: float(v.value) for k, v in found.value.items()
                 if k != mine and isinstance(v.value, (int, float))
                 and (not live_only or k in live)}

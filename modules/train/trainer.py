@@ -300,7 +300,7 @@ class Trainer:
             self.ckpt.load(self.groups.world, self.restore)
             self.log(f"resumed from step {self.step}")
         resume = self.step if cfg.ckpt.resume else None
-        reports = topo.is_last and topo.shard == 0  # one writer per replica
+        reports = topo.reports  # one writer per replica
         writer = open_trackers(cfg.metrics, topo.replica, resume) if reports else None
         # the plan as this rank runs it (its overrides applied): what explain replays
         timing = open_rank_timing(cfg.metrics, topo.rank, self.plan, resume)
@@ -463,7 +463,7 @@ class Trainer:
             return False
         t0, topo, decider = time.perf_counter(), self.topo, min(self.replicas)
         try:
-            if topo.is_last and topo.shard == 0 and topo.replica == decider:
+            if topo.reports and topo.replica == decider:
                 decision = stopping.decide(self.step, rec.get("val_loss"), topo.replica)
             else:
                 decision = stopping.follow(self.step, decider)
