@@ -476,3 +476,34 @@ def test_the_ftz_model_sees_what_flushing_does_to_denormals():
     assert flushed[:4].tolist() == [9, 0, 0, 0]  # the CPU gives 9, 1, -1, 1
     assert ftz_ops("\tdiv.rn.ftz.f32 %f1, %f2, %f3;\n\tmax.f32 %f4, %f1, %f2;\n"
                    "\tcvt.rzi.ftz.s32.f32 %r1, %f4;\n") == {"div", "rint"}
+
+
+def test_cupy_14_gets_the_unique_id_as_bytes(gpu, monkeypatch):
+    """cupy >= 14's NcclCommunicator takes the id as 128 bytes and refuses a tuple with the
+    TypeError seen on an H100 (cupy 14.2.0); cupy <= 13 takes the tuple of C chars."""
+    import cupy
+
+    from modules.comm.nccl import encode_unique_id
+
+    nccl, got = cupy.cuda.nccl, []
+
+    def bytes_only(size: int, uid, rank: int) -> FakeNcclComm:  # noqa: ANN001
+        if not isinstance(uid, bytes):
+            raise TypeError("Argument 'commId' has incorrect type (expected bytes, got tuple)")
+        got.append(uid)
+        return FakeNcclComm(gpu.log, size, uid, rank)
+
+    monkeypatch.setattr(nccl, "NcclCommunicator", bytes_only)
+    _comm().close()
+    assert got == [encode_unique_id(nccl.get_unique_id())]
+
+
+def test_other_type_errors_from_cupy_are_not_swallowed(gpu, monkeypatch):
+    import cupy
+
+    def broken(size: int, uid, rank: int) -> None:  # noqa: ANN001
+        raise TypeError("an integer is required")
+
+    monkeypatch.setattr(cupy.cuda.nccl, "NcclCommunicator", broken)
+    with pytest.raises(TypeError, match="integer"):
+        _comm()

@@ -12,10 +12,13 @@ import threading
 import time
 from pathlib import Path
 
-import paramiko
 import pytest
-from conftest import ROOT, run_entry
-from test_ssh_helpers import free_port, keygen, sshd_missing, start_sshd
+
+paramiko = pytest.importorskip(
+    "paramiko", reason="paramiko is not installed (the SSH launchers need it: pip install -e .)")
+
+from conftest import ROOT, run_entry  # noqa: E402
+from test_ssh_helpers import free_port, keygen, sshd_missing, start_sshd  # noqa: E402
 
 pytestmark = pytest.mark.ssh
 

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts.netemu import sshctl
+pytest.importorskip(
+    "paramiko", reason="paramiko is not installed (the SSH launchers need it: pip install -e .)")
+
+from scripts.netemu import sshctl  # noqa: E402
 from scripts.netemu.hostlist import HostEntry
 
 

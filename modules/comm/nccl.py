@@ -82,6 +82,17 @@ def share_unique_id(store: dist.Store, key: str, is_first: bool,
     return decode_unique_id(store.get(key))
 
 
+def new_communicator(nccl, size: int, uid: Sequence[int], rank: int):  # noqa: ANN001, ANN201
+    """cupy's NcclCommunicator for `uid`: cupy <= 13 takes the id as a tuple of C chars, cupy 14
+    as 128 bytes (it raises TypeError naming bytes for a tuple, before NCCL is called)."""
+    try:
+        return nccl.NcclCommunicator(size, tuple(uid), rank)
+    except TypeError as e:
+        if "bytes" not in str(e):
+            raise
+    return nccl.NcclCommunicator(size, encode_unique_id(uid), rank)
+
+
 def meet(store: dist.Store, prefix: str, rank: int, ranks: Sequence[int],
          timeout_s: float) -> None:
     """Announce `rank` under `prefix` and wait for every one of `ranks`; CommError naming the
@@ -144,7 +155,7 @@ class CupyNcclCommunicator(GroupMembership):
         uid = share_unique_id(store, nccl_unique_id_key(name, self.ranks), rank == self.ranks[0],
                               nccl.get_unique_id, timeout_s)
         with cupy.cuda.Device(self.device.index):
-            self._comm = nccl.NcclCommunicator(self.size, uid, self.group_rank)
+            self._comm = new_communicator(nccl, self.size, uid, self.group_rank)
         index = self.device.index
         self.watchdog = Watchdog(timeout_s, self._comm.abort, on_failure=on_failure,
                                  thread_init=lambda: torch.cuda.set_device(index))
