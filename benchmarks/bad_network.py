@@ -17,7 +17,8 @@ tokens/s, the validation loss after the same number of tokens relative to allred
 text, the same seed), and the training seconds to reach allreduce's final validation loss
 (seconds_to_allreduce_loss; evaluated every --eval-every steps, evaluations left out of all
 timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
-row's first launch after the warm-up (lab.read_metrics). Allreduce trains first, --steps steps,
+row's first launch after the warm-up, on the run's clock: its slowest replica's, less the
+slowest replica's evaluations (lab.read_metrics, lab.run_clock). Allreduce trains first, --steps steps,
 and every other row trains on in the same launch for allreduce's training seconds (steps from
 its predicted s/step, lab.budget_steps), or until an evaluation from step --steps on reaches
 allreduce's final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its

@@ -20,7 +20,13 @@ from formats.cluster import Cluster, load_cluster, save_cluster
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import load_plan
-from formats.run_metrics import STATUS_ENV, STATUS_PREFIX, format_status, parse_status
+from formats.run_metrics import (
+    STATUS_ENV,
+    STATUS_PREFIX,
+    format_status,
+    parse_status,
+    replica_metrics_path,
+)
 from scheduler.scenarios import make_scenario
 from scheduler.simulator.kernel import OUTER_CPU_FIELD as OUTER_FIELD
 
@@ -419,9 +425,8 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | 
     a prediction by, and a DiLoCo row reaches its steady step only after its first rounds),
     DP bytes, and the final validation loss at `measured_steps` (None: the last; train_on's
     extension past them only adds to the losses, val_losses and trained_s)."""
-    recs = [json.loads(line) for line in path.read_text().splitlines()]
-    recs = [r for r in recs if "step_s" in r]  # step records (not the summaries)
-    clock = training_clock(recs, run.resumed_at)
+    recs = step_records_of(path)
+    clock = run_clock(recs, path, run.resumed_at)
     run.trained_s, run.steps_trained = (clock[-1] if clock else 0.0), len(recs)
     run.losses = [(t, r["loss"]) for t, r in zip(clock, recs)]
     run.val_losses = [(t, r["val_loss"]) for t, r in zip(clock, recs)
@@ -445,6 +450,41 @@ def read_metrics(run: Run, path: Path, warmup_steps: int, measured_steps: int | 
     equal = recs[:measured_steps] if measured_steps else recs
     vals = [r["val_loss"] for r in equal if r.get("val_loss") is not None]
     run.final_val_loss = vals[-1] if vals else None
+
+
+def step_records_of(path: Path) -> list[dict[str, Any]]:
+    """The step records of a metrics file (not the summaries)."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in recs if "step_s" in r]
+
+
+def run_clock(recs: list[dict[str, Any]], path: Path, resumed_at: list[int] = ()
+              ) -> list[float]:
+    """The run's training clock at each of `recs`' steps (replica 0's, metrics file `path`):
+    that of its slowest replica (the run goes at its pace), with each evaluation's seconds the
+    slowest replica's (the run loses that much: a replica that evaluates sooner waits it out at
+    its next blocking sync). Replicas' metrics files sit beside `path`; one that left or joined
+    is not compared. Measured on the lab (bad_network's rows, 2026-11-26): replica 0 of the
+    blocking DiLoCo row waited 0.035 s a step for replicas 1-2's longer evaluations (its own
+    clock 0.805 s/step, theirs 0.770; 0.786 with no evaluations at all), while in the overlapped
+    rows replica 0 ran ahead of replicas 1-2 (0.497 s/step vs 0.54-0.55: their pipeline links
+    are slower, and an overlapped round does not wait for a laggard within a short run)."""
+    steps = [r["step"] for r in recs]
+    replicas = [recs]
+    k = 1
+    while (other := replica_metrics_path(path, k)).exists():
+        theirs = step_records_of(other)
+        if [r["step"] for r in theirs] == steps:
+            replicas.append(theirs)
+        k += 1
+    slowest: dict[int, float] = {}
+    for rep in replicas:
+        for r in rep:
+            if r.get("eval_s"):
+                slowest[r["step"]] = max(slowest.get(r["step"], 0.0), r["eval_s"])
+    clocks = [training_clock([r | {"eval_s": slowest[r["step"]]} if r["step"] in slowest else r
+                              for r in rep], resumed_at) for rep in replicas]
+    return max(clocks, key=lambda c: c[-1] if c else 0.0)
 
 
 def training_clock(recs: list[dict[str, Any]], resumed_at: list[int] = ()) -> list[float]:

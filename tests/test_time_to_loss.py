@@ -5,6 +5,7 @@ reached it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,31 @@ def test_training_clock_leaves_out_the_stop_at_loss_checks():
     # an evaluation of 0.5 s and a --stop-at-loss check of 0.25 s after step 2
     recs = [step(1, 11.0), step(2, 12.0, 2.9, 0.5) | {"stop_check_s": 0.25}, step(3, 13.75)]
     assert lab.training_clock(recs) == pytest.approx([1, 2, 3])
+
+
+def _write(path: Path, recs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_the_run_clock_leaves_out_the_slowest_evaluation(tmp_path):
+    """Blocking sync: replica 0 evaluates 0.3 s sooner, then waits that out at the next sync
+    (its step 3 takes 1.3 s). Its own clock would count the wait as training."""
+    path = tmp_path / "m.jsonl"
+    mine = [step(1, 11.0), step(2, 12.0, 2.9, 0.5), step(3, 13.8, step_s=1.3), step(4, 14.8)]
+    theirs = [step(1, 11.0), step(2, 12.0, 2.9, 0.8), step(3, 13.8), step(4, 14.8)]
+    _write(path, mine)
+    _write(tmp_path / "m.r1.jsonl", theirs)
+    assert lab.training_clock(mine) == pytest.approx([1, 2, 3.3, 4.3])
+    assert lab.run_clock(mine, path) == pytest.approx([1, 2, 3, 4])
+    _write(tmp_path / "m.r1.jsonl", theirs[:1])  # it left after step 1: not compared
+    assert lab.run_clock(mine, path) == pytest.approx([1, 2, 3.3, 4.3])
+
+
+def test_the_run_clock_goes_at_the_slowest_replicas_pace(tmp_path):
+    """Overlapped rounds: replica 1 trains 0.2 s a step slower and replica 0 does not wait for
+    it within the run; the run ends when replica 1 does."""
+    path = tmp_path / "m.jsonl"
+    _write(path, [step(1, 11.0), step(2, 12.0, 2.9, 0.5), step(3, 13.5), step(4, 14.5)])
+    _write(tmp_path / "m.r1.jsonl", [step(1, 11.2, step_s=1.2), step(2, 12.4, 2.9, 0.5),
+                                     step(3, 14.1, step_s=1.2), step(4, 15.3, step_s=1.2)])
+    assert lab.run_clock(lab.step_records_of(path), path) == pytest.approx([1.2, 2.4, 3.6, 4.8])
