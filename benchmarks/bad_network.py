@@ -18,13 +18,13 @@ text, the same seed), and the training seconds to reach allreduce's final valida
 (seconds_to_allreduce_loss; evaluated every --eval-every steps, evaluations left out of all
 timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
 row's first launch after the warm-up, on the run's clock: its slowest replica's, less the
-slowest replica's evaluations (lab.read_metrics, lab.run_clock). Allreduce trains first, --steps steps,
-and every other row trains on in the same launch for allreduce's training seconds (steps from
-its predicted s/step, lab.budget_steps), or until an evaluation from step --steps on reaches
-allreduce's final validation loss (dist_runner --stop-at-loss, lab.stop_flags), resumed from its
-checkpoint (bit-identical to one longer run) if that fell short and it has not reached that
-loss: equal wall time, the comparison "which plan gets me to this loss sooner"
-(testkit/lab.train_on).
+slowest replica's evaluations (lab.read_metrics, lab.run_clock). Allreduce trains first,
+--steps steps, and every other row trains on in the same launch for allreduce's training
+seconds (steps from its predicted s/step, lab.budget_steps), or until an evaluation from step
+--steps on reaches allreduce's final validation loss (dist_runner --stop-at-loss,
+lab.stop_flags), resumed from its checkpoint (bit-identical to one longer run) if that fell
+short and it has not reached that loss: equal wall time, the comparison "which plan gets me to
+this loss sooner" (lab.train_row, lab.train_on).
 Writes OUT/results.json ({"rows": [...]} for the lab, first row allreduce; "harsh_rows"
 likewise) and prints the tables.
 """
@@ -142,16 +142,8 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out
     try:
         net.up()
         for r in runs:
-            base = runs[0] if r is not runs[0] else None
-            steps = lab.budget_steps(r, base and base.trained_s, args.steps,
-                                     load_plan(r.plan_path).sync.inner_steps, args.eval_every)
-            # after allreduce: stop once at its final loss (from step --steps on)
-            more = lab.stop_flags(base.final_val_loss, args.steps) if base else []
-            metrics = lab.train(r, net, steps, out, extra + more, checkpoint=bool(base))
-            lab.read_metrics(r, metrics, args.warmup_steps, args.steps)
-            if base:
-                lab.train_on(r, net, out, extra + more, base.final_val_loss, base.trained_s,
-                             args.warmup_steps, args.steps)
+            lab.train_row(r, net, out, extra, args.steps, args.warmup_steps, args.eval_every,
+                          runs[0] if r is not runs[0] else None)
     finally:
         net.down()
     return net.reason

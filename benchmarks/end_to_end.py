@@ -90,15 +90,7 @@ def train(run: Run, net: Network, args: argparse.Namespace, out: Path,
     After `base` (the allreduce run, trained first): on for its training seconds unless it
     reached base's final validation loss (lab.train_on: equal wall time to loss)."""
     extra = ["--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]
-    if base is not None:  # stop once at base's final loss (from step --steps on)
-        extra += lab.stop_flags(base.final_val_loss, args.steps)
-    steps = lab.budget_steps(run, base and base.trained_s, args.steps,
-                             load_plan(run.plan_path).sync.inner_steps, args.eval_every)
-    lab.read_metrics(run, lab.train(run, net, steps, out, extra, checkpoint=bool(base)),
-                     args.warmup_steps, args.steps)
-    if base is not None:
-        lab.train_on(run, net, out, extra, base.final_val_loss, base.trained_s,
-                     args.warmup_steps, args.steps)
+    lab.train_row(run, net, out, extra, args.steps, args.warmup_steps, args.eval_every, base)
 
 
 def table(runs: list[Run], shaped: bool) -> str:

@@ -162,18 +162,10 @@ def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
             before = cross_site_bytes(net, cross_kbit)
             extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
                      "--eval-every", str(args.eval_every)]
-            base = runs[0] if r is not runs[0] else None  # equal wall time to its loss:
-            launched = lab.budget_steps(r, base and base.trained_s, steps, h,  # lab.train_on
-                                        args.eval_every)
-            if base:  # stopped once at its final loss (from the equal-steps part on)
-                extra += lab.stop_flags(base.final_val_loss, steps)
-            metrics = lab.train(r, net, launched, out, extra, checkpoint=bool(base))
-            lab.read_metrics(r, metrics, args.warmup_steps, steps)
+            lab.train_row(r, net, out, extra, steps, args.warmup_steps, args.eval_every,
+                          runs[0] if r is not runs[0] else None)
             cross[r.name] = ((cross_site_bytes(net, cross_kbit) - before) / r.steps_trained
-                             / 1e6)  # the steps this launch trained (it may have stopped)
-            if base:
-                lab.train_on(r, net, out, extra, runs[0].final_val_loss, runs[0].trained_s,
-                             args.warmup_steps, steps)
+                             / 1e6)  # over every launch of the row (it may have stopped)
     finally:
         net.down()
     return net.reason, cross

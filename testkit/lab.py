@@ -556,6 +556,22 @@ def train_on(run: Run, net: Network, out: Path, extra: list[str], target: float 
         read_metrics(run, metrics, warmup_steps, measured_steps)
 
 
+def train_row(run: Run, net: Network, out: Path, extra: list[str], steps: int,
+              warmup_steps: int, eval_every: int, base: Run | None = None) -> None:
+    """One benchmark row: `steps` steps (the equal-steps columns), read (read_metrics). After
+    `base` (the allreduce row, trained first): launched for base's training seconds
+    (budget_steps), stopped once at base's final validation loss from step `steps` on
+    (stop_flags), resumed for the rest of the budget if it fell short (train_on)."""
+    round_steps = load_plan(run.plan_path).sync.inner_steps
+    launched = budget_steps(run, base and base.trained_s, steps, round_steps, eval_every)
+    if base is not None:
+        extra = [*extra, *stop_flags(base.final_val_loss, steps)]
+    read_metrics(run, train(run, net, launched, out, extra, checkpoint=base is not None),
+                 warmup_steps, steps)
+    if base is not None:
+        train_on(run, net, out, extra, base.final_val_loss, base.trained_s, warmup_steps, steps)
+
+
 def seconds_to_loss(run: Run, target: float | None) -> float | None:
     """Training seconds until replica 0's validation loss first reached `target` (at an
     evaluation; evaluations' own time left out); None when it never did or nothing to reach."""
