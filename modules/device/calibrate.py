@@ -32,6 +32,7 @@ import torch
 from formats.models import ModelSpec
 from modules.train.checkpoint import check_finite_state
 from modules.train.model import StageModel
+from scheduler.simulator.sharing import slowdown_at
 
 
 def _train_step(spec: ModelSpec, micro_batch_size: int, seed: int, micro_batches: int = 1
@@ -208,8 +209,8 @@ class CoreSharing:
             np.stack([np.full_like(loads, cpu), loads, zero(loads)], 1),
             np.stack([cores, zero(cores), zero(cores)], 1),
             np.stack([np.full_like(gs, cpu), zero(gs), gs], 1)])
-        shape = (np.log(np.minimum(1.0, grid[:, :1] / (n[None] + grid[:, 1:2])))
-                 - np.log1p(grid[:, 2:] * (n[None] - 1.0)))
+        # log speed(n) / s: minus the simulator's own slowdown f(n) at each (C, L, g) row
+        shape = -np.log(slowdown_at(n[None], grid[:, :1], grid[:, 1:2], grid[:, 2:]))
         log_s = np.mean(y[None] - shape, axis=1, keepdims=True)
         err = np.sum((y[None] - shape - log_s) ** 2, axis=1)
         err[len(loads):] += 1e-4  # at a tie, the machine's own cores and no contention
