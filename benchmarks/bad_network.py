@@ -251,10 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="validation loss every K steps: the time to allreduce's final loss "
                    "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
-    p.add_argument("--no-netns", action="store_true", help="loopback, no shaping")
-    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
-                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
+    lab.add_network_args(p)
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 60)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10

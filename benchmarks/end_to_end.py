@@ -186,11 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plan-time-limit", type=float, default=10.0,
                    help="planner limit for the whole plan command, s (the search ends by budget "
                    "well within it on the lab)")
-    p.add_argument("--no-netns", action="store_true",
-                   help="run on loopback without shaping even when root")
-    p.add_argument("--mtu", type=int, default=lab.LAB_MTU,
-                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
-                   f"{lab.LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
+    lab.add_network_args(p)
     args = p.parse_args(argv)
     h = args.inner_steps
     if h < 1 or args.steps < 1 or args.warmup_steps < 0:

@@ -281,6 +281,15 @@ LAB_MTU = 9000
 bytes at the same rates either way."""
 
 
+def add_network_args(p: Any) -> None:
+    """The lab benchmarks' network flags (argparse parser `p`): --no-netns, --mtu."""
+    p.add_argument("--no-netns", action="store_true",
+                   help="run on loopback without shaping even when root")
+    p.add_argument("--mtu", type=int, default=LAB_MTU,
+                   help="the namespace hosts' MTU (local_cluster.py up --mtu; default "
+                   f"{LAB_MTU}: fewer packets for the userspace delay lines, docs/emulator.md)")
+
+
 class Network:
     """The namespace hosts of the cluster (or loopback when they cannot be made)."""
 
@@ -404,7 +413,7 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = (),
 
 def step_records(path: Path) -> int:
     """The step records in a metrics file (steps trained, over every launch it holds)."""
-    return sum(1 for line in path.read_text().splitlines() if '"step_s"' in line)
+    return len(step_records_of(path))
 
 
 def stop_flags(target: float | None, measured_steps: int) -> list[str]:
