@@ -77,7 +77,10 @@ class PeerConfig:
     punch_timeout_s: float = 15.0
     linger_s: float = 1.0
     low_ttl: int = 2  # IP TTL of the first hellos (0: off); 2 = expires behind our own NAT
-    low_ttl_phase_s: float = 0.3
+    # Low-TTL hellos for this long after punching starts, or until the other's first hello
+    # arrives: the phase must outlast the gap between the two peers' starts (a loaded host can
+    # start one peer's punching several hundred ms after the other's; 0.3 s failed once in CI).
+    low_ttl_phase_s: float = 1.0
     relay_fallback: bool = False  # after a failed punch, tunnel through the server's relay
     relay_timeout_s: float = 10.0
     wg_public_key: str | None = None  # None: punch only, no tunnel
@@ -363,7 +366,9 @@ class Puncher:
                 # NAT: if the other's hello reached our NAT box first, a NAT box that accepts
                 # unsolicited WAN input would record it as a flow to itself, and our mapping
                 # would then clash with it and get a random port.
-                low = self.cfg.low_ttl if now - start < self.cfg.low_ttl_phase_s else None
+                # Once a hello of the other's arrived, both mappings exist: no need to wait.
+                low_phase = now - start < self.cfg.low_ttl_phase_s and not self._last_from_other
+                low = self.cfg.low_ttl if low_phase else None
                 for addr in targets:
                     self._hello(addr, ttl=low or None)
                 next_hello = now + interval_s
@@ -575,8 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--low-ttl",
         type=int,
         default=2,
-        help="TTL of the hellos sent in the first 0.3 s, which open our NAT's mapping without "
-        "reaching the other NAT (0: off)",
+        help="TTL of the hellos sent in the first second of punching (or until the other's first "
+        "hello arrives), which open our NAT's mapping without reaching the other NAT (0: off)",
     )
     ap.add_argument(
         "--relay-fallback",
