@@ -37,6 +37,7 @@ from scheduler.simulator.kernel import (
     RingTable,
     StepInputs,
     StepTimes,
+    direct_allreduce_s,
     no_transfers,
     optimizer_flops,
     outer_round_flops,
@@ -137,7 +138,13 @@ class SimulatedObjective:
             # rings on those only. (S, R, U) -> (S, U) -> (S, L+1, L+1).
             busy = ring_step_s(self._payload_values[None, None], n,
                                cand.ring_sec_per_bit[:, :, None])
-            dp = ring_allreduce_s(busy, cand.ring_lat[:, :, None], axis=1)
+            if self.sync.compression == "none" or cand.direct_sec_per_bit is None:
+                dp = ring_allreduce_s(busy, cand.ring_lat[:, :, None], axis=1)
+            else:  # (S, U, K) direct links and (S, U, R) ring links
+                direct = ring_step_s(self._payload_values[None, :, None], n,
+                                     cand.direct_sec_per_bit[:, None]) + cand.direct_lat[:, None]
+                ring = np.swapaxes(busy + cand.ring_lat[:, :, None], 1, 2)
+                dp = direct_allreduce_s(direct, ring)
             compute = compute + dp[:, self._payload_index] / self.inner_steps
         fits = self.mem_need[None] <= cand.memory_bytes[:, None, None]
         stages, _ = split_layers(np.where(fits, compute, np.inf))

@@ -181,9 +181,38 @@ def test_compression_shortens_the_allreduce_in_simulate():
     stages = even_split(model.num_layers, 2)
     times = {comp: simulate(c, model, stages, pipe, SyncConfig(compression=comp), 1, 4)
              for comp in ("none", "fp16", "int8")}
-    ar = {k: v.dp_allreduce_s[0] - 6 * 0.005 for k, v in times.items()}  # minus latency part
+    # minus the latency part: fp32 is gloo's ring (2(n-1) = 6 steps), fp16/int8 a direct
+    # reduce-scatter (one step: all 4 devices in one region, so one link per sender carries
+    # its 3 chunks, the ring's bandwidth term) and a ring all-gather (3 steps)
+    steps = {"none": 6, "fp16": 4, "int8": 4}
+    ar = {k: v.dp_allreduce_s[0] - steps[k] * 0.005 for k, v in times.items()}
     assert ar["none"] / ar["fp16"] == pytest.approx(2.0)
     assert ar["none"] / ar["int8"] == pytest.approx(4.0 / 1.015625)
+
+
+def test_compressed_allreduce_is_a_direct_reduce_scatter_then_a_ring_all_gather():
+    """Two regions of two devices: each sender's chunks into the other region share one link
+    (0.1 Gbit/s, 20 ms), into its own one link (1 Gbit/s, 1 ms); the all-gather ring crosses
+    the slow links twice, so each of its 3 steps is a slow link's."""
+    devs = [Device(i, f"d{i}", "ab"[i // 2], f"10.0.0.{i + 1}", "X", 100.0, 80.0)
+            for i in range(4)]
+    cross = np.add.outer(np.arange(4) // 2, np.arange(4) // 2) == 1
+    lat, gbps = np.where(cross, 20.0, 1.0), np.where(cross, 0.1, 1.0)
+    np.fill_diagonal(lat, 0.0)
+    np.fill_diagonal(gbps, np.inf)
+    c = Cluster("two-regions", devs, lat, gbps)
+    model = get_model("gpt-tiny")
+    stages = even_split(model.num_layers, 1)
+    pipe = np.arange(4).reshape(4, 1)
+    payload = model.stage_params(0, model.num_layers) * payload_bytes_per_param("int8", 256)
+    chunk_bits = payload / 4 * 8
+    direct = 0.020 + 2 * chunk_bits / 0.1e9  # two chunks into the other region, one link
+    gather = 3 * (0.020 + chunk_bits / 0.1e9)
+    t = simulate(c, model, stages, pipe, SyncConfig(compression="int8"), 1, 4)
+    assert t.dp_allreduce_s[0] == pytest.approx(direct + gather)
+    fp32 = simulate(c, model, stages, pipe, SyncConfig(), 1, 4)
+    assert fp32.dp_allreduce_s[0] == pytest.approx(6 * (0.020 + chunk_bits * 4 / 1.015625
+                                                         / 0.1e9))
 
 
 @pytest.mark.parametrize("sync", [SyncConfig(), SyncConfig("diloco", 100, "int8"),

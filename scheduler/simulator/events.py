@@ -257,12 +257,28 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
         tx, lat = inputs.ring_tx[s].tolist(), inputs.ring_lat[s].tolist()
         n = len(ring)
         first = prev = [t for r in range(r_count) for t in after[(r, s)]]
-        for step in range(2 * (n - 1)):
+        steps = 2 * (n - 1)
+        if inputs.direct_tx is not None and inputs.direct_lat is not None and n > 1:
+            prev = _add_direct_reduce_scatter(eng, ring, inputs.direct_tx[s],
+                                              inputs.direct_lat[s], prev)
+            steps = n - 1  # then the ring all-gather
+        for step in range(steps):
             prev = [eng.task(_link(eng, ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],
                              row=ring[i], kind="allreduce", label=f"ring {step}")
                     for i in range(n)]
         spans.append((first, prev if n > 1 else []))
     return spans
+
+
+def _add_direct_reduce_scatter(eng: EventEngine, ring: list[int], tx: np.ndarray,
+                               lat: np.ndarray, deps: list[int]) -> list[int]:
+    """The compressed all-reduce's direct reduce-scatter: one task per sender and region on
+    that sender's link into the region (kernel.direct_links); returns the tasks."""
+    regions = len(tx) // len(ring)
+    return [eng.task(eng.resource(("direct", ring[k // regions], k % regions), ordered=False),
+                     float(tx[k]), deps, float(lat[k]), row=ring[k // regions],
+                     kind="allreduce", label="reduce-scatter")
+            for k in range(len(tx))]
 
 
 def replay_events(inputs: StepInputs, timeline: bool = True

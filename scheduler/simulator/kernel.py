@@ -86,6 +86,38 @@ def ring_allreduce_s(step_s: np.ndarray, step_lat_s: np.ndarray, axis: int = -1)
     return 2.0 * (n - 1) * (step_s + step_lat_s).max(axis=axis)
 
 
+def direct_allreduce_s(direct_s: np.ndarray, ring_s: np.ndarray) -> np.ndarray:
+    """Seconds of the runtime's compressed (int8/fp16) all-reduce (modules/comm/compressed.py):
+    a direct reduce-scatter, every member sending its B/n chunk to every other at once, then
+    gloo's ring all-gather of the reduced chunks, n-1 steps = max_k(direct_s) + (n-1) x
+    max_i(ring_s). `direct_s` (..., K): each sender's links into each region, latency in (a
+    sender's chunks into one region share one link, as in shared_pipeline_busy); `ring_s`
+    (..., n): each ring link's step, latency in. Measured on the lab's 8 replicas in 4 regions
+    (gpt-tiny int8, 2026-11-26): 1.25-1.29 s a blocking all-reduce, against 1.15 s by this
+    model and 1.95 s by the 2(n-1)-step ring it was charged as before."""
+    direct_s, ring_s = np.asarray(direct_s), np.asarray(ring_s)
+    n = ring_s.shape[-1]
+    if n <= 1:  # nothing to exchange
+        return np.zeros(ring_s.shape[:-1])
+    return direct_s.max(axis=-1) + (n - 1) * ring_s.max(axis=-1)
+
+
+def direct_links(members: np.ndarray, lat_s: np.ndarray, sec_per_bit: np.ndarray,
+                 region_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, seconds per bit of one chunk to each), each (n, G) for G regions, of each
+    member's direct reduce-scatter link into each region: the largest latency into that region
+    and the sum of its members' seconds per bit (one chunk to each goes over that one link);
+    0 where a region holds no other member."""
+    m = np.asarray(members, dtype=np.int64)
+    sub_lat, sub_spb = lat_s[np.ix_(m, m)].copy(), sec_per_bit[np.ix_(m, m)].copy()
+    np.fill_diagonal(sub_lat, 0.0)
+    np.fill_diagonal(sub_spb, 0.0)
+    into = region_id[m][None, :] == np.arange(int(region_id.max()) + 1)[:, None]  # (G, n)
+    spb = sub_spb @ into.T.astype(float)
+    lat = np.where(into[None], sub_lat[:, None, :], 0.0).max(axis=2)
+    return lat, spb
+
+
 def ring_allreduce_time(lat_s: np.ndarray, bits_per_s: np.ndarray, payload_bytes: float) -> float:
     """Seconds of one ring all-reduce of `payload_bytes` over ring links with these latencies and
     bandwidths (link i: ring[i] -> ring[i+1])."""
@@ -139,6 +171,11 @@ class Ring(NamedTuple):
     lat_s: np.ndarray
     """Latency per all-reduce step of each link (collective latency factor applied)."""
     sec_per_bit: np.ndarray
+    direct_lat_s: np.ndarray
+    """(n * G,) the compressed all-reduce's direct reduce-scatter links (direct_links), sender
+    order[k // G] into region k % G: latency (collective latency factor applied)."""
+    direct_sec_per_bit: np.ndarray
+    """(n * G,) seconds per bit of one chunk to each member of that region, summed."""
 
 
 class RingTable:
@@ -162,7 +199,9 @@ class RingTable:
                                      self.config.int8_block)
             order = ring_order(np.array(members), t.lat_s, t.bits_per_s, chunk)
             nxt = np.roll(order, -1)
-            hit = Ring(order, t.collective_lat_s[order, nxt], t.sec_per_bit[order, nxt])
+            lat, spb = direct_links(order, t.collective_lat_s, t.sec_per_bit, t.region_id)
+            hit = Ring(order, t.collective_lat_s[order, nxt], t.sec_per_bit[order, nxt],
+                       lat.ravel(), spb.ravel())
             self._rings[key] = hit
         return hit
 
@@ -229,6 +268,10 @@ class PlanLinks:
     ring_pp_busy: np.ndarray | None = None
     """(S, R) seconds per micro-batch that the pipeline keeps busy the shared link of ring link
     i's sender: its messages into the region of the ring successor (see shared_pipeline_busy)."""
+    direct_lat: np.ndarray | None = None
+    """(S, R * G) latency of each stage group's direct reduce-scatter links (Ring.direct_lat_s)."""
+    direct_sec_per_bit: np.ndarray | None = None
+    """(S, R * G) their seconds per bit of one chunk (Ring.direct_sec_per_bit)."""
 
 
 def shared_pipeline_busy(pipe: np.ndarray, rings: np.ndarray, fwd_tx: np.ndarray,
@@ -274,7 +317,8 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
         np.array([r.sec_per_bit for r in per_stage]), tables.memory_bytes[pipe].min(axis=0),
         *(tied or (None, None)), outer_agreement_time(pipe, tables.lat_s, sync, config),
         msg_bytes, shared_pipeline_busy(pipe, ring_orders, fwd_tx, bwd_tx, tables.region_id)
-        if background else None)
+        if background else None, np.array([r.direct_lat_s for r in per_stage]),
+        np.array([r.direct_sec_per_bit for r in per_stage]))
 
 
 # --------------------------------------------------------------------------- one step
@@ -330,6 +374,12 @@ class StepInputs:
     group_stage: np.ndarray | None = None
     """Stage of each data-parallel group when there are more groups than stages (shard groups:
     D per-shard groups per stage, simulator/sharded.py); None: group s is stage s."""
+    direct_tx: Sequence[np.ndarray] | None = None
+    """Compressed sync (int8/fp16): per group, (R * G,) busy seconds of each direct
+    reduce-scatter link (Ring.direct_sec_per_bit x one fragment's chunk); None: fp32, whose
+    all-reduce is gloo's ring (2(n-1) steps)."""
+    direct_lat: Sequence[np.ndarray] | None = None
+    """Per group, (R * G,) latency of those links."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
@@ -340,17 +390,29 @@ class StepInputs:
 
     def dp_times(self) -> np.ndarray:
         """(S,) seconds of each stage group's all-reduce (of one fragment) on idle links."""
-        return ring_allreduce_s(np.asarray(self.ring_tx), np.asarray(self.ring_lat))
+        return self._allreduce_s(np.asarray(self.ring_tx), None)
 
     def background_dp_times(self, step_s: float) -> np.ndarray:
         """(S,) seconds of each stage group's all-reduce (of one fragment) in the background of
         steps `step_s` long: each ring link gets the share of its link the pipeline leaves
-        (1 - busy / step, at least MIN_LINK_SHARE); the pipeline keeps its speed."""
-        tx = np.asarray(self.ring_tx)
+        (1 - busy / step, at least MIN_LINK_SHARE); the pipeline keeps its speed. A direct
+        reduce-scatter link gets its sender's smallest ring-link share."""
+        tx, share = np.asarray(self.ring_tx), None
         if self.ring_pp_busy is not None and step_s > 0:
             share = np.maximum(1.0 - np.asarray(self.ring_pp_busy) / step_s, MIN_LINK_SHARE)
             tx = tx / share
-        return ring_allreduce_s(tx, np.asarray(self.ring_lat))
+        return self._allreduce_s(tx, share)
+
+    def _allreduce_s(self, ring_tx: np.ndarray, share: np.ndarray | None) -> np.ndarray:
+        """(S,) seconds of each group's all-reduce with these ring-link busy times: gloo's
+        ring for fp32, the direct reduce-scatter and ring all-gather when compressed."""
+        ring_lat = np.asarray(self.ring_lat)
+        if self.direct_tx is None or self.direct_lat is None:
+            return ring_allreduce_s(ring_tx, ring_lat)
+        direct = np.asarray(self.direct_tx)
+        if share is not None:
+            direct = direct / share.min(axis=-1, keepdims=True)
+        return direct_allreduce_s(direct + np.asarray(self.direct_lat), ring_tx + ring_lat)
 
 
 def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: np.ndarray,
@@ -371,11 +433,16 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     busy = None if links.ring_pp_busy is None else links.ring_pp_busy * num_micro_batches
     pp_bytes = 2.0 * r_count * (s_count - 1) * num_micro_batches * links.pp_msg_bytes
     dp_bytes = 2.0 * (r_count - 1) * float(np.sum(stage_payload_bytes)) if r_count > 1 else 0.0
+    direct_tx = direct_lat = None
+    if sync.compression != "none" and links.direct_sec_per_bit is not None:
+        direct_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
+                                links.direct_sec_per_bit)
+        direct_lat = links.direct_lat
     return StepInputs(links.pipelines, t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
                       links.fwd_lat, links.bwd_tx, links.bwd_lat, links.rings, ring_tx,
                       links.ring_lat, num_micro_batches, sync.inner_steps if diloco else 1,
                       links.tied_tx, links.tied_lat, links.agree_s, diloco and sync.overlap,
-                      fragments, busy, pp_bytes, dp_bytes)
+                      fragments, busy, pp_bytes, dp_bytes, None, direct_tx, direct_lat)
 
 
 def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],

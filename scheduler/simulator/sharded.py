@@ -179,6 +179,12 @@ def _interleave(arrays: list[np.ndarray]) -> np.ndarray:
     return stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])
 
 
+def _joined(per_shard: list[StepInputs], field: str) -> list[np.ndarray] | None:
+    """Every shard's per-group arrays of `field`, one list (None where the shards have none)."""
+    parts = [getattr(x, field) for x in per_shard]
+    return None if parts[0] is None else [g for groups in parts for g in groups]
+
+
 def merge_shards(per_shard: list[StepInputs], t_fwd: np.ndarray,
                  t_bwd: np.ndarray) -> StepInputs:
     """One StepInputs over the R x D lanes from each shard's (its lanes and its S per-shard
@@ -199,6 +205,7 @@ def merge_shards(per_shard: list[StepInputs], t_fwd: np.ndarray,
         rings=[g for x in per_shard for g in x.rings],
         ring_tx=[g for x in per_shard for g in x.ring_tx],
         ring_lat=[g for x in per_shard for g in x.ring_lat],
+        direct_tx=_joined(per_shard, "direct_tx"), direct_lat=_joined(per_shard, "direct_lat"),
         num_micro_batches=first.num_micro_batches, inner_steps=first.inner_steps,
         tied_tx=tied_tx, tied_lat=tied_lat, agree_s=first.agree_s, overlap=first.overlap,
         fragments=first.fragments, ring_pp_busy=busy,
