@@ -141,8 +141,8 @@ class SimulatedObjective:
             if self.sync.compression == "none" or cand.direct_sec_per_bit is None:
                 dp = ring_allreduce_s(busy, cand.ring_lat[:, :, None], axis=1)
             else:  # (S, U, K) direct links and (S, U, R) ring links
-                direct = ring_step_s(self._payload_values[None, :, None], n,
-                                     cand.direct_sec_per_bit[:, None]) + cand.direct_lat[:, None]
+                bits = self._payload_values[None, :, None] * (8.0 / n)
+                direct = bits * cand.direct_sec_per_bit[:, None] + cand.direct_lat[:, None]
                 ring = np.swapaxes(busy + cand.ring_lat[:, :, None], 1, 2)
                 dp = direct_allreduce_s(direct, ring)
             compute = compute + dp[:, self._payload_index] / self.inner_steps

@@ -25,6 +25,7 @@ from scheduler.simulator import (
     ring_allreduce_time,
     simulate,
 )
+from scheduler.simulator.kernel import undominated
 
 
 def uniform_cluster(n: int, lat_ms: float = 10.0, gbps: float = 1.0, tflops: float = 100.0,
@@ -213,6 +214,19 @@ def test_compressed_allreduce_is_a_direct_reduce_scatter_then_a_ring_all_gather(
     fp32 = simulate(c, model, stages, pipe, SyncConfig(), 1, 4)
     assert fp32.dp_allreduce_s[0] == pytest.approx(6 * (0.020 + chunk_bits * 4 / 1.015625
                                                          / 0.1e9))
+
+
+def test_undominated_links_keep_the_max_for_every_payload():
+    lat = np.array([1.0, 2.0, 2.0, 0.5, 2.0])
+    spb = np.array([3.0, 1.0, 2.0, 4.0, 2.0])  # link 4 copies link 2
+    assert undominated(lat, spb).tolist() == [2, 0, 3]
+    rng = np.random.default_rng(0)
+    lat, spb = rng.random(64), rng.random(64)
+    keep = undominated(lat, spb)
+    bits = np.geomspace(1e-3, 1e3, 50)[:, None]
+    assert np.array_equal((lat + bits * spb).max(axis=1),
+                          (lat[keep] + bits * spb[keep]).max(axis=1))
+    assert len(keep) < 64
 
 
 @pytest.mark.parametrize("sync", [SyncConfig(), SyncConfig("diloco", 100, "int8"),

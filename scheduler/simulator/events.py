@@ -259,7 +259,9 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
         first = prev = [t for r in range(r_count) for t in after[(r, s)]]
         steps = 2 * (n - 1)
         if inputs.direct_tx is not None and inputs.direct_lat is not None and n > 1:
-            prev = _add_direct_reduce_scatter(eng, ring, inputs.direct_tx[s],
+            senders = (inputs.direct_sender[s] if inputs.direct_sender is not None
+                       else np.full(len(inputs.direct_tx[s]), ring[0]))
+            prev = _add_direct_reduce_scatter(eng, s, senders, inputs.direct_tx[s],
                                               inputs.direct_lat[s], prev)
             steps = n - 1  # then the ring all-gather
         for step in range(steps):
@@ -270,14 +272,14 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
     return spans
 
 
-def _add_direct_reduce_scatter(eng: EventEngine, ring: list[int], tx: np.ndarray,
-                               lat: np.ndarray, deps: list[int]) -> list[int]:
-    """The compressed all-reduce's direct reduce-scatter: one task per sender and region on
-    that sender's link into the region (kernel.direct_links); returns the tasks."""
-    regions = len(tx) // len(ring)
-    return [eng.task(eng.resource(("direct", ring[k // regions], k % regions), ordered=False),
-                     float(tx[k]), deps, float(lat[k]), row=ring[k // regions],
-                     kind="allreduce", label="reduce-scatter")
+def _add_direct_reduce_scatter(eng: EventEngine, group: int, senders: np.ndarray,
+                               tx: np.ndarray, lat: np.ndarray, deps: list[int]) -> list[int]:
+    """The compressed all-reduce's direct reduce-scatter of data-parallel group `group`: one
+    task per direct link (a sender's link into a region, kernel.direct_links; the ones that
+    can be the slowest), each on a link of its own; returns the tasks."""
+    return [eng.task(eng.resource(("direct", group, k), ordered=False), float(tx[k]), deps,
+                     float(lat[k]), row=int(senders[k]), kind="allreduce",
+                     label="reduce-scatter")
             for k in range(len(tx))]
 
 

@@ -52,6 +52,7 @@ class LinkTables:
         self.memory_bytes = np.array([d.memory_gb for d in cluster.devices]) * 1e9
         self.region_id = np.unique(np.array(cluster.regions()), return_inverse=True)[1]
         """Region index of each device: a sender's traffic into one region shares a link."""
+        self.region_count = int(self.region_id.max()) + 1
 
 
 # --------------------------------------------------------------------------- collectives
@@ -95,7 +96,6 @@ def direct_allreduce_s(direct_s: np.ndarray, ring_s: np.ndarray) -> np.ndarray:
     (..., n): each ring link's step, latency in. Measured on the lab's 8 replicas in 4 regions
     (gpt-tiny int8, 2026-11-26): 1.25-1.29 s a blocking all-reduce, against 1.15 s by this
     model and 1.95 s by the 2(n-1)-step ring it was charged as before."""
-    direct_s, ring_s = np.asarray(direct_s), np.asarray(ring_s)
     n = ring_s.shape[-1]
     if n <= 1:  # nothing to exchange
         return np.zeros(ring_s.shape[:-1])
@@ -107,15 +107,26 @@ def direct_links(members: np.ndarray, lat_s: np.ndarray, sec_per_bit: np.ndarray
     """(latency, seconds per bit of one chunk to each), each (n, G) for G regions, of each
     member's direct reduce-scatter link into each region: the largest latency into that region
     and the sum of its members' seconds per bit (one chunk to each goes over that one link);
-    0 where a region holds no other member."""
+    0 where a region holds no other member. `lat_s` and `sec_per_bit` have 0 on the diagonal
+    (a device to itself: LinkTables')."""
     m = np.asarray(members, dtype=np.int64)
-    sub_lat, sub_spb = lat_s[np.ix_(m, m)].copy(), sec_per_bit[np.ix_(m, m)].copy()
-    np.fill_diagonal(sub_lat, 0.0)
-    np.fill_diagonal(sub_spb, 0.0)
+    sub_lat, sub_spb = lat_s[m[:, None], m], sec_per_bit[m[:, None], m]  # (n, n)
     into = region_id[m][None, :] == np.arange(int(region_id.max()) + 1)[:, None]  # (G, n)
     spb = sub_spb @ into.T.astype(float)
     lat = np.where(into[None], sub_lat[:, None, :], 0.0).max(axis=2)
     return lat, spb
+
+
+def undominated(lat_s: np.ndarray, sec_per_bit: np.ndarray) -> np.ndarray:
+    """Indices of the links no other link beats on both latency and seconds per bit: only
+    they can be the slowest for some payload (the max over links of lat + bits x spb needs no
+    others; a group of n devices in G regions has n x G links, most of them dominated)."""
+    keep, best = [], -1.0
+    for i in np.lexsort((-sec_per_bit, -lat_s)).tolist():  # latency, then spb, descending
+        if sec_per_bit[i] > best:
+            keep.append(i)
+            best = float(sec_per_bit[i])
+    return np.array(keep, dtype=np.int64)
 
 
 def ring_allreduce_time(lat_s: np.ndarray, bits_per_s: np.ndarray, payload_bytes: float) -> float:
@@ -172,10 +183,12 @@ class Ring(NamedTuple):
     """Latency per all-reduce step of each link (collective latency factor applied)."""
     sec_per_bit: np.ndarray
     direct_lat_s: np.ndarray
-    """(n * G,) the compressed all-reduce's direct reduce-scatter links (direct_links), sender
-    order[k // G] into region k % G: latency (collective latency factor applied)."""
+    """(K,) the compressed all-reduce's direct reduce-scatter links (direct_links) that can be
+    its slowest (undominated): latency (collective latency factor applied); empty for fp32."""
     direct_sec_per_bit: np.ndarray
-    """(n * G,) seconds per bit of one chunk to each member of that region, summed."""
+    """(K,) seconds per bit of one chunk to each member of the link's region, summed."""
+    direct_sender: np.ndarray
+    """(K,) the device sending on each of those links."""
 
 
 class RingTable:
@@ -199,9 +212,16 @@ class RingTable:
                                      self.config.int8_block)
             order = ring_order(np.array(members), t.lat_s, t.bits_per_s, chunk)
             nxt = np.roll(order, -1)
-            lat, spb = direct_links(order, t.collective_lat_s, t.sec_per_bit, t.region_id)
+            lat = spb = np.zeros(0)
+            sender = np.zeros(0, dtype=np.int64)
+            if self.compression != "none":  # fp32 is gloo's ring: no direct links
+                lat, spb = direct_links(order, t.collective_lat_s, t.sec_per_bit, t.region_id)
+                lat, spb = lat.ravel(), spb.ravel()
+                keep = undominated(lat, spb)
+                lat, spb = lat[keep], spb[keep]
+                sender = order[keep // t.region_count]
             hit = Ring(order, t.collective_lat_s[order, nxt], t.sec_per_bit[order, nxt],
-                       lat.ravel(), spb.ravel())
+                       lat, spb, sender)
             self._rings[key] = hit
         return hit
 
@@ -269,9 +289,12 @@ class PlanLinks:
     """(S, R) seconds per micro-batch that the pipeline keeps busy the shared link of ring link
     i's sender: its messages into the region of the ring successor (see shared_pipeline_busy)."""
     direct_lat: np.ndarray | None = None
-    """(S, R * G) latency of each stage group's direct reduce-scatter links (Ring.direct_lat_s)."""
+    """(S, K) latency of each stage group's direct reduce-scatter links (Ring.direct_lat_s;
+    groups with fewer repeat their last: a copy does not change the max)."""
     direct_sec_per_bit: np.ndarray | None = None
-    """(S, R * G) their seconds per bit of one chunk (Ring.direct_sec_per_bit)."""
+    """(S, K) their seconds per bit of one chunk (Ring.direct_sec_per_bit)."""
+    direct_sender: np.ndarray | None = None
+    """(S, K) the device sending on each (Ring.direct_sender)."""
 
 
 def shared_pipeline_busy(pipe: np.ndarray, rings: np.ndarray, fwd_tx: np.ndarray,
@@ -317,8 +340,22 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
         np.array([r.sec_per_bit for r in per_stage]), tables.memory_bytes[pipe].min(axis=0),
         *(tied or (None, None)), outer_agreement_time(pipe, tables.lat_s, sync, config),
         msg_bytes, shared_pipeline_busy(pipe, ring_orders, fwd_tx, bwd_tx, tables.region_id)
-        if background else None, np.array([r.direct_lat_s for r in per_stage]),
-        np.array([r.direct_sec_per_bit for r in per_stage]))
+        if background else None, *_stacked_direct_links(per_stage))
+
+
+def _stacked_direct_links(per_stage: list[Ring]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(S, K) latency, seconds per bit and sender of the stage groups' direct links, each
+    group's padded with copies of its last to the longest's K."""
+    k = max(len(r.direct_lat_s) for r in per_stage)
+    lat, spb = np.empty((len(per_stage), k)), np.empty((len(per_stage), k))
+    sender = np.empty((len(per_stage), k), dtype=np.int64)
+    for i, r in enumerate(per_stage):
+        n = len(r.direct_lat_s)
+        if n:  # (np.pad is 10x slower here, and this runs per candidate)
+            for out, x in ((lat, r.direct_lat_s), (spb, r.direct_sec_per_bit),
+                           (sender, r.direct_sender)):
+                out[i, :n], out[i, n:] = x, x[-1]
+    return lat, spb, sender
 
 
 # --------------------------------------------------------------------------- one step
@@ -375,11 +412,13 @@ class StepInputs:
     """Stage of each data-parallel group when there are more groups than stages (shard groups:
     D per-shard groups per stage, simulator/sharded.py); None: group s is stage s."""
     direct_tx: Sequence[np.ndarray] | None = None
-    """Compressed sync (int8/fp16): per group, (R * G,) busy seconds of each direct
-    reduce-scatter link (Ring.direct_sec_per_bit x one fragment's chunk); None: fp32, whose
-    all-reduce is gloo's ring (2(n-1) steps)."""
+    """Compressed sync (int8/fp16): per group, (K,) busy seconds of each direct reduce-scatter
+    link (PlanLinks.direct_sec_per_bit x one fragment's chunk); None: fp32, whose all-reduce
+    is gloo's ring (2(n-1) steps)."""
     direct_lat: Sequence[np.ndarray] | None = None
-    """Per group, (R * G,) latency of those links."""
+    """Per group, (K,) latency of those links."""
+    direct_sender: Sequence[np.ndarray] | None = None
+    """Per group, (K,) the device sending on each (the timeline's row)."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
@@ -433,16 +472,17 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     busy = None if links.ring_pp_busy is None else links.ring_pp_busy * num_micro_batches
     pp_bytes = 2.0 * r_count * (s_count - 1) * num_micro_batches * links.pp_msg_bytes
     dp_bytes = 2.0 * (r_count - 1) * float(np.sum(stage_payload_bytes)) if r_count > 1 else 0.0
-    direct_tx = direct_lat = None
+    direct_tx = direct_lat = direct_sender = None
     if sync.compression != "none" and links.direct_sec_per_bit is not None:
         direct_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
                                 links.direct_sec_per_bit)
-        direct_lat = links.direct_lat
+        direct_lat, direct_sender = links.direct_lat, links.direct_sender
     return StepInputs(links.pipelines, t_fwd, t_fwd * config.backward_factor, links.fwd_tx,
                       links.fwd_lat, links.bwd_tx, links.bwd_lat, links.rings, ring_tx,
                       links.ring_lat, num_micro_batches, sync.inner_steps if diloco else 1,
                       links.tied_tx, links.tied_lat, links.agree_s, diloco and sync.overlap,
-                      fragments, busy, pp_bytes, dp_bytes, None, direct_tx, direct_lat)
+                      fragments, busy, pp_bytes, dp_bytes, None, direct_tx, direct_lat,
+                      direct_sender)
 
 
 def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],
