@@ -138,11 +138,12 @@ class SimulatedObjective:
             # rings on those only. (S, R, U) -> (S, U) -> (S, L+1, L+1).
             busy = ring_step_s(self._payload_values[None, None], n,
                                cand.ring_sec_per_bit[:, :, None])
-            if self.sync.compression == "none" or cand.direct_sec_per_bit is None:
+            if self.sync.compression == "none":
                 dp = ring_allreduce_s(busy, cand.ring_lat[:, :, None], axis=1)
             else:  # (S, U, K) direct links and (S, U, R) ring links
-                bits = self._payload_values[None, :, None] * (8.0 / n)
-                direct = bits * cand.direct_sec_per_bit[:, None] + cand.direct_lat[:, None]
+                assert cand.direct_sec_per_bit is not None and cand.direct_lat is not None
+                direct = ring_step_s(self._payload_values[None, :, None], n,
+                                     cand.direct_sec_per_bit[:, None]) + cand.direct_lat[:, None]
                 ring = np.swapaxes(busy + cand.ring_lat[:, :, None], 1, 2)
                 dp = direct_allreduce_s(direct, ring)
             compute = compute + dp[:, self._payload_index] / self.inner_steps

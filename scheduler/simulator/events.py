@@ -258,11 +258,10 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
         n = len(ring)
         first = prev = [t for r in range(r_count) for t in after[(r, s)]]
         steps = 2 * (n - 1)
-        if inputs.direct_tx is not None and inputs.direct_lat is not None and n > 1:
-            senders = (inputs.direct_sender[s] if inputs.direct_sender is not None
-                       else np.full(len(inputs.direct_tx[s]), ring[0]))
-            prev = _add_direct_reduce_scatter(eng, s, senders, inputs.direct_tx[s],
-                                              inputs.direct_lat[s], prev)
+        if inputs.direct_tx is not None and n > 1:
+            assert inputs.direct_lat is not None and inputs.direct_sender is not None
+            prev = _add_direct_reduce_scatter(eng, s, inputs.direct_sender[s],
+                                              inputs.direct_tx[s], inputs.direct_lat[s], prev)
             steps = n - 1  # then the ring all-gather
         for step in range(steps):
             prev = [eng.task(_link(eng, ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],

@@ -52,7 +52,6 @@ class LinkTables:
         self.memory_bytes = np.array([d.memory_gb for d in cluster.devices]) * 1e9
         self.region_id = np.unique(np.array(cluster.regions()), return_inverse=True)[1]
         """Region index of each device: a sender's traffic into one region shares a link."""
-        self.region_count = int(self.region_id.max()) + 1
 
 
 # --------------------------------------------------------------------------- collectives
@@ -216,10 +215,9 @@ class RingTable:
             sender = np.zeros(0, dtype=np.int64)
             if self.compression != "none":  # fp32 is gloo's ring: no direct links
                 lat, spb = direct_links(order, t.collective_lat_s, t.sec_per_bit, t.region_id)
-                lat, spb = lat.ravel(), spb.ravel()
-                keep = undominated(lat, spb)
-                lat, spb = lat[keep], spb[keep]
-                sender = order[keep // t.region_count]
+                keep = undominated(lat.ravel(), spb.ravel())  # flat index: sender x region
+                sender = order[keep // lat.shape[1]]
+                lat, spb = lat.ravel()[keep], spb.ravel()[keep]
             hit = Ring(order, t.collective_lat_s[order, nxt], t.sec_per_bit[order, nxt],
                        lat, spb, sender)
             self._rings[key] = hit
