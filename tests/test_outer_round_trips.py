@@ -135,3 +135,21 @@ def test_the_cost_table_is_tcpstores():
         measured[name] = (time.perf_counter() - t0) / 3 / 0.12
     for name, trips in ROUND_TRIPS.items():
         assert abs(measured[name] - trips) < 0.34, measured
+
+
+@pytest.mark.timeout(60)
+def test_the_last_store_reads_come_before_the_done_mark_and_after_everyone_elses(tmp_path):
+    """A rank that read the store (the checkpoint floor) after saying it was done raced the
+    store host's exit (c10d's 'Connection was likely closed' traceback at a normal end): a
+    rank reads before its done mark, the host only once every member's is there."""
+    from modules.control.fault import is_done
+
+    plan = load_plan(write_trial_plan(tmp_path / "plan.json", 2, 1, "diloco"))  # ranks 0, 1
+    store = dist.HashStore()
+    seen = []
+    for rank in (1, 0):
+        m, _ = member(store, plan, rank)
+        m.monitor.members, m.monitor.stop, m.monitor.join = [0, 1], lambda: None, \
+            lambda timeout: None
+        m.finish(last_reads=lambda m=m: seen.append((m.topo.rank, is_done(m.store, 1))))
+    assert seen == [(1, False), (0, True)]

@@ -181,17 +181,24 @@ class Membership:
             mon.changed.wait(0.2)
             mon.changed.clear()
 
-    def finish(self) -> None:
+    def finish(self, last_reads: Callable[[], None] | None = None) -> None:
         """End of the run: the store's host (rank 0 without a coordinator) leaves only after
-        every rank is done."""
-        mon = self.monitor
+        every rank is done. `last_reads`: this rank's last use of the store (the checkpoint
+        floor), run while the store is sure to be up: before a rank says it is done, on the
+        host once every rank has (a rank reading after its done mark raced the host's exit:
+        c10d printed a C++ traceback at the end of a normal run)."""
+        mon, reads = self.monitor, last_reads or (lambda: None)
         if (mon is None or not self.elastic) and self.groups is not None:
             self.groups.world.barrier("final barrier with every rank")
         if mon is None:
+            reads()
+            if last_reads is not None and self.groups is not None:
+                self.groups.world.barrier("barrier after the last reads of the store")
             return
         if not self.hosts_store:
             mon.stop()
             mon.join(timeout=5)
+            reads()
             self.store.put(done_key(self.topo.rank), "1")
             return
         self.store.put(done_key(0), "1")
@@ -205,6 +212,7 @@ class Membership:
                                 f"{self.cfg.timeout_s:g} s")
             time.sleep(0.1)
         mon.stop()
+        reads()
 
     # -- generations -------------------------------------------------------------------------
     def join(self, handover: Callable[[], Handover]) -> GenerationChange:

@@ -336,12 +336,16 @@ class Trainer:
                     w.close()
             if self.outer is not None:
                 self.outer.close()
-        self.membership.finish()
-        if self.ckpt.last_step is not None:  # every rank's last save is done: prune to keep
+        self.membership.finish(last_reads=self._prune_checkpoints)
+        return records
+
+    def _prune_checkpoints(self) -> None:
+        """At the end (every rank's last save is published, or older ones are kept): prune
+        to keep --resume's common step."""
+        if self.ckpt.last_step is not None:
             floor = self._share_ckpt_floor(publish=False)
             if floor is not None:
                 self.ckpt.prune(floor)
-        return records
 
     def _share_ckpt_floor(self, publish: bool = True) -> int | None:
         """Publish my newest complete checkpoint step and keep the oldest such step over the
