@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -52,8 +53,8 @@ class CountingAllGather(DefaultAllGather):
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter, adding what a ring sends: (D-1) x my output shard's bytes, and
-    its time to `clock`."""
+    """FSDP2's reduce-scatter (on gloo: ring_reduce_scatter), adding what a ring sends: (D-1) x
+    my output shard's bytes, and its time to `clock`."""
 
     def __init__(self, stats: CommStats, degree: int, clock: FsdpClock) -> None:
         self.stats, self.degree, self.clock = stats, degree, clock
@@ -63,9 +64,31 @@ class CountingReduceScatter(DefaultReduceScatter):
             output_tensor.element_size()
         t0 = time.perf_counter()
         try:
+            if not async_op and op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo":
+                return ring_reduce_scatter(output_tensor, input_tensor, group)
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         finally:
             self.clock.seconds += time.perf_counter() - t0
+
+
+def ring_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup
+                        ) -> None:
+    """Sum `flat` (D equal chunks, chunk i for group rank i) over the group into `output` (my
+    chunk) by a ring: D - 1 steps, each sending one chunk to the next rank and adding the one
+    from the previous. gloo's own reduce_scatter runs a whole all-reduce: twice these bytes
+    and steps (tests/test_gloo_scatter_bytes.py). `flat` is overwritten (FSDP2's scratch)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (me + 1) % size)
+    prev = dist.get_global_rank(group, (me - 1) % size)
+    acc = flat.view(size, -1)
+    incoming = torch.empty_like(acc[0])
+    # chunk c starts at rank c + 1 and collects every rank's share on its way round to rank c
+    for step in range(size - 1):
+        sending = dist.isend(acc[(me - step - 1) % size], nxt, group=group)
+        dist.recv(incoming, prev, group=group)
+        acc[(me - step - 2) % size] += incoming
+        sending.wait()
+    output.copy_(acc[me])
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:

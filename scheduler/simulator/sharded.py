@@ -13,9 +13,7 @@ What the runtime does and the model charges (R replicas, S stages, D devices per
   again (reshard_after_forward) and reduce-scatters the fp32 gradients. An all-gather or a
   reduce-scatter of B bytes over the group's ring (ring_order, as the data-parallel rings) is
   (D-1) steps of max over ring links (latency x collective_latency_factor + B/D * 8 / bw):
-  half an all-reduce (ring_gather_s); on the CPU runtime gloo runs the reduce-scatter as a
-  whole all-reduce, so it costs two gathers (GLOO_SCATTER; before this the lab's FSDP rows
-  measured 31-36% slower than predicted, and their wire bytes were 1.6-1.9x the model's). FSDP2 prefetches the next block's gather while the
+  half an all-reduce (ring_gather_s). FSDP2 prefetches the next block's gather while the
   current block computes, so per micro-batch a device's forward takes
   max(compute, gather) + gather / blocks (the first block's gather is not hidden) and its
   backward max(compute, gather + scatter) + scatter / blocks (the last block's scatter is not
@@ -59,16 +57,6 @@ from scheduler.simulator.kernel import (
 from scheduler.simulator.sharing import core_slowdown
 
 FSDP_BYTES_PER_PARAM = 4.0
-GLOO_SCATTER = 2.0
-"""gloo (the CPU runtime's backend) runs FSDP2's reduce-scatter as a whole all-reduce: twice a
-ring reduce-scatter's bytes and steps. Measured with torch 2.13, 4 ranks on loopback: a
-reduce_scatter_tensor put 6.0x the full tensor's bytes on the wire, an all_reduce 6.0x, an
-all_gather_into_tensor 3.0x (the ring's D - 1 = 3). NCCL's reduce-scatter is the ring's (1)."""
-
-
-def scatter_factor(config: SimConfig) -> float:
-    """A reduce-scatter's cost in all-gathers of the same payload on the runtime's backend."""
-    return GLOO_SCATTER if config.runtime == "cpu" else 1.0
 """FSDP2 gathers fp32 parameters and reduce-scatters fp32 gradients (no MixedPrecisionPolicy)."""
 
 
@@ -154,17 +142,16 @@ def fsdp_stage_times(tables: LinkTables, model: ModelSpec, stages: list[tuple[in
 def fsdp_compute(t_fwd: np.ndarray, t_bwd: np.ndarray, collective: np.ndarray,
                  blocks: np.ndarray, num_micro_batches: int,
                  reshard_after_forward: bool, lanes_per_device: np.ndarray | None = None,
-                 overlap: bool = True, scatter: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                 overlap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds with FSDP's collectives overlapped as FSDP2
     prefetches them (module docstring), or added to the compute when not `overlap` (the CPU
     runtime: gloo's collectives run on the cores the ranks compute on); `collective` is one
     stage gather (= one scatter). `lanes_per_device` (S,): a device of stage s runs
     k_s = L / D_s lanes one after the other, so a lane's micro-batch waits for k_s of that
-    device's (1 everywhere by default). `scatter`: a reduce-scatter's cost in gathers
-    (scatter_factor)."""
+    device's (1 everywhere by default)."""
     k = np.ones(t_fwd.shape[1]) if lanes_per_device is None else lanes_per_device
     gather = collective if reshard_after_forward else collective / (num_micro_batches * k)
-    scatter = gather * scatter
+    scatter = gather
     back_gather = gather if reshard_after_forward else 0.0
     if not overlap:
         return (t_fwd + gather) * k, (t_bwd + back_gather + scatter) * k
@@ -174,17 +161,14 @@ def fsdp_compute(t_fwd: np.ndarray, t_bwd: np.ndarray, collective: np.ndarray,
 
 
 def fsdp_bytes_per_step(model: ModelSpec, stages: list[tuple[int, int]], groups: np.ndarray,
-                        num_micro_batches: int, reshard_after_forward: bool,
-                        scatter: float = 1.0) -> float:
-    """Bytes FSDP puts on the wire per step in all shard groups: a gather of B bytes over D
-    devices moves (D-1) x B, a scatter `scatter` times that (scatter_factor); two gathers and
-    a scatter per micro-batch with reshard_after_forward (a device of stage s runs L / D_s
-    lanes' micro-batches), else one of each per step."""
+                        num_micro_batches: int, reshard_after_forward: bool) -> float:
+    """Bytes FSDP puts on the wire per step in all shard groups: a gather or scatter of B bytes
+    over D devices moves (D-1) x B; 3 per micro-batch with reshard_after_forward (a device of
+    stage s runs L / D_s lanes' micro-batches), else 2 per step."""
     r_count, _, lanes = groups.shape
     total = 0.0
     for (a, b), degree in zip(stages, stage_degrees(groups), strict=True):
-        count = ((2 + scatter) * num_micro_batches * (lanes // degree) if reshard_after_forward
-                 else 1 + scatter)
+        count = 3 * num_micro_batches * lanes // degree if reshard_after_forward else 2
         total += (degree - 1) * model.stage_params(a, b) * FSDP_BYTES_PER_PARAM * count
     return float(r_count * total)
 
@@ -265,7 +249,7 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
     def with_fsdp(k: float) -> tuple[np.ndarray, np.ndarray]:
         return fsdp_compute(raw_fwd * k, raw_bwd * k, collective, blocks, num_micro_batches,
                             reshard_after_forward, per_device.astype(float),
-                            overlap=config.runtime != "cpu", scatter=scatter_factor(config))
+                            overlap=config.runtime != "cpu")
 
     t_fwd, t_bwd = with_fsdp(1.0)
     merged = merge_shards(per_shard, t_fwd, t_bwd)

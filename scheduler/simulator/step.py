@@ -25,7 +25,6 @@ from scheduler.simulator.replay import replay_fast
 from scheduler.simulator.sharded import (
     build_sharded_inputs,
     fsdp_bytes_per_step,
-    scatter_factor,
     shard_array,
     shard_groups,
     stage_degrees,
@@ -166,8 +165,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
                      timeline=boxes, shard_degree=degree,
                      shard_degrees=[int(d) for d in stage_degrees(groups)], fsdp_comm_s=fsdp,
                      fsdp_bytes_per_step=fsdp_bytes_per_step(
-                         model, stages, groups, num_micro_batches, reshard_after_forward,
-                         scatter_factor(config)),
+                         model, stages, groups, num_micro_batches, reshard_after_forward),
                      run_step_s=breakdown.step_s)
 
 
