@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from formats.run_metrics import STATUS_ENV, status_line
 from modules.comm import CommStats, PeerError
@@ -56,8 +57,12 @@ if TYPE_CHECKING:
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW with GPT-style betas; the same in the runtime and in single-process references."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=cfg.optim.weight_decay)
+    params = list(model.parameters())
+    # FSDP's DTensor parameters: the multi-tensor (foreach) kernels, one DTensor dispatch per
+    # op for all of them; the per-parameter loop dispatched each op of each parameter
+    sharded = any(isinstance(p, DTensor) for p in params)
+    return torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=cfg.optim.weight_decay, foreach=sharded or None)
 
 
 def lr_factor(step: int, cfg: RunConfig) -> float:
