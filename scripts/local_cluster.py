@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=netns.DEFAULT_MTU,
                     help="the hosts' interface MTU in bytes (1500). Without netem the NFQUEUE "
                     "delay line handles every packet in Python on the ranks' cores: 9000 cuts "
-                    "its CPU per byte ~3x (docs/emulator.md)")
+                    "its CPU per byte ~3x, 65000 (the lab benchmarks') ~7x (docs/emulator.md)")
     up.add_argument("--out-dir", help="where ip_list, netns_map.json, cluster.json go")
     up.add_argument("--sshd", metavar="AUTHORIZED_KEYS",
                     help="also run a real sshd on port 22 of every host, accepting root logins "

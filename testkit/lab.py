@@ -274,11 +274,16 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-LAB_MTU = 9000
-"""The lab's hosts' MTU: jumbo frames, so that without sch_netem the userspace delay lines
-(Python per packet, on the ranks' own cores) handle 3.6x fewer packets per MB than at 1500
-(benchmarks/delay_line_cpu.py; docs/emulator.md). TCP over the shaped links moves the same
-bytes at the same rates either way."""
+LAB_MTU = 65000
+"""The lab's hosts' MTU: packets as large as a real host's segmentation offload hands its NIC
+(64 KB), so that without sch_netem the userspace delay lines (Python per packet, on the ranks'
+own cores) handle few packets: their CPU per MB is 0.13x 1500's, 0.47x 9000's
+(benchmarks/delay_line_cpu.py). On the badlink lab's 2 x 4-way FSDP plan, one after the other,
+9000 -> 65000: delay lines 0.785 -> 0.423 CPU s a step, the step 1.787 -> 1.504 s; the links'
+probed rates and RTTs hold as well (`local_cluster.py probe`: rates 0.98-1.00x the cluster's).
+What it changes: TCP's initial window is 10 segments, so a fresh or idle connection's first
+flight is 640 KB (90 KB at 9000; 15 KB on a 1500-byte WAN): slow start is not emulated, as
+the simulator does not model it either (docs/emulator.md)."""
 
 
 def add_network_args(p: Any) -> None:
