@@ -205,7 +205,8 @@ class HivemindOuter:
 
     def _background_round(self, flat: torch.Tensor, index: int, t0: float) -> int:
         """Overlap (the worker thread): round `index` in its group matched ahead, else matched
-        now; a failed one taken from a peer (`_recover_background`)."""
+        now; a failed one taken from a peer (`_recover_background`). Weight 1 always: --join,
+        whose first round has weight 0, is refused with overlap."""
         group = self._matched_ahead(index)
         if group is not None:
             self.matched_ahead += 1
