@@ -243,7 +243,6 @@ class HivemindOuter:
         """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
         the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
-        bits = round_bits(index)
         give_up = time.monotonic() + cfg.timeout_s
         while True:
             live = self._live(index)
@@ -255,18 +254,10 @@ class HivemindOuter:
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
-            self._set_target(max(2, len(live)))
-            # the round's key again at every attempt, and no retry inside hivemind's step:
-            # hivemind moves a peer's group bits on as soon as a group is assembled
-            # (update_key_on_group_assembled), each member to other bits, so after a group
-            # that failed mid-way (a replica killed in it) the survivors' retries never met
-            # again and the round failed on all of them after --timeout-s
-            self.averager.set_group_bits(bits)
             t1 = time.monotonic()
             try:
-                gathered = self.averager.step(
-                    gather={"replica": self.replica, "round": index}, weight=weight,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s, allow_retries=False)
+                gathered = self._step(index, live, weight,
+                                      timeout=deadlines.matchmaking_s + deadlines.averaging_s)
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
@@ -278,6 +269,19 @@ class HivemindOuter:
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
                 return None
+
+    def _step(self, index: int, live: set[int], weight: float, **kwargs: Any) -> Any:
+        """One averager step of round `index` among the `live` replicas (hivemind's `step`
+        with `kwargs`: its result, or its StepControl with wait=False). The round's key is set
+        again at every attempt, and hivemind never retries inside a step: it moves a peer's
+        group bits on as soon as a group is assembled (update_key_on_group_assembled), each
+        member to other bits, so after a group that failed mid-way (a replica killed in it)
+        the survivors' retries never met again and the round failed on all of them after
+        --timeout-s."""
+        self._set_target(max(2, len(live)))
+        self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        return self.averager.step(gather={"replica": self.replica, "round": index},
+                                  weight=weight, allow_retries=False, **kwargs)
 
     def _live(self, index: int) -> set[int]:
         """The live replicas of my stage now (the roster), saying which left since the last
@@ -302,12 +306,8 @@ class HivemindOuter:
             live = self._live(index)
             if len(live) < self.cfg.min_replicas:  # the round's own attempts wait for them
                 return
-            self._set_target(max(2, len(live)))
-            self.averager.set_group_bits(round_bits(index))
-            self.ahead = (index, self.averager.step(
-                gather={"replica": self.replica, "round": index}, weight=1.0,
-                timeout=self.cfg.timeout_s, allow_retries=False, require_trigger=True,
-                wait=False))
+            self.ahead = (index, self._step(index, live, 1.0, timeout=self.cfg.timeout_s,
+                                            require_trigger=True, wait=False))
         except Exception as e:  # noqa: BLE001 - the round then matches when it begins
             self.log(f"outer round {index + 1} of stage {self.stage}: could not start matching "
                      f"it ahead ({first(e)}); it matches when it begins")
@@ -630,11 +630,6 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
             stats.bytes_sent += sent
         return sent
     return attempt
-
-
-def round_bits(index: int) -> str:
-    """The averager's group bits of round `index`: peers of different rounds never match."""
-    return format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
 
 
 def _peer_bytes(peer: str) -> bytes:
