@@ -36,7 +36,7 @@ from modules.comm.errors import first_line
 from modules.config import ResolvedRun
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.fault import HeartbeatWatch, describe_rank, is_done, parse_beat
-from modules.control.leader import Generation, Leader, first_generation, publish
+from modules.control.leader import Departures, Generation, Leader, first_generation, publish
 from modules.control.protocol import COORDINATOR_INFO, RUN_SETTINGS, heartbeat_key
 
 STORE_TIMEOUT_S = 30.0
@@ -165,6 +165,10 @@ class Coordinator:
         """DiLoCo: drop lost replicas, admit joiners; allreduce: only host and watch."""
         self.lost: dict[int, str] = {}
         """rank -> description, for members found gone."""
+        self.departures = Departures(cfg.plan)
+        """Dropped ranks to let read their drop before this process exits."""
+        self._quiet_since: float | None = None
+        """When no member was left running (the end waits a while for `departures`)."""
         self._info: dict[int, dict[str, object]] = {}
 
     def listen(self) -> int:
@@ -229,22 +233,28 @@ class Coordinator:
                 g = leader.decide(store, current, gone, self.lost)
                 if g is not None:
                     current = g
+                    self.departures.note(g, self.lost)
                     watch.restart(g.members)
                     for r in g.members:  # a lost rank that rejoined is watched again
                         self.lost.pop(r, None)
                     log(f"generation {g.gen}: replicas {list(g.replicas)} ({g.reason})"
                         + ("; stopping: fewer than --min-replicas" if g.stop else ""))
-            status = self._end(current)
+            status = self._end(current, run.heartbeat_timeout_s)
             if status is not None:
                 return status
             time.sleep(interval)
 
-    def _end(self, current: Generation) -> int | None:
-        """The exit status once no member of `current` is still running, else None."""
+    def _end(self, current: Generation, grace_s: float) -> int | None:
+        """The exit status once no member of `current` is still running and the dropped ranks
+        read their drop (or `grace_s` passed), else None."""
         store = self.store
         running = [r for r in current.members
                    if r not in self.lost and not is_done(store, r)]
         if running:
+            return None
+        self._quiet_since = self._quiet_since or time.monotonic()
+        if (self.departures.waiting(store)
+                and time.monotonic() - self._quiet_since < grace_s):
             return None
         lost = [r for r in self.lost if r in current.members]  # in the order they were lost
         if not lost and not current.stop:

@@ -211,6 +211,9 @@ class Membership:
                 raise PeerError(f"end of run: rank(s) {left} did not finish within "
                                 f"{self.cfg.timeout_s:g} s")
             time.sleep(0.1)
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        while mon.departures.waiting(self.store) and time.monotonic() < deadline:
+            time.sleep(0.1)
         mon.stop()
         reads()
 

@@ -36,13 +36,20 @@ from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, load_secret
 from modules.control.dist import members_of
 from modules.control.leader import (
+    Departures,
     Generation,
     Leader,
     newest_generation,
     publish,
     read_generation,
 )
-from modules.control.protocol import COORDINATOR_INFO, done_key, heartbeat_key, info_key
+from modules.control.protocol import (
+    COORDINATOR_INFO,
+    done_key,
+    heartbeat_key,
+    info_key,
+    left_key,
+)
 
 __all__ = ["Generation", "HeartbeatWatch", "Monitor", "MonitorConfig", "describe_rank",
            "members_of", "newest_generation", "publish", "read_generation", "register"]
@@ -182,6 +189,8 @@ class Monitor(threading.Thread):
         self.leader = (Leader(cfg.plan, cfg.min_replicas) if cfg.elastic and cfg.hosts_store
                        else None)
         """Rank 0 hosting the store in DiLoCo: it publishes the generations."""
+        self.departures = Departures(cfg.plan)
+        """Rank 0 hosting the store: dropped ranks to let read their drop before it exits."""
         self._watch = HeartbeatWatch(cfg.timeout_s)
         self._halt = threading.Event()
         self._info: dict[int, dict[str, Any]] = {}
@@ -221,6 +230,15 @@ class Monitor(threading.Thread):
             self.cfg.on_fatal(reason)
         else:  # another thread is already exiting
             time.sleep(3600)
+
+    def _say_left(self, gen: int) -> None:
+        """Tell the store's host that I read generation `gen`, which dropped me (it waits for
+        that before it exits)."""
+        try:
+            assert self._client is not None
+            self._client.put(left_key(self.cfg.rank), str(gen))
+        except (RuntimeError, OSError):  # the host is gone already: nobody waits
+            pass
 
     # -- the thread --------------------------------------------------------------------------
     def _connect(self) -> AuthStore:
@@ -320,6 +338,7 @@ class Monitor(threading.Thread):
         self._watch.restart(g.members)  # (re)start the clock of every member now
         for r in g.members:  # a lost rank is a member again only once its replica rejoined
             self.lost.pop(r, None)
+        self.departures.note(g, self.lost)
         self.changed.set()
         cfg.log(f"generation {g.gen}: replicas {list(g.replicas)} ({g.reason})")
         if g.stop and cfg.rank in g.members:
@@ -335,5 +354,6 @@ class Monitor(threading.Thread):
                 cfg.log(f"my replica {replica} was dropped from the run at generation {g.gen} "
                         f"({g.reason}); staying up only to host the rendezvous store")
                 return
+            self._say_left(g.gen)
             self.fatal(f"my replica {replica} was dropped from the run at generation {g.gen} "
                        f"({g.reason}); leaving, the other replicas continue")

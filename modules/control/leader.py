@@ -13,13 +13,13 @@ replica is dropped; when every rank of a missing replica asked to join, it is ad
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from formats.plan import Plan
 from modules.control.auth import AuthStore
 from modules.control.dist import members_of
-from modules.control.protocol import GENERATION_COUNTER, generation_key, join_key
+from modules.control.protocol import GENERATION_COUNTER, generation_key, join_key, left_key
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,28 @@ class Leader:
             store.put(join_key(d), "0")  # consumed: a replica dropped later must ask again
         publish(store, g)
         return g
+
+
+@dataclass
+class Departures:
+    """Ranks of dropped replicas that may still be running, for the store's host (rank 0 or
+    the coordinator): at the end of the run it waits, at most a heartbeat timeout, until each
+    has read the generation that dropped it (its `left_key`). Without the wait a dropped rank
+    whose peer died in a collective could find the store gone before its next heartbeat read
+    the verdict, and stop with a broken connection instead of saying why (seen in CI)."""
+
+    plan: Plan
+    pending: dict[int, int] = field(default_factory=dict)
+    """rank -> the generation that dropped it."""
+
+    def note(self, g: Generation, lost: Container[int]) -> None:
+        """Generation g was published; `lost`: ranks known gone (nobody to wait for)."""
+        for r in members_of(self.plan, g.dropped):
+            if r not in g.members and r not in lost:
+                self.pending[r] = g.gen
+        for r in g.members:  # rejoined
+            self.pending.pop(r, None)
+
+    def waiting(self, store: AuthStore) -> list[int]:
+        """The pending ranks that have not yet said they read their drop."""
+        return [r for r, gen in self.pending.items() if store.read_int(left_key(r), -1) < gen]

@@ -73,6 +73,12 @@ def done_key(rank: int) -> str:
     return f"ft/done/{rank}"
 
 
+def left_key(rank: int) -> str:
+    """The generation at which a rank of a dropped replica read that it was dropped (it
+    leaves then): the store's host waits for it before it exits (leader.Departures)."""
+    return f"ft/left/{rank}"
+
+
 def join_key(rank: int) -> str:
     """Counter > 0 while a rank asks to join (the leader resets it to 0 once admitted)."""
     return f"ft/join/{rank}"
