@@ -18,8 +18,10 @@ import torch.distributed as dist
 from formats.plan import load_plan
 from modules.comm import CommStats
 from modules.control.auth import Auth, AuthStore
+from modules.control.bells import Bells
 from modules.control.dist import topology
 from modules.control.elastic import Membership, MembershipSettings
+from modules.control.leader import Departures
 from scheduler.simulator.config import RUNTIME_PROFILES
 from testkit.fault_harness import write_trial_plan
 
@@ -55,7 +57,8 @@ def member(store: dist.Store, plan, rank: int) -> tuple[Membership, CountingStor
                              join=False)
     m = Membership(AuthStore(counting, Auth(b"k" * 32)), plan, topology(plan, rank, 2), cfg,
                    builder=None, stats=CommStats(), log=lambda _: None)
-    m.monitor = SimpleNamespace(gen=0, changed=threading.Event())
+    m.monitor = SimpleNamespace(gen=0, changed=threading.Event(), bells=Bells(),
+                                departures=Departures(plan))
     return m, counting
 
 
@@ -79,7 +82,8 @@ def test_an_outer_round_costs_a_rank_as_many_round_trips_as_the_simulator_charge
         t.join(30)
     assert results == {0: [16] * 3, 1: [16] * 3}  # every round committed
     per_round = [c.trips / 3 for _, c in members]
-    # arrival: set + wait; commit: set + wait (flags under hidden keys); decision: compare_set
+    # arrival: sets + wait; commit: sets + wait (flags in every member's inbox, hidden keys);
+    # decision: compare_set
     assert per_round == [3, 3], [c.calls for _, c in members]
     for runtime, profile in RUNTIME_PROFILES.items():
         assert profile.outer_store_round_trips == per_round[0], runtime
