@@ -29,9 +29,7 @@ def test_keys_of_different_purposes_never_collide():
             add("decision", p.commit_decision_key(commit))
             for r, w in itertools.product(ranks, ranks):
                 add("commit done", p.inbox_key(p.commit_done_prefix(commit), r, w))
-    for s, k, r in itertools.product(stages, outers, ranks):
-        add("arrival", p.member_key(p.outer_arrival_prefix(s, k), r))
-    for g, s, k, r, w in itertools.product(gens, stages, outers, ranks, ranks):
+    for g, s, k, r, w in itertools.product([None, *gens], stages, outers, ranks, ranks):
         add("arrival", p.inbox_key(p.outer_arrival_prefix(s, k, g), r, w))
     add("nccl id", p.nccl_unique_id_key("g1/stage", (0, 2)))
     for r in ranks:

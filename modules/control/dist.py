@@ -22,7 +22,7 @@ from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.bells import Bells, announce
 from modules.control.hidden import hidden_store
-from modules.control.protocol import generation_prefix, inbox_key, member_key
+from modules.control.protocol import generation_prefix, inbox_key
 
 
 @dataclass(frozen=True)
@@ -238,18 +238,14 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
     Returns True once all did. Raises PeerError naming the peers that did not arrive within
     `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
     `abandon` = (bells, moot) it returns False as soon as `moot()` says so: the membership
-    changed, and the monitor rang `bells` (modules.control.bells: then every flag goes to each
-    peer's inbox). The flags go to the run's hidden keys (modules.control.hidden): an outsider
-    cannot fake an arrival.
+    changed, and the monitor rang `bells` (modules.control.bells). The flags go to every
+    peer's inbox under the run's hidden keys (modules.control.hidden): an outsider cannot
+    fake an arrival.
     """
     what = what or key
     store = hidden_store(store)
-    if abandon is None:
-        store.set(member_key(key, rank), "1")
-        keys = [member_key(key, p) for p in peers]
-    else:
-        announce(store, key, rank, peers)
-        keys = [inbox_key(key, rank, p) for p in peers]
+    announce(store, key, rank, peers)  # each peer's inbox: bells.py (sets need no reply)
+    keys = [inbox_key(key, rank, p) for p in peers]
     while True:
         try:
             if abandon is None:

@@ -109,8 +109,7 @@ def join_source_key(gen: int, stage: int, shard: int = 0) -> str:
 # -- DiLoCo outer steps (modules.control.elastic) ------------------------------------------
 def outer_arrival_prefix(stage: int, outer: int, gen: int | None = None) -> str:
     """Prefix of the arrival keys of outer step `outer` of `stage` (per generation when
-    elastic); a rank announces itself under `member_key(prefix, rank)`, or when elastic in
-    every member's inbox (`inbox_key`)."""
+    elastic); a rank announces itself in every member's inbox (`inbox_key`)."""
     where = f"g{gen}/" if gen is not None else ""
     return f"diloco/{where}stage{stage}/outer{outer}"
 

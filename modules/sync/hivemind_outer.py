@@ -22,10 +22,11 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   live replica that completed it (downloaded from that replica's shared state), or, when no
   live replica completed it, ends as skipped, and the training thread skips the outer step
   at the next round boundary (the local pseudo-gradient stays: the next one carries both
-  rounds' drift); each round's group is matched ahead, during the inner steps before it, its
-  all-reduce held until the round begins (hivemind's require_trigger), so the matchmaking is
-  not in the round the training thread may wait for; a group matched ahead that fails is
-  followed by the round's own attempts, as any failed attempt;
+  rounds' drift); each round's group is matched ahead, from the end of the round before,
+  its all-reduce held until the round begins (hivemind's require_trigger), so the
+  matchmaking leaves the round the training thread may wait for when the inner steps outlast
+  the previous round (on the lab they do not: docs/hivemind.md); a group matched ahead that
+  fails is followed by the round's own attempts, as any failed attempt;
 - every attempt of a round sets the round's group bits again (hivemind moves them on once a
   group is assembled); after its last step a replica lingers until the others declared its
   last round (`linger`), so that one whose side of it failed can take it from it;
@@ -296,11 +297,12 @@ class HivemindOuter:
         return live
 
     def _match_ahead(self, index: int) -> None:
-        """Overlap: start round `index`'s matchmaking now, during the inner steps before it,
+        """Overlap: start round `index`'s matchmaking now (the previous round just ended),
         with its all-reduce held until `_matched_ahead` triggers it (hivemind's
-        require_trigger): the matchmaking (DHT round trips, 0.3-0.5 s on the lab, longer than
-        gpt-tiny's 10 inner steps) then no longer adds to the round the training thread may
-        wait for. The averager reads its tensors only once triggered."""
+        require_trigger), so that inner steps still to come hide it. On the lab they do not:
+        the previous round outlasts gpt-tiny's 10 inner steps, and every trigger measured
+        found its group still forming (docs/hivemind.md). The averager reads its tensors only
+        once triggered."""
         self._cancel_ahead()
         try:
             live = self._live(index)
