@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from modules.control.bells import Bells
 from tests.conftest import ROOT
 
 # -- the seam ----------------------------------------------------------------------------------
@@ -368,7 +367,7 @@ def test_the_outer_step_commits_only_after_the_average_completed(monkeypatch, co
     from modules.sync.average import make_group_average
 
     log: list = []
-    m = _membership(log, SimpleNamespace(gen=0, bells=Bells()))
+    m = _membership(log, SimpleNamespace(gen=0))
     monkeypatch.setattr(Membership, "_timed_wait", lambda self, *a, **k: True)
     monkeypatch.setattr(Membership, "_commit",
                         lambda self, prefix, ranks, what: log.append(("commit",)) or True)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from formats.plan import load_plan
 from modules.comm import CommStats
 from modules.control.auth import Auth, AuthStore
-from modules.control.bells import Bells
 from modules.control.dist import topology
 from modules.control.elastic import Membership, MembershipSettings
 from modules.control.leader import Departures
@@ -57,8 +56,7 @@ def member(store: dist.Store, plan, rank: int) -> tuple[Membership, CountingStor
                              join=False)
     m = Membership(AuthStore(counting, Auth(b"k" * 32)), plan, topology(plan, rank, 2), cfg,
                    builder=None, stats=CommStats(), log=lambda _: None)
-    m.monitor = SimpleNamespace(gen=0, changed=threading.Event(), bells=Bells(),
-                                departures=Departures(plan))
+    m.monitor = SimpleNamespace(gen=0, changed=threading.Event(), departures=Departures(plan))
     return m, counting
 
 
@@ -82,8 +80,7 @@ def test_an_outer_round_costs_a_rank_as_many_round_trips_as_the_simulator_charge
         t.join(30)
     assert results == {0: [16] * 3, 1: [16] * 3}  # every round committed
     per_round = [c.trips / 3 for _, c in members]
-    # arrival: sets + wait; commit: sets + wait (flags in every member's inbox, hidden keys);
-    # decision: compare_set
+    # arrival: set + wait; commit: set + wait (flags under hidden keys); decision: compare_set
     assert per_round == [3, 3], [c.calls for _, c in members]
     for runtime, profile in RUNTIME_PROFILES.items():
         assert profile.outer_store_round_trips == per_round[0], runtime

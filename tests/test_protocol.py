@@ -27,10 +27,10 @@ def test_keys_of_different_purposes_never_collide():
         for k in outers:
             commit = p.commit_prefix(g, k)
             add("decision", p.commit_decision_key(commit))
-            for r, w in itertools.product(ranks, ranks):
-                add("commit done", p.inbox_key(p.commit_done_prefix(commit), r, w))
-    for g, s, k, r, w in itertools.product([None, *gens], stages, outers, ranks, ranks):
-        add("arrival", p.inbox_key(p.outer_arrival_prefix(s, k, g), r, w))
+            for r in ranks:
+                add("commit done", p.commit_done_key(commit, r))
+    for g, s, k, r in itertools.product([None, *gens], stages, outers, ranks):
+        add("arrival", p.member_key(p.outer_arrival_prefix(s, k, g), r))
     add("nccl id", p.nccl_unique_id_key("g1/stage", (0, 2)))
     for r in ranks:
         add("nccl arrival", p.member_key(p.nccl_arrival_prefix("g1/stage", (0, 2)), r))

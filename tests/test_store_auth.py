@@ -24,12 +24,12 @@ from modules.control.leader import Generation
 from modules.control.protocol import (
     GENERATION_COUNTER,
     RUN_SETTINGS,
-    commit_done_prefix,
+    commit_done_key,
     commit_prefix,
     device_key,
     done_key,
     generation_key,
-    inbox_key,
+    member_key,
     outer_arrival_prefix,
 )
 from testkit.fault_harness import Ranks, free_port, write_trial_plan
@@ -190,9 +190,8 @@ def plain_flag_keys(outer_steps: int) -> list[str]:
     keys = [f"0//cpu//0/{r}" for r in range(3)] + [device_key(r) for r in range(3)]
     for k in range(outer_steps):
         arrival, commit = outer_arrival_prefix(0, k, 0), commit_prefix(0, k)
-        for reader in range(3):
-            keys += [inbox_key(arrival, reader, r) for r in range(3)]
-            keys += [inbox_key(commit_done_prefix(commit), reader, r) for r in range(3)]
+        keys += [member_key(arrival, r) for r in range(3)]
+        keys += [commit_done_key(commit, r) for r in range(3)]
     return keys
 
 

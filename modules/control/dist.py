@@ -8,6 +8,7 @@ and turns a silent peer into a `CommError` (a `PeerError`) naming it and the ope
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,9 +21,8 @@ from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
-from modules.control.bells import Bells, announce
 from modules.control.hidden import hidden_store
-from modules.control.protocol import generation_prefix, inbox_key
+from modules.control.protocol import generation_prefix, member_key
 
 
 @dataclass(frozen=True)
@@ -231,40 +231,42 @@ def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
                    timeout_s: float, wait_forever: bool = False, log=print,
-                   what: str | None = None,
-                   abandon: tuple[Bells, Callable[[], bool]] | None = None) -> bool:
+                   what: str | None = None, abandon: Callable[[], bool] | None = None,
+                   poll_s: float = 0.5) -> bool:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
     Returns True once all did. Raises PeerError naming the peers that did not arrive within
     `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
-    `abandon` = (bells, moot) it returns False as soon as `moot()` says so: the membership
-    changed, and the monitor rang `bells` (modules.control.bells). The flags go to every
-    peer's inbox under the run's hidden keys (modules.control.hidden): an outsider cannot
-    fake an arrival.
+    `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
+    changed: the wait is moot). The flags go to the run's hidden keys (modules.control.hidden):
+    an outsider cannot fake an arrival.
     """
     what = what or key
     store = hidden_store(store)
-    announce(store, key, rank, peers)  # each peer's inbox: bells.py (sets need no reply)
-    keys = [inbox_key(key, rank, p) for p in peers]
+    store.set(member_key(key, rank), "1")
+    keys = [member_key(key, p) for p in peers]
+    t0 = time.monotonic()
     while True:
         try:
-            if abandon is None:
-                store.wait(keys, timedelta(seconds=timeout_s))
-                return True
-            return abandon[0].wait(store, key, rank, peers, timeout_s, abandon[1])
-        except RuntimeError as e:  # timeout, or the store (rank 0's or the coordinator's) is gone
-            if abandon is not None and abandon[1]():
-                return False
-            why = first_line(e)
-        try:
-            missing = [p for p, k in zip(peers, keys) if not store.check([k])]
-        except RuntimeError:
-            raise PeerError(f"{what}: the rendezvous store is gone ({why})") from None
-        if not missing:
+            store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
             return True
-        msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "
-               f"{timeout_s:g} s")
-        if not wait_forever:
-            raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)",
-                            diagnosed=True) from None
-        log(f"warning: {msg}; still waiting (--wait-for-peers)")
+        except RuntimeError as e:  # timeout, or the store (rank 0's or the coordinator's) is gone
+            if abandon is not None:
+                if abandon():
+                    return False
+                if time.monotonic() - t0 < timeout_s:
+                    continue
+            try:
+                missing = [p for p, k in zip(peers, keys) if not store.check([k])]
+            except RuntimeError:
+                raise PeerError(f"{what}: the rendezvous store is gone ({first_line(e)})") \
+                    from None
+            if not missing:
+                return True
+            msg = (f"{what}: rank(s) {missing} of my group {list(peers)} did not arrive within "
+                   f"{timeout_s:g} s")
+            if not wait_forever:
+                raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)",
+                                diagnosed=True) from None
+            log(f"warning: {msg}; still waiting (--wait-for-peers)")
+            t0 = time.monotonic()

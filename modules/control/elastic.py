@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,6 @@ from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import ResolvedRun
-from modules.control.bells import Bells, announce
 from modules.control.dist import Topology, members_of, wait_for_peers
 from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.groups import GroupBuilder, Groups
@@ -42,7 +42,7 @@ from modules.control.leader import first_generation, publish
 from modules.control.protocol import (
     JOIN_TAG,
     commit_decision_key,
-    commit_done_prefix,
+    commit_done_key,
     commit_prefix,
     done_key,
     join_key,
@@ -354,7 +354,7 @@ class Membership:
         sent = 0
         if len(ranks) > 1:
             gen = self.gen
-            abandon = (self.monitor.bells, lambda: self.monitor.gen > gen)
+            abandon = lambda: self.monitor.gen > gen
             if not self._timed_wait(outer_arrival_prefix(stage, outer, gen), ranks, what,
                                     abandon, stats):
                 return None
@@ -380,8 +380,7 @@ class Membership:
         return tuple(peers[r] for r in self.replicas)
 
     def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
-                    abandon: tuple[Bells, Callable[[], bool]] | None,
-                    stats: CommStats | None = None) -> bool:
+                    abandon: Callable[[], bool] | None, stats: CommStats | None = None) -> bool:
         """Wait for every member's arrival (counted as communication time)."""
         t0 = time.perf_counter()
         try:
@@ -409,23 +408,24 @@ class Membership:
         assert mon is not None
         # the confirmations are flags under hidden keys (modules.control.hidden): an outsider
         # cannot fake one, and waiting for them all is one store round trip (a signed value
-        # would need a read after the wait: two more round trips per outer step). Each goes to
-        # every member's inbox, so that a new generation can cut the wait short
-        # (modules.control.bells).
-        flags, done = hidden_store(self.store), commit_done_prefix(prefix)
-        announce(flags, done, self.topo.rank, ranks)
-        try:
-            confirmed = mon.bells.wait(flags, done, self.topo.rank, ranks,
-                                       self.cfg.timeout_s + self.cfg.heartbeat_timeout_s,
-                                       lambda: mon.gen > self.gen)
-        except RuntimeError as e:  # a confirmation is missing, or the store stopped answering
-            if mon.gen <= self.gen:
-                raise PeerError(f"{what}: not every member confirmed the average within "
-                                f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
-            confirmed = False
-        decision = "commit" if confirmed else "abort"
-        got = self.store.claim(commit_decision_key(prefix), decision)
-        if got != "commit":
-            self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
-                     "retrying with the live replicas")
-        return got == "commit"
+        # would need a read after the wait: two more round trips per outer step)
+        flags = hidden_store(self.store)
+        flags.set(commit_done_key(prefix, self.topo.rank), "1")
+        keys = [commit_done_key(prefix, r) for r in ranks]
+        t0 = time.monotonic()
+        while True:
+            try:
+                flags.wait(keys, timedelta(seconds=0.5))
+                decision = "commit"
+            except RuntimeError as e:
+                if mon.gen <= self.gen:
+                    if time.monotonic() - t0 > self.cfg.timeout_s + self.cfg.heartbeat_timeout_s:
+                        raise PeerError(f"{what}: not every member confirmed the average within "
+                                        f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
+                    continue
+                decision = "abort"
+            got = self.store.claim(commit_decision_key(prefix), decision)
+            if got != "commit":
+                self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
+                         "retrying with the live replicas")
+            return got == "commit"

@@ -34,9 +34,7 @@ import torch.distributed as dist
 from formats.plan import Plan
 from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, load_secret
-from modules.control.bells import Bells
 from modules.control.dist import members_of
-from modules.control.hidden import hidden_store
 from modules.control.leader import (
     Departures,
     Generation,
@@ -193,8 +191,6 @@ class Monitor(threading.Thread):
         """Rank 0 hosting the store in DiLoCo: it publishes the generations."""
         self.departures = Departures(cfg.plan)
         """Rank 0 hosting the store: dropped ranks to let read their drop before it exits."""
-        self.bells = Bells()
-        """This rank's open store waits, cut short on a new generation."""
         self._watch = HeartbeatWatch(cfg.timeout_s)
         self._halt = threading.Event()
         self._info: dict[int, dict[str, Any]] = {}
@@ -234,14 +230,6 @@ class Monitor(threading.Thread):
             self.cfg.on_fatal(reason)
         else:  # another thread is already exiting
             time.sleep(3600)
-
-    def _ring(self) -> None:
-        """Cut this rank's open store waits short: the membership they wait on changed."""
-        try:
-            assert self._client is not None
-            self.bells.ring(hidden_store(self._client))
-        except (RuntimeError, OSError):  # the store is gone: the waits fail on their own
-            pass
 
     def _say_left(self, gen: int) -> None:
         """Tell the store's host that I read generation `gen`, which dropped me (it waits for
@@ -352,7 +340,6 @@ class Monitor(threading.Thread):
             self.lost.pop(r, None)
         self.departures.note(g, self.lost)
         self.changed.set()
-        self._ring()
         cfg.log(f"generation {g.gen}: replicas {list(g.replicas)} ({g.reason})")
         if g.stop and cfg.rank in g.members:
             self.fatal(f"only {len(g.replicas)} replica(s) left ({g.reason}), fewer than "

@@ -109,7 +109,7 @@ def join_source_key(gen: int, stage: int, shard: int = 0) -> str:
 # -- DiLoCo outer steps (modules.control.elastic) ------------------------------------------
 def outer_arrival_prefix(stage: int, outer: int, gen: int | None = None) -> str:
     """Prefix of the arrival keys of outer step `outer` of `stage` (per generation when
-    elastic); a rank announces itself in every member's inbox (`inbox_key`)."""
+    elastic); a rank announces itself under `member_key(prefix, rank)`."""
     where = f"g{gen}/" if gen is not None else ""
     return f"diloco/{where}stage{stage}/outer{outer}"
 
@@ -124,14 +124,9 @@ def commit_prefix(gen: int, outer: int) -> str:
     return f"diloco/g{gen}/outer{outer}"
 
 
-def inbox_key(prefix: str, reader: int, writer: int) -> str:
-    """`writer`'s flag under `prefix` as `reader` waits for it (modules.control.bells)."""
-    return f"{prefix}/to{reader}/{writer}"
-
-
-def commit_done_prefix(prefix: str) -> str:
-    """Where the members say they finished their all-reduce of the outer step (inboxes)."""
-    return f"{prefix}/done"
+def commit_done_key(prefix: str, rank: int) -> str:
+    """A rank finished its all-reduce of the outer step."""
+    return f"{prefix}/done/{rank}"
 
 
 def commit_decision_key(prefix: str) -> str:
