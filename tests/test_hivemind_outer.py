@@ -6,7 +6,6 @@ name (exit 2); SIGTERM stops a replica without leaving its p2pd. No p2pd outlive
 
 from __future__ import annotations
 
-import re
 import signal
 import threading
 import time
@@ -266,10 +265,9 @@ def test_overlap_equals_the_store_backends_overlap(tmp_path):
             assert codes == {0: 0, 1: 0}, (backend, codes, logs)
             assert "running in the background" in run.output(0), logs
             assert "failed" not in run.output(0) + run.output(1), logs  # every round completed
-            if backend == "hivemind":  # rounds 2-4 matched during the inner steps before them
+            if backend == "hivemind":  # every round in the roster's group, no matchmaking
                 for r in (0, 1):
-                    assert re.search(r"4 rounds averaged here, [34] in a group matched ahead",
-                                     run.output(r)), logs
+                    assert "4 rounds averaged here, 4 in the roster's group" in run.output(r), logs
             got[backend] = (load_models(out / "ck", [0, 1], 20),
                             _opt_tensors(out / "ck", [0, 1], 20))
         finally:

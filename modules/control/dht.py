@@ -275,6 +275,17 @@ class Roster:
                 if r != self.replica and isinstance(v[0], list) and v[0]
                 and (not sharing or (len(v[0]) > 1 and v[0][1]))}
 
+    def members(self, live: set[int], mine: str, client_mode: bool
+                ) -> list[tuple[str, int, bool]]:
+        """(peer id, replica, --client-mode) of each of the `live` replicas whose entry
+        `live` read (me: peer id `mine`), in replica order: a group every replica that read
+        the same roster forms alike."""
+        out = [(mine, self.replica, client_mode)] if self.replica in live else []
+        for r, (entry, _) in self.seen.items():
+            if r in live and r != self.replica and isinstance(entry, list) and entry:
+                out.append((str(entry[0]), r, not (len(entry) > 1 and entry[1])))
+        return sorted(out, key=lambda m: m[1])
+
     def _link(self, entries: list[Any]) -> None:
         """Connect my p2pd to every replica of the roster it was not told of yet, at the
         addresses that replica announced: on the namespace lab (198.18.0.0/15, unroutable to

@@ -15,6 +15,11 @@ modules.comm.compressed's, written once there:
 A peer with weight 0 (a joiner catching up) sends nothing that counts and receives the mean.
 The result is written only when the whole round succeeded (no sender banned, no reducer
 lost); otherwise the round raises and hivemind retries it among the peers still there.
+
+A round's group may also come without matchmaking (`ExactAverager._fixed_round`): every
+replica forms the same group from the DHT roster it reads anyway (same members, same id), and
+each starts its all-reduce when it reaches the round; a part that arrives before its
+receiver registered the group waits for it (`rpc_aggregate_part`), up to the group's wait.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+from typing import AsyncIterator as Stream  # noqa: UP035 - hivemind reads an rpc's types by it
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -29,10 +35,16 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
+from hivemind.utils.asyncio import (
+    achain,
+    aiter_with_timeout,
+    amap_in_executor,
+    as_aiter,
+    enter_asynchronously,
+)
 
 from modules.control.dht import hand_over_fds
 from modules.quant.allreduce import (
@@ -45,6 +57,8 @@ from modules.quant.allreduce import (
 )
 from modules.quant.codec import DEFAULT_BLOCK
 
+FIXED_GROUP = b"fixed:"
+"""Prefix of the ids of groups formed from the roster (`ExactAverager._fixed_round`)."""
 WHOLE_PARTS = 1 << 40
 """part_size_bytes: every chunk travels as one part (at most SEGMENT / W values), so a part
 never cuts a codec block."""
@@ -317,3 +331,61 @@ class ExactAverager(DecentralizedAverager):
             self.last_updated = get_dht_time()
             self._state_updated.set()
         return {p: by_peer[p] for p in group_info.peer_ids}
+
+    _fixed_wait_s: float = 5.0
+    """How long a part for a group formed from the roster waits for its receiver to reach
+    that round (set by `_fixed_round`; the replicas' skew at the round's start)."""
+
+    async def _fixed_round(self, group_id: bytes, members: list[tuple[str, int, bool]],
+                           weight: float, wait_s: float, future: Any) -> None:
+        """(averager process) Average in the group `members` ((peer id, replica, client mode),
+        the same list and `group_id` on every member: formed from the roster, no
+        matchmaking); `future` gets the members' gathered data, or the failure. The
+        all-reduce's waits include `wait_s`, the skew allowed between members' starts."""
+        try:
+            dumps = self.serializer.dumps
+            modes = {True: AveragingMode.CLIENT.value, False: AveragingMode.NODE.value}
+            info = GroupInfo(group_id, tuple(PeerID.from_base58(p) for p, _, _ in members),
+                             tuple(dumps([None, modes[c], dumps({"replica": r})])
+                                   for _, r, c in members))
+            self._fixed_wait_s = wait_s
+            kwargs = dict(self.allreduce_kwargs)
+            for key in ("sender_timeout", "reducer_timeout"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] += wait_s
+            limit = self._allreduce_timeout
+            with self._register_allreduce_group(info):
+                gathered = await asyncio.wait_for(
+                    self._aggregate_with_group(info, tensor_infos=self.tensor_infos,
+                                               weight=weight, **kwargs),
+                    timeout=None if limit is None else limit + wait_s)
+            future.set_result(gathered)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if not future.done():
+                future.set_exception(e if isinstance(e, Exception)
+                                     else AllreduceException(repr(e)))
+            if not isinstance(e, Exception):
+                raise
+
+    async def rpc_aggregate_part(self, stream: Stream[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> Stream[averaging_pb2.AveragingData]:
+        """hivemind's handler, except that a part for a group formed from the roster waits
+        (up to `_fixed_wait_s`) for this peer to register that very group: hivemind's waits
+        on one event that any group's registration or end sets, so a part for the next
+        group passed as soon as the running one ended, and was refused (BAD_GROUP_ID)."""
+        request = await anext(stream)
+        if request.group_id.startswith(FIXED_GROUP):
+            until = asyncio.get_event_loop().time() + self._fixed_wait_s
+            while (request.group_id not in self._running_groups
+                   and asyncio.get_event_loop().time() < until):
+                await asyncio.sleep(0.005)
+        elif request.group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream),
+                                                      context):
+            yield message

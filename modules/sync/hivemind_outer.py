@@ -6,11 +6,16 @@ One `HivemindOuter` per rank: its DHT node (started before the rendezvous, so th
 to pass as --initial-peers are printed early), the roster of live replicas of its stage
 (modules.control.dht), and an `ExactAverager` (modules.sync.hivemind_exact: the store
 backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
-- round k of stage s matches only peers of the same run id, stage and round (the averager's
-  prefix is `<run id>_s<stage>`, its group bits the round number), so a late or stale peer
-  never averages with another round's; the group forms as soon as every replica of the roster
-  is in it (target size = live replicas), else after the matchmaking deadline with those
-  that came: a replica that died is dropped from the next round once its roster entry expires;
+- round k's first attempt needs no matchmaking: every replica forms the group of the live
+  replicas in the roster it reads anyway, the same members and group id on each (`_fixed`),
+  and starts the all-reduce as it reaches the round. Should that group not average it (a
+  member died, or the replicas read different rosters: a joiner), matchmaking follows;
+- in matchmaking, round k of stage s matches only peers of the same run id, stage and round
+  (the averager's prefix is `<run id>_s<stage>`, its group bits the round number), so a late
+  or stale peer never averages with another round's; the group forms as soon as every
+  replica of the roster is in it (target size = live replicas), else after the matchmaking
+  deadline with those that came: a replica that died is dropped from the next round once
+  its roster entry expires;
 - a round that fails for this rank (no group before --timeout-s, or a peer left mid-way and
   hivemind's retries among the rest did not finish it) is never applied half: if another
   replica completed it, this rank loads that replica's outer state (parameters = its outer
@@ -22,11 +27,7 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   live replica that completed it (downloaded from that replica's shared state), or, when no
   live replica completed it, ends as skipped, and the training thread skips the outer step
   at the next round boundary (the local pseudo-gradient stays: the next one carries both
-  rounds' drift); each round's group is matched ahead, from the end of the round before,
-  its all-reduce held until the round begins (hivemind's require_trigger), so the
-  matchmaking leaves the round the training thread may wait for when the inner steps outlast
-  the previous round (on the lab they do not: docs/hivemind.md); a group matched ahead that
-  fails is followed by the round's own attempts, as any failed attempt;
+  rounds' drift);
 - every attempt of a round sets the round's group bits again (hivemind moves them on once a
   group is assembled); after its last step a replica lingers until the others declared its
   last round (`linger`), so that one whose side of it failed can take it from it;
@@ -38,6 +39,7 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -141,10 +143,8 @@ class HivemindOuter:
         averager); a failed round takes a peer's average of it, never a peer's state."""
         self.results: dict[int, torch.Tensor] = {}
         """Overlap: round -> its average, the last KEEP_RESULTS completed (shared with peers)."""
-        self.ahead: tuple[int, Any] | None = None
-        """Overlap: (round, hivemind StepControl) of the round matched ahead (`_match_ahead`)."""
-        self.matched_ahead = 0
-        """Rounds averaged in a group matched ahead (the rest matched when they began)."""
+        self.fixed_rounds = 0
+        """Rounds averaged in the roster's group (`_fixed`); the rest through matchmaking."""
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
@@ -181,8 +181,6 @@ class HivemindOuter:
                                 list(cfg.initial_peers), self.log)
         if not joining:  # the start barrier before step 1, as the store's rendezvous
             self._await_start()
-            if self.background:
-                self._match_ahead(outer.outer_count)
 
     # -- one round ---------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, index: int) -> int:
@@ -195,24 +193,17 @@ class HivemindOuter:
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(flat)
         if self.background:
-            try:
-                return self._background_round(flat, index, t0)
-            finally:  # the next round's group forms during the inner steps before it
-                self._match_ahead(index + 1)
+            return self._background_round(flat, index, t0)
         group = self._round(index, weight)
         if group is None:
             raise self._recover(index)
         return self._averaged(flat, index, group, t0)
 
     def _background_round(self, flat: torch.Tensor, index: int, t0: float) -> int:
-        """Overlap (the worker thread): round `index` in its group matched ahead, else matched
-        now; a failed one taken from a peer (`_recover_background`). Weight 1 always: --join,
-        whose first round has weight 0, is refused with overlap."""
-        group = self._matched_ahead(index)
-        if group is not None:
-            self.matched_ahead += 1
-        else:
-            group = self._round(index, 1.0)
+        """Overlap (the worker thread): round `index`, a failed one taken from a peer
+        (`_recover_background`). Weight 1 always: --join, whose first round has weight 0, is
+        refused with overlap."""
+        group = self._round(index, 1.0)
         if group is None:
             return self._recover_background(flat, index)
         return self._averaged(flat, index, group, t0)
@@ -241,10 +232,11 @@ class HivemindOuter:
             self.averager.state_sharing_priority = float(self.completed)
 
     def _round(self, index: int, weight: float) -> list[int] | None:
-        """Matchmaking attempts until a group averaged round `index` or --timeout-s passed;
-        the replicas of the group, or None."""
+        """Round `index` in the roster's group (`_fixed`), then matchmaking attempts until a
+        group averaged it or --timeout-s passed; the replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
         give_up = time.monotonic() + cfg.timeout_s
+        attempt = 0
         while True:
             live = self._live(index)
             if len(live) < cfg.min_replicas:  # the others may still be starting
@@ -255,21 +247,49 @@ class HivemindOuter:
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
-            t1 = time.monotonic()
+            t1, attempt = time.monotonic(), attempt + 1
+            how = "the roster's group" if attempt == 1 else "matchmaking"
             try:
+                if attempt == 1:
+                    return self._fixed(index, live, weight)
                 gathered = self._step(index, live, weight,
                                       timeout=deadlines.matchmaking_s + deadlines.averaging_s)
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
                 self.log(f"outer round {index + 1} of stage {self.stage}: no completed average "
-                         f"within the deadlines ({deadlines.matchmaking_s:.2f} s matchmaking + "
-                         f"{deadlines.averaging_s:.2f} s averaging; measured {waited:.2f} s, "
-                         f"live replicas {sorted(live)}): {first(e)}")
+                         f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
+                         f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
+                         f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
             # others completed it without me: take their state (with overlap, a live one's)
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
                 return None
+
+    def _fixed(self, index: int, live: set[int], weight: float) -> list[int]:
+        """Round `index` averaged in the group of the `live` replicas, formed without
+        matchmaking: every replica reads the same roster, so each forms the same members
+        and group id and starts the all-reduce when it reaches the round (a replica up to the
+        matchmaking deadline late is waited for). The replicas of the group; raises when
+        the group did not average it (a member gone or seeing another roster: matchmaking
+        follows). Matchmaking alone took 0.2-0.7 s a round on the lab, against the
+        all-reduce's 0.1-0.4 s (docs/hivemind.md)."""
+        from hivemind.utils.mpfuture import MPFuture
+
+        from modules.sync.hivemind_exact import FIXED_GROUP
+
+        members = self.roster.members(live, str(self.dht.peer_id), self.cfg.client_mode)
+        if len(members) < 2:
+            raise PeerError(f"the roster has no peer id for replicas {sorted(live)}")
+        text = "|".join([self.averager.prefix, str(index)] + [f"{r}:{p}" for p, r, _ in members])
+        group_id = FIXED_GROUP + hashlib.sha256(text.encode()).digest()[:20]
+        d, future = self.deadlines, MPFuture()
+        self.averager._outer_pipe.send(("_fixed_round", [], dict(
+            group_id=group_id, members=members, weight=weight, wait_s=d.matchmaking_s,
+            future=future)))
+        gathered = future.result(timeout=d.matchmaking_s + d.averaging_s + 5.0)
+        self.fixed_rounds += 1
+        return [int(v["replica"]) for v in gathered.values()]
 
     def _step(self, index: int, live: set[int], weight: float, **kwargs: Any) -> Any:
         """One averager step of round `index` among the `live` replicas (hivemind's `step`
@@ -295,51 +315,6 @@ class HivemindOuter:
                      f"{self.cfg.heartbeat_s:g} s); the rounds go on without them")
         self.live = live
         return live
-
-    def _match_ahead(self, index: int) -> None:
-        """Overlap: start round `index`'s matchmaking now (the previous round just ended),
-        with its all-reduce held until `_matched_ahead` triggers it (hivemind's
-        require_trigger), so that inner steps still to come hide it. On the lab they do not:
-        the previous round outlasts gpt-tiny's 10 inner steps, and every trigger measured
-        found its group still forming (docs/hivemind.md). The averager reads its tensors only
-        once triggered."""
-        self._cancel_ahead()
-        try:
-            live = self._live(index)
-            if len(live) < self.cfg.min_replicas:  # the round's own attempts wait for them
-                return
-            self.ahead = (index, self._step(index, live, 1.0, timeout=self.cfg.timeout_s,
-                                            require_trigger=True, wait=False))
-        except Exception as e:  # noqa: BLE001 - the round then matches when it begins
-            self.log(f"outer round {index + 1} of stage {self.stage}: could not start matching "
-                     f"it ahead ({first(e)}); it matches when it begins")
-
-    def _matched_ahead(self, index: int) -> list[int] | None:
-        """Round `index`'s all-reduce in the group matched ahead for it: the replicas of the
-        group, or None (none matched ahead, or that group failed: the round's own attempts
-        follow, as for any failed attempt)."""
-        if self.ahead is None or self.ahead[0] != index:
-            self._cancel_ahead()
-            return None
-        control, self.ahead = self.ahead[1], None
-        d = self.deadlines
-        try:
-            control.allow_allreduce()
-            gathered = control.result(timeout=d.matchmaking_s + d.averaging_s)
-            return [int(v["replica"]) for v in gathered.values()]
-        except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
-            with contextlib.suppress(Exception):
-                control.cancel()
-            self.log(f"outer round {index + 1} of stage {self.stage}: the group matched ahead "
-                     f"did not average it ({first(e)}); matching again")
-            return None
-
-    def _cancel_ahead(self) -> None:
-        """Drop the round matched ahead, if any (a stale round, or the run's end)."""
-        if self.ahead is not None:
-            with contextlib.suppress(Exception):  # already over
-                self.ahead[1].cancel()
-            self.ahead = None
 
     def _await_start(self) -> None:
         """Before step 1 (`attach`): wait (at most --timeout-s) until every replica that starts
@@ -567,14 +542,12 @@ class HivemindOuter:
 
     def close(self) -> None:
         """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
-        if self.background and self.rounds_s and self.averager is not None:
+        if self.rounds_s and self.averager is not None:
             self.log(f"hivemind outer sync of stage {self.stage}: {len(self.rounds_s)} rounds "
-                     f"averaged here, {self.matched_ahead} in a group matched ahead during the "
-                     f"inner steps; median {statistics.median(self.rounds_s):.2f} s from the "
-                     "round's start to its average")
+                     f"averaged here, {self.fixed_rounds} in the roster's group (the rest "
+                     f"through matchmaking); median {statistics.median(self.rounds_s):.2f} s "
+                     "from the round's start to its average")
         with self.lock:
-            if self.averager is not None:
-                self._cancel_ahead()
             if self.roster is not None:
                 self.roster.close()
             for part in (self.averager, self.dht):
