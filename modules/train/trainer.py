@@ -155,6 +155,14 @@ class Trainer:
         if not cfg.elastic.join or hivemind is not None:  # a hivemind joiner: its own replica
             self._apply(self.membership.first_generation())
 
+    def _replicas_training(self) -> int:
+        """Replicas whose tokens a step's tokens/s counts (the run's, as the store backend
+        counts them): the generation's live replicas, or with hivemind (whose membership
+        is my replica alone) the DHT roster's live replicas of my stage at the last round."""
+        if self.hivemind is None:
+            return len(self.replicas)
+        return len(self.hivemind.live) or self.hivemind.cfg.starting
+
     def _init_model_and_data(self, data: TextData | FakeData) -> None:
         """My stage's model (vocabulary from the tokenizer), its data shard and validation."""
         plan, cfg = self.plan, self.cfg
@@ -517,7 +525,8 @@ class Trainer:
                "bytes_sent": self.stats.bytes_sent - bytes0 + bg_bytes,
                "dp_bytes_sent": self.dp_bytes - dp0, "pp_bytes_sent": self.pipe.bytes_sent - ppb0,
                "outer_step": self.outer_count,
-               "tokens_per_s": round(self.tokens_per_step * len(self.replicas) / step_s, 1),
+               "tokens_per_s": round(self.tokens_per_step * self._replicas_training() / step_s,
+                                     1),
                "replica": self.topo.replica, "wall_time": round(time.time(), 3),
                "rank": self.topo.rank, "stage": self.topo.stage,
                "pp_wait_s": round(pipe.wait_s - pp0, 6) if pipe is not None else 0.0}
