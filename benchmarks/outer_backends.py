@@ -28,7 +28,8 @@ payload, one CPU thread per rank; the store rows run the 4 ranks on one rendezvo
 
 Per row: seconds per outer sync (mean and max of the steps that synced: their comm_s; and the
 mean after round 1, whose wait includes the start barrier), bytes
-per replica per round, tokens/s (mean over replicas of their steps after round 1), final loss
+per replica per round, tokens/s (the run's tokens over the time of the steps after round 1,
+outer waits included, as each replica measured it; mean over replicas), final loss
 (mean over replicas of the last step's), loss ratio vs the store row of the same net, max
 parameter difference between replicas after the last round (from the final checkpoints). Fault
 rows add `survived` (every survivor and the joiner exited 0), `stall_s` (the survivors' longest
@@ -69,6 +70,13 @@ FAULT_STEPS = 30 * H
 """Long enough that a joiner started after round 4 finds the survivors still training with
 rounds to go (its start took up to 13 rounds, ~60 s, with the load average at 25)."""
 KILLED = 3
+
+
+def throughput(recs: list[dict]) -> float:
+    """The run's tokens per second over these steps of one replica: every step's tokens (its
+    tokens/s x step_s: all live replicas', either backend) over their summed time. Not the mean
+    of the steps' rates, which favoured the backend whose step times vary most."""
+    return sum(r["tokens_per_s"] * r["step_s"] for r in recs) / sum(r["step_s"] for r in recs)
 
 
 def make_plan(out: Path, overlap: bool = False) -> Path:
@@ -296,7 +304,7 @@ def summarize(name: str, backend: str, net: str, out: Path, steps: int,
                 sent.append(rec["dp_bytes_sent"])
                 prev = rec["outer_step"]
         last.append(recs[-1]["loss"])
-        tps.append(statistics.mean(rec["tokens_per_s"] for rec in recs[H:] or recs))
+        tps.append(throughput(recs[H:] or recs))
     diff = max_param_diff(load_models(out / "ck", replicas, steps))
     return {"name": name, "backend": backend, "net": net,
             "s_per_outer_sync": {"mean": round(statistics.mean(syncs), 4),

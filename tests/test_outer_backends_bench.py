@@ -58,3 +58,11 @@ def test_overlap_rows_run_with_both_backends(tmp_path):
     assert ob.refusal("hivemind", plan) == ""
     assert ob.refusal("store", plan) == ""
     assert ob.refusal("hivemind", ob.make_plan(tmp_path)) == ""
+
+
+def test_throughput_is_tokens_over_time_not_the_mean_of_rates():
+    """Two steps of 64 tokens x 4 replicas, 0.01 s and 0.03 s: 512 tokens in 0.04 s = 12800
+    tokens/s (the mean of the two rates would say 17067)."""
+    recs = [{"tokens_per_s": 256 / 0.01, "step_s": 0.01},
+            {"tokens_per_s": 256 / 0.03, "step_s": 0.03}]
+    assert ob.throughput(recs) == pytest.approx(12800.0)
