@@ -618,7 +618,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
          for p, v in declared.items()}, 2e9)
 
     class Roster:
-        def live(self):
+        def live(self, max_age_s=0.0):
             return {0} | {i + 1 for i in range(len(live))}
 
         def peers(self, sharing=False):
@@ -670,15 +670,61 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
 
     def step(gather, weight, timeout, allow_retries=True):
         calls.append((hv.averager.bits, allow_retries))
-        if len(calls) == 1:  # assembled, then a member died mid-way: hivemind moved the bits
+        if len(calls) == 2:  # assembled, then a member died mid-way: hivemind moved the bits
             hv.averager.bits = "1" + hv.averager.bits[1:]
             raise RuntimeError("a peer left the round mid-way")
         assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
         return {b"a": {"replica": 0}, b"b": {"replica": 1}}
 
+    def roster_group(index, live, weight):  # the first attempt: a member died in it
+        calls.append(("roster's group", index))
+        raise RuntimeError("a peer left the round mid-way")
+
     hv.averager.set_group_bits, hv.averager.step = set_group_bits, step
+    hv._fixed = roster_group
     assert hv._round(5, 1.0) == [0, 1]
-    assert calls == [(format(5, "016b"), False)] * 2, calls
+    assert calls == [("roster's group", 5)] + [(format(5, "016b"), False)] * 2, calls
+
+
+def test_a_round_starts_in_the_rosters_group_without_matchmaking():
+    """The first attempt of a round is the roster's group (read at most half a heartbeat
+    ago): when it averages, no matchmaking step runs."""
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
+    ages, calls = [], []
+    hv.roster.live = lambda max_age_s=0.0: ages.append(max_age_s) or {0, 1}
+    hv._fixed = lambda index, live, weight: calls.append((index, live, weight)) or [0, 1]
+    hv.averager.step = lambda **kw: pytest.fail("matchmaking ran")
+    assert hv._round(7, 1.0) == [0, 1]
+    assert calls == [(7, {0, 1}, 1.0)] and ages == [hv.cfg.heartbeat_s / 2]
+
+
+def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):
+    """Two replicas reading the same roster form the same members in replica order, each
+    with its --client-mode flag (no announced address); a fresh read is skipped when the last
+    one is younger than max_age_s."""
+    import hivemind.utils
+    from hivemind.utils import ValueWithExpiration
+
+    from modules.control.dht import Roster
+
+    monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: 1000.0)
+    value = ValueWithExpiration({0: ValueWithExpiration([FAKE_ID, ["/ip4/1.2.3.4/tcp/1"]], 1003.0),
+                                 1: ValueWithExpiration([PEER_B, []], 1003.0),
+                                 2: ValueWithExpiration([PEER_C, ["/ip4/1.2.3.5/tcp/1"]], 1003.0)},
+                                1003.0)
+    groups = []
+    for me, peer in ((0, FAKE_ID), (2, PEER_C)):
+        dht = _FakeDHT(peer)
+        dht.answers["rt_roster_s0"] = value
+        roster = Roster(dht, "rt", 0, me, 3.0, log=print, client_mode=True)
+        roster._link = lambda entries: None
+        live = roster.live()
+        groups.append(roster.members(live, peer, client_mode=False))
+        dht.answers["rt_roster_s0"] = None  # a read now would find nothing: not read
+        assert roster.live(max_age_s=60.0) == {0, 1, 2}
+    assert groups[0] == groups[1] == [(FAKE_ID, 0, False), (PEER_B, 1, True),
+                                      (PEER_C, 2, False)]
 
 
 def test_a_replica_lingers_until_the_others_declared_its_last_round():

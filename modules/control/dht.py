@@ -228,6 +228,10 @@ class Roster:
         """Peers this rank's p2pd was told to connect to (itself: nothing to do)."""
         self.seen: dict[int, tuple[Any, float]] = {}
         """Replica -> (its entry, the entry's expiration time), from the reads so far."""
+        self.read_at = float("-inf")
+        """time.monotonic() of the last read of the DHT."""
+        self.lock = threading.Lock()
+        """`seen` is read by the rounds and by the refreshing thread."""
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="dht-roster", daemon=True)
 
@@ -243,14 +247,20 @@ class Roster:
                        expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
+        """Announce, and read the roster (so a round can start from the last read: `live`),
+        every third of the entries' lifetime."""
         while not self.stop.wait(self.ttl_s / 3):
             try:
                 self._announce()
+                self.live()
             except Exception as e:  # noqa: BLE001 - a transient DHT error; retried next beat
                 self.log(f"warning: DHT roster refresh failed ({first(e)})")
 
-    def live(self) -> set[int]:
-        """Replicas whose entry has not expired (mine included).
+    def live(self, max_age_s: float = 0.0) -> set[int]:
+        """Replicas whose entry has not expired (mine included), read from the DHT unless the
+        last read is younger than `max_age_s` (a DHT get took 0.1-0.2 s at each round's start
+        on the lab, on the way to the all-reduce; the refreshing thread reads every third of
+        the lifetime).
 
         An entry read once counts until its own expiration time, also when a later read
         misses it: under load a DHT get can come back empty or partial (a lookup that timed
@@ -258,20 +268,30 @@ class Roster:
         group's target and logged a live replica as gone)."""
         from hivemind.utils import get_dht_time
 
+        if time.monotonic() - self.read_at >= max_age_s:
+            self._read()
+        now = get_dht_time()
+        with self.lock:
+            self.seen = {r: v for r, v in self.seen.items() if v[1] > now}
+            return set(self.seen) | {self.replica}
+
+    def _read(self) -> None:
+        """Merge the DHT's roster into `seen`, connecting to replicas new to my p2pd."""
         found = self.dht.get(self.key, latest=True)
         if found is not None and isinstance(found.value, dict):
             self._link([e.value for e in found.value.values()])
-            for k, e in found.value.items():
-                if e.expiration_time > self.seen.get(int(k), (None, 0.0))[1]:
-                    self.seen[int(k)] = (e.value, e.expiration_time)
-        now = get_dht_time()
-        self.seen = {r: v for r, v in self.seen.items() if v[1] > now}
-        return set(self.seen) | {self.replica}
+            with self.lock:
+                for k, e in found.value.items():
+                    if e.expiration_time > self.seen.get(int(k), (None, 0.0))[1]:
+                        self.seen[int(k)] = (e.value, e.expiration_time)
+        self.read_at = time.monotonic()
 
     def peers(self, sharing: bool = False) -> set[str]:
         """Peer ids (base58) of the replicas `live` last saw, mine excluded; `sharing`: only
         those that announce addresses (a --client-mode replica shares no state)."""
-        return {str(v[0][0]) for r, v in self.seen.items()
+        with self.lock:
+            seen = dict(self.seen)
+        return {str(v[0][0]) for r, v in seen.items()
                 if r != self.replica and isinstance(v[0], list) and v[0]
                 and (not sharing or (len(v[0]) > 1 and v[0][1]))}
 
@@ -281,7 +301,9 @@ class Roster:
         `live` read (me: peer id `mine`), in replica order: a group every replica that read
         the same roster forms alike."""
         out = [(mine, self.replica, client_mode)] if self.replica in live else []
-        for r, (entry, _) in self.seen.items():
+        with self.lock:
+            seen = dict(self.seen)
+        for r, (entry, _) in seen.items():
             if r in live and r != self.replica and isinstance(entry, list) and entry:
                 out.append((str(entry[0]), r, not (len(entry) > 1 and entry[1])))
         return sorted(out, key=lambda m: m[1])

@@ -237,8 +237,8 @@ class HivemindOuter:
         deadlines, cfg = self.deadlines, self.cfg
         give_up = time.monotonic() + cfg.timeout_s
         attempt = 0
-        while True:
-            live = self._live(index)
+        while True:  # the first attempt starts from the roster's last read (Roster.live)
+            live = self._live(index, cfg.heartbeat_s / 2 if attempt == 0 else 0.0)
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
                     raise PeerError(f"outer round {index + 1} of stage {self.stage}: only "
@@ -304,10 +304,10 @@ class HivemindOuter:
         return self.averager.step(gather={"replica": self.replica, "round": index},
                                   weight=weight, allow_retries=False, **kwargs)
 
-    def _live(self, index: int) -> set[int]:
-        """The live replicas of my stage now (the roster), saying which left since the last
-        look (round `index` goes on without them)."""
-        live = self.roster.live()
+    def _live(self, index: int, max_age_s: float = 0.0) -> set[int]:
+        """The live replicas of my stage now (the roster, read at most `max_age_s` ago),
+        saying which left since the last look (round `index` goes on without them)."""
+        live = self.roster.live(max_age_s)
         self.guard.check(live)
         if self.live - live:
             self.log(f"outer round {index + 1} of stage {self.stage}: replica(s) "
