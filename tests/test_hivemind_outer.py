@@ -681,22 +681,31 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
         raise RuntimeError("a peer left the round mid-way")
 
     hv.averager.set_group_bits, hv.averager.step = set_group_bits, step
-    hv._fixed = roster_group
+    hv._fixed, hv._reach, hv.last_group = roster_group, lambda index: None, {0, 1}
     assert hv._round(5, 1.0) == [0, 1]
     assert calls == [("roster's group", 5)] + [(format(5, "016b"), False)] * 2, calls
 
 
 def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     """The first attempt of a round is the roster's group (read at most half a heartbeat
-    ago): when it averages, no matchmaking step runs."""
+    ago) when the roster is the last round's group: no matchmaking step runs. When the roster
+    changed (a replica joined, or one that left is still listed), matchmaking at once."""
     hv = _background_outer({}, [PEER_B], averaging_s=1.0)
-    hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
-    ages, calls = [], []
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
+    ages, calls, steps = [], [], []
     hv.roster.live = lambda max_age_s=0.0: ages.append(max_age_s) or {0, 1}
     hv._fixed = lambda index, live, weight: calls.append((index, live, weight)) or [0, 1]
     hv.averager.step = lambda **kw: pytest.fail("matchmaking ran")
     assert hv._round(7, 1.0) == [0, 1]
     assert calls == [(7, {0, 1}, 1.0)] and ages == [hv.cfg.heartbeat_s / 2]
+
+    hv.last_group = {0, 1, 2}  # replica 2 left: its entry has expired, the roster changed
+    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+    hv.averager.step = lambda **kw: steps.append(kw["gather"]) or {b"a": {"replica": 0},
+                                                                   b"b": {"replica": 1}}
+    assert hv._round(8, 1.0) == [0, 1]
+    assert len(calls) == 1 and steps == [{"replica": 0, "round": 8}]
 
 
 def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):

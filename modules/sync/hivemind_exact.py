@@ -25,6 +25,7 @@ receiver registered the group waits for it (`rpc_aggregate_part`), up to the gro
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from typing import AsyncIterator as Stream  # noqa: UP035 - hivemind reads an rpc's types by it
@@ -59,6 +60,18 @@ from modules.quant.codec import DEFAULT_BLOCK
 
 FIXED_GROUP = b"fixed:"
 """Prefix of the ids of groups formed from the roster (`ExactAverager._fixed_round`)."""
+
+
+def fixed_group_id(index: int, text: str) -> bytes:
+    """The id of round `index`'s group formed from the roster (`text` names its members)."""
+    return FIXED_GROUP + index.to_bytes(8, "big") + hashlib.sha256(text.encode()).digest()[:20]
+
+
+def fixed_group_round(group_id: bytes) -> int:
+    """The round of a group id made by `fixed_group_id`."""
+    return int.from_bytes(group_id[len(FIXED_GROUP):len(FIXED_GROUP) + 8], "big")
+
+
 WHOLE_PARTS = 1 << 40
 """part_size_bytes: every chunk travels as one part (at most SEGMENT / W values), so a part
 never cuts a codec block."""
@@ -187,9 +200,10 @@ class ExactRunner(AllReduceRunner):
     """AllReduceRunner with OrderedReducer, our wire codec and the mean itself (not a delta)
     sent back; `failed` says whether any sender or reducer was lost."""
 
-    def __init__(self, *, wire: CodecWire, owners: list[int], **kwargs: Any) -> None:
+    def __init__(self, *, wire: CodecWire, owners: list[int], fail_fast: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(compression=wire, part_size_bytes=WHOLE_PARTS, **kwargs)
-        self.wire = wire
+        self.wire, self.fail_fast = wire, fail_fast
         replaced = self.tensor_part_reducer
         replaced.num_senders = 0  # never used: no "received 0%" warning when it is dropped
         replaced.finalize()
@@ -216,8 +230,12 @@ class ExactRunner(AllReduceRunner):
             return
         try:
             await self._read_means(peer_id, peer_index)
-        except BaseException:
+        except BaseException as e:
             self.tensor_part_container.register_failed_reducer(peer_index)
+            if self.fail_fast and isinstance(e, Exception):
+                # the round is lost: end it now rather than wait out the senders' timeout
+                # for the parts a dead member will never send (its roster entry outlives it)
+                self.finalize(exception=AllreduceException(f"peer {peer_id} failed: {e!r}"))
             raise
 
     async def _read_means(self, peer_id: PeerID, peer_index: int) -> None:
@@ -318,7 +336,8 @@ class ExactAverager(DecentralizedAverager):
                 group_id=group_info.group_id, ordered_peer_ids=order, peer_fractions=sizes,
                 weight=kwargs["weight"], sender_timeout=kwargs.get("sender_timeout"),
                 reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire,
-                owners=owners[order.index(self.peer_id)])
+                owners=owners[order.index(self.peer_id)],
+                fail_fast=kwargs.get("fail_fast", False))
             self._running_groups[group_info.group_id].set_result(runner)
             results = []
             async for result in runner:
@@ -335,13 +354,24 @@ class ExactAverager(DecentralizedAverager):
     _fixed_wait_s: float = 5.0
     """How long a part for a group formed from the roster waits for its receiver to reach
     that round (set by `_fixed_round`; the replicas' skew at the round's start)."""
+    _round_reached: int = -1
+    """The last round this peer started an attempt at, or passed by loading a peer's state
+    (`_fixed_round`, `_reach_round`): a roster group's part for a round up to it that is not
+    registered here never will be."""
 
-    async def _fixed_round(self, group_id: bytes, members: list[tuple[str, int, bool]],
-                           weight: float, wait_s: float, future: Any) -> None:
-        """(averager process) Average in the group `members` ((peer id, replica, client mode),
-        the same list and `group_id` on every member: formed from the roster, no
-        matchmaking); `future` gets the members' gathered data, or the failure. The
-        all-reduce's waits include `wait_s`, the skew allowed between members' starts."""
+    async def _reach_round(self, index: int) -> None:
+        """(averager process) This peer is at round `index` or past it (`_round_reached`)."""
+        self._round_reached = max(self._round_reached, index)
+
+    async def _fixed_round(self, index: int, group_id: bytes,
+                           members: list[tuple[str, int, bool]], weight: float, wait_s: float,
+                           future: Any) -> None:
+        """(averager process) Average round `index` in the group `members` ((peer id, replica,
+        client mode), the same list and `group_id` on every member: formed from the roster,
+        no matchmaking); `future` gets the members' gathered data, or the failure. The
+        all-reduce's waits include `wait_s`, the skew allowed between members' starts; it
+        ends at the first member that fails (ExactRunner's fail_fast: the roster may still
+        name a replica that died, and the round then goes to matchmaking at once)."""
         try:
             dumps = self.serializer.dumps
             modes = {True: AveragingMode.CLIENT.value, False: AveragingMode.NODE.value}
@@ -349,7 +379,8 @@ class ExactAverager(DecentralizedAverager):
                              tuple(dumps([None, modes[c], dumps({"replica": r})])
                                    for _, r, c in members))
             self._fixed_wait_s = wait_s
-            kwargs = dict(self.allreduce_kwargs)
+            await self._reach_round(index)
+            kwargs = dict(self.allreduce_kwargs, fail_fast=True)
             for key in ("sender_timeout", "reducer_timeout"):
                 if kwargs.get(key) is not None:
                     kwargs[key] += wait_s
@@ -372,11 +403,16 @@ class ExactAverager(DecentralizedAverager):
         """hivemind's handler, except that a part for a group formed from the roster waits
         (up to `_fixed_wait_s`) for this peer to register that very group: hivemind's waits
         on one event that any group's registration or end sets, so a part for the next
-        group passed as soon as the running one ended, and was refused (BAD_GROUP_ID)."""
+        group passed as soon as the running one ended, and was refused (BAD_GROUP_ID). It
+        is refused at once when this peer reached that round otherwise (another roster
+        group: the members read different rosters; matchmaking; a later round) or passed it
+        (`_round_reached`), so that the sender's round goes to matchmaking without waiting."""
         request = await anext(stream)
         if request.group_id.startswith(FIXED_GROUP):
+            index = fixed_group_round(request.group_id)
             until = asyncio.get_event_loop().time() + self._fixed_wait_s
             while (request.group_id not in self._running_groups
+                   and self._round_reached < index
                    and asyncio.get_event_loop().time() < until):
                 await asyncio.sleep(0.005)
         elif request.group_id not in self._running_groups:

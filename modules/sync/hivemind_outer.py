@@ -39,7 +39,6 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -145,6 +144,10 @@ class HivemindOuter:
         """Overlap: round -> its average, the last KEEP_RESULTS completed (shared with peers)."""
         self.fixed_rounds = 0
         """Rounds averaged in the roster's group (`_fixed`); the rest through matchmaking."""
+        self.last_group: set[int] = set()
+        """The replicas of the last round averaged here (or all that started): a round whose
+        roster is this group again starts in the roster's group, one whose roster changed
+        (a replica joined, or one that left is still listed) goes to matchmaking."""
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
@@ -214,6 +217,7 @@ class HivemindOuter:
             flat.copy_(tensors[0])
         took = time.monotonic() - t0
         self.rounds_s.append(took)
+        self.last_group = set(group)
         self._report(index, took, sorted(group))
         self._completed(index, flat)
         return self._bytes_sent(flat.numel(), group)
@@ -232,13 +236,15 @@ class HivemindOuter:
             self.averager.state_sharing_priority = float(self.completed)
 
     def _round(self, index: int, weight: float) -> list[int] | None:
-        """Round `index` in the roster's group (`_fixed`), then matchmaking attempts until a
-        group averaged it or --timeout-s passed; the replicas of the group, or None."""
+        """Round `index` in the roster's group (`_fixed`) when the roster is the last round's
+        group, then matchmaking attempts until a group averaged it or --timeout-s passed; the
+        replicas of the group, or None."""
         deadlines, cfg = self.deadlines, self.cfg
         give_up = time.monotonic() + cfg.timeout_s
-        attempt = 0
-        while True:  # the first attempt starts from the roster's last read (Roster.live)
-            live = self._live(index, cfg.heartbeat_s / 2 if attempt == 0 else 0.0)
+        fixed = True  # the first attempt: the roster's group, if the roster did not change
+        while True:
+            live = self._live(index, cfg.heartbeat_s / 2 if fixed else 0.0)
+            fixed = fixed and live == self.last_group
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
                     raise PeerError(f"outer round {index + 1} of stage {self.stage}: only "
@@ -247,20 +253,21 @@ class HivemindOuter:
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
-            t1, attempt = time.monotonic(), attempt + 1
-            how = "the roster's group" if attempt == 1 else "matchmaking"
+            t1 = time.monotonic()
             try:
-                if attempt == 1:
+                if fixed:
                     return self._fixed(index, live, weight)
                 gathered = self._step(index, live, weight,
                                       timeout=deadlines.matchmaking_s + deadlines.averaging_s)
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
+                how = "the roster's group" if fixed else "matchmaking"
                 self.log(f"outer round {index + 1} of stage {self.stage}: no completed average "
                          f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
+            fixed = False
             # others completed it without me: take their state (with overlap, a live one's)
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
@@ -276,17 +283,16 @@ class HivemindOuter:
         all-reduce's 0.1-0.4 s (docs/hivemind.md)."""
         from hivemind.utils.mpfuture import MPFuture
 
-        from modules.sync.hivemind_exact import FIXED_GROUP
+        from modules.sync.hivemind_exact import fixed_group_id
 
         members = self.roster.members(live, str(self.dht.peer_id), self.cfg.client_mode)
         if len(members) < 2:
             raise PeerError(f"the roster has no peer id for replicas {sorted(live)}")
-        text = "|".join([self.averager.prefix, str(index)] + [f"{r}:{p}" for p, r, _ in members])
-        group_id = FIXED_GROUP + hashlib.sha256(text.encode()).digest()[:20]
+        text = "|".join([self.averager.prefix] + [f"{r}:{p}" for p, r, _ in members])
         d, future = self.deadlines, MPFuture()
         self.averager._outer_pipe.send(("_fixed_round", [], dict(
-            group_id=group_id, members=members, weight=weight, wait_s=d.matchmaking_s,
-            future=future)))
+            index=index, group_id=fixed_group_id(index, text), members=members, weight=weight,
+            wait_s=d.matchmaking_s, future=future)))
         gathered = future.result(timeout=d.matchmaking_s + d.averaging_s + 5.0)
         self.fixed_rounds += 1
         return [int(v["replica"]) for v in gathered.values()]
@@ -300,6 +306,7 @@ class HivemindOuter:
         the survivors' retries never met again and the round failed on all of them after
         --timeout-s."""
         self._set_target(max(2, len(live)))
+        self._reach(index)
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
         return self.averager.step(gather={"replica": self.replica, "round": index},
                                   weight=weight, allow_retries=False, **kwargs)
@@ -330,6 +337,12 @@ class HivemindOuter:
             time.sleep(0.5)
             live = self.roster.live()
         self.started = True
+        self.last_group = live if len(live) >= expected else set()
+
+    def _reach(self, index: int) -> None:
+        """Tell the averager this rank is at round `index` or past it: roster groups' parts
+        for it or an earlier round are refused at once from now (ExactAverager._round_reached)."""
+        self.averager._outer_pipe.send(("_reach_round", [index], {}))
 
     def _set_target(self, size: int) -> None:
         from hivemind.utils.mpfuture import MPFuture
@@ -488,6 +501,7 @@ class HivemindOuter:
             return None
         momentum = tensors[1] if len(tensors) > 1 and meta.get("momentum") else None
         self.completed = int(meta["completed"])
+        self._reach(int(meta["outer_count"]) - 1)  # the rounds before it are over here
         return OuterState(tensors[0].clone(), momentum.clone() if momentum is not None else None,
                           int(meta["outer_count"]))
 
