@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -e .[hivemind])")
 
 from formats.errors import UserError  # noqa: E402
+from modules.comm import PeerError  # noqa: E402
 from modules.control.dht import SplitGuard, parse_maddrs, start_dht, visible_maddrs  # noqa: E402
 from modules.control.signals import TERM_STATUS  # noqa: E402
 from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
@@ -655,6 +656,35 @@ def test_background_round_completed_by_a_live_replica_takes_its_average():
     assert hv.averager.state_sharing_priority == 3.0 and torch.equal(hv.results[2], average)
 
 
+class _Step:
+    """A matchmaking step's control (hivemind's StepControl): its result after `polls`
+    timed-out waits of the caller."""
+
+    def __init__(self, value, polls: int = 0) -> None:
+        self.value, self.polls, self.cancelled = value, polls, False
+
+    def result(self, timeout=None):
+        if self.polls:
+            self.polls -= 1
+            raise TimeoutError
+        return self.value
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_replica_stops_matching_a_round_the_others_completed():
+    """A replica whose side of a round failed stops matchmaking as soon as a live replica
+    declared the round done (it then takes the round from it), not after the deadline."""
+    hv = _background_outer({PEER_B: 6.0}, [PEER_B], averaging_s=1.0)
+    step = _Step(None, polls=1000)
+    with pytest.raises(PeerError, match="completed it without me"):
+        hv._matched(5, step)
+    assert step.cancelled and step.polls == 999
+    hv = _background_outer({PEER_B: 5.0}, [PEER_B], averaging_s=1.0)  # round 5 not done yet
+    assert hv._matched(5, _Step("avg", polls=2)) == "avg"
+
+
 def test_every_attempt_of_a_round_uses_the_rounds_group_key():
     """hivemind moves a peer's group bits on when a group is assembled (each member to other
     bits), so an attempt that assembled a group and then failed (a replica killed in it) left
@@ -668,13 +698,13 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
     def set_group_bits(bits):
         hv.averager.bits = bits
 
-    def step(gather, weight, timeout, allow_retries=True):
+    def step(gather, weight, timeout, allow_retries=True, wait=True):
         calls.append((hv.averager.bits, allow_retries))
         if len(calls) == 2:  # assembled, then a member died mid-way: hivemind moved the bits
             hv.averager.bits = "1" + hv.averager.bits[1:]
             raise RuntimeError("a peer left the round mid-way")
         assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
-        return {b"a": {"replica": 0}, b"b": {"replica": 1}}
+        return _Step({b"a": {"replica": 0}, b"b": {"replica": 1}})
 
     def roster_group(index, live, weight):  # the first attempt: a member died in it
         calls.append(("roster's group", index))
@@ -702,8 +732,8 @@ def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     hv.last_group = {0, 1, 2}  # replica 2 left: its entry has expired, the roster changed
     hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
-    hv.averager.step = lambda **kw: steps.append(kw["gather"]) or {b"a": {"replica": 0},
-                                                                   b"b": {"replica": 1}}
+    hv.averager.step = lambda **kw: steps.append(kw["gather"]) or _Step(
+        {b"a": {"replica": 0}, b"b": {"replica": 1}})
     assert hv._round(8, 1.0) == [0, 1]
     assert len(calls) == 1 and steps == [{"replica": 0, "round": 8}]
 

@@ -257,8 +257,9 @@ class HivemindOuter:
             try:
                 if fixed:
                     return self._fixed(index, live, weight)
-                gathered = self._step(index, live, weight,
-                                      timeout=deadlines.matchmaking_s + deadlines.averaging_s)
+                gathered = self._matched(index, self._step(
+                    index, live, weight, wait=False,
+                    timeout=deadlines.matchmaking_s + deadlines.averaging_s))
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
@@ -296,6 +297,20 @@ class HivemindOuter:
         gathered = future.result(timeout=d.matchmaking_s + d.averaging_s + 5.0)
         self.fixed_rounds += 1
         return [int(v["replica"]) for v in gathered.values()]
+
+    def _matched(self, index: int, control: Any) -> Any:
+        """The result of a matchmaking step (hivemind's StepControl) of round `index`; raises
+        PeerError at once when another live replica declared the round done meanwhile (this
+        one then takes it from them): a replica whose side of a round failed matched alone
+        for the whole deadline (15 s on the lab) while the others had completed it."""
+        while True:
+            try:
+                return control.result(timeout=0.5)
+            except TimeoutError:
+                if self._best_peer_rounds(live_only=self.background) > index:
+                    with contextlib.suppress(Exception):  # already over
+                        control.cancel()
+                    raise PeerError("other replicas completed it without me") from None
 
     def _step(self, index: int, live: set[int], weight: float, **kwargs: Any) -> Any:
         """One averager step of round `index` among the `live` replicas (hivemind's `step`
