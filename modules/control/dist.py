@@ -21,6 +21,7 @@ from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
+from modules.control.flag_wait import FlagWaiter
 from modules.control.hidden import hidden_store
 from modules.control.protocol import generation_prefix, member_key
 
@@ -232,14 +233,15 @@ def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
                    timeout_s: float, wait_forever: bool = False, log=print,
                    what: str | None = None, abandon: Callable[[], bool] | None = None,
-                   poll_s: float = 0.5) -> bool:
+                   poll_s: float = 0.5, waiter: FlagWaiter | None = None) -> bool:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
     Returns True once all did. Raises PeerError naming the peers that did not arrive within
     `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
     `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
-    changed: the wait is moot). The flags go to the run's hidden keys (modules.control.hidden):
-    an outsider cannot fake an arrival.
+    changed: the wait is moot); with a `waiter` too, the wait runs whole on its own store
+    connection (modules.control.flag_wait: no retried timeouts). The flags go to the run's
+    hidden keys (modules.control.hidden): an outsider cannot fake an arrival.
     """
     what = what or key
     store = hidden_store(store)
@@ -248,10 +250,12 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
     t0 = time.monotonic()
     while True:
         try:
+            if abandon is not None and waiter is not None:
+                return waiter.wait(keys, timeout_s, abandon, poll_s)
             store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
             return True
         except RuntimeError as e:  # timeout, or the store (rank 0's or the coordinator's) is gone
-            if abandon is not None:
+            if abandon is not None and waiter is None:
                 if abandon():
                     return False
                 if time.monotonic() - t0 < timeout_s:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,10 @@ from formats.plan import Plan
 from modules.comm import CommStats, PeerError
 from modules.comm.errors import first_line
 from modules.config import ResolvedRun
+from modules.control.auth import AuthStore
 from modules.control.dist import Topology, members_of, wait_for_peers
 from modules.control.fault import Monitor, MonitorConfig, is_done
+from modules.control.flag_wait import FlagWaiter
 from modules.control.groups import GroupBuilder, Groups
 from modules.control.hidden import hidden_store
 from modules.control.leader import first_generation, publish
@@ -129,6 +132,8 @@ class Membership:
         self.groups: Groups | None = None
         """The communicators of that generation (the Trainer gets them in a GenerationChange)."""
         self.monitor: Monitor | None = None
+        self.waiter: FlagWaiter | None = None
+        """Arrival and commit waits on a store connection of their own (with the monitor)."""
         """The heartbeat thread (None before `start`, or without cfg.store_addr)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -161,6 +166,16 @@ class Membership:
             coordinator=cfg.coordinator, auth=getattr(self.store, "auth", None), log=self.log,
             on_fatal=on_fatal))
         self.monitor.start()
+        self.waiter = FlagWaiter(self._flag_connection)
+
+    def _flag_connection(self) -> Any:
+        """A store connection of FlagWaiter's own, naming keys as hidden_store(self.store)."""
+        assert self.cfg.store_addr is not None
+        host, port = self.cfg.store_addr
+        raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=max(1.0, self.cfg.timeout_s)))
+        auth = getattr(self.store, "auth", None)
+        return hidden_store(AuthStore(raw, auth)) if auth is not None else raw
 
     @property
     def dropped(self) -> bool:
@@ -374,6 +389,33 @@ class Membership:
         self.active = set(self.replicas)
         return sent
 
+    def _confirmations(self, flags: Any, keys: list[str], what: str) -> str:
+        """"commit" once every member confirmed (`keys`), "abort" when a new generation came
+        first; PeerError when neither within --timeout-s (+ a heartbeat timeout)."""
+        mon = self.monitor
+        assert mon is not None
+        limit_s = self.cfg.timeout_s + self.cfg.heartbeat_timeout_s
+        if self.waiter is not None:  # one whole wait, on a connection of its own
+            try:
+                ok = self.waiter.wait(keys, limit_s, abandon=lambda: mon.gen > self.gen)
+                return "commit" if ok else "abort"
+            except RuntimeError as e:
+                if mon.gen > self.gen:
+                    return "abort"
+                raise PeerError(f"{what}: not every member confirmed the average within "
+                                f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
+        t0 = time.monotonic()
+        while True:
+            try:
+                flags.wait(keys, timedelta(seconds=0.5))
+                return "commit"
+            except RuntimeError as e:
+                if mon.gen > self.gen:
+                    return "abort"
+                if time.monotonic() - t0 > limit_s:
+                    raise PeerError(f"{what}: not every member confirmed the average within "
+                                    f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
+
     def stage_ranks(self) -> tuple[int, ...]:
         """Devices of my stage in every live replica."""
         peers = self.plan.shard_peers(self.topo.stage, self.topo.shard)
@@ -385,7 +427,8 @@ class Membership:
         t0 = time.perf_counter()
         try:
             return wait_for_peers(self.store, prefix, self.topo.rank, ranks, self.cfg.timeout_s,
-                                  self.cfg.wait_for_peers, self.log, what, abandon=abandon)
+                                  self.cfg.wait_for_peers, self.log, what, abandon=abandon,
+                                  waiter=self.waiter)
         finally:
             (stats or self.stats).wait_s += time.perf_counter() - t0
 
@@ -404,28 +447,16 @@ class Membership:
         """Every member (all stages) finished its all-reduce -> commit; the membership changed
         first -> abort (everybody retries with the new groups). One decision per outer step,
         first writer wins."""
-        mon = self.monitor
-        assert mon is not None
+        assert self.monitor is not None
         # the confirmations are flags under hidden keys (modules.control.hidden): an outsider
         # cannot fake one, and waiting for them all is one store round trip (a signed value
         # would need a read after the wait: two more round trips per outer step)
         flags = hidden_store(self.store)
         flags.set(commit_done_key(prefix, self.topo.rank), "1")
         keys = [commit_done_key(prefix, r) for r in ranks]
-        t0 = time.monotonic()
-        while True:
-            try:
-                flags.wait(keys, timedelta(seconds=0.5))
-                decision = "commit"
-            except RuntimeError as e:
-                if mon.gen <= self.gen:
-                    if time.monotonic() - t0 > self.cfg.timeout_s + self.cfg.heartbeat_timeout_s:
-                        raise PeerError(f"{what}: not every member confirmed the average within "
-                                        f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
-                    continue
-                decision = "abort"
-            got = self.store.claim(commit_decision_key(prefix), decision)
-            if got != "commit":
-                self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
-                         "retrying with the live replicas")
-            return got == "commit"
+        decision = self._confirmations(flags, keys, what)
+        got = self.store.claim(commit_decision_key(prefix), decision)
+        if got != "commit":
+            self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
+                     "retrying with the live replicas")
+        return got == "commit"
