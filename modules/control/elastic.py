@@ -132,9 +132,9 @@ class Membership:
         self.groups: Groups | None = None
         """The communicators of that generation (the Trainer gets them in a GenerationChange)."""
         self.monitor: Monitor | None = None
+        """The heartbeat thread (None before `start`, or without cfg.store_addr)."""
         self.waiter: FlagWaiter | None = None
         """Arrival and commit waits on a store connection of their own (with the monitor)."""
-        """The heartbeat thread (None before `start`, or without cfg.store_addr)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def first_generation(self) -> GenerationChange:
