@@ -146,8 +146,9 @@ class HivemindOuter:
         """Rounds averaged in the roster's group (`_fixed`); the rest through matchmaking."""
         self.last_group: set[int] = set()
         """The replicas of the last round averaged here (or all that started): a round whose
-        roster is this group again starts in the roster's group, one whose roster changed
-        (a replica joined, or one that left is still listed) goes to matchmaking."""
+        roster is this group again starts in the roster's group (a dead replica still listed:
+        that group fails at once), one whose roster changed (a replica joined, or a dead one's
+        entry expired) goes to matchmaking."""
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
