@@ -72,6 +72,14 @@ rounds to go (its start took up to 13 rounds, ~60 s, with the load average at 25
 KILLED = 3
 
 
+def bytes_per_round(recs: list[dict], rounds: int) -> float:
+    """One replica's data-parallel bytes over its rounds: every step's, since an overlapped
+    round's bytes are counted in pieces on the steps its background all-reduce spans (the
+    store's overlap row showed a third to a half of its payload when only the round's boundary
+    step was read)."""
+    return sum(r["dp_bytes_sent"] for r in recs) / max(1, rounds)
+
+
 def throughput(recs: list[dict]) -> float:
     """The run's tokens per second over these steps of one replica: every step's tokens (its
     tokens/s x step_s: all live replicas', either backend) over their summed time. Not the mean
@@ -295,14 +303,14 @@ def summarize(name: str, backend: str, net: str, out: Path, steps: int,
     syncs, later, sent, last, tps = [], [], [], [], []
     for r in replicas:
         recs = records(out / ("m.jsonl" if r == 0 else f"m.r{r}.jsonl"))
-        prev = 0
+        prev, rounds = 0, 0
         for rec in recs:
             if rec["outer_step"] != prev:
                 syncs.append(rec["comm_s"])
                 if prev:  # round 1 includes the start barrier (waiting for the last to start)
                     later.append(rec["comm_s"])
-                sent.append(rec["dp_bytes_sent"])
-                prev = rec["outer_step"]
+                prev, rounds = rec["outer_step"], rounds + 1
+        sent.append(bytes_per_round(recs, rounds))
         last.append(recs[-1]["loss"])
         tps.append(throughput(recs[H:] or recs))
     diff = max_param_diff(load_models(out / "ck", replicas, steps))

@@ -66,3 +66,10 @@ def test_throughput_is_tokens_over_time_not_the_mean_of_rates():
     recs = [{"tokens_per_s": 256 / 0.01, "step_s": 0.01},
             {"tokens_per_s": 256 / 0.03, "step_s": 0.03}]
     assert ob.throughput(recs) == pytest.approx(12800.0)
+
+
+def test_bytes_per_round_counts_every_step_of_an_overlapped_round():
+    """The store's overlap counts a round's bytes on the steps its background all-reduce
+    spans (two halves here), the last round's at the final drain."""
+    recs = [{"dp_bytes_sent": b} for b in (0, 0, 660, 0, 661, 0, 660, 661)]
+    assert ob.bytes_per_round(recs, 2) == pytest.approx(1321.0)
