@@ -20,6 +20,8 @@ from modules.comm import CommStats
 from modules.control.auth import Auth, AuthStore
 from modules.control.dist import topology
 from modules.control.elastic import Membership, MembershipSettings
+from modules.control.flag_wait import FlagWaiter
+from modules.control.hidden import hidden_store
 from modules.control.leader import Departures
 from scheduler.simulator.config import RUNTIME_PROFILES
 from testkit.fault_harness import write_trial_plan
@@ -57,6 +59,7 @@ def member(store: dist.Store, plan, rank: int) -> tuple[Membership, CountingStor
     m = Membership(AuthStore(counting, Auth(b"k" * 32)), plan, topology(plan, rank, 2), cfg,
                    builder=None, stats=CommStats(), log=lambda _: None)
     m.monitor = SimpleNamespace(gen=0, changed=threading.Event(), departures=Departures(plan))
+    m.waiter = FlagWaiter(lambda: hidden_store(m.store))  # its waits counted like the rest
     return m, counting
 
 

@@ -8,7 +8,6 @@ and turns a silent peer into a `CommError` (a `PeerError`) naming it and the ope
 from __future__ import annotations
 
 import errno
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -232,34 +231,30 @@ def members_of(plan: Plan, replicas: list[int] | tuple[int, ...]) -> tuple[int, 
 
 def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...],
                    timeout_s: float, wait_forever: bool = False, log=print,
-                   what: str | None = None, abandon: Callable[[], bool] | None = None,
-                   poll_s: float = 0.5, waiter: FlagWaiter | None = None) -> bool:
+                   what: str | None = None,
+                   abandon: tuple[FlagWaiter, Callable[[], bool]] | None = None) -> bool:
     """Announce `key` for `rank` in the store and wait until every peer announced it too.
 
     Returns True once all did. Raises PeerError naming the peers that did not arrive within
     `timeout_s`; with `wait_forever` it logs them every `timeout_s` and keeps waiting. With
-    `abandon`, checked every `poll_s`, it returns False as soon as that says so (the membership
-    changed: the wait is moot); with a `waiter` too, the wait runs whole on its own store
-    connection (modules.control.flag_wait: no retried timeouts). The flags go to the run's
-    hidden keys (modules.control.hidden): an outsider cannot fake an arrival.
+    `abandon` = (waiter, moot) the wait runs whole on the waiter's own store connection
+    (modules.control.flag_wait) and returns False as soon as `moot()` says so (the membership
+    changed: the wait is moot). The flags go to the run's hidden keys (modules.control.hidden):
+    an outsider cannot fake an arrival.
     """
     what = what or key
     store = hidden_store(store)
     store.set(member_key(key, rank), "1")
     keys = [member_key(key, p) for p in peers]
-    t0 = time.monotonic()
     while True:
         try:
-            if abandon is not None and waiter is not None:
-                return waiter.wait(keys, timeout_s, abandon, poll_s)
-            store.wait(keys, timedelta(seconds=poll_s if abandon is not None else timeout_s))
+            if abandon is not None:
+                return abandon[0].wait(keys, timeout_s, abandon[1])
+            store.wait(keys, timedelta(seconds=timeout_s))
             return True
         except RuntimeError as e:  # timeout, or the store (rank 0's or the coordinator's) is gone
-            if abandon is not None and waiter is None:
-                if abandon():
-                    return False
-                if time.monotonic() - t0 < timeout_s:
-                    continue
+            if abandon is not None and abandon[1]():
+                return False
             try:
                 missing = [p for p, k in zip(peers, keys) if not store.check([k])]
             except RuntimeError:
@@ -273,4 +268,3 @@ def wait_for_peers(store: dist.Store, key: str, rank: int, peers: tuple[int, ...
                 raise PeerError(msg + "; not stepping alone (pass --wait-for-peers to wait)",
                                 diagnosed=True) from None
             log(f"warning: {msg}; still waiting (--wait-for-peers)")
-            t0 = time.monotonic()

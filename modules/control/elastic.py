@@ -134,7 +134,8 @@ class Membership:
         self.monitor: Monitor | None = None
         """The heartbeat thread (None before `start`, or without cfg.store_addr)."""
         self.waiter: FlagWaiter | None = None
-        """Arrival and commit waits on a store connection of their own (with the monitor)."""
+        """DiLoCo's arrival and commit waits, on store connections of their own (made with the
+        monitor: a new generation, which the monitor reads, cuts them short)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def first_generation(self) -> GenerationChange:
@@ -369,7 +370,8 @@ class Membership:
         sent = 0
         if len(ranks) > 1:
             gen = self.gen
-            abandon = lambda: self.monitor.gen > gen
+            assert self.waiter is not None  # made with the monitor
+            abandon = (self.waiter, lambda: self.monitor.gen > gen)
             if not self._timed_wait(outer_arrival_prefix(stage, outer, gen), ranks, what,
                                     abandon, stats):
                 return None
@@ -389,32 +391,20 @@ class Membership:
         self.active = set(self.replicas)
         return sent
 
-    def _confirmations(self, flags: Any, keys: list[str], what: str) -> str:
+    def _confirmations(self, keys: list[str], what: str) -> str:
         """"commit" once every member confirmed (`keys`), "abort" when a new generation came
         first; PeerError when neither within --timeout-s (+ a heartbeat timeout)."""
-        mon = self.monitor
-        assert mon is not None
-        limit_s = self.cfg.timeout_s + self.cfg.heartbeat_timeout_s
-        if self.waiter is not None:  # one whole wait, on a connection of its own
-            try:
-                ok = self.waiter.wait(keys, limit_s, abandon=lambda: mon.gen > self.gen)
-                return "commit" if ok else "abort"
-            except RuntimeError as e:
-                if mon.gen > self.gen:
-                    return "abort"
-                raise PeerError(f"{what}: not every member confirmed the average within "
-                                f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
-        t0 = time.monotonic()
-        while True:
-            try:
-                flags.wait(keys, timedelta(seconds=0.5))
-                return "commit"
-            except RuntimeError as e:
-                if mon.gen > self.gen:
-                    return "abort"
-                if time.monotonic() - t0 > limit_s:
-                    raise PeerError(f"{what}: not every member confirmed the average within "
-                                    f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
+        mon, waiter = self.monitor, self.waiter
+        assert mon is not None and waiter is not None
+        try:  # one whole wait, on a connection of its own (modules.control.flag_wait)
+            ok = waiter.wait(keys, self.cfg.timeout_s + self.cfg.heartbeat_timeout_s,
+                             abandon=lambda: mon.gen > self.gen)
+            return "commit" if ok else "abort"
+        except RuntimeError as e:
+            if mon.gen > self.gen:
+                return "abort"
+            raise PeerError(f"{what}: not every member confirmed the average within "
+                            f"{self.cfg.timeout_s:g} s ({first_line(e)})") from None
 
     def stage_ranks(self) -> tuple[int, ...]:
         """Devices of my stage in every live replica."""
@@ -422,13 +412,13 @@ class Membership:
         return tuple(peers[r] for r in self.replicas)
 
     def _timed_wait(self, prefix: str, ranks: tuple[int, ...], what: str,
-                    abandon: Callable[[], bool] | None, stats: CommStats | None = None) -> bool:
+                    abandon: tuple[FlagWaiter, Callable[[], bool]] | None,
+                    stats: CommStats | None = None) -> bool:
         """Wait for every member's arrival (counted as communication time)."""
         t0 = time.perf_counter()
         try:
             return wait_for_peers(self.store, prefix, self.topo.rank, ranks, self.cfg.timeout_s,
-                                  self.cfg.wait_for_peers, self.log, what, abandon=abandon,
-                                  waiter=self.waiter)
+                                  self.cfg.wait_for_peers, self.log, what, abandon=abandon)
         finally:
             (stats or self.stats).wait_s += time.perf_counter() - t0
 
@@ -454,7 +444,7 @@ class Membership:
         flags = hidden_store(self.store)
         flags.set(commit_done_key(prefix, self.topo.rank), "1")
         keys = [commit_done_key(prefix, r) for r in ranks]
-        decision = self._confirmations(flags, keys, what)
+        decision = self._confirmations(keys, what)
         got = self.store.claim(commit_decision_key(prefix), decision)
         if got != "commit":
             self.log(f"{what}: aborted at generation {self.gen} (membership changed); "
