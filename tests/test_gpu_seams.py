@@ -358,6 +358,7 @@ def _membership(log: list, monitor: object):  # noqa: ANN202
     m.replicas, m.active, m.gen, m.monitor = (0, 1), {0, 1}, 0, monitor
     m.cfg = SimpleNamespace(min_replicas=1, heartbeat_timeout_s=1.0, timeout_s=5.0)
     m.log = lambda text: log.append(("log", text))
+    m.waiter = SimpleNamespace()  # the flag waits it would serve are stubbed in these tests
     return m
 
 
