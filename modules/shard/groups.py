@@ -6,13 +6,14 @@ group made with `dist.new_group`, while a shard group lives as long as its repli
 DeviceMesh resolves a group by its registered name, and `dist.destroy_process_group()`
 forgets every name and map entry, so `ShardGroup.register` is called again after each
 re-formation. Each incarnation of a group (its replica dropped and rejoining with --join) meets
-under a prefix of its own: the members count their arrivals in the store, D arrivals a
-formation.
+under a prefix of its own, claimed by counting arrivals per incarnation (`claim_incarnation`);
+a formation that failed is spoiled so that the next members start a fresh one.
 gloo on CPU ranks; torch's own NCCL on CUDA ranks (FSDP2 needs reduce-scatter on the device).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,6 +74,45 @@ def _backend(store: dist.Store, rank: int, size: int, device: torch.device,
         store, rank, size, timedelta(seconds=timeout_s))
 
 
+def claim_incarnation(store: dist.Store, name: str, size: int) -> int:
+    """The incarnation of group `name` this member forms: the first one with a free place
+    among its `size` (each member takes one place; a full one was formed before, or spoiled)."""
+    k = 0
+    # one store round trip per earlier incarnation: a group re-forms only when its replica
+    # rejoins, so k stays small
+    while store.add(f"shard/{name}/{k}/arrivals", 1) > size:
+        k += 1
+    return k
+
+
+def spoil_incarnation(store: dist.Store, name: str, incarnation: int, size: int) -> None:
+    """Mark a formation that failed as full, so that members arriving later (the replica
+    started again) claim the next incarnation instead of waiting beside a member that left."""
+    # without this, the arrivals of the failed formation would stay counted and the next
+    # members would split between it and the one after (each then waits for the other)
+    store.add(f"shard/{name}/{incarnation}/arrivals", size)
+
+
+def meet(store: dist.Store, name: str, ranks: tuple[int, ...], rank: int,
+         device: torch.device, timeout_s: float
+         ) -> tuple[dist.PrefixStore, dist.ProcessGroup.BackendType, object]:
+    """The members of `name` meet under their incarnation's prefix of `store` and form the
+    backend: (prefix, backend type, backend); PeerError naming the members when one does not
+    come within `timeout_s` (that incarnation is spoiled: a restarted replica forms anew)."""
+    me, size = ranks.index(rank), len(ranks)
+    incarnation = claim_incarnation(store, name, size)
+    prefix = dist.PrefixStore(f"shard/{name}/{incarnation}/", store)
+    try:
+        kind, backend = _backend(prefix, me, size, device, timeout_s)
+    except (RuntimeError, OSError) as e:
+        # if the store itself is gone, nobody can form under it again anyway
+        with contextlib.suppress(RuntimeError, OSError):
+            spoil_incarnation(store, name, incarnation, size)
+        raise PeerError(f"forming shard group {name} of devices {list(ranks)}: not every "
+                        f"member came within {timeout_s:g} s ({first_line(e)})") from None
+    return prefix, kind, backend
+
+
 def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: int,
                       device: torch.device, timeout_s: float) -> ShardGroup:
     """Form the group `name` among `ranks` (every member calls this with the same arguments);
@@ -80,15 +120,8 @@ def build_shard_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank
     # process groups meet under keys only the run can name (modules.control.hidden); each
     # incarnation of the group (a dropped replica rejoining forms it again) meets under its own
     # prefix: gloo would otherwise read the dead incarnation's addresses
-    hidden = hidden_store(store)
-    incarnation = (hidden.add(f"shard/{name}/arrivals", 1) - 1) // len(ranks)
-    prefix = dist.PrefixStore(f"shard/{name}/{incarnation}/", hidden)
     me, size = ranks.index(rank), len(ranks)
-    try:
-        kind, backend = _backend(prefix, me, size, device, timeout_s)
-    except (RuntimeError, OSError) as e:
-        raise PeerError(f"forming shard group {name} of devices {list(ranks)}: not every "
-                        f"member came within {timeout_s:g} s ({first_line(e)})") from None
+    prefix, kind, backend = meet(hidden_store(store), name, ranks, rank, device, timeout_s)
     group = dist.ProcessGroup(prefix, me, size)
     group._set_default_backend(kind)
     group._register_backend(torch.device(device.type), kind, backend)
