@@ -593,12 +593,6 @@ class RunConfig:
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
                             "--fragments 1 on every rank")
-        if plan.is_sharded and self.device.precision == "fp16":
-            raise UserError("--precision fp16: not supported with shard groups yet (each "
-                            "device sees only its shard's gradients, so the overflow flag "
-                            "must be agreed over the whole replica, every shard group and "
-                            "lane, and that was not built); use bf16 or fp32 (the fp16 "
-                            "codec, --compression fp16, works)")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         self.hivemind.check_plan(ran)

@@ -224,3 +224,66 @@ def test_half_precision_on_cuda_ends_within_3_percent_of_fp32(name):
     if name == "fp16":
         assert isinstance(pipe.scalers[0], PipelineGradScaler)
         assert len({s.scale for s in pipe.scalers}) == 1
+
+
+_SHARDED_RANK = """
+import json, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from modules.device.precision import PipelineGradScaler
+port, rank, bad, agree = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+torch.manual_seed(0)
+lin = torch.nn.Linear(4, 6)
+fully_shard(lin, mesh=init_device_mesh("cpu", (2,)))
+opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+max_ = lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+scaler = PipelineGradScaler(torch.device("cpu"), max_ if agree else None, 2.0**16, 1)
+out = []
+for step in range(2):
+    opt.zero_grad()
+    lin(torch.ones(2, 4)).sum().backward()
+    if step == 0 and rank == bad:
+        lin.weight.grad.to_local()[0, 0] = float("nan")  # in this rank's shard only
+    overflow = scaler.found_overflow(opt)
+    out.append([overflow, scaler.step(opt, overflow=overflow), scaler.scale,
+                lin.weight.full_tensor().sum().item()])
+print(json.dumps(out))
+"""
+
+
+def _sharded_ranks(bad: int, agree: bool) -> list[list]:
+    """Two ranks, one FSDP2-sharded Linear (3 rows each), two fp16-scaled steps; a NaN in
+    rank `bad`'s shard at step 0. Each rank's [overflow, stepped, scale, weight sum] a step."""
+    from testkit.fault_harness import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARDED_RANK, str(port), str(r),
+                               str(bad), "1" if agree else "0"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    import json
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+
+@pytest.mark.timeout(200)
+def test_an_overflow_in_one_shard_skips_the_step_on_every_shard():
+    """Shard groups (FSDP2): each device sees only its shard's gradients, so the overflow flag
+    is agreed over the group (the Trainer: the pipeline, then the shard group). A NaN in rank
+    1's shard: both ranks skip step 0 (weights unchanged) and halve the scale, then step 1 is
+    taken on both with the scale doubled again (growth_interval 1)."""
+    ranks = _sharded_ranks(bad=1, agree=True)
+    assert ranks[0] == ranks[1], ranks
+    (over0, stepped0, scale0, w0), (over1, stepped1, scale1, w1) = ranks[0]
+    assert (over0, stepped0, scale0) == (True, False, 2.0**15)
+    assert (over1, stepped1, scale1) == (False, True, 2.0**16)
+    assert w1 != w0  # the second step moved the weights; the first (compared below) did not
+    # without agreement the shards part: rank 0 steps its shard, rank 1 skips (GradScaler's
+    # own check sees the DTensor's NaN on both, so only the scale would still agree)
+    alone = _sharded_ranks(bad=1, agree=False)
+    assert [alone[0][0][:2], alone[1][0][:2]] == [[False, True], [True, False]], alone

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from formats.errors import UserError
 from modules.config import PRECISIONS
@@ -180,8 +181,9 @@ class PipelineGradScaler:
         return self.scaler.scale(loss)
 
     def local_overflow(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """1.0 (a 1-element fp32 tensor on the device) if this rank's gradients hold inf/NaN."""
-        grads = _grads(optimizer)
+        """1.0 (a 1-element fp32 tensor on the device) if this rank's gradients hold inf/NaN
+        (with shard groups: its own shards of them)."""
+        grads = [_local(g) for g in _grads(optimizer)]
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         return (~finite).float().reshape(1)
 
@@ -196,9 +198,10 @@ class PipelineGradScaler:
              overflow: bool = False) -> bool:
         """Unscale the gradients, step or skip as agreed, update the scale; True if stepped."""
         inner = optimizer if inner is None else inner
-        grads = _grads(inner)
         if overflow:  # make GradScaler's own check agree (see the module docstring)
-            grads[0][(0,) * grads[0].dim()] = float("inf")
+            # (a shard may be empty: a parameter of fewer rows than the shard group's D)
+            grad = next(g for g in map(_local, _grads(inner)) if g.numel())
+            grad[(0,) * grad.dim()] = float("inf")
         self.scaler.unscale_(inner)
         if overflow:
             for group in inner.param_groups:
@@ -215,6 +218,13 @@ class PipelineGradScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`."""
         self.scaler.load_state_dict(state)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: the local shard of an FSDP2 (DTensor) one."""
+    # an all() over a DTensor would be a collective of its own, and writing into one would
+    # go through DTensor's dispatch: both work on the local shard instead
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

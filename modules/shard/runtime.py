@@ -111,6 +111,10 @@ class ShardRuntime:
         dist.all_reduce(t, group=self.group.group)
         return float(t[0]) / self.topo.shard_degree
 
+    def agree_max(self, flag: torch.Tensor) -> None:
+        """In-place MAX of `flag` over my shard group (e.g. the fp16 overflow flag)."""
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.group)
+
     def after_eval(self) -> None:
         """Free what a forward-only pass left gathered."""
         reshard(self.model)

@@ -251,11 +251,15 @@ class Trainer:
 
     def _agree_overflow(self, flag: torch.Tensor) -> None:
         """MAX of the fp16 overflow flag over the ranks that step together: every rank in
-        allreduce mode and DiLoCo's warm-up (stage groups average gradients), my replica's
-        pipeline in DiLoCo."""
-        comm = self.groups.world if self.outer is None or self.warming else self.groups.pipeline
+        allreduce mode and DiLoCo's warm-up (stage groups average gradients), my replica in
+        DiLoCo (its pipeline, then with shard groups the shard group: every lane of the
+        replica passes through every stage, so the two MAXes reach all of its devices)."""
+        everyone = self.outer is None or self.warming
+        comm = self.groups.world if everyone else self.groups.pipeline
         if comm is not None:
             comm.all_reduce(flag, "max", "agreeing on an fp16 gradient overflow")
+        if self.shard is not None and not everyone:
+            self.shard.agree_max(flag)
 
     @property
     def outer_count(self) -> int | None:
