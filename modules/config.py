@@ -465,10 +465,6 @@ class HivemindConfig:
             raise UserError("--outer-backend hivemind: not with a DiLoCo warm-up "
                             f"(sync.warmup_steps {plan.sync.warmup_steps}) yet; pass "
                             "--sync-warmup-steps 0 or use --outer-backend store")
-        if plan.is_sharded:  # one averager per stage; a shard group would need one per shard
-            raise UserError("--outer-backend hivemind: not with shard groups (plan/2 shard "
-                            "degree > 1) yet; use --outer-backend store, or plan without "
-                            "shard groups")
 
 
 @dataclass(frozen=True)

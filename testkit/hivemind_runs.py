@@ -31,6 +31,7 @@ class HivemindRun:
     plan: Path
     out_dir: Path
     stages: int = 1
+    """Ranks per replica: its stages (times D with shard groups: its devices)."""
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     ports: dict[int, int] = field(default_factory=dict)
     """Replica -> its own store's port (backend "store": 0 -> the run's store)."""

@@ -426,22 +426,97 @@ def test_kill_9_of_the_rank_alone_leaves_no_p2pd(tmp_path):
         run.stop()
 
 
-def test_shard_groups_and_allreduce_refused_by_name():
-    """--outer-backend hivemind on a plan it does not run exits 2 naming the flag: shard groups
-    (one averager per stage, not per shard) and sync mode allreduce."""
+def test_allreduce_refused_by_name():
+    """--outer-backend hivemind on a plan in sync mode allreduce exits 2 naming the flag."""
     from formats.plan import plan_from_dict
     from modules.config import HivemindConfig, RunConfig
     from testkit.fuzz import plan_dict
 
     hv = RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind"))
-    sharded = plan_dict("diloco")
-    sharded.update(format="plan/2", pipelines=[[[0, 1]], [[2, 3]]], num_stages=1,
-                   num_replicas=2, stages=[{"layers": [0, 4]}])
-    with pytest.raises(UserError, match="--outer-backend hivemind: not with shard groups"):
-        hv.resolve(plan_from_dict(sharded))
-    assert RunConfig(steps=4).resolve(plan_from_dict(sharded)).plan.is_sharded  # store: runs
     with pytest.raises(UserError, match="--outer-backend hivemind: needs sync mode diloco"):
         hv.resolve(plan_from_dict(plan_dict("allreduce")))
+
+
+@pytest.mark.timeout(300)
+def test_shard_groups_average_shard_by_shard_as_the_store_backend(tmp_path):
+    """2 replicas x D = 2 (FSDP2 inside each replica, on its own store), int8, H = 5: device i
+    of each replica averages its shard with device i of the other replica in rounds of its own
+    (averager and roster keyed by stage and shard). Every rank's checkpoint equals the store
+    backend's, bit for bit, and shard i is the same in both replicas."""
+    from formats.plan import Plan, SyncConfig, save_plan
+    from modules.train.checkpoint import load_checkpoint, step_path
+
+    plan = tmp_path / "plan.json"
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                   num_micro_batches=1, sync=SyncConfig("diloco", 5, "int8")), plan)
+    got = {}
+    for backend in ("store", "hivemind"):
+        out = tmp_path / backend
+        out.mkdir()
+        run = HivemindRun(plan, out, stages=2, backend=backend)  # 2 ranks a replica
+        try:
+            common = ("--steps", "10", "--ckpt-dir", str(out / "ck"), "--fake-data")
+            peers = None
+            for r in range(4):
+                run.start(r, *common, peers=peers)
+                if backend == "hivemind" and r == 0:
+                    peers = run.peers_of(0)
+            codes = run.wait(200)
+            logs = "\n".join(f"[{r}] {run.output(r)[-2000:]}" for r in range(4))
+            assert codes == {r: 0 for r in range(4)}, (backend, logs)
+            if backend == "hivemind":
+                for r in range(4):
+                    assert f"hivemind outer sync of stage 0 shard {r % 2}:" in run.output(r), logs
+                    assert "2 rounds averaged here" in run.output(r), logs
+            got[backend] = [load_checkpoint(step_path(out / "ck", r, 10),
+                                            {"shard_degree": 2})["model"] for r in range(4)]
+        finally:
+            run.stop()
+        assert run.p2pd_left() == []
+    for r in range(4):
+        assert max_param_diff([got["store"][r], got["hivemind"][r]]) == 0.0, r
+    for a, b in ((0, 2), (1, 3)):  # shard i of both replicas
+        assert max_param_diff([got["hivemind"][a], got["hivemind"][b]]) == 0.0, (a, b)
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_replica_joins_shard_by_shard_and_trains_alone_before(tmp_path):
+    """2 replicas x D = 2. Replica 0 starts alone (--replicas 0): its rounds complete at once
+    (the mean of one; before, each round matched for --timeout-s). Replica 1 joins: each of
+    its devices loads its shard's outer state from the device of the same shard in replica 0,
+    both continue from the same step (agreed inside the replica: FSDP2's collectives need
+    it), and at the end shard i is bit-identical in both replicas."""
+    from formats.plan import Plan, SyncConfig, save_plan
+    from modules.train.checkpoint import load_checkpoint, step_path
+
+    plan = tmp_path / "plan.json"
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
+                   num_micro_batches=1, sync=SyncConfig("diloco", 4, "int8")), plan)
+    run = HivemindRun(plan, tmp_path, stages=2)  # 2 ranks a replica
+    steps = 400  # long enough to outlast the joiner's start under the suite's load
+    try:
+        common = ("--steps", str(steps), "--ckpt-dir", str(tmp_path / "ck"), "--fake-data")
+        run.start(0, *common, "--replicas", "0")
+        peers = run.peers_of(0)
+        run.start(1, *common, "--replicas", "0", peers=peers)
+        assert run.wait_for(0, r"outer_step 2:", 90), run.output(0)
+        for r in (2, 3):
+            run.start(r, *common, "--join", peers=peers)
+        codes = run.wait(250)
+        logs = "\n".join(f"[{r}] {run.output(r)[-2000:]}" for r in range(4))
+        assert codes == {r: 0 for r in range(4)}, logs
+        assert "outer round 1 of stage 0 shard 0: no completed" not in run.output(0), logs
+        joined = [run.wait_for(r, r"joined at step (\d+)", 1) for r in (2, 3)]
+        assert all(joined) and joined[0].group(1) == joined[1].group(1), logs
+        for r in (2, 3):
+            assert f"of stage 0 shard {r % 2} from a peer" in run.output(r), logs
+        models = [load_checkpoint(step_path(tmp_path / "ck", r, steps),
+                                  {"shard_degree": 2})["model"] for r in range(4)]
+        for a, b in ((0, 2), (1, 3)):
+            assert max_param_diff([models[a], models[b]]) == 0.0, (a, b, logs)
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
 
 
 def test_fragments_refused_by_name_and_overlap_accepted():
@@ -612,6 +687,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.cfg = HivemindSettings((), (), (), False, "run", 30.0, 3.0, 2, 3, "none", None, None)
     hv.deadlines = OuterDeadlines(0.5, averaging_s, None, "test")
     hv.stage, hv.replica, hv.background, hv.completed = 0, 0, True, 0
+    hv.what = "stage 0"
     hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
     hv.log = hv.lines.append
     hv.dht = _FakeDHT()

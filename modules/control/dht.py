@@ -217,7 +217,7 @@ class Roster:
     """This rank's entry in the DHT's roster of live replicas of its stage, refreshed in a
     thread, and the roster as others wrote it (see the module docstring)."""
 
-    def __init__(self, dht: Any, run: str, stage: int, replica: int, ttl_s: float,
+    def __init__(self, dht: Any, run: str, stage: int | str, replica: int, ttl_s: float,
                  log: Callable[[str], None] = print, client_mode: bool = False) -> None:
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{stage}", replica, ttl_s, log)

@@ -107,9 +107,17 @@ class HivemindOuter:
     """This rank's hivemind outer sync (see the module docstring)."""
 
     def __init__(self, settings: HivemindSettings, plan: Plan, cluster: Cluster | None,
-                 replica: int, stage: int, log: Callable[[str], None] = print) -> None:
+                 replica: int, stage: int, log: Callable[[str], None] = print,
+                 shard: int = 0) -> None:
+        """`shard`: my index in my stage's shard group (plan/2): each shard is averaged with
+        the same shard of the other replicas, in a round of its own (0 without shard groups)."""
         self.cfg, self.plan, self.cluster, self.log = settings, plan, cluster, log
-        self.replica, self.stage = replica, stage
+        self.replica, self.stage, self.shard = replica, stage, shard
+        sharded = plan.is_sharded
+        self.part = f"{stage}_{shard}" if sharded else f"{stage}"  # ("." not in a prefix)
+        """What my averager's prefix and roster are keyed by: my stage, and shard."""
+        self.what = f"stage {stage} shard {shard}" if sharded else f"stage {stage}"
+        """How messages name what my rounds average."""
         quiet_hivemind()
         install_orphan_guard()  # a rank killed with -9 leaves no DHT process or p2pd behind
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
@@ -157,8 +165,8 @@ class HivemindOuter:
 
         cfg = self.cfg
         self.deadlines = derive(self.plan, self.cluster, self.stage, numel, cfg.compression,
-                                cfg.matchmaking_s, cfg.averaging_s)
-        self.log(f"hivemind outer sync of stage {self.stage}: {self.deadlines.describe()}")
+                                cfg.matchmaking_s, cfg.averaging_s, self.shard)
+        self.log(f"hivemind outer sync of {self.what}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
         self.publish(outer)
         # hivemind's run_in_background sets SIGINT to SIG_IGN in this (the host) process, not
@@ -167,7 +175,7 @@ class HivemindOuter:
         self.averager = ExactAverager(
             [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
             state_fn=self._shared,
-            start=True, prefix=f"{cfg.run}_s{self.stage}", target_group_size=self.plan.num_replicas,
+            start=True, prefix=f"{cfg.run}_s{self.part}", target_group_size=self.plan.num_replicas,
             min_group_size=2, min_matchmaking_time=self.deadlines.matchmaking_s,
             request_timeout=min(3.0, self.deadlines.matchmaking_s / 2), allreduce_timeout=avg_s,
             sender_timeout=avg_s / 2, reducer_timeout=avg_s,
@@ -177,7 +185,7 @@ class HivemindOuter:
         if threading.current_thread() is threading.main_thread() and on_int is not None:
             signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
-        self.roster = Roster(self.dht, cfg.run, self.stage, self.replica, cfg.heartbeat_s,
+        self.roster = Roster(self.dht, cfg.run, self.part, self.replica, cfg.heartbeat_s,
                              self.log, client_mode=cfg.client_mode)
         if not joining:
             self.roster.start()
@@ -248,12 +256,14 @@ class HivemindOuter:
             fixed = fixed and live == self.last_group
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
-                    raise PeerError(f"outer round {index + 1} of stage {self.stage}: only "
+                    raise PeerError(f"outer round {index + 1} of {self.what}: only "
                                     f"replicas {sorted(live)} were live in the DHT for "
                                     f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
+            if live == {self.replica}:  # alone: the mean of one, as the store backend's group
+                return [self.replica]   # of one (a replica whose entry lapsed takes my state)
             t1 = time.monotonic()
             try:
                 if fixed:
@@ -265,7 +275,7 @@ class HivemindOuter:
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 waited = time.monotonic() - t1
                 how = "the roster's group" if fixed else "matchmaking"
-                self.log(f"outer round {index + 1} of stage {self.stage}: no completed average "
+                self.log(f"outer round {index + 1} of {self.what}: no completed average "
                          f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
@@ -333,7 +343,7 @@ class HivemindOuter:
         live = self.roster.live(max_age_s)
         self.guard.check(live)
         if self.live - live:
-            self.log(f"outer round {index + 1} of stage {self.stage}: replica(s) "
+            self.log(f"outer round {index + 1} of {self.what}: replica(s) "
                      f"{sorted(self.live - live)} left the DHT roster (no heartbeat for "
                      f"{self.cfg.heartbeat_s:g} s); the rounds go on without them")
         self.live = live
@@ -371,10 +381,10 @@ class HivemindOuter:
         """Log a round that overran its deadlines (with the measured time), or a small group."""
         d = self.deadlines
         if took > d.matchmaking_s + d.averaging_s:
-            self.log(f"outer round {index + 1} of stage {self.stage}: took {took:.2f} s, over the "
+            self.log(f"outer round {index + 1} of {self.what}: took {took:.2f} s, over the "
                      f"deadlines {d.matchmaking_s:.2f} + {d.averaging_s:.2f} s")
         if len(group) < len(self.live):  # a replica of the roster was left out
-            self.log(f"outer round {index + 1} of stage {self.stage}: averaged over replicas "
+            self.log(f"outer round {index + 1} of {self.what}: averaged over replicas "
                      f"{group} of {self.plan.num_replicas} in {took:.2f} s")
 
     def _bytes_sent(self, numel: int, group: list[int]) -> int:
@@ -405,11 +415,11 @@ class HivemindOuter:
         if self._best_peer_rounds() > index:
             loaded = self.load_state()
             if loaded is not None and loaded.outer_count > index:
-                self.log(f"outer round {index + 1} of stage {self.stage} failed here; took the "
+                self.log(f"outer round {index + 1} of {self.what} failed here; took the "
                          f"outer state of a replica that completed it (round "
                          f"{loaded.outer_count})")
                 return OuterRoundSkipped(loaded)
-        self.log(f"outer round {index + 1} of stage {self.stage} failed on every replica that "
+        self.log(f"outer round {index + 1} of {self.what} failed on every replica that "
                  "tried it; skipped, keeping the local pseudo-gradient for the next round")
         return OuterRoundSkipped(None)
 
@@ -434,17 +444,17 @@ class HivemindOuter:
                 got = self._fetch()
                 if got is not None and index in got[0]:
                     flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
-                    self.log(f"outer round {index + 1} of stage {self.stage} failed here; took "
+                    self.log(f"outer round {index + 1} of {self.what} failed here; took "
                              "its average from a replica that completed it")
                     self._completed(index, flat)
                     return 0
             elif time.monotonic() - quiet_since > self.deadlines.averaging_s:
-                self.log(f"outer round {index + 1} of stage {self.stage} failed on every live "
+                self.log(f"outer round {index + 1} of {self.what} failed on every live "
                          "replica that tried it; skipped at the next round boundary, keeping "
                          "the local pseudo-gradient for the next round")
                 raise OuterRoundSkipped(None)
             if time.monotonic() > give_up:
-                raise PeerError(f"outer round {index + 1} of stage {self.stage}: a replica "
+                raise PeerError(f"outer round {index + 1} of {self.what}: a replica "
                                 f"completed it but none shared its average within "
                                 f"{self.cfg.timeout_s:g} s (--timeout-s); stopping rather than "
                                 "leaving the outer models apart")
@@ -502,7 +512,7 @@ class HivemindOuter:
                 return
             time.sleep(0.5)
         self.log(f"leaving before replica peer(s) {sorted(waiting)} declared round "
-                 f"{self.completed} of stage {self.stage} done")
+                 f"{self.completed} of {self.what} done")
 
     def load_state(self) -> OuterState | None:
         """The outer state of the most advanced peer (None when none answered in time)."""
@@ -551,18 +561,18 @@ class HivemindOuter:
             state = self.load_state()
             if state is not None:
                 self.log(f"--join: loaded the outer model, momentum and round count "
-                         f"{state.outer_count} of stage {self.stage} from a peer in "
+                         f"{state.outer_count} of {self.what} from a peer in "
                          f"{time.monotonic() - t0:.2f} s")
                 self.catching_up = True
                 self.roster.start()
                 return state
             self.log(f"--join: attempt {attempt}/{JOIN_ATTEMPTS}: no peer of run "
-                     f"{self.cfg.run} stage {self.stage} shared its state within "
+                     f"{self.cfg.run} {self.what} shared its state within "
                      f"{self.deadlines.averaging_s:.2f} s; "
                      + ("retrying" if attempt < JOIN_ATTEMPTS else "giving up"))
             time.sleep(min(5.0, self.deadlines.matchmaking_s))
         raise PeerError(f"--join: no live replica of run {self.cfg.run} shared the state of "
-                        f"stage {self.stage} in {JOIN_ATTEMPTS} attempts (initial peers "
+                        f"{self.what} in {JOIN_ATTEMPTS} attempts (initial peers "
                         f"{','.join(self.cfg.initial_peers) or '(none)'}); is the run alive?")
 
     def abort(self) -> None:
@@ -573,7 +583,7 @@ class HivemindOuter:
     def close(self) -> None:
         """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
         if self.rounds_s and self.averager is not None:
-            self.log(f"hivemind outer sync of stage {self.stage}: {len(self.rounds_s)} rounds "
+            self.log(f"hivemind outer sync of {self.what}: {len(self.rounds_s)} rounds "
                      f"averaged here, {self.fixed_rounds} in the roster's group (the rest "
                      f"through matchmaking); median {statistics.median(self.rounds_s):.2f} s "
                      "from the round's start to its average")

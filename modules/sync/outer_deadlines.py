@@ -61,12 +61,12 @@ class OuterDeadlines:
 
 
 def predicted_outer_s(plan: Plan, cluster: Cluster, stage: int, numel: int,
-                      compression: str) -> float:
-    """Seconds the kernel predicts for one all-reduce of `numel` values of stage `stage` over
-    its stage group's ring on `cluster`'s links."""
+                      compression: str, shard: int = 0) -> float:
+    """Seconds the kernel predicts for one all-reduce of `numel` values of stage `stage` (its
+    shard `shard` with shard groups) over that group's ring on `cluster`'s links."""
     config = SimConfig()
     tables = LinkTables(cluster, config)
-    group = np.array([p[stage] for p in plan.pipelines], dtype=np.int64)
+    group = np.array(plan.shard_peers(stage, shard), dtype=np.int64)
     if len(group) < 2:
         return 0.0
     payload = numel * payload_bytes_per_param(compression, config.int8_block)
@@ -77,10 +77,11 @@ def predicted_outer_s(plan: Plan, cluster: Cluster, stage: int, numel: int,
 
 
 def derive(plan: Plan, cluster: Cluster | None, stage: int, numel: int, compression: str,
-           matchmaking_s: float | None = None, averaging_s: float | None = None
-           ) -> OuterDeadlines:
-    """The deadlines of this stage's rounds (overrides win; see the module docstring)."""
-    predicted = (predicted_outer_s(plan, cluster, stage, numel, compression)
+           matchmaking_s: float | None = None, averaging_s: float | None = None,
+           shard: int = 0) -> OuterDeadlines:
+    """The deadlines of this stage's (shard's) rounds (overrides win; see the module
+    docstring)."""
+    predicted = (predicted_outer_s(plan, cluster, stage, numel, compression, shard)
                  if cluster is not None else None)
     base = predicted or 0.0
     match = max(MATCHMAKING_FLOOR_S, MATCHMAKING_FACTOR * base)

@@ -261,6 +261,18 @@ class Trainer:
         if self.shard is not None and not everyone:
             self.shard.agree_max(flag)
 
+    def _in_phase(self, step: int) -> int:
+        """hivemind: the step every rank of my replica goes on from, the largest any of them
+        reached. Each part of a replica (a stage, a shard) takes rounds from its own peers, so
+        one may have taken a later round's state (and step) than another, while the pipeline
+        and FSDP's collectives need all of them on the same step; a part left behind in rounds
+        takes a later state from its peers at its next round."""
+        if self.hivemind is None:
+            return step
+        t = torch.tensor([step], dtype=torch.int64)
+        self.groups.world.all_reduce(t, "max", "agreeing on the step with my replica")
+        return int(t[0])
+
     @property
     def outer_count(self) -> int | None:
         """DiLoCo outer steps done (None in allreduce mode)."""
@@ -312,7 +324,7 @@ class Trainer:
         on_terminate(lambda why: self._on_fatal(why, TERM_STATUS))  # emergency checkpoint
         if cfg.elastic.join:
             assert self.outer is not None
-            self.step = self.outer.join()
+            self.step = self._in_phase(self.outer.join())
         elif cfg.ckpt.resume:
             self.ckpt.load(self.groups.world, self.restore)
             self.log(f"resumed from step {self.step}")
@@ -414,7 +426,8 @@ class Trainer:
         if self.outer is not None and self.outer_count != outer0:
             self.outer.log_round(self.dp_bytes - self.round_dp0)
             self.round_dp0 = self.dp_bytes
-            self.step = self.outer.after_round(self.step)  # hivemind: in phase with the others
+            # hivemind: in phase with the other replicas, then with the rest of mine
+            self.step = self._in_phase(self.outer.after_round(self.step))
             self.ckpt.keep_outer(self.outer.optimizer.outer_count)
         return loss
 
