@@ -82,6 +82,28 @@ def test_sharded_stages_train_like_the_unsharded_model(tmp_path, stages, sharded
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.timeout(400)
+def test_a_compiled_sharded_stage_trains_like_the_unsharded_model(tmp_path):
+    """--compile with shard groups (torch.compile of the stage, FSDP2 on the module inside it):
+    on CPU (inductor with the host's C++ compiler) the losses match the unsharded reference
+    as the eager run's do."""
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: torch.compile on CPU needs one (apt-get install g++)")
+    plan = Plan("local", "", MODEL, [(0, 4)], [[[0, 1]]], micro_batch_size=2, num_micro_batches=2)
+    proc, metrics = _launch(tmp_path, plan, "--steps", str(STEPS), "--compile", timeout=350)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "precision fp32, compiled" in out
+    got = torch.tensor(_losses(metrics), dtype=torch.float64)
+    flat = Plan("local", "", MODEL, [(0, 4)], [[0], [1]], micro_batch_size=2, num_micro_batches=2)
+    torch.set_num_threads(1)
+    want = torch.tensor(reference_losses(flat, _data(), RunConfig(steps=STEPS)),
+                        dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharded,flat", [
     ([[[0, 1], [2]]], [[0, 2], [1, 3]]),
