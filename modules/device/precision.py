@@ -200,7 +200,8 @@ class PipelineGradScaler:
         inner = optimizer if inner is None else inner
         if overflow:  # make GradScaler's own check agree (see the module docstring)
             # (a shard may be empty: a parameter of fewer rows than the shard group's D)
-            grad = next(g for g in map(_local, _grads(inner)) if g.numel())
+            grad = next((g for g in map(_local, _grads(inner)) if g.numel()), None)
+            assert grad is not None, "every local shard is empty (D above a parameter's rows)"
             grad[(0,) * grad.dim()] = float("inf")
         self.scaler.unscale_(inner)
         if overflow:
