@@ -592,6 +592,12 @@ class RunConfig:
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
         self.hivemind.check_plan(ran)
+        if el.join and ran.is_sharded and self.hivemind.outer_backend == "hivemind":
+            # each shard's rounds run apart (docs/hivemind.md)
+            raise UserError("--join: not with shard groups over --outer-backend hivemind yet "
+                            "(a replica's shards would take their rounds apart while the "
+                            "joiner arrives, and one can wait past --timeout-s for the "
+                            "other); use --outer-backend store to rejoin a sharded replica")
         _check_warmup(ran, self.steps)
         m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:

@@ -643,11 +643,19 @@ def _bench(port: int, rank: int, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(90)
 def test_send_recv_benchmark_gloo_verifies_bytes():
-    port = _free_port_pair()
-    r1 = _bench(port, 1)
-    r0 = _bench(port, 0)
-    out0, err0 = r0.communicate(timeout=80)
-    _, err1 = r1.communicate(timeout=80)
+    # Known flake, not understood yet: about 1 run in 10 on a 2-core AMD EPYC (at 2026-11-27's
+    # main and before), gloo's pair between the two ranks on loopback is reset right after
+    # rank 0 finished init_process_group while rank 1 is still in it; both exit 1 within ~3 s
+    # ("Connection reset by peer"). One more try on a fresh port for exactly that failure.
+    for attempt in (1, 2):
+        port = _free_port_pair()
+        r1 = _bench(port, 1)
+        r0 = _bench(port, 0)
+        out0, err0 = r0.communicate(timeout=80)
+        _, err1 = r1.communicate(timeout=80)
+        reset = r0.returncode and r1.returncode and "Connection reset by peer" in err0
+        if not (reset and attempt == 1):
+            break
     assert r0.returncode == 0 and r1.returncode == 0, err0 + err1
     result = json.loads(out0.strip().splitlines()[-1])
     assert result["verified"] is True and result["backend"] == "gloo"

@@ -262,8 +262,6 @@ class HivemindOuter:
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
-            if live == {self.replica}:  # alone: the mean of one, as the store backend's group
-                return [self.replica]   # of one (a replica whose entry lapsed takes my state)
             t1 = time.monotonic()
             try:
                 if fixed:

@@ -271,6 +271,8 @@ class Trainer:
             return step
         t = torch.tensor([step], dtype=torch.int64)
         self.groups.world.all_reduce(t, "max", "agreeing on the step with my replica")
+        if int(t[0]) != step:
+            self.log(f"continuing at step {int(t[0])} with the rest of my replica (was {step})")
         return int(t[0])
 
     @property
