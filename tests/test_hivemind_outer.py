@@ -6,6 +6,7 @@ name (exit 2); SIGTERM stops a replica without leaving its p2pd. No p2pd outlive
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -666,6 +667,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.stage, hv.replica, hv.background, hv.completed = 0, 0, True, 0
     hv.what = "stage 0"
     hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
+    hv.closing = threading.Event()
     hv.log = hv.lines.append
     hv.dht = _FakeDHT()
     hv.averager = _FakeAverager(hv.dht)
@@ -850,3 +852,32 @@ def test_a_replica_lingers_until_the_others_declared_its_last_round():
     hv.linger()  # B never declares round 3: leave after 0.5 + 2 x 1.0 s, saying so
     assert 2.4 < time.monotonic() - t0 < 5.0
     assert f"leaving before replica peer(s) ['{PEER_B}'] declared round 3" in hv.lines[-1]
+
+
+def test_a_background_round_cut_by_close_ends_quietly():
+    """Ctrl+C while a round runs on the background thread: `close` stops the averager and DHT
+    under it, and whatever they raise then (here "handle is closed") ends the round with
+    BackendClosed, without a log line blaming the deadlines and without the recovery that
+    asks the stopped DHT (which raised in the worker thread and printed a traceback, seen in
+    CI); the worker thread stays alive and the error waits for the training thread."""
+    from modules.sync.hivemind_outer import BackendClosed, BackgroundRounds, background_attempt
+
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
+    hv.started, hv.catching_up, hv.shard = True, False, 0
+    hv.averager.get_tensors = lambda: contextlib.nullcontext([torch.zeros(4)])
+
+    def roster_group(index, live, weight):
+        hv.closing.set()  # close() ran on the training thread meanwhile
+        raise OSError("handle is closed")
+
+    hv._fixed = roster_group
+    hv._best_peer_rounds = lambda live_only=False: pytest.fail("asked the stopped DHT")
+    rounds = BackgroundRounds(background_attempt(hv, None), lambda: None)
+    job = rounds.launch(torch.zeros(4), 0)
+    with pytest.raises(BackendClosed, match="round 1 of stage 0 stopped"):
+        rounds.finish(job)
+    assert hv.lines == [] and rounds.worker.is_alive()
+    hv.all_reduce = lambda flat, index: 7  # the worker still takes jobs
+    assert rounds.finish(rounds.launch(torch.zeros(4), 1)) is None
+    rounds.close()

@@ -103,6 +103,13 @@ class HivemindSettings:
     averaging_s: float | None
 
 
+class BackendClosed(PeerError):
+    """A round cut short because the rank is stopping (`HivemindOuter.close`, e.g. Ctrl+C)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} stopped: the rank is shutting down its hivemind outer sync")
+
+
 class HivemindOuter:
     """This rank's hivemind outer sync (see the module docstring)."""
 
@@ -145,6 +152,9 @@ class HivemindOuter:
         self.rounds_s: list[float] = []
         """Seconds of every completed round (matchmaking included)."""
         self.lock = threading.Lock()
+        self.closing = threading.Event()
+        """Set by `close`: a round still running on the background thread (Ctrl+C) then ends
+        with BackendClosed, quietly, as the averager and DHT under it stop."""
         self.background = False
         """sync.overlap: rounds run on the background thread (the only one that calls the
         averager); a failed round takes a peer's average of it, never a peer's state."""
@@ -271,6 +281,8 @@ class HivemindOuter:
                     timeout=deadlines.matchmaking_s + deadlines.averaging_s))
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
+                if self.closing.is_set():
+                    raise BackendClosed(f"outer round {index + 1} of {self.what}") from e
                 waited = time.monotonic() - t1
                 how = "the roster's group" if fixed else "matchmaking"
                 self.log(f"outer round {index + 1} of {self.what}: no completed average "
@@ -580,6 +592,7 @@ class HivemindOuter:
 
     def close(self) -> None:
         """Stop the roster, the averager and the DHT (and their p2pd); idempotent."""
+        self.closing.set()
         if self.rounds_s and self.averager is not None:
             self.log(f"hivemind outer sync of {self.what}: {len(self.rounds_s)} rounds "
                      f"averaged here, {self.fixed_rounds} in the roster's group (the rest "
@@ -639,6 +652,10 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
             sent = hivemind.all_reduce(flat, index)
         except OuterRoundSkipped:
             return None
+        except Exception as e:
+            if hivemind.closing.is_set():  # whatever the stopped DHT raised: not a failure
+                raise BackendClosed(f"outer round {index + 1} of {hivemind.what}") from e
+            raise
         if stats is not None:
             stats.bytes_sent += sent
         return sent

@@ -96,7 +96,9 @@ class OverlapSync:
                     self.stream.synchronize()  # the result is complete before `done`
                 else:
                     job.ok = self.attempt(job.flat, job.index) is not None
-            except RuntimeError as e:  # PeerError, or the store's own error
+            except Exception as e:  # noqa: BLE001 - re-raised on the training thread (finish)
+                # a PeerError or the store's own error, or a bug: either way the training
+                # thread raises it; letting it end this thread would hang the next finish()
                 job.error = e
             finally:
                 job.done.set()
