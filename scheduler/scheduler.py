@@ -843,8 +843,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """Console entry point (setup.py): run main() under run_main."""
-    run_main(main)
+    """Console entry point (setup.py): run main() under run_main (every output is written
+    atomically and closed by then: no interpreter teardown)."""
+    run_main(main, skip_teardown=True)
 
 
 if __name__ == "__main__":

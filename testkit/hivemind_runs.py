@@ -30,8 +30,8 @@ class HivemindRun:
 
     plan: Path
     out_dir: Path
-    stages: int = 1
-    """Ranks per replica: its stages (times D with shard groups: its devices)."""
+    ranks_per_replica: int = 1
+    """A replica's ranks: its stages (times D with shard groups: its devices)."""
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     ports: dict[int, int] = field(default_factory=dict)
     """Replica -> its own store's port (backend "store": 0 -> the run's store)."""
@@ -47,7 +47,7 @@ class HivemindRun:
         """Start dist_runner.py --rank rank with --outer-backend hivemind (and --initial-peers
         `peers` when given); the replica's store port is chosen once per replica. Backend
         "store": every rank on rank 0's store, the outer average through it."""
-        replica = rank // self.stages
+        replica = rank // self.ranks_per_replica
         host = self.addrs.get(replica, "127.0.0.1")
         if self.backend == "store":
             url = f"tcp://{self.addrs.get(0, '127.0.0.1')}:{self.ports.setdefault(0, free_port())}"

@@ -454,7 +454,7 @@ def test_shard_groups_average_shard_by_shard_as_the_store_backend(tmp_path):
     for backend in ("store", "hivemind"):
         out = tmp_path / backend
         out.mkdir()
-        run = HivemindRun(plan, out, stages=2, backend=backend)  # 2 ranks a replica
+        run = HivemindRun(plan, out, ranks_per_replica=2, backend=backend)
         try:
             common = ("--steps", "10", "--ckpt-dir", str(out / "ck"), "--fake-data")
             peers = None

@@ -18,7 +18,7 @@ from modules.quant.blocks import DEFAULT_BLOCK
 REDUCE_OPS = ("sum", "max", "min")
 
 __all__ = ["REDUCE_OPS", "CommError", "CommStats", "Communicator", "GroupMembership", "Posted",
-           "check_op"]
+           "agree_int", "check_op"]
 
 
 @dataclass
@@ -243,3 +243,11 @@ def check_op(op: str) -> None:
     """ValueError for a reduction other than sum/max/min."""
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+
+
+def agree_int(comm: Communicator, value: int, op: str, what: str) -> int:
+    """`value` reduced with `op` (`min` or `max`) over every rank of `comm`: what all of them
+    agree on (a checkpoint step, the step a replica goes on from)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    comm.all_reduce(t, op, what)
+    return int(t[0])

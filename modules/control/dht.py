@@ -214,13 +214,15 @@ async def _connect(peer: str, maddrs: list[str], dht: Any, node: Any) -> None:
 
 
 class Roster:
-    """This rank's entry in the DHT's roster of live replicas of its stage, refreshed in a
-    thread, and the roster as others wrote it (see the module docstring)."""
+    """This rank's entry in the DHT's roster of live replicas of its part of the model (a
+    stage, or a stage's shard), refreshed in a thread, and the roster as others wrote it (see
+    the module docstring)."""
 
-    def __init__(self, dht: Any, run: str, stage: int | str, replica: int, ttl_s: float,
+    def __init__(self, dht: Any, run: str, part: int | str, replica: int, ttl_s: float,
                  log: Callable[[str], None] = print, client_mode: bool = False) -> None:
+        """`part`: what the replicas in this roster average together (HivemindOuter.part)."""
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
-            dht, f"{run}_roster_s{stage}", replica, ttl_s, log)
+            dht, f"{run}_roster_s{part}", replica, ttl_s, log)
         # a --client-mode replica (behind a NAT) announces no address: dialling its LAN
         # address from outside only costs the others LINK_TIMEOUT_S (seen on the NAT lab)
         self.maddrs = [] if client_mode else visible_maddrs(dht)

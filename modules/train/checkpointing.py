@@ -18,11 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from formats.errors import UserError
 from formats.plan import Plan
-from modules.comm import Communicator
+from modules.comm import Communicator, agree_int
 from modules.config import CheckpointConfig
 from modules.control.dist import Topology
 from modules.data.tokenizer import BYTES_ID, TokenizerId
@@ -139,12 +137,12 @@ class Checkpointing:
         mine = complete_steps(self.cfg.dir, self.rank)
         cand = mine[-1] if mine else -1
         while True:
-            cand = _all_min(world, cand, "agreeing on the checkpoint step with every rank")
+            cand = agree_int(world, cand, "min", "agreeing on the checkpoint step with every rank")
             if cand < 0:
                 raise UserError(f"--resume: no step has a complete checkpoint on every rank in "
                                 f"{self.cfg.dir} (rank {self.rank} has steps {mine}); "
                                 "run without --resume to start fresh")
-            if _all_min(world, int(cand in mine), "agreeing on the checkpoint step") == 1:
+            if agree_int(world, int(cand in mine), "min", "agreeing on the checkpoint step") == 1:
                 return cand
             older = [s for s in mine if s < cand]
             cand = older[-1] if older else -1
@@ -220,10 +218,3 @@ class Checkpointing:
         newest = max(step, self.writer.last_step or 0)
         return (f"checkpoint: newest complete one is step {newest}; step {step} (right after "
                 f"outer step {outer}, which every member averaged) is in {path}")
-
-
-def _all_min(world: Communicator, value: int, what: str) -> int:
-    """The smallest `value` over every rank of `world`."""
-    t = torch.tensor([value], dtype=torch.int64)
-    world.all_reduce(t, "min", what)
-    return int(t[0])

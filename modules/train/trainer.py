@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from formats.run_metrics import STATUS_ENV, status_line
-from modules.comm import CommStats, PeerError
+from modules.comm import CommStats, PeerError, agree_int
 from modules.comm.errors import first_line
 from modules.config import ResolvedRun, RunConfig
 from modules.control.dist import Topology, members_of
@@ -269,11 +269,10 @@ class Trainer:
         takes a later state from its peers at its next round."""
         if self.hivemind is None:
             return step
-        t = torch.tensor([step], dtype=torch.int64)
-        self.groups.world.all_reduce(t, "max", "agreeing on the step with my replica")
-        if int(t[0]) != step:
-            self.log(f"continuing at step {int(t[0])} with the rest of my replica (was {step})")
-        return int(t[0])
+        agreed = agree_int(self.groups.world, step, "max", "agreeing on the step with my replica")
+        if agreed != step:
+            self.log(f"continuing at step {agreed} with the rest of my replica (was {step})")
+        return agreed
 
     @property
     def outer_count(self) -> int | None:

@@ -24,41 +24,47 @@ HOPCROFT_KARP_FROM = 64
 """Groups bigger than this test for a perfect matching with Hopcroft-Karp, not an assignment."""
 
 
-def _perfect(allowed: np.ndarray) -> bool:
-    """Whether the boolean square matrix has a perfect matching on True entries: a linear
-    assignment for small ones, Hopcroft-Karp (O(E sqrt(R))) for big ones."""
-    if len(allowed) <= HOPCROFT_KARP_FROM:
-        rows, cols = linear_sum_assignment(~allowed)
-        return bool(allowed[rows, cols].all())
-    match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
-    return bool((match >= 0).all())
+def _within(cost: np.ndarray, limit: float) -> np.ndarray | bool:
+    """Whether a perfect matching uses only entries <= `limit`. Small matrices: the cols of
+    the least total cost one, or False, from one linear assignment with the other entries
+    priced out (there is one iff no priced-out entry is chosen). Big ones: True or False by
+    Hopcroft-Karp (O(E sqrt(R))); their assignment is made once, at the end."""
+    allowed = cost <= limit
+    if len(cost) > HOPCROFT_KARP_FROM:
+        match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
+        return bool((match >= 0).all())
+    rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
+    return cols if allowed[rows, cols].all() else False
 
 
 def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
     """Perfect matching of a square matrix minimising the largest chosen entry.
 
     Returns (bottleneck, cols) with row i matched to cols[i]; among matchings with the optimal
-    bottleneck it picks one of least total cost. Binary search over the distinct values, each
-    step a perfect-matching test, then one linear assignment: O(R^3) plus the tests.
+    bottleneck it picks one of least total cost. Binary search over the values, each step a
+    perfect-matching test (for small matrices the assignment itself, so the last test that
+    passed is the answer), then at most one linear assignment: O(R^3) plus the tests.
     """
     # No matching can beat the largest row or column minimum, and on clustered networks that
     # floor is usually feasible: try it first (one test instead of a binary search).
-    floor = max(cost.min(axis=1).max(), cost.min(axis=0).max())
-    allowed = cost <= floor
-    if _perfect(allowed):
-        rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
-        return float(floor), cols
-    values = np.unique(cost)
-    lo, hi = int(np.searchsorted(values, floor)) + 1, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _perfect(cost <= values[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    limit = values[lo]
-    rows, cols = linear_sum_assignment(np.where(cost <= limit, cost, _BIG))
-    return float(limit), cols
+    floor = max(np.maximum.reduce(np.minimum.reduce(cost, 1)),
+                np.maximum.reduce(np.minimum.reduce(cost, 0)))
+    found = _within(cost, floor)
+    if found is False:
+        values = np.unique(cost[cost > floor])  # links by region: often few distinct values
+        lo, hi = 0, len(values) - 1
+        found = True  # the largest value always admits one (not tested)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            cols = _within(cost, values[mid])
+            if cols is False:
+                lo = mid + 1
+            else:
+                hi, found = mid, cols
+        floor = values[lo]
+    if found is True:  # tested by Hopcroft-Karp, or not at all: the assignment now
+        _, found = linear_sum_assignment(np.where(cost <= floor, cost, _BIG))
+    return float(floor), found
 
 
 def best_path(edge: np.ndarray) -> list[int]:
