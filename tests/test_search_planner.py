@@ -64,13 +64,34 @@ def test_beats_random_index_order_and_published_search(scenario):
 
 
 def test_bottleneck_matching_is_optimal():
+    """The least bottleneck, and among matchings with it the least total (brute force over
+    every permutation; ties in the values included), with the floor feasible or not."""
     import itertools
     rng = np.random.default_rng(0)
-    for _ in range(50):
-        cost = rng.integers(0, 9, size=(5, 5)).astype(float)
+    for k in range(120):
+        cost = rng.integers(0, 9, size=(5, 5)).astype(float) if k % 2 else rng.random((5, 5))
         value, cols = bottleneck_matching(cost)
-        brute = min(max(cost[i, p[i]] for i in range(5)) for p in itertools.permutations(range(5)))
-        assert value == brute == max(cost[i, cols[i]] for i in range(5))
+        perms = [(max(cost[i, p[i]] for i in range(5)), sum(cost[i, p[i]] for i in range(5)))
+                 for p in itertools.permutations(range(5))]
+        brute = min(perms)
+        assert value == brute[0] == max(cost[i, cols[i]] for i in range(5))
+        assert sum(cost[i, cols[i]] for i in range(5)) == pytest.approx(brute[1])
+
+
+def test_bottleneck_matching_of_big_groups_tests_with_hopcroft_karp():
+    """Above HOPCROFT_KARP_FROM rows the tests are Hopcroft-Karp's, the assignment made once:
+    the same bottleneck as the assignment-tested path on the same matrix."""
+    import scheduler.search.matching as matching
+    rng = np.random.default_rng(1)
+    cost = rng.integers(0, 40, size=(70, 70)).astype(float)
+    big = bottleneck_matching(cost)
+    saved, matching.HOPCROFT_KARP_FROM = matching.HOPCROFT_KARP_FROM, 100
+    try:
+        small = bottleneck_matching(cost)
+    finally:
+        matching.HOPCROFT_KARP_FROM = saved
+    assert big[0] == small[0] == max(cost[np.arange(70), big[1]])
+    assert sorted(big[1]) == list(range(70)) and np.array_equal(big[1], small[1])
 
 
 def test_best_path_is_optimal():
