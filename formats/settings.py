@@ -30,6 +30,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from formats import argtypes, checks
@@ -72,10 +73,32 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
 
 
 @functools.cache
+def _module_tree(path: str) -> ast.Module:
+    """A source file's syntax tree, parsed once per process (every --help string of a
+    command comes from a few files: inspect.getsource parsed the whole file for each class)."""
+    return ast.parse(Path(path).read_text(encoding="utf-8"))
+
+
+def _class_node(cls: type) -> ast.ClassDef:
+    """The class statement of `cls` in its module's source, found by its qualified name (a
+    class defined in a function: from its own source)."""
+    path = inspect.getsourcefile(cls)
+    body: list[ast.stmt] = _module_tree(path).body if path else []
+    node = None
+    for name in cls.__qualname__.split("."):
+        node = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == name), None)
+        if node is None:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+            return tree.body[0]  # type: ignore[return-value]
+        body = node.body
+    assert node is not None, cls
+    return node
+
+
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: the docstring written under it} for a dataclass, read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    body = _class_node(cls).body
     docs = {}
     for stmt, nxt in zip(body, body[1:]):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
