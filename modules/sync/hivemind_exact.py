@@ -300,6 +300,20 @@ class ExactAverager(DecentralizedAverager):
         super().run()
         hand_over_fds()
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """(the averager process) hivemind's shutdown, which in 1.1.12 called `finalize` on
+        each running group's Future rather than on its runner (and gathered what `finalize`
+        returns, None): an AttributeError traceback whenever a replica stopped with a round
+        registered (seen on Ctrl+C while a round waited for a frozen peer). Each runner is
+        cancelled now, and a group still forming is cancelled as a Future."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
         """The state a loading peer receives (the host process's latest snapshot)."""
         if self.state_fn is None:

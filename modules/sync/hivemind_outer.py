@@ -125,6 +125,11 @@ class HivemindOuter:
         """What my averager's prefix and roster are keyed by: my stage, and shard."""
         self.what = f"stage {stage} shard {shard}" if sharded else f"stage {stage}"
         """How messages name what my rounds average."""
+        self.whole = plan.num_stages == 1 and not sharded
+        """My replica is this one rank: alone in the roster, a round is the mean of my own
+        (as the store backend's group of one) at once. A replica of several parts (stages,
+        shards) matches instead: its parts read their rosters apart, and one part's round
+        completed alone while its sibling matched a joiner past --timeout-s (seen)."""
         quiet_hivemind()
         install_orphan_guard()  # a rank killed with -9 leaves no DHT process or p2pd behind
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
@@ -272,6 +277,11 @@ class HivemindOuter:
                                     f"--min-replicas {cfg.min_replicas}")
                 time.sleep(0.5)
                 continue
+            if live == {self.replica} and self.whole and not self.catching_up:
+                if self.last_group != live or not self.rounds_s:
+                    self.log(f"outer round {index + 1} of {self.what}: alone in the DHT "
+                             "roster; my rounds are the mean of my own until others join")
+                return [self.replica]
             t1 = time.monotonic()
             try:
                 if fixed:
