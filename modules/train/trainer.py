@@ -267,8 +267,8 @@ class Trainer:
         one may have taken a later round's state (and step) than another, while the pipeline
         and FSDP's collectives need all of them on the same step; a part left behind in rounds
         takes a later state from its peers at its next round."""
-        if self.hivemind is None:
-            return step
+        if self.hivemind is None or self.groups.world.size == 1:
+            return step  # a replica of one rank agrees with itself
         agreed = agree_int(self.groups.world, step, "max", "agreeing on the step with my replica")
         if agreed != step:
             self.log(f"continuing at step {agreed} with the rest of my replica (was {step})")
