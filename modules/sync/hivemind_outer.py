@@ -106,8 +106,9 @@ class HivemindSettings:
 class BackendClosed(PeerError):
     """A round cut short because the rank is stopping (`HivemindOuter.close`, e.g. Ctrl+C)."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(f"{what} stopped: the rank is shutting down its hivemind outer sync")
+    def __init__(self, index: int, what: str) -> None:
+        super().__init__(f"outer round {index + 1} of {what} stopped: the rank is shutting "
+                         "down its hivemind outer sync")
 
 
 class HivemindOuter:
@@ -292,7 +293,7 @@ class HivemindOuter:
                 return [int(v["replica"]) for v in gathered.values()]
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 if self.closing.is_set():
-                    raise BackendClosed(f"outer round {index + 1} of {self.what}") from e
+                    raise BackendClosed(index, self.what) from e
                 waited = time.monotonic() - t1
                 how = "the roster's group" if fixed else "matchmaking"
                 self.log(f"outer round {index + 1} of {self.what}: no completed average "
@@ -664,7 +665,7 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
             return None
         except Exception as e:
             if hivemind.closing.is_set():  # whatever the stopped DHT raised: not a failure
-                raise BackendClosed(f"outer round {index + 1} of {hivemind.what}") from e
+                raise BackendClosed(index, hivemind.what) from e
             raise
         if stats is not None:
             stats.bytes_sent += sent
