@@ -78,6 +78,29 @@ def test_bottleneck_matching_is_optimal():
         assert sum(cost[i, cols[i]] for i in range(5)) == pytest.approx(brute[1])
 
 
+def test_a_stack_of_matchings_equals_them_one_by_one_with_halls_and_assignment_tests():
+    """bottleneck_matchings (lockstep search, Hall's condition for <= HALL_UP_TO rows, the
+    assignment test above) gives each matrix of a stack what bottleneck_matching gives it
+    alone, and Hall's test agrees with brute force over permutations on every 0/1 matrix."""
+    import itertools
+
+    import scheduler.search.matching as matching
+    from scheduler.search.matching import bottleneck_matchings
+    rng = np.random.default_rng(5)
+    for r in (1, 2, 4, 6):
+        allowed = rng.random((300, r, r)) < 0.45
+        brute = [any(all(a[i, p[i]] for i in range(r)) for p in itertools.permutations(range(r)))
+                 for a in allowed]
+        assert matching._hall(allowed).tolist() == brute
+    for r in (3, 8, 12):  # 12 > HALL_UP_TO: assignment tests
+        stack = rng.integers(0, 5, size=(40, r, r)).astype(float)
+        for (value, cols), cost in zip(bottleneck_matchings(stack), stack):
+            alone = bottleneck_matching(cost)
+            assert value == alone[0] == max(cost[np.arange(r), cols])
+            assert np.array_equal(cols, alone[1])
+    assert matching.HALL_UP_TO < 12
+
+
 def test_bottleneck_matching_of_big_groups_tests_with_hopcroft_karp():
     """Above HOPCROFT_KARP_FROM rows the tests are Hopcroft-Karp's, the assignment made once:
     the same bottleneck as the assignment-tested path on the same matrix."""

@@ -175,6 +175,7 @@ class _Scorer:
 
     def _decode_and_score(self, batch: list[Groups]) -> list[Key]:
         """(cost, tie-break) of each candidate: chains by matching, one objective call."""
+        self.cache.prefetch((g[k - 1], g[k]) for g in batch for k in range(1, len(g)))
         chains = np.stack([self.cache.chains(groups) for groups in batch])  # (B, R, S)
         b, r, s = chains.shape
         costs = batch_costs(self.objective, chains)

@@ -8,6 +8,7 @@ pipeline (an open path through all groups: a small travelling-salesman problem).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from itertools import combinations
 
@@ -24,47 +25,120 @@ HOPCROFT_KARP_FROM = 64
 """Groups bigger than this test for a perfect matching with Hopcroft-Karp, not an assignment."""
 
 
-def _within(cost: np.ndarray, limit: float) -> np.ndarray | bool:
-    """Whether a perfect matching uses only entries <= `limit`. Small matrices: the cols of
-    the least total cost one, or False, from one linear assignment with the other entries
-    priced out (there is one iff no priced-out entry is chosen). Big ones: True or False by
-    Hopcroft-Karp (O(E sqrt(R))); their assignment is made once, at the end."""
-    allowed = cost <= limit
-    if len(cost) > HOPCROFT_KARP_FROM:
-        match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
-        return bool((match >= 0).all())
-    rows, cols = linear_sum_assignment(np.where(allowed, cost, _BIG))
-    return cols if allowed[rows, cols].all() else False
-
-
 def bottleneck_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
     """Perfect matching of a square matrix minimising the largest chosen entry.
 
     Returns (bottleneck, cols) with row i matched to cols[i]; among matchings with the optimal
     bottleneck it picks one of least total cost. Binary search over the values, each step a
-    perfect-matching test (for small matrices the assignment itself, so the last test that
-    passed is the answer), then at most one linear assignment: O(R^3) plus the tests.
+    perfect-matching test (a linear assignment, or Hopcroft-Karp for big matrices), then one
+    linear assignment among the entries <= the bottleneck: O(R^3 log R).
     """
-    # No matching can beat the largest row or column minimum, and on clustered networks that
-    # floor is usually feasible: try it first (one test instead of a binary search).
-    floor = max(np.maximum.reduce(np.minimum.reduce(cost, 1)),
-                np.maximum.reduce(np.minimum.reduce(cost, 0)))
-    found = _within(cost, floor)
-    if found is False:
-        values = np.unique(cost[cost > floor])  # links by region: often few distinct values
-        lo, hi = 0, len(values) - 1
-        found = True  # the largest value always admits one (not tested)
+    return bottleneck_matchings(np.asarray(cost)[None])[0]
+
+
+def bottleneck_matchings(costs: np.ndarray) -> list[tuple[float, np.ndarray]]:
+    """`bottleneck_matching` of each matrix of a (P, R, R) stack. The binary searches run in
+    lockstep, each step one batch of perfect-matching tests, then one assignment per matrix:
+    a stack costs a few numpy calls per step instead of a few per matrix and step (a plan
+    needs thousands of 8 x 8 matchings)."""
+    p, r, _ = costs.shape
+    if r > HOPCROFT_KARP_FROM:
+        return [_big_matching(c) for c in costs]
+    floors = _floors(costs)
+    todo = np.flatnonzero(~_fits(costs, floors))
+    if len(todo):
+        # No matching can beat the floor and one at the floor is the common case (tested
+        # above); the others search the sorted entries above it, the largest always fitting.
+        values, lo, hi = _distinct_above(costs[todo], floors[todo])
+        while (active := np.flatnonzero(lo < hi)).size:
+            mid = (lo[active] + hi[active]) // 2
+            fits = _fits(costs[todo[active]], values[active, mid])
+            hi[active[fits]] = mid[fits]
+            lo[active[~fits]] = mid[~fits] + 1
+        floors[todo] = values[np.arange(len(todo)), lo]
+    # among the matchings within the bottleneck, the least total cost (the others priced out)
+    priced = np.where(costs <= floors[:, None, None], costs, _BIG)
+    return [(f, linear_sum_assignment(m)[1]) for f, m in zip(floors.tolist(), priced)]
+
+
+def _distinct_above(costs: np.ndarray, floors: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each matrix's distinct entries, ascending, padded with its largest: (P, R^2) values, and
+    (P,) the index of the first above its floor and of its largest (links by region: few
+    distinct values, so few search steps)."""
+    p = len(costs)
+    flat = np.sort(costs.reshape(p, -1), axis=1)
+    new = np.ones(flat.shape, dtype=bool)
+    new[:, 1:] = flat[:, 1:] > flat[:, :-1]
+    rank = np.cumsum(new, axis=1) - 1  # index of each entry's value among the distinct ones
+    values = np.repeat(flat[:, -1:], flat.shape[1], axis=1)
+    values[np.nonzero(new)[0], rank[new]] = flat[new]
+    return values, (new & (flat <= floors[:, None])).sum(axis=1), rank[:, -1]
+
+
+def _floors(costs: np.ndarray) -> np.ndarray:
+    """(P,) max(largest row minimum, largest column minimum) of each (R, R) matrix: no perfect
+    matching can beat it, and on clustered networks it is usually feasible."""
+    return np.maximum(costs.min(axis=2).max(axis=1), costs.min(axis=1).max(axis=1))
+
+
+def _fits(costs: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """(P,) whether each (R, R) matrix has a perfect matching using only entries <= its
+    limit: by Hall's condition for small R, else by one linear assignment each with the other
+    entries priced out (there is one iff no priced-out entry is chosen)."""
+    p, r, _ = costs.shape
+    allowed = costs <= limits[:, None, None]
+    if r <= HALL_UP_TO:
+        return _hall(allowed)
+    cols = np.stack([linear_sum_assignment(m)[1]
+                     for m in np.where(allowed, costs, _BIG)])  # (P, R): rows are 0..R-1
+    return allowed[np.arange(p)[:, None], np.arange(r), cols].all(axis=1)
+
+
+HALL_UP_TO = 10
+"""Up to this many rows, perfect-matching tests check Hall's condition on all 2^R row sets."""
+
+
+def _hall(allowed: np.ndarray) -> np.ndarray:
+    """(P,) whether each (R, R) boolean matrix has a perfect matching: every set of rows
+    reaches at least as many columns (Hall), all 2^R sets of all P matrices at once."""
+    p, r, _ = allowed.shape
+    row_cols = (allowed.astype(np.int64) << np.arange(r)).sum(axis=2)  # (P, R) column bits
+    reach = np.zeros((p, 1), dtype=np.int64)  # column bits reached by each set of rows
+    for i in range(r):  # set k holds row i iff bit i of k: the sets without it, then with it
+        reach = np.concatenate([reach, reach | row_cols[:, i:i + 1]], axis=1)
+    count = _popcounts(r)
+    return (count[reach] >= count).all(axis=1)
+
+
+@lru_cache(maxsize=4)
+def _popcounts(r: int) -> np.ndarray:
+    """(2^R,) the number of set bits of 0 .. 2^R - 1 (a set's size, a column set's count)."""
+    return np.array([bin(k).count("1") for k in range(1 << r)], dtype=np.int64)
+
+
+def _big_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
+    """Bottleneck matching of a big matrix: binary search over its distinct values with
+    Hopcroft-Karp tests (O(E sqrt(R)) each), then one linear assignment."""
+    floor = float(_floors(cost[None])[0])
+    if not _perfect(cost <= floor):
+        values = np.unique(cost[cost > floor])
+        lo, hi = 0, len(values) - 1  # the largest value always admits one (not tested)
         while lo < hi:
             mid = (lo + hi) // 2
-            cols = _within(cost, values[mid])
-            if cols is False:
-                lo = mid + 1
+            if _perfect(cost <= values[mid]):
+                hi = mid
             else:
-                hi, found = mid, cols
-        floor = values[lo]
-    if found is True:  # tested by Hopcroft-Karp, or not at all: the assignment now
-        _, found = linear_sum_assignment(np.where(cost <= floor, cost, _BIG))
-    return float(floor), found
+                lo = mid + 1
+        floor = float(values[lo])
+    _, cols = linear_sum_assignment(np.where(cost <= floor, cost, _BIG))
+    return floor, cols
+
+
+def _perfect(allowed: np.ndarray) -> bool:
+    """Whether the bipartite graph of `allowed` entries has a perfect matching."""
+    match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
+    return bool((match >= 0).all())
 
 
 def best_path(edge: np.ndarray) -> list[int]:
@@ -204,14 +278,32 @@ class PairCache:
             rows, cols = np.array(key[0]), np.array(key[1])
             hit = self._classes.match(rows, cols) if self._classes is not None else \
                 bottleneck_matching(self._round_trip.block(rows, cols))
-            if len(self._cache) >= self.max_entries:
-                self._cache.clear()
-            self._cache[key] = hit
+            self._keep(key, hit)
         if not flip:
             return hit
         inverse = np.empty_like(hit[1])
         inverse[hit[1]] = np.arange(len(hit[1]))
         return hit[0], inverse
+
+    def _keep(self, key: tuple[tuple[int, ...], tuple[int, ...]],
+              hit: tuple[float, np.ndarray]) -> None:
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        self._cache[key] = hit
+
+    def prefetch(self, pairs: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Match every pair of (equal-sized) groups not cached yet, all at once: the same
+        results as `pair` one by one, in fewer numpy calls (by class: nothing to do here)."""
+        if self._classes is not None:
+            return
+        keys = list(dict.fromkeys((b, a) if b < a else (a, b) for a, b in pairs))
+        keys = [k for k in keys if k not in self._cache]
+        if len(keys) < 2:
+            return
+        rows, cols = np.array([k[0] for k in keys]), np.array([k[1] for k in keys])
+        costs = self._round_trip.at(rows[:, :, None], cols[:, None, :])  # (P, R, R)
+        for key, hit in zip(keys, bottleneck_matchings(costs)):
+            self._keep(key, hit)
 
     def pair_cost(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
         """The bottleneck of `pair(a, b)` (by class: without matching the devices)."""
@@ -222,6 +314,7 @@ class PairCache:
     def edge_matrix(self, groups: list[tuple[int, ...]]) -> np.ndarray:
         """(S, S) symmetric matrix of pair costs between all groups."""
         s = len(groups)
+        self.prefetch((groups[i], groups[j]) for i in range(s) for j in range(i + 1, s))
         edge = np.zeros((s, s))
         for i in range(s):
             for j in range(i + 1, s):
