@@ -103,6 +103,9 @@ vectorised objective (LOCAL_BATCH for others)."""
 BOUND_MAX_REPLICAS = 64
 """Largest stage group whose candidates are judged by their floors first (a floor gathers
 R x R link times per boundary: cheap for small groups, gigabytes for a batch of big ones)."""
+STRUCTURED_BATCH = 32
+"""Structured partitions whose group pairs are matched in one lockstep batch (between checks
+of the clock and the budget)."""
 CHAIN_BATCH = 512
 """Slot swaps the final chain polish scores at once (vectorised objectives) ..."""
 CHAIN_BATCH_SLOTS = 1 << 15
@@ -404,19 +407,24 @@ def _score_structured(structured: list[tuple[str, Groups]], scorer: _Scorer, cac
     (name, cost))."""
     population: list[tuple[Key, Groups]] = []
     best_structured = ("", float("inf"))
-    seen: set[tuple[tuple[int, ...], ...]] = set()
-    for name, groups in structured:
+    distinct: dict[tuple[tuple[int, ...], ...], tuple[str, Groups]] = {}
+    for name, groups in structured:  # different cuts often give the same partition
+        distinct.setdefault(tuple(sorted(groups)), (name, groups))
+    todo = list(distinct.values())
+    for first in range(0, len(todo), STRUCTURED_BATCH):
         if population and scorer.exhausted():
             break
-        key = tuple(sorted(groups))
-        if key in seen:  # different cuts often give the same partition: score it once
-            continue
-        seen.add(key)
-        groups = cache.order(groups)
-        c = scorer.score(groups)
-        if c[0] < best_structured[1]:
-            best_structured = (name, c[0])
-        population.append((c, groups))
+        chunk = todo[first: first + STRUCTURED_BATCH]
+        cache.prefetch((g[i], g[j]) for _, g in chunk
+                       for i in range(len(g)) for j in range(i + 1, len(g)))
+        for name, groups in chunk:
+            if population and scorer.exhausted():
+                return population, best_structured
+            groups = cache.order(groups)
+            c = scorer.score(groups)
+            if c[0] < best_structured[1]:
+                best_structured = (name, c[0])
+            population.append((c, groups))
     return population, best_structured
 
 

@@ -95,6 +95,8 @@ def _fits(costs: np.ndarray, limits: np.ndarray) -> np.ndarray:
     return allowed[np.arange(p)[:, None], np.arange(r), cols].all(axis=1)
 
 
+PREFETCH_ENTRIES = 1 << 21
+"""Pairs matched in one lockstep batch hold at most about this many entries (8 bytes each)."""
 HALL_UP_TO = 10
 """Up to this many rows, perfect-matching tests check Hall's condition on all 2^R row sets."""
 
@@ -300,10 +302,14 @@ class PairCache:
         keys = [k for k in keys if k not in self._cache]
         if len(keys) < 2:
             return
-        rows, cols = np.array([k[0] for k in keys]), np.array([k[1] for k in keys])
-        costs = self._round_trip.at(rows[:, :, None], cols[:, None, :])  # (P, R, R)
-        for key, hit in zip(keys, bottleneck_matchings(costs)):
-            self._keep(key, hit)
+        r = len(keys[0][0])
+        step = max(1, PREFETCH_ENTRIES // (r * max(r, 1 << min(r, HALL_UP_TO))))
+        for first in range(0, len(keys), step):  # bounded memory: P x R x max(R, 2^R)
+            chunk = keys[first: first + step]
+            rows, cols = np.array([k[0] for k in chunk]), np.array([k[1] for k in chunk])
+            costs = self._round_trip.at(rows[:, :, None], cols[:, None, :])  # (P, R, R)
+            for key, hit in zip(chunk, bottleneck_matchings(costs)):
+                self._keep(key, hit)
 
     def pair_cost(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
         """The bottleneck of `pair(a, b)` (by class: without matching the devices)."""
