@@ -18,6 +18,7 @@ from modules.comm import (
     CommError,
     Communicator,
     GlooCommunicator,
+    agree_int,
     build_communicators,
     compressed_all_reduce_mean,
 )
@@ -182,6 +183,13 @@ def _ids_worker(rank: int, port: int, out_dir: str) -> None:
                 res["error"] = [type(e).__name__, str(e), e.op, list(e.peers)]
             res["error_s"] = time.monotonic() - t0
         res["wait_s"] = stats.wait_s
+        if me != 5:  # rank 2 busy for longer than the pair's 1.5 s: agree_int's own wait
+            pair = comms[(2, 7)]
+            time.sleep(4.0 if me == 2 else 0.0)
+            t0 = time.monotonic()
+            res["agreed"] = agree_int(pair, me, "max", "agreeing on a step", timeout_s=30)
+            res["agree_s"] = time.monotonic() - t0
+            res["timeout_after"] = pair.timeout_s
     finally:
         with open(f"{out_dir}/ids{rank}.json", "w") as f:
             json.dump(res, f)
@@ -218,3 +226,14 @@ def test_compressed_mean_and_a_silent_peer_within_the_communicators_timeout(id_r
                            "within 1.5 s")
     assert 1.4 < r7["error_s"] < 10  # the communicator's 1.5 s, not a default of minutes
     assert r7["wait_s"] >= 1.4  # the wait is accounted
+
+
+@pytest.mark.timeout(120)
+def test_agreeing_waits_longer_than_the_communicators_timeout_when_told(id_results):
+    """agree_int(..., timeout_s=30) waits for a peer that comes 2.5+ s late on a
+    communicator whose timeout is 1.5 s (a replica's part still in its outer round), and the
+    communicator keeps its own timeout afterwards."""
+    r2, r7 = id_results[0], id_results[2]
+    assert r2["agreed"] == r7["agreed"] == 7
+    assert r7["agree_s"] > 1.5
+    assert r2["timeout_after"] == r7["timeout_after"] == 1.5

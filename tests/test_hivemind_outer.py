@@ -906,3 +906,16 @@ def test_a_background_round_cut_by_close_ends_quietly():
     hv.all_reduce = lambda flat, index: 7  # the worker still takes jobs
     assert rounds.finish(rounds.launch(torch.zeros(4), 1)) is None
     rounds.close()
+
+
+def test_the_other_parts_of_a_replica_wait_as_long_as_a_round_can_take():
+    """`longest_wait_s` (how long a replica's parts wait for each other to agree on the step
+    after a round) covers one part's worst round: attempts until --timeout-s, one more,
+    then the recovery's wait and download, or a background fetch until --timeout-s again; and
+    --join's attempts. With --timeout-s 30, matchmaking 0.5 s, averaging 4 s: 2 x 30 + 0.5 +
+    4 + 5 + 3 x 4 = 81.5 s, where the communicator alone would give up after 30 s."""
+    hv = _background_outer({}, [], averaging_s=4.0)
+    assert hv.longest_wait_s == pytest.approx(81.5)
+    assert hv.longest_wait_s > 2 * hv.cfg.timeout_s
+    hv.deadlines = None  # before attach: nothing derived yet, the run's timeout
+    assert hv.longest_wait_s == hv.cfg.timeout_s

@@ -245,9 +245,17 @@ def check_op(op: str) -> None:
         raise ValueError(f"reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
 
 
-def agree_int(comm: Communicator, value: int, op: str, what: str) -> int:
+def agree_int(comm: Communicator, value: int, op: str, what: str,
+              timeout_s: float | None = None) -> int:
     """`value` reduced with `op` (`min` or `max`) over every rank of `comm`: what all of them
-    agree on (a checkpoint step, the step a replica goes on from)."""
+    agree on (a checkpoint step, the step a replica goes on from). `timeout_s`: wait that long
+    for the others here when they may be busy for longer than the communicator's timeout
+    (gloo's communicators read it at each wait; others keep their own)."""
     t = torch.tensor([value], dtype=torch.int64)
-    comm.all_reduce(t, op, what)
+    saved = comm.timeout_s
+    comm.timeout_s = max(saved, timeout_s or 0.0)
+    try:
+        comm.all_reduce(t, op, what)
+    finally:
+        comm.timeout_s = saved
     return int(t[0])

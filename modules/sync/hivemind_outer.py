@@ -306,6 +306,18 @@ class HivemindOuter:
             if time.monotonic() > give_up or done:
                 return None
 
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest this part of a replica can spend in one outer round (attempts until
+        --timeout-s, one more, its recovery or a background fetch until --timeout-s again) or
+        in --join: how long the other parts of its replica wait for it to agree on a step."""
+        d = self.deadlines
+        if d is None:  # not attached yet: nothing derived
+            return self.cfg.timeout_s
+        attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
+        rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
+        return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
+
     def _fixed(self, index: int, live: set[int], weight: float) -> list[int]:
         """Round `index` averaged in the group of the `live` replicas, formed without
         matchmaking: every replica reads the same roster, so each forms the same members

@@ -269,7 +269,10 @@ class Trainer:
         takes a later state from its peers at its next round."""
         if self.hivemind is None or self.groups.world.size == 1:
             return step  # a replica of one rank agrees with itself
-        agreed = agree_int(self.groups.world, step, "max", "agreeing on the step with my replica")
+        # A sibling may still be in its round (attempts until --timeout-s, then recovering)
+        # or --join for longer than the run's timeout: wait as long as that can take.
+        agreed = agree_int(self.groups.world, step, "max", "agreeing on the step with my replica",
+                           self.hivemind.longest_wait_s)
         if agreed != step:
             self.log(f"continuing at step {agreed} with the rest of my replica (was {step})")
         return agreed
