@@ -387,7 +387,8 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = (),
     ckpt = ["--ckpt-dir", str(run_dir / "ckpt")] if checkpoint or resume else []
     cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
            *net.launch_args(), "--", "--steps", str(steps), "--threads", "1",
-           "--metrics", str(metrics), "--log-every", str(max(1, steps // 5)),
+           "--metrics", str(metrics), "--run-dir", str(run_dir),  # + per-rank timings
+           "--log-every", str(max(1, steps // 5)),
            "--timeout-s", "120", "--heartbeat-timeout-s", str(LAB_HEARTBEAT_TIMEOUT_S),
            *ckpt, *(["--resume"] if resume else []), *extra]
     with open(run_dir / "launch.log", "w") as logf:
