@@ -122,6 +122,20 @@ def test_wrong_flops_is_named():
     assert text.count("\n") >= 6 and "biggest difference: mis-estimated FLOP/s" in text
 
 
+def test_a_uniform_compute_miss_of_a_fifth_is_named():
+    """Every rank computing 1.2x its prediction (a machine slower than its calibration, as
+    in the demo's 1 x 8 row: 1.22x, 16% of the step) is a mis-estimated FLOP/s, not 'the
+    plan's model matches this run'; 1.05x stays unnamed."""
+    fast = cluster4()  # devices 10x slower than cluster4's: compute most of the step
+    c = Cluster("four", [Device(d.id, d.name, d.region, d.host, d.gpu, 0.005, d.memory_gb)
+                         for d in fast.devices], fast.latency_ms, fast.bandwidth_gbps)
+    plan = plan4(c)
+    ex = explain(plan, c, CPU, records(plan, c, {d: 1.2 for d in range(4)}))
+    assert names(ex) == ["mis-estimated FLOP/s"]
+    assert "1.20x the predicted time" in ex.causes[0].detail
+    assert names(explain(plan, c, CPU, records(plan, c, {d: 1.05 for d in range(4)}))) == []
+
+
 def test_records_of_another_plan_are_refused():
     c = cluster4()
     plan = plan4(c)
