@@ -221,6 +221,20 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
     return Explanation(rows, diagnose(rows, plan, config), step_m, pred.step_s)
 
 
+def measured_cluster(cluster: Cluster, rows: list[RankRow]) -> Cluster:
+    """`cluster` with each of the run's devices at the speed its compute measured: tflops
+    divided by its measured / predicted compute ratio (the model's sharing of cores, MFU and
+    FLOPs unchanged), so that a plan made for it predicts this run's compute; devices the run
+    did not time keep theirs."""
+    ratio = {x.rank: x.measured.compute_s / x.predicted.compute_s for x in rows
+             if x.predicted.compute_s > 0 and x.measured.compute_s > 0}
+    devices = [replace(d, tflops=d.tflops / ratio[d.id]) if d.id in ratio else d
+               for d in cluster.devices]
+    if cluster.is_compact:
+        return Cluster(cluster.name, devices, compact=cluster.compact)
+    return Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps)
+
+
 def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:
     """The causes that explain a significant share of the step, biggest first."""
     step = float(np.mean([x.measured.step_s for x in rows]))
@@ -281,8 +295,9 @@ def _flops_causes(rows: list[RankRow], config: SimConfig,
             "mis-estimated FLOP/s", off,
             f"compute takes {g:.2f}x the predicted time on the median rank: the devices are "
             f"{word} than the cluster's tflops x mfu {config.mfu:g} says",
-            f"measure this model's FLOP/s on the devices (modules/device/calibrate.py) and re-plan "
-            f"with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
+            f"take this run's speeds (explain ... --write-cluster FILE, then plan --cluster "
+            f"FILE), or measure this model's FLOP/s on the devices (modules/device/calibrate.py) "
+            f"and re-plan with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
     for x in rows:
         if _ratio(x) > STRAGGLER_FACTOR * g and x.stage not in slow_stages:
             excess = x.measured.compute_s - g * x.predicted.compute_s

@@ -775,8 +775,15 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Measured time per stage and rank of a run beside the simulator's prediction."""
     from formats.run_metrics import CLUSTER_NAME, load_run
-    from scheduler.explain import explain, explanation_dict, format_explanation
+    from scheduler.explain import (
+        explain,
+        explanation_dict,
+        format_explanation,
+        measured_cluster,
+    )
 
+    if args.write_cluster:
+        check_output_path(args.write_cluster, "--write-cluster")
     run = load_run(args.metrics, "--metrics", need_ranks=True)
     if args.cluster is None:
         copy = run.run_dir / CLUSTER_NAME
@@ -790,6 +797,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
                         f"(compare {run.plan_path}); give that plan")
     result = explain(plan, cluster, sim_config_from_args(args, plan), run.ranks)
     print(json.dumps(explanation_dict(result)) if args.json else format_explanation(result))
+    if args.write_cluster:
+        save_cluster(measured_cluster(cluster, result.rows), args.write_cluster)
+        print(f"wrote {args.write_cluster}: the cluster with each device's tflops as its "
+              "compute measured in this run (plan with it: scheduler.py plan --cluster "
+              f"{args.write_cluster} ...)", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -811,6 +823,10 @@ def add_explain_command(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--cluster", help="cluster file the plan was made for (default: "
                     "RUN_DIR/cluster.json)")
     ex.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ex.add_argument("--write-cluster", metavar="FILE",
+                    help="also write the cluster with each device's tflops as its compute "
+                         "measured in this run (calibrates the planner from the run's own "
+                         "steps: plan again with --cluster FILE)")
     add_perf_model_args(ex)
     ex.set_defaults(func=cmd_explain)
 

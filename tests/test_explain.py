@@ -8,10 +8,11 @@ link adds pipeline waiting to both its ends, every device computes 2x slower.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from formats.cluster import Cluster, Device, save_cluster
+from formats.cluster import Cluster, Device, load_cluster, save_cluster
 from formats.errors import UserError
 from formats.plan import Plan, save_plan
 from scheduler.explain import explain, format_explanation, predict
@@ -136,6 +137,29 @@ def test_a_uniform_compute_miss_of_a_fifth_is_named():
     assert names(explain(plan, c, CPU, records(plan, c, {d: 1.05 for d in range(4)}))) == []
 
 
+def test_the_cluster_at_the_measured_speeds_predicts_the_run_it_came_from():
+    """measured_cluster: device 3 computing 2x and the others 1.25x their predictions get
+    tflops / 2 and / 1.25; the same records against a prediction for that cluster show no
+    compute difference left (and no cause); devices outside the run keep their tflops."""
+    from scheduler.explain import measured_cluster
+    c = cluster4()
+    plan = Plan("four", c.sha256(), "gpt-tiny", [(0, 2), (2, 4)], [[0, 1], [2, 3]],
+                micro_batch_size=2, num_micro_batches=4)
+    recs = records(plan, c, {0: 1.25, 1: 1.25, 2: 1.25, 3: 2.0})
+    ex = explain(plan, c, CPU, recs)
+    fixed = measured_cluster(c, ex.rows)
+    assert [d.tflops for d in fixed.devices] == pytest.approx([0.04, 0.04, 0.04, 0.025])
+    again = explain(plan, fixed, CPU, recs)
+    for row in again.rows:
+        assert row.predicted.compute_s == pytest.approx(row.measured.compute_s, rel=1e-6)
+    assert names(again) == []
+    six = Cluster("six", [*c.devices, *[replace(c.devices[0], id=i, name=f"d{i}")
+                                        for i in (4, 5)]],
+                  [[0 if i == j else 5.0 for j in range(6)] for i in range(6)],
+                  [[1.0] * 6 for _ in range(6)])
+    assert [d.tflops for d in measured_cluster(six, ex.rows).devices][4:] == [0.05, 0.05]
+
+
 def test_records_of_another_plan_are_refused():
     c = cluster4()
     plan = plan4(c)
@@ -161,6 +185,13 @@ def test_explain_on_a_real_run(tmp_path, capsys):
     assert scheduler_main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["rank"] for r in out["rows"]] == [0, 1] and out["measured_step_s"] > 0
+    written = tmp_path / "measured" / "cluster.json"
+    under_a_file = tmp_path / "plan.json" / "x.json"
+    assert scheduler_main([*args, "--write-cluster", str(under_a_file)]) == 2
+    assert "--write-cluster" in capsys.readouterr().err
+    assert scheduler_main([*args, "--write-cluster", str(written)]) == 0
+    assert f"wrote {written}" in capsys.readouterr().out
+    assert [d.id for d in load_cluster(written).devices] == [0, 1]
     # bad inputs: exit 2 with the reason
     other = tmp_path / "other.json"
     save_plan(Plan("two", "", "gpt-tiny", [(0, 2), (2, 4)], [[1, 0]]), other)
