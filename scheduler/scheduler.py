@@ -826,7 +826,8 @@ def add_explain_command(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--write-cluster", metavar="FILE",
                     help="also write the cluster with each device's tflops as its compute "
                          "measured in this run (calibrates the planner from the run's own "
-                         "steps: plan again with --cluster FILE)")
+                         "steps: plan again with --cluster FILE and the same performance "
+                         "model, e.g. the same --calibration)")
     add_perf_model_args(ex)
     ex.set_defaults(func=cmd_explain)
 
