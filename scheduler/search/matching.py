@@ -41,9 +41,6 @@ def bottleneck_matchings(costs: np.ndarray) -> list[tuple[float, np.ndarray]]:
     lockstep, each step one batch of perfect-matching tests, then one assignment per matrix:
     a stack costs a few numpy calls per step instead of a few per matrix and step (a plan
     needs thousands of 8 x 8 matchings)."""
-    p, r, _ = costs.shape
-    if r > HOPCROFT_KARP_FROM:
-        return [_big_matching(c) for c in costs]
     floors = _floors(costs)
     todo = np.flatnonzero(~_fits(costs, floors))
     if len(todo):
@@ -84,12 +81,16 @@ def _floors(costs: np.ndarray) -> np.ndarray:
 
 def _fits(costs: np.ndarray, limits: np.ndarray) -> np.ndarray:
     """(P,) whether each (R, R) matrix has a perfect matching using only entries <= its
-    limit: by Hall's condition for small R, else by one linear assignment each with the other
-    entries priced out (there is one iff no priced-out entry is chosen)."""
+    limit: by Hall's condition for small R, Hopcroft-Karp for big R (O(E sqrt(R)) each), else
+    by one linear assignment each with the other entries priced out (there is one iff no
+    priced-out entry is chosen)."""
     p, r, _ = costs.shape
     allowed = costs <= limits[:, None, None]
     if r <= HALL_UP_TO:
         return _hall(allowed)
+    if r > HOPCROFT_KARP_FROM:
+        return np.array([(maximum_bipartite_matching(csr_matrix(a), perm_type="column") >= 0)
+                         .all() for a in allowed], dtype=bool)
     cols = np.stack([linear_sum_assignment(m)[1]
                      for m in np.where(allowed, costs, _BIG)])  # (P, R): rows are 0..R-1
     return allowed[np.arange(p)[:, None], np.arange(r), cols].all(axis=1)
@@ -117,30 +118,6 @@ def _hall(allowed: np.ndarray) -> np.ndarray:
 def _popcounts(r: int) -> np.ndarray:
     """(2^R,) the number of set bits of 0 .. 2^R - 1 (a set's size, a column set's count)."""
     return np.array([bin(k).count("1") for k in range(1 << r)], dtype=np.int64)
-
-
-def _big_matching(cost: np.ndarray) -> tuple[float, np.ndarray]:
-    """Bottleneck matching of a big matrix: binary search over its distinct values with
-    Hopcroft-Karp tests (O(E sqrt(R)) each), then one linear assignment."""
-    floor = float(_floors(cost[None])[0])
-    if not _perfect(cost <= floor):
-        values = np.unique(cost[cost > floor])
-        lo, hi = 0, len(values) - 1  # the largest value always admits one (not tested)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _perfect(cost <= values[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        floor = float(values[lo])
-    _, cols = linear_sum_assignment(np.where(cost <= floor, cost, _BIG))
-    return floor, cols
-
-
-def _perfect(allowed: np.ndarray) -> bool:
-    """Whether the bipartite graph of `allowed` entries has a perfect matching."""
-    match = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
-    return bool((match >= 0).all())
 
 
 def best_path(edge: np.ndarray) -> list[int]:
