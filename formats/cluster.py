@@ -156,6 +156,14 @@ class Cluster:
         digest.update(f',"name":{_canonical(self.name)}}}'.encode())
         return digest.hexdigest()
 
+    def with_devices(self, devices: list[Device]) -> Cluster:
+        """The same links (and form) with other devices in the same places (e.g. measured
+        tflops)."""
+        assert [d.id for d in devices] == [d.id for d in self.devices], "same devices, same ids"
+        if self.compact is not None:
+            return Cluster(self.name, devices, compact=self.compact)
+        return Cluster(self.name, devices, self._latency_ms, self._bandwidth_gbps)
+
     def to_compact(self) -> Cluster:
         """The same cluster in the compact form (most common link per region pair, every other
         link an exact pair link)."""

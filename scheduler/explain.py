@@ -228,11 +228,8 @@ def measured_cluster(cluster: Cluster, rows: list[RankRow]) -> Cluster:
     did not time keep theirs."""
     ratio = {x.rank: x.measured.compute_s / x.predicted.compute_s for x in rows
              if x.predicted.compute_s > 0 and x.measured.compute_s > 0}
-    devices = [replace(d, tflops=d.tflops / ratio[d.id]) if d.id in ratio else d
-               for d in cluster.devices]
-    if cluster.is_compact:
-        return Cluster(cluster.name, devices, compact=cluster.compact)
-    return Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps)
+    return cluster.with_devices([replace(d, tflops=d.tflops / ratio[d.id]) if d.id in ratio
+                                 else d for d in cluster.devices])
 
 
 def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:

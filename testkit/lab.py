@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from formats.cluster import Cluster, load_cluster, save_cluster
+from formats.cluster import load_cluster, save_cluster
 from formats.errors import UserError
 from formats.models import get_model
 from formats.plan import load_plan
 from formats.run_metrics import (
+    METRICS_NAME,
     STATUS_ENV,
     STATUS_PREFIX,
     format_status,
@@ -206,9 +207,8 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
         "outer round (all at once, gloo on loopback): " + ", ".join(
             f"{p} {sharing.outer_flops_per_param(p):.0f}" for p in sharing.outer_cpu_s)
         + " FLOPs per parameter")
-    devices = [replace(d, tflops=sharing.core_flops / 1e12) for d in cluster.devices]  # s
-    save_cluster(Cluster(cluster.name, devices, cluster.latency_ms, cluster.bandwidth_gbps),
-                 cluster_path)
+    save_cluster(cluster.with_devices([replace(d, tflops=sharing.core_flops / 1e12)  # s
+                                       for d in cluster.devices]), cluster_path)
     cal_path = cluster_path.with_name("calibration.json")
     save_calibration(cal_path, {
         "shared_cores": round(sharing.shared_cores, 4),
@@ -380,14 +380,14 @@ def train(run: Run, net: Network, steps: int, out: Path, extra: list[str] = (),
     if not resume:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_NAME  # what --run-dir writes for replica 0
     what = f"on to step {steps}" if resume else f"{steps} steps"
     log(f"training {run.name}: {what} (predicted {run.predicted_s:.3f} s/step)")
     before, cpu_before = net.wire_bytes(), net.emulation_cpu_s()
     ckpt = ["--ckpt-dir", str(run_dir / "ckpt")] if checkpoint or resume else []
     cmd = [PY, str(ROOT / "scripts/launch_local.py"), "--plan", str(run.plan_path),
            *net.launch_args(), "--", "--steps", str(steps), "--threads", "1",
-           "--metrics", str(metrics), "--run-dir", str(run_dir),  # + per-rank timings
+           "--run-dir", str(run_dir),  # metrics.jsonl and the per-rank timings
            "--log-every", str(max(1, steps // 5)),
            "--timeout-s", "120", "--heartbeat-timeout-s", str(LAB_HEARTBEAT_TIMEOUT_S),
            *ckpt, *(["--resume"] if resume else []), *extra]
