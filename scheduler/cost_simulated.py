@@ -38,6 +38,7 @@ from scheduler.simulator.kernel import (
     StepInputs,
     StepTimes,
     direct_allreduce_s,
+    gloo_allreduce_s,
     no_transfers,
     optimizer_flops,
     outer_round_flops,
@@ -138,7 +139,10 @@ class SimulatedObjective:
             # rings on those only. (S, R, U) -> (S, U) -> (S, L+1, L+1).
             busy = ring_step_s(self._payload_values[None, None], n,
                                cand.ring_sec_per_bit[:, :, None])
-            if self.sync.compression == "none":
+            if self.sync.compression == "none" and self.config.allreduce_algorithm == "gloo":
+                dp = gloo_allreduce_s(busy, cand.ring_lat[:, :, None],
+                                      self._payload_values[None], axis=1)
+            elif self.sync.compression == "none":
                 dp = ring_allreduce_s(busy, cand.ring_lat[:, :, None], axis=1)
             else:  # (S, U, K) direct links and (S, U, R) ring links
                 assert cand.direct_sec_per_bit is not None and cand.direct_lat is not None

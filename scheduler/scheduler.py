@@ -107,7 +107,8 @@ SYNC_FLAGS: dict[type, tuple[str, ...]] = {
 }
 SHARD_FLAGS = ("max_shard", "outer_state")
 """The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
-SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "outer_store_round_trips",
+SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "allreduce_algorithm",
+             "outer_store_round_trips",
              "shared_cores", "background_load", "core_contention", "optimizer_flops_per_param",
              "outer_flops_per_param", "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
@@ -189,8 +190,8 @@ def describe_profile(config: SimConfig) -> str:
     """One line of --help per runtime profile."""
     return (f"{config.runtime}: mfu {config.mfu:g}, {config.activation_bytes}-byte activations, "
             f"recompute {'on' if config.recompute else 'off'}, collective latency factor "
-            f"{config.collective_latency_factor:g}, {config.outer_store_round_trips} DiLoCo "
-            f"store round trips")
+            f"{config.collective_latency_factor:g}, {config.allreduce_algorithm} fp32 "
+            f"all-reduce, {config.outer_store_round_trips} DiLoCo store round trips")
 
 
 def add_perf_model_args(p: argparse.ArgumentParser) -> None:
@@ -206,7 +207,7 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", metavar="FILE",
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
-                        "outer_store_round_trips, shared_cores, background_load, "
+                        "allreduce_algorithm, outer_store_round_trips, shared_cores, background_load, "
                         "core_contention, "
                         "optimizer_flops_per_param, outer_flops_per_param, "
                         "outer_fp16_flops_per_param, outer_int8_flops_per_param, all optional)")

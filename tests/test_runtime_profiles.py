@@ -24,7 +24,8 @@ from scheduler.simulator import (
 
 SCHED = "scheduler/scheduler.py"
 HAND_LIST = ["--mfu", "1", "--activation-bytes", "4", "--recompute", "off",
-             "--collective-latency-factor", "2", "--outer-store-round-trips", "3"]
+             "--collective-latency-factor", "2", "--allreduce-algorithm", "gloo",
+             "--outer-store-round-trips", "3"]
 """What benchmarks/end_to_end.py passed before `--runtime cpu` existed."""
 SMALL_PLAN = ["--model", "gpt-tiny", "--stages", "4", "--replicas", "2", "--micro-batch-size",
               "4", "--micro-batches", "4", "--budget", "200", "--random-samples", "10",
@@ -69,7 +70,8 @@ def test_profile_values_reach_the_simulator():
                                   SyncConfig("diloco", 10), 1, 2, config)
     cpu, gpu = run(resolve_sim_config(runtime="cpu")), run(resolve_sim_config(runtime="gpu"))
     by_hand = run(SimConfig(mfu=1.0, activation_bytes=4, recompute=False,
-                            collective_latency_factor=2.0, outer_store_round_trips=3))
+                            collective_latency_factor=2.0, allreduce_algorithm="gloo",
+                            outer_store_round_trips=3))
     assert cpu.parts() == by_hand.parts() and cpu.dp_comm_round_s == by_hand.dp_comm_round_s
     # compute: forward + 2 (cpu) or 3 (gpu, recompute) forwards, at mfu 1 or 0.4
     mfu = RUNTIME_PROFILES["gpu"].mfu
@@ -118,7 +120,8 @@ def test_flags_override_the_profile_and_the_recorded_model(lab, tmp_path):
             cfg["collective_latency_factor"]) == ("cpu", 0.5, True, 4, 2.0)
     as_gpu = simulate_json(lab, tmp_path / "p.json", "--runtime", "gpu")
     by_flags = simulate_json(lab, tmp_path / "p.json", "--mfu", "0.4", "--activation-bytes", "2",
-                             "--recompute", "on", "--collective-latency-factor", "1")
+                             "--recompute", "on", "--collective-latency-factor", "1",
+                             "--allreduce-algorithm", "ring")
     assert as_gpu == by_flags
     assert as_gpu["pp_comm_s"] < simulate_json(lab, tmp_path / "p.json")["pp_comm_s"]
 

@@ -16,8 +16,10 @@ RUNTIME_NAMES = ("cpu", "gpu")
 """The runtimes with a profile in RUNTIME_PROFILES."""
 MAX_INT8_BLOCK = 1 << 20
 """Largest int8 block (values per scale): far above the 256 the codec uses."""
+ALLREDUCE_ALGORITHMS = ("ring", "gloo")
+"""How an fp32 all-reduce is modelled (SimConfig.allreduce_algorithm)."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
-                    "outer_store_round_trips", "shared_cores", "background_load",
+                    "allreduce_algorithm", "outer_store_round_trips", "shared_cores", "background_load",
                     "core_contention", "optimizer_flops_per_param", "outer_flops_per_param",
                     "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
@@ -55,6 +57,16 @@ class SimConfig:
     2: gloo, whose point-to-point is a rendezvous (a step's receiver announces its buffer
     before the data flows; measured: a 2-rank all-reduce of 0.9-4 MB over a 59 ms link takes
     2 x (2 x 59 ms + transfer))."""
+    allreduce_algorithm: str = setting("ring", choices=ALLREDUCE_ALGORITHMS)
+    """How an fp32 all-reduce (a stage group's with compression none, the tied-embedding sum)
+    runs. ring: 2(n-1) steps, each as long as its slowest link (latency x
+    collective_latency_factor + B/n over the link): NCCL's ring. gloo: torch's gloo backend,
+    whose ring (gloo::allreduce) splits B into segments of at most 1 MiB (at least 2 per
+    member), keeps two in flight per link and sends each only after its receiver announced
+    its buffer (kernel.gloo_allreduce_s); the members in ascending rank order, each sending
+    to the one below. gloo's all-reduces measured on the lab's 4-member rings came within 3
+    percent of an event-by-event replay of its loop; the ring model over-predicted them by up
+    to a quarter (docs/simulator.md)."""
     outer_store_round_trips: int = setting(0, lo=0, hi=100)
     """DiLoCo: sequential round trips to the rendezvous store (hosted by device 0) that each
     outer step spends agreeing on the live replicas before and after averaging. The elastic
@@ -116,10 +128,12 @@ RUNTIME_PROFILES: dict[str, SimConfig] = {
     # This project's CPU runtime (dist_runner.py with gloo), as measured by the end-to-end demo:
     # the cluster's tflops are the FLOP/s modules/device/calibrate.py measures for the model at
     # hand, so no further derating (mfu 1); fp32 activations; no recomputation; gloo's rendezvous
-    # point-to-point costs two latencies per all-reduce step; the elastic DiLoCo outer step
-    # makes 3 store round trips.
+    # point-to-point costs two latencies per all-reduce step (fp32 all-reduces: gloo's own
+    # segmented ring, modelled as it runs); the elastic DiLoCo outer step makes 3 store round
+    # trips.
     "cpu": SimConfig(runtime="cpu", mfu=1.0, activation_bytes=4, recompute=False,
-                     collective_latency_factor=2.0, outer_store_round_trips=3),
+                     collective_latency_factor=2.0, allreduce_algorithm="gloo",
+                     outer_store_round_trips=3),
     # The GPU runtime: bf16 activations, activation checkpointing (GPipe keeps every
     # micro-batch's activations alive otherwise, see memory.py), NCCL collectives
     # (modules/comm/: data leaves as soon as it is ready, one latency per step), and the same

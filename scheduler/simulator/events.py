@@ -233,11 +233,16 @@ def _add_tied_sums(eng: EventEngine, inputs: StepInputs, last_bwd: dict[tuple[in
     if inputs.tied_tx is None or inputs.tied_lat is None or s_count < 2:
         return []
     tied_tx, tied_lat = inputs.tied_tx.tolist(), inputs.tied_lat.tolist()
+    gloo = inputs.tied_gloo_bytes is not None
+    if gloo:  # gloo's segmented all-reduce: one box per direction, as long as the whole sum
+        tied_s = inputs.tied_s
+        assert tied_s is not None
+        tied_tx, tied_lat = [[t, t] for t in tied_s.tolist()], [[0.0, 0.0]] * r_count
     tasks: list[int] = []
     for r in range(r_count):
         pair = (int(inputs.pipelines[r, 0]), int(inputs.pipelines[r, -1]))
         prev = [last_bwd[(r, 0)], last_bwd[(r, s_count - 1)]]
-        for step in range(2):
+        for step in range(1 if gloo else 2):
             prev = [eng.task(_link(eng, pair[k], pair[1 - k]), tied_tx[r][k], prev,
                              tied_lat[r][k], row=pair[k], kind="tied", label=f"tied {step}")
                     for k in range(2)]
@@ -252,12 +257,16 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
     tasks it waited for, its last step's tasks)."""
     r_count, s_count = inputs.pipelines.shape
     spans = []
+    gloo_s = None if inputs.gloo_bytes is None else inputs.dp_times().tolist()
     for s in range(s_count):
         ring = inputs.rings[s].tolist()
         tx, lat = inputs.ring_tx[s].tolist(), inputs.ring_lat[s].tolist()
         n = len(ring)
         first = prev = [t for r in range(r_count) for t in after[(r, s)]]
         steps = 2 * (n - 1)
+        if gloo_s is not None:  # gloo's segmented all-reduce: one box per link, the whole of it
+            tx, lat, steps = [gloo_s[s]] * n, [0.0] * n, min(1, n - 1)
+        label = "gloo all-reduce" if gloo_s is not None else "ring {}"
         if inputs.direct_tx is not None and n > 1:
             assert inputs.direct_lat is not None and inputs.direct_sender is not None
             prev = _add_direct_reduce_scatter(eng, s, inputs.direct_sender[s],
@@ -265,7 +274,7 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
             steps = n - 1  # then the ring all-gather
         for step in range(steps):
             prev = [eng.task(_link(eng, ring[i], ring[(i + 1) % n]), tx[i], prev, lat[i],
-                             row=ring[i], kind="allreduce", label=f"ring {step}")
+                             row=ring[i], kind="allreduce", label=label.format(step))
                     for i in range(n)]
         spans.append((first, prev if n > 1 else []))
     return spans

@@ -31,6 +31,9 @@ fewer (RING_STARTS^2 / n), so that a big group's ring costs about what a 64-devi
 (a 2,000-device group: 0.1 s instead of 15 s)."""
 RING_MIN_STARTS = 8
 """The fewest greedy rings tried in a big group."""
+GLOO_SEGMENT_BYTES = 1 << 20
+"""The largest segment gloo's ring all-reduce sends at once (gloo::AllreduceOptions'
+kMaxSegmentSize, the value torch's gloo backend leaves)."""
 MIN_LINK_SHARE = 0.05
 """Least share of a link a background outer sync gets when the pipeline's traffic on the same
 shared link fills it (so that a saturated link slows the sync 20x rather than forever)."""
@@ -84,6 +87,41 @@ def ring_allreduce_s(step_s: np.ndarray, step_lat_s: np.ndarray, axis: int = -1)
     if n <= 1:  # nothing to exchange
         return np.zeros_like(step_s).sum(axis=axis)
     return 2.0 * (n - 1) * (step_s + step_lat_s).max(axis=axis)
+
+
+def gloo_allreduce_s(step_s: np.ndarray, lat_s: np.ndarray, payload_bytes: np.ndarray | float,
+                     axis: int = -1) -> np.ndarray:
+    """Seconds of gloo's ring all-reduce (SimConfig.allreduce_algorithm "gloo") of
+    `payload_bytes` B over n ring links (along `axis`) busy `step_s` per B/n (ring_step_s),
+    each with one-way latency `lat_s`; `payload_bytes` broadcasts against the other axes.
+
+    gloo::allreduce cuts B into K segments, K the least multiple of n that is at least
+    max(B / GLOO_SEGMENT_BYTES, 2n); its reduce-scatter and then its all-gather each send
+    M = K (n-1) / n segments over every link, two in flight, and a segment leaves only once
+    its receiver announced the buffer, which it does when the segment two before arrived. So
+    a link moves a pair of segments every P = max(2 lat + t, 2 t) (t: one segment's
+    transfer): the announcement's and the data's latency and one transfer, or two transfers
+    back to back once the link is the bottleneck; its first pair waits for the announcement
+    and both transfers (2 lat + 2 t), and an odd last segment goes one transfer sooner than a
+    pair. A phase lasts as long as its slowest link's chain:
+    max over links of (ceil(M/2) - 1) P + 2 lat + 2 t - (M odd) t. Equal to an event-by-event
+    replay of gloo's loop on 2,000 random rings of 2-8 members and 1 kB-50 MB
+    (tests/test_gloo_allreduce_model.py); the replay within 3% of gloo's all-reduces measured
+    on the lab's links (docs/simulator.md)."""
+    step_s, lat_s = np.asarray(step_s, dtype=float), np.asarray(lat_s, dtype=float)
+    axis = axis % step_s.ndim
+    n = step_s.shape[axis]
+    reduced = step_s.shape[:axis] + step_s.shape[axis + 1:]
+    if n <= 1:  # nothing to exchange
+        return np.zeros(reduced)
+    payload = np.broadcast_to(np.asarray(payload_bytes, dtype=float), reduced)
+    segments = np.ceil(np.maximum(np.ceil(payload / GLOO_SEGMENT_BYTES), 2 * n) / n) * n
+    sends = np.expand_dims(segments * (n - 1) / n, axis)  # per link and phase
+    seg_s = step_s * n / np.expand_dims(segments, axis)  # one segment's transfer per link
+    pair = np.maximum(2.0 * lat_s + seg_s, 2.0 * seg_s)
+    chain = ((np.ceil(sends / 2.0) - 1.0) * pair + 2.0 * (lat_s + seg_s)
+             - (sends % 2) * seg_s)
+    return 2.0 * chain.max(axis=axis)
 
 
 def direct_allreduce_s(direct_s: np.ndarray, ring_s: np.ndarray) -> np.ndarray:
@@ -179,7 +217,8 @@ class Ring(NamedTuple):
 
     order: np.ndarray
     lat_s: np.ndarray
-    """Latency per all-reduce step of each link (collective latency factor applied)."""
+    """Latency per all-reduce step of each link (collective latency factor applied; gloo's
+    fp32 all-reduce: the one-way latency, gloo_allreduce_s charges its rendezvous)."""
     sec_per_bit: np.ndarray
     direct_lat_s: np.ndarray
     """(K,) the compressed all-reduce's direct reduce-scatter links (direct_links) that can be
@@ -196,6 +235,8 @@ class RingTable:
     def __init__(self, tables: LinkTables, model: ModelSpec, compression: str,
                  config: SimConfig) -> None:
         self.tables, self.model, self.compression, self.config = tables, model, compression, config
+        self.gloo = compression == "none" and config.allreduce_algorithm == "gloo"
+        """Rings of gloo's fp32 all-reduce: the order and one-way latencies it runs with."""
         self._rings: dict[tuple[int, ...], Ring] = {}
 
     def ring(self, group: np.ndarray, num_stages: int) -> Ring:
@@ -207,9 +248,13 @@ class RingTable:
             if len(self._rings) > RING_CACHE_LIMIT:
                 self._rings.clear()
             t = self.tables
-            chunk = ring_chunk_bytes(self.model, num_stages, len(members), self.compression,
-                                     self.config.int8_block)
-            order = ring_order(np.array(members), t.lat_s, t.bits_per_s, chunk)
+            link_lat = t.collective_lat_s
+            if self.gloo:  # gloo's ranks ascending, each sending to the one below
+                order, link_lat = np.array(members[::-1], dtype=np.int64), t.lat_s
+            else:
+                chunk = ring_chunk_bytes(self.model, num_stages, len(members),
+                                         self.compression, self.config.int8_block)
+                order = ring_order(np.array(members), t.lat_s, t.bits_per_s, chunk)
             nxt = np.roll(order, -1)
             lat = spb = np.zeros(0)
             sender = np.zeros(0, dtype=np.int64)
@@ -218,7 +263,7 @@ class RingTable:
                 keep = undominated(lat.ravel(), spb.ravel())  # flat index: sender x region
                 sender = order[keep // lat.shape[1]]
                 lat, spb = lat.ravel()[keep], spb.ravel()[keep]
-            hit = Ring(order, t.collective_lat_s[order, nxt], t.sec_per_bit[order, nxt],
+            hit = Ring(order, link_lat[order, nxt], t.sec_per_bit[order, nxt],
                        lat, spb, sender)
             self._rings[key] = hit
         return hit
@@ -293,6 +338,9 @@ class PlanLinks:
     """(S, K) their seconds per bit of one chunk (Ring.direct_sec_per_bit)."""
     direct_sender: np.ndarray | None = None
     """(S, K) the device sending on each (Ring.direct_sender)."""
+    tied_gloo_bytes: float | None = None
+    """Bytes of the tied-embedding sum when it runs gloo's all-reduce (SimConfig.
+    allreduce_algorithm "gloo"; tied_lat then one-way); None: the ring model."""
 
 
 def shared_pipeline_busy(pipe: np.ndarray, rings: np.ndarray, fwd_tx: np.ndarray,
@@ -328,7 +376,9 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
     msg_bits = msg_bytes * 8.0
     src, dst = pipe[:, :-1], pipe[:, 1:]
     per_stage = [rings.ring(pipe[:, s], pipe.shape[1]) for s in range(pipe.shape[1])]
-    tied = tied_links(pipe, tables.collective_lat_s, tables.bits_per_s, model)
+    gloo = config.allreduce_algorithm == "gloo"
+    tied = tied_links(pipe, tables.lat_s if gloo else tables.collective_lat_s,
+                      tables.bits_per_s, model)
     fwd_tx, bwd_tx = msg_bits / tables.bits_per_s[src, dst], msg_bits / tables.bits_per_s[dst, src]
     ring_orders = np.array([r.order for r in per_stage])
     background = sync.mode == "diloco" and sync.overlap
@@ -338,7 +388,8 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
         np.array([r.sec_per_bit for r in per_stage]), tables.memory_bytes[pipe].min(axis=0),
         *(tied or (None, None)), outer_agreement_time(pipe, tables.lat_s, sync, config),
         msg_bytes, shared_pipeline_busy(pipe, ring_orders, fwd_tx, bwd_tx, tables.region_id)
-        if background else None, *_stacked_direct_links(per_stage))
+        if background else None, *_stacked_direct_links(per_stage),
+        tied_gloo_bytes=model.vocab_size * model.d_model * 4.0 if gloo and tied else None)
 
 
 def _stacked_direct_links(per_stage: list[Ring]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -417,12 +468,20 @@ class StepInputs:
     """Per group, (K,) latency of those links."""
     direct_sender: Sequence[np.ndarray] | None = None
     """Per group, (K,) the device sending on each (the timeline's row)."""
+    gloo_bytes: np.ndarray | None = None
+    """(groups,) bytes of each group's all-reduce (one fragment) when it is gloo's fp32 one
+    (SimConfig.allreduce_algorithm "gloo"; ring_lat then one-way): gloo_allreduce_s; None:
+    the ring model (or the compressed all-reduce)."""
+    tied_gloo_bytes: float | None = None
+    """Bytes of the tied-embedding sum when it is gloo's all-reduce (PlanLinks'); None: ring."""
 
     @property
     def tied_s(self) -> np.ndarray | None:
         """(R,) seconds of each replica's tied-embedding gradient sum (None: not tied)."""
         if self.tied_tx is None or self.tied_lat is None:
             return None
+        if self.tied_gloo_bytes is not None:
+            return gloo_allreduce_s(self.tied_tx, self.tied_lat, self.tied_gloo_bytes, axis=1)
         return ring_allreduce_s(self.tied_tx, self.tied_lat, axis=1)
 
     def dp_times(self) -> np.ndarray:
@@ -444,6 +503,8 @@ class StepInputs:
         """(S,) seconds of each group's all-reduce with these ring-link busy times: gloo's
         ring for fp32, the direct reduce-scatter and ring all-gather when compressed."""
         ring_lat = np.asarray(self.ring_lat)
+        if self.gloo_bytes is not None:
+            return gloo_allreduce_s(ring_tx, ring_lat, self.gloo_bytes)
         if self.direct_tx is None or self.direct_lat is None:
             return ring_allreduce_s(ring_tx, ring_lat)
         direct = np.asarray(self.direct_tx)
@@ -470,7 +531,9 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     busy = None if links.ring_pp_busy is None else links.ring_pp_busy * num_micro_batches
     pp_bytes = 2.0 * r_count * (s_count - 1) * num_micro_batches * links.pp_msg_bytes
     dp_bytes = 2.0 * (r_count - 1) * float(np.sum(stage_payload_bytes)) if r_count > 1 else 0.0
-    direct_tx = direct_lat = direct_sender = None
+    direct_tx = direct_lat = direct_sender = gloo_bytes = None
+    if sync.compression == "none" and config.allreduce_algorithm == "gloo":
+        gloo_bytes = stage_payload_bytes / fragments
     if sync.compression != "none" and links.direct_sec_per_bit is not None:
         direct_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
                                 links.direct_sec_per_bit)
@@ -480,7 +543,7 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
                       links.ring_lat, num_micro_batches, sync.inner_steps if diloco else 1,
                       links.tied_tx, links.tied_lat, links.agree_s, diloco and sync.overlap,
                       fragments, busy, pp_bytes, dp_bytes, None, direct_tx, direct_lat,
-                      direct_sender)
+                      direct_sender, gloo_bytes, links.tied_gloo_bytes)
 
 
 def build_inputs(tables: LinkTables, model: ModelSpec, stages: list[tuple[int, int]],

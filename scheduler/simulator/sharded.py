@@ -195,6 +195,10 @@ def merge_shards(per_shard: list[StepInputs], t_fwd: np.ndarray,
     if first.tied_tx is not None and first.tied_lat is not None:
         tied_tx = _interleave([x.tied_tx for x in per_shard]) / degree  # type: ignore[misc]
         tied_lat = _interleave([x.tied_lat for x in per_shard])  # type: ignore[misc]
+    tied_gloo = None if first.tied_gloo_bytes is None else first.tied_gloo_bytes / degree
+    gloo_bytes = None
+    if first.gloo_bytes is not None:
+        gloo_bytes = np.concatenate([x.gloo_bytes for x in per_shard])  # type: ignore[misc]
     busy = None
     if first.ring_pp_busy is not None:
         busy = [b for x in per_shard for b in x.ring_pp_busy]  # type: ignore[union-attr]
@@ -206,7 +210,8 @@ def merge_shards(per_shard: list[StepInputs], t_fwd: np.ndarray,
         ring_tx=[g for x in per_shard for g in x.ring_tx],
         ring_lat=[g for x in per_shard for g in x.ring_lat],
         direct_tx=_joined(per_shard, "direct_tx"), direct_lat=_joined(per_shard, "direct_lat"),
-        direct_sender=_joined(per_shard, "direct_sender"),
+        direct_sender=_joined(per_shard, "direct_sender"), gloo_bytes=gloo_bytes,
+        tied_gloo_bytes=tied_gloo,
         num_micro_batches=first.num_micro_batches, inner_steps=first.inner_steps,
         tied_tx=tied_tx, tied_lat=tied_lat, agree_s=first.agree_s, overlap=first.overlap,
         fragments=first.fragments, ring_pp_busy=busy,
