@@ -207,8 +207,8 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", metavar="FILE",
                    help="calibration/1 JSON file: measured values of these settings (keys "
                         "runtime, mfu, activation_bytes, recompute, collective_latency_factor, "
-                        "allreduce_algorithm, outer_store_round_trips, shared_cores, background_load, "
-                        "core_contention, "
+                        "allreduce_algorithm, outer_store_round_trips, shared_cores, "
+                        "background_load, core_contention, "
                         "optimizer_flops_per_param, outer_flops_per_param, "
                         "outer_fp16_flops_per_param, outer_int8_flops_per_param, all optional)")
     add_field_flags(g, SimConfig, SIM_FLAGS)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_simulator_closed_forms import uniform_cluster
 
 from formats.models import get_model
 from formats.plan import SyncConfig
 from scheduler.layer_split import even_split
 from scheduler.simulator import SimConfig, resolve_sim_config, simulate
 from scheduler.simulator.kernel import GLOO_SEGMENT_BYTES, gloo_allreduce_s, ring_step_s
-from test_simulator_closed_forms import uniform_cluster
 
 
 def replay_gloo_ring(lat_s: np.ndarray, sec_per_bit: np.ndarray, payload_bytes: float) -> float:

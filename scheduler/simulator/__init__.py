@@ -27,7 +27,11 @@ Model (every number in seconds, bytes, FLOP/s):
   SimConfig.collective_latency_factor: 2 for gloo's rendezvous point-to-point). B = stage
   parameters x 4 (fp32, compression none) | 2 (fp16) | 1 + 4 / int8_block (int8 with one fp32
   scale per block). It starts when every replica of the stage has finished its last backward,
-  so it overlaps with the backward of earlier stages.
+  so it overlaps with the backward of earlier stages. On the CPU runtime an fp32 all-reduce
+  (compression none; the tied-embedding sum) is gloo's own algorithm instead
+  (SimConfig.allreduce_algorithm "gloo", kernel.gloo_allreduce_s): the ring in ascending rank
+  order, B cut into segments of at most 1 MiB (at least 2 per member), two in flight per link,
+  each sent once its receiver announced the buffer.
 - Tied embeddings (model.tie_embeddings, S > 1): the first and the last stage of a replica each
   hold a copy of the embedding matrix and sum their fp32 gradients every step (inner steps too)
   with a 2-rank all-reduce: 2 x max over the two directions (latency + B/2 * 8 / bandwidth),

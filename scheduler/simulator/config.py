@@ -19,9 +19,10 @@ MAX_INT8_BLOCK = 1 << 20
 ALLREDUCE_ALGORITHMS = ("ring", "gloo")
 """How an fp32 all-reduce is modelled (SimConfig.allreduce_algorithm)."""
 RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_factor",
-                    "allreduce_algorithm", "outer_store_round_trips", "shared_cores", "background_load",
-                    "core_contention", "optimizer_flops_per_param", "outer_flops_per_param",
-                    "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
+                    "allreduce_algorithm", "outer_store_round_trips", "shared_cores",
+                    "background_load", "core_contention", "optimizer_flops_per_param",
+                    "outer_flops_per_param", "outer_fp16_flops_per_param",
+                    "outer_int8_flops_per_param")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 

@@ -13,6 +13,7 @@ Calibration file, format `calibration/1` (JSON object; every key but `format` op
      "activation_bytes": 4,             1 | 2 | 4
      "recompute": false,                true | false
      "collective_latency_factor": 2.0,  one-way latencies per all-reduce step, [1, 10]
+     "allreduce_algorithm": "gloo",     fp32 all-reduces: ring | gloo (gloo's own segments)
      "outer_store_round_trips": 3,      DiLoCo store round trips per outer step, [0, 100]
      "shared_cores": 1.9,               cores all ranks share (the CPU lab), 0 = none shared
      "background_load": 0.0,            other tasks always running beside them
