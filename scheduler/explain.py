@@ -173,7 +173,9 @@ def predict(plan: Plan, cluster: Cluster, config: SimConfig) -> Prediction:
     times = replay_fast(inputs)
     compute = (inputs.t_fwd + inputs.t_bwd) * inputs.num_micro_batches
     free = replay_fast(no_transfers(inputs)).makespan_s
-    pp, dp = times.makespan_s - free, times.step_s - times.makespan_s
+    # the tied-embedding sum counts as dp on both sides (the runtime times it outside its
+    # pipeline receives, pp_wait_s): pp ends with the pipeline, before the sums
+    pp, dp = times.pipeline_s - free, times.step_s - times.pipeline_s
     ranks = {int(d): Split(float(compute[r, s]), max(0.0, free - float(compute[r, s])), pp, dp)
              for (r, s), d in np.ndenumerate(pipe)}
     return Prediction(inputs, times.step_s, ranks)

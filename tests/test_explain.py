@@ -18,6 +18,8 @@ from formats.plan import Plan, save_plan
 from scheduler.explain import explain, format_explanation, predict
 from scheduler.scheduler import main as scheduler_main
 from scheduler.simulator.config import RUNTIME_PROFILES
+from scheduler.simulator.kernel import no_transfers
+from scheduler.simulator.replay import replay_fast
 from tests.conftest import run_entry
 from tests.test_tracking import two_rank_run
 
@@ -65,6 +67,30 @@ def test_the_prediction_itself_names_nothing():
     for row in ex.rows:
         assert row.measured.compute_s == pytest.approx(row.predicted.compute_s)
         assert row.measured.step_s == pytest.approx(row.predicted.step_s)
+
+
+def test_the_tied_embedding_sum_counts_as_data_parallel_sync():
+    """The runtime times the tied-embedding sum outside its pipeline receives (pp_wait_s), so
+    the prediction counts it in dp too: a run as the model says, recorded that way, names
+    nothing (it named a slow sync of the sum's seconds when the prediction put them in pp)."""
+    c = cluster4()
+    plan = plan4(c)
+    pred = predict(plan, c, CPU)
+    times = replay_fast(pred.inputs)
+    tied = pred.inputs.tied_s
+    assert tied is not None and tied.max() > 0.1 * times.step_s
+    free = replay_fast(no_transfers(pred.inputs)).makespan_s
+    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe)}
+    recs = {}
+    for d, p in pred.ranks.items():
+        assert p.pp_s == pytest.approx(times.pipeline_s - free)
+        assert p.dp_s == pytest.approx(times.step_s - times.pipeline_s)
+        pp_wait = p.waiting_s + times.pipeline_s - free  # receives only: no tied sum in it
+        step = times.step_s
+        recs[d] = [{"step": k, "rank": d, "replica": where[d][0], "stage": where[d][1],
+                    "step_s": step, "compute_s": p.compute_s, "comm_s": step - p.compute_s,
+                    "pp_wait_s": pp_wait} for k in (1, 2, 3)]
+    assert names(explain(plan, c, CPU, recs)) == []
 
 
 def test_straggler_device_is_named():
