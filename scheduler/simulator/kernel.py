@@ -315,7 +315,8 @@ class PlanLinks:
     rings: np.ndarray
     """(S, R) each stage group's devices in ring order."""
     ring_lat: np.ndarray
-    """(S, R) latency per all-reduce step of ring link i (rings[s,i] -> rings[s,i+1])."""
+    """(S, R) latency per all-reduce step of ring link i (rings[s,i] -> rings[s,i+1]; gloo's
+    fp32 all-reduce: one-way, Ring.lat_s)."""
     ring_sec_per_bit: np.ndarray
     """(S, R) seconds per bit of that link."""
     memory_bytes: np.ndarray
@@ -500,8 +501,9 @@ class StepInputs:
         return self._allreduce_s(tx, share)
 
     def _allreduce_s(self, ring_tx: np.ndarray, share: np.ndarray | None) -> np.ndarray:
-        """(S,) seconds of each group's all-reduce with these ring-link busy times: gloo's
-        ring for fp32, the direct reduce-scatter and ring all-gather when compressed."""
+        """(S,) seconds of each group's all-reduce with these ring-link busy times: for fp32
+        the ring (or gloo's own, when gloo_bytes is set), the direct reduce-scatter and ring
+        all-gather when compressed."""
         ring_lat = np.asarray(self.ring_lat)
         if self.gloo_bytes is not None:
             return gloo_allreduce_s(ring_tx, ring_lat, self.gloo_bytes)
