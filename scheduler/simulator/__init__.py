@@ -35,8 +35,9 @@ Model (every number in seconds, bytes, FLOP/s):
 - Tied embeddings (model.tie_embeddings, S > 1): the first and the last stage of a replica each
   hold a copy of the embedding matrix and sum their fp32 gradients every step (inner steps too)
   with a 2-rank all-reduce: 2 x max over the two directions (latency + B/2 * 8 / bandwidth),
-  B = vocab x d_model x 4. It starts when both ends finished backward; the stage groups of the
-  two end stages start their all-reduce after it (as modules/train/trainer.py orders them).
+  B = vocab x d_model x 4 (gloo's all-reduce on the CPU runtime). It starts when both ends
+  finished backward; the stage groups of the two end stages start their all-reduce after it
+  (as modules/train/trainer.py orders them).
 - DiLoCo outer steps also pay SimConfig.outer_store_round_trips round trips between the
   farthest device and the rendezvous store on device 0 (membership agreement), per round.
 - Step time = max(pipeline makespan, end of the last all-reduce) with mode `allreduce`. With

@@ -57,7 +57,8 @@ class SimConfig:
     """One-way latencies each all-reduce step costs. 1: data leaves as soon as it is ready;
     2: gloo, whose point-to-point is a rendezvous (a step's receiver announces its buffer
     before the data flows; measured: a 2-rank all-reduce of 0.9-4 MB over a 59 ms link takes
-    2 x (2 x 59 ms + transfer))."""
+    2 x (2 x 59 ms + transfer)). Not applied to gloo's own fp32 all-reduce
+    (allreduce_algorithm "gloo"), which charges its rendezvous itself."""
     allreduce_algorithm: str = setting("ring", choices=ALLREDUCE_ALGORITHMS)
     """How an fp32 all-reduce (a stage group's with compression none, the tied-embedding sum)
     runs. ring: 2(n-1) steps, each as long as its slowest link (latency x
@@ -65,9 +66,9 @@ class SimConfig:
     whose ring (gloo::allreduce) splits B into segments of at most 1 MiB (at least 2 per
     member), keeps two in flight per link and sends each only after its receiver announced
     its buffer (kernel.gloo_allreduce_s); the members in ascending rank order, each sending
-    to the one below. gloo's all-reduces measured on the lab's 4-member rings came within 3
-    percent of an event-by-event replay of its loop; the ring model over-predicted them by up
-    to a quarter (docs/simulator.md)."""
+    to the one below. On the lab's links (benchmarks/gloo_allreduce.py) this model came to
+    0.99-1.17x the measured all-reduces of 1,000-4,000,000 values but one, the ring model to
+    1.12-1.35x on groups of 4 and 8 from 100,000 values (docs/simulator.md)."""
     outer_store_round_trips: int = setting(0, lo=0, hi=100)
     """DiLoCo: sequential round trips to the rendezvous store (hosted by device 0) that each
     outer step spends agreeing on the live replicas before and after averaging. The elastic
