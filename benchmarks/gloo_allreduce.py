@@ -77,7 +77,10 @@ def worker(rank: int, world: int, spec_path: Path, out: Path) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     times: list[list[list[float]]] = []
     made: dict[str, list] = {}
-    for groups, numel in spec["cases"]:
+    for k, (groups, numel) in enumerate(spec["cases"]):
+        if rank == 0:  # progress, on the console (the other ranks' stdout is dropped)
+            print(f"gloo:   case {k + 1}/{len(spec['cases'])}: {numel:,} values over "
+                  f"{groups}", flush=True)
         key = json.dumps(groups)
         if key not in made:  # every rank makes every group, in the same order, once
             made[key] = [dist.new_group(g) for g in groups]
@@ -108,7 +111,8 @@ def measure(net: Network, cases: list[tuple[list[list[int]], int]], reps: int, o
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(["ip", "netns", "exec", netns[str(r)], PY, __file__, "--worker",
                                str(r), "--world", str(world), "--spec", str(spec),
-                               "--out-dir", str(out)], env=env, stdout=subprocess.DEVNULL,
+                               "--out-dir", str(out)], env=env,
+                              stdout=None if r == 0 else subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     errors = [p.communicate()[1] for p in procs]
     for r, p in enumerate(procs):
@@ -154,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         worker(args.worker, args.world, args.spec, args.out_dir)
         return 0
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 5)
+    if min(sizes) < 1 or reps < 1:
+        raise UserError(f"--sizes {' '.join(map(str, sizes))} --reps {reps}: positive "
+                        "integers only")
     if (reason := netns_unavailable()):
         raise UserError(f"needs the namespace lab (its links are what is measured): {reason}")
-    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
-    reps = args.reps or (3 if args.quick else 5)
-    if min(sizes) < 1 or reps < 1:
-        raise UserError("--sizes and --reps: positive integers")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cluster = make_scenario("lab", 0)
     cluster_path = args.out_dir / "cluster.json"
