@@ -46,6 +46,7 @@ from scheduler.simulator.kernel import (
     plan_links,
     ring_allreduce_s,
     ring_step_s,
+    runs_gloo_allreduce,
     step_breakdown,
     step_inputs,
 )
@@ -139,7 +140,7 @@ class SimulatedObjective:
             # rings on those only. (S, R, U) -> (S, U) -> (S, L+1, L+1).
             busy = ring_step_s(self._payload_values[None, None], n,
                                cand.ring_sec_per_bit[:, :, None])
-            if self.sync.compression == "none" and self.config.allreduce_algorithm == "gloo":
+            if runs_gloo_allreduce(self.config, self.sync.compression):
                 dp = gloo_allreduce_s(busy, cand.ring_lat[:, :, None],
                                       self._payload_values[None], axis=1)
             elif self.sync.compression == "none":

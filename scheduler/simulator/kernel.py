@@ -125,6 +125,13 @@ def gloo_allreduce_s(step_s: np.ndarray, lat_s: np.ndarray, payload_bytes: np.nd
     return 2.0 * chain.max(axis=axis)
 
 
+def runs_gloo_allreduce(config: SimConfig, compression: str = "none") -> bool:
+    """Whether an all-reduce with this payload compression is gloo's own fp32 one
+    (gloo_allreduce_s) under `config`: compressed payloads go through the runtime's direct
+    reduce-scatter and ring all-gather whatever the algorithm."""
+    return compression == "none" and config.allreduce_algorithm == "gloo"
+
+
 def direct_allreduce_s(direct_s: np.ndarray, ring_s: np.ndarray) -> np.ndarray:
     """Seconds of the runtime's compressed (int8/fp16) all-reduce (modules/comm/compressed.py):
     a direct reduce-scatter, every member sending its B/n chunk to every other at once, then
@@ -236,7 +243,7 @@ class RingTable:
     def __init__(self, tables: LinkTables, model: ModelSpec, compression: str,
                  config: SimConfig) -> None:
         self.tables, self.model, self.compression, self.config = tables, model, compression, config
-        self.gloo = compression == "none" and config.allreduce_algorithm == "gloo"
+        self.gloo = runs_gloo_allreduce(config, compression)
         """Rings of gloo's fp32 all-reduce: the order and one-way latencies it runs with."""
         self._rings: dict[tuple[int, ...], Ring] = {}
 
@@ -378,7 +385,7 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
     msg_bits = msg_bytes * 8.0
     src, dst = pipe[:, :-1], pipe[:, 1:]
     per_stage = [rings.ring(pipe[:, s], pipe.shape[1]) for s in range(pipe.shape[1])]
-    gloo = config.allreduce_algorithm == "gloo"
+    gloo = runs_gloo_allreduce(config)  # the tied sum is fp32 whatever the sync's payload
     tied = tied_links(pipe, tables.lat_s if gloo else tables.collective_lat_s,
                       tables.bits_per_s, model)
     fwd_tx, bwd_tx = msg_bits / tables.bits_per_s[src, dst], msg_bits / tables.bits_per_s[dst, src]
@@ -535,7 +542,7 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
     pp_bytes = 2.0 * r_count * (s_count - 1) * num_micro_batches * links.pp_msg_bytes
     dp_bytes = 2.0 * (r_count - 1) * float(np.sum(stage_payload_bytes)) if r_count > 1 else 0.0
     direct_tx = direct_lat = direct_sender = gloo_bytes = None
-    if sync.compression == "none" and config.allreduce_algorithm == "gloo":
+    if runs_gloo_allreduce(config, sync.compression):
         gloo_bytes = stage_payload_bytes / fragments
     if sync.compression != "none" and links.direct_sec_per_bit is not None:
         direct_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
