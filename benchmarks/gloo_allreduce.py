@@ -42,7 +42,7 @@ from scheduler.simulator.kernel import (  # noqa: E402
     LinkTables,
     RingTable,
     gloo_allreduce_s,
-    ring_allreduce_s,
+    ring_allreduce_time,
     ring_step_s,
 )
 from testkit.lab import PY, Network, log, netns_unavailable  # noqa: E402
@@ -127,22 +127,23 @@ def durations(times: list, group: list[int], case: int) -> float:
     return float(np.median([max(e for _, e in rs) - max(s for s, _ in rs) for rs in runs]))
 
 
-def predictions(cluster: Cluster, group: list[int], numel: int) -> tuple[float, float]:
+def ring_tables(cluster: Cluster) -> dict[str, RingTable]:
+    """The cpu profile's rings of fp32 groups under each model ("gloo": gloo's rank order and
+    one-way latencies; "ring": the planner's ring order, collective latency factor 2)."""
+    tables = LinkTables(cluster, resolve_sim_config(runtime="cpu"))
+    return {a: RingTable(tables, get_model("gpt-tiny"), "none",
+                         resolve_sim_config(runtime="cpu", allreduce_algorithm=a))
+            for a in ("gloo", "ring")}
+
+
+def predictions(rings: dict[str, RingTable], group: list[int], numel: int
+                ) -> tuple[float, float]:
     """(gloo model, ring model) seconds of an fp32 all-reduce of `numel` over `group`."""
     payload = numel * 4.0
-    gloo_cfg = resolve_sim_config(runtime="cpu")
-    tables = LinkTables(cluster, gloo_cfg)
-    model = get_model("gpt-tiny")
-    out = []
-    for algorithm in ("gloo", "ring"):
-        config = resolve_sim_config(runtime="cpu", allreduce_algorithm=algorithm)
-        ring = RingTable(tables, model, "none", config).ring(np.array(group), 1)
-        step = ring_step_s(payload, len(group), ring.sec_per_bit)
-        if algorithm == "gloo":
-            out.append(float(gloo_allreduce_s(step, ring.lat_s, payload)))
-        else:
-            out.append(float(ring_allreduce_s(step, ring.lat_s)))
-    return out[0], out[1]
+    gloo, ring = (rings[a].ring(np.array(group), 1) for a in ("gloo", "ring"))
+    step = ring_step_s(payload, len(group), gloo.sec_per_bit)
+    return (float(gloo_allreduce_s(step, gloo.lat_s, payload)),
+            ring_allreduce_time(ring.lat_s, 1.0 / ring.sec_per_bit, payload))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         times = measure(net, cases, reps, args.out_dir, cluster.num_devices)
     finally:
         net.down()
-    rows = []
+    rows, rings = [], ring_tables(cluster)
     for k, (groups, numel) in enumerate(cases):
         name = next(n for n, g in named if g == groups)
         for group in groups:
-            gloo_s, ring_s = predictions(cluster, group, numel)
+            gloo_s, ring_s = predictions(rings, group, numel)
             rows.append({"case": name, "group": group, "floats": numel,
                          "measured_s": durations(times, group, k), "gloo_model_s": gloo_s,
                          "ring_model_s": ring_s})
