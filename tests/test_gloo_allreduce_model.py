@@ -11,7 +11,7 @@ from test_simulator_closed_forms import uniform_cluster
 from formats.models import get_model
 from formats.plan import SyncConfig
 from scheduler.layer_split import even_split
-from scheduler.simulator import SimConfig, resolve_sim_config, simulate
+from scheduler.simulator import resolve_sim_config, simulate
 from scheduler.simulator.kernel import GLOO_SEGMENT_BYTES, gloo_allreduce_s, ring_step_s
 
 
@@ -106,8 +106,7 @@ def test_the_cpu_runtime_charges_gloo_on_its_rank_ordered_ring():
     payload = model.stage_params(0, model.num_layers) * 4.0
     lat, spb = np.full(4, 0.030), np.full(4, 1 / 0.1e9)
     assert cpu.dp_allreduce_s[0] == pytest.approx(closed_form(lat, spb, payload), rel=1e-9)
-    ring = run(SimConfig(**{**resolve_sim_config(runtime="cpu").__dict__,
-                            "allreduce_algorithm": "ring"}))
+    ring = run(resolve_sim_config(runtime="cpu", allreduce_algorithm="ring"))
     # the ring model: 6 steps of 2 latencies + a quarter of the payload each
     assert ring.dp_allreduce_s[0] == pytest.approx(6 * (0.060 + payload / 4 * 8 / 0.1e9))
     assert cpu.dp_allreduce_s[0] < ring.dp_allreduce_s[0]
