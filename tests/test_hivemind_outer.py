@@ -919,3 +919,116 @@ def test_the_other_parts_of_a_replica_wait_as_long_as_a_round_can_take():
     assert hv.longest_wait_s > 2 * hv.cfg.timeout_s
     hv.deadlines = None  # before attach: nothing derived yet, the run's timeout
     assert hv.longest_wait_s == hv.cfg.timeout_s
+
+
+def test_deadlines_widen_after_failed_attempts_and_narrow_back():
+    """A failed attempt doubles both deadlines (and the request timeout) up to 8x, or as far
+    as one attempt fits --timeout-s; a completed round narrows them one step only when it took
+    under half of what the narrower ones allow (so a loaded host does not fail every other
+    round). Floors 5 + 10 s with --timeout-s 60: at most 4x."""
+    from modules.sync.outer_deadlines import derive
+
+    d = derive(None, None, 0, 1000, "int8", timeout_s=60.0)  # no cluster: floors, no plan read
+    assert (d.matchmaking_s, d.averaging_s, d.request_s, d.max_widen) == (5.0, 10.0, 2.5, 4.0)
+    w1 = d.widened()
+    assert (w1.matchmaking_s, w1.averaging_s, w1.request_s, w1.widen) == (10.0, 20.0, 5.0, 2.0)
+    w2 = w1.widened()
+    assert (w2.matchmaking_s, w2.averaging_s, w2.widen) == (20.0, 40.0, 4.0)
+    assert w2.widened() == w2 and d.widest == w2  # 4 x 15 s = --timeout-s
+    assert w2.narrowed(16.0) == w2  # 16 s is not under half of 10 + 20
+    assert w2.narrowed(14.0) == w1 and w1.narrowed(7.0) == d and d.narrowed(0.1) == d
+    assert derive(None, None, 0, 1000, "int8", timeout_s=600.0).max_widen == 8.0
+    assert derive(None, None, 0, 1000, "int8", timeout_s=10.0).max_widen == 1.0
+    assert derive(None, None, 0, 1000, "int8").widened().widen == 1.0  # no --timeout-s given
+    assert "widened up to 4x when an attempt misses them" in d.describe()
+
+
+def test_a_failed_attempt_widens_the_next_attempts_deadlines():
+    """The round's second attempt (matchmaking) gets the doubled deadlines as its step
+    timeout, the averager's process is told (`_set_deadlines`), the log says why; the round
+    that then completed quickly narrows them back."""
+    from modules.sync.outer_deadlines import OuterDeadlines
+
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.deadlines = OuterDeadlines(0.5, 1.0, None, "test", max_widen=4.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
+    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+    hv.averager.matchmaking_kwargs = {}
+    sent, timeouts = [], []
+
+    class Pipe:
+        def send(self, message):
+            sent.append(message[2]["matchmaking_s"])
+            message[2]["future"].set_result(None)
+
+    hv.averager._outer_pipe = Pipe()
+
+    def roster_group(index, live, weight):
+        raise RuntimeError("a peer left the round mid-way")
+
+    def step(timeout, **kw):
+        timeouts.append(timeout)
+        return _Step({b"a": {"replica": 0}, b"b": {"replica": 1}})
+
+    hv._fixed, hv.averager.step = roster_group, step
+    assert hv._round(3, 1.0) == [0, 1]
+    assert timeouts == [3.0] and sent == [1.0] and hv.deadlines.widen == 2.0
+    assert hv.averager.matchmaking_kwargs == {"min_matchmaking_time": 1.0}
+    assert "deadlines widened after a failed attempt to 1.00 s matchmaking + 2.00 s" in hv.lines[-1]
+    hv.rounds_s, hv.plan = [], type("P", (), {"num_replicas": 2})()
+    hv._completed = lambda index, flat: None
+
+    @contextlib.contextmanager
+    def tensors():
+        yield [torch.ones(4)]
+
+    hv.averager.get_tensors = tensors
+    hv._averaged(torch.zeros(4), 3, [0, 1], time.monotonic())
+    assert hv.deadlines.widen == 1.0 and sent == [1.0, 0.5] and "narrowed" in hv.lines[-1]
+
+
+@pytest.mark.timeout(120)
+def test_widened_deadlines_reach_the_averagers_process():
+    """Two real averagers aiming at a group of 3: their group forms with the 2 at the
+    matchmaking deadline, ~1 s; after `_set_deadlines` to 4 s it forms at ~4 s (the
+    averager's process matches with what it was told, not what it was built with)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    first = start_dht([], LOOP, [], False, 30)
+    dhts = [first, start_dht(visible_maddrs(first), LOOP, [], False, 30)]
+    avs = [ExactAverager([torch.full((8,), float(i))], d, wire=CodecWire("none"), start=True,
+                         prefix="widen", target_group_size=3, min_group_size=2,
+                         min_matchmaking_time=1.0, request_timeout=0.5) for i, d in enumerate(dhts)]
+
+    def round_s():
+        t0, errors = time.monotonic(), []
+
+        def go(i):
+            try:
+                avs[i].step(gather={"replica": i}, allow_retries=False, timeout=30)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert not errors, errors
+        return time.monotonic() - t0
+
+    try:
+        assert round_s() < 2.5
+        for a in avs:
+            future = MPFuture()
+            a._outer_pipe.send(("_set_deadlines", [], dict(
+                matchmaking_s=4.0, averaging_s=10.0, request_s=1.0, future=future)))
+            future.result(timeout=30)
+            a.matchmaking_kwargs["min_matchmaking_time"] = 4.0
+        assert 3.8 < round_s() < 6.5
+    finally:
+        for a in avs:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()

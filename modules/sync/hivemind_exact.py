@@ -329,6 +329,19 @@ class ExactAverager(DecentralizedAverager):
         mm.potential_leaders.target_group_size = size
         future.set_result(None)
 
+    async def _set_deadlines(self, matchmaking_s: float, averaging_s: float, request_s: float,
+                             future: Any) -> None:
+        """(averager process) The next attempts' deadlines (modules.sync.outer_deadlines:
+        widened after a failed attempt, narrowed back after rounds well within them)."""
+        mm = self._matchmaking
+        mm.min_matchmaking_time = mm.potential_leaders.min_matchmaking_time = matchmaking_s
+        mm.request_timeout = request_s
+        self.matchmaking_kwargs.update(min_matchmaking_time=matchmaking_s,
+                                       request_timeout=request_s)
+        self.allreduce_kwargs.update(sender_timeout=averaging_s / 2, reducer_timeout=averaging_s)
+        self._allreduce_timeout = self.next_chunk_timeout = averaging_s
+        future.set_result(None)
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int,
                                     **kwargs: Any) -> dict:
         """Order the group by replica and run ExactRunner; the result is written only when the

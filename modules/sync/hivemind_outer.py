@@ -181,7 +181,7 @@ class HivemindOuter:
 
         cfg = self.cfg
         self.deadlines = derive(self.plan, self.cluster, self.stage, numel, cfg.compression,
-                                cfg.matchmaking_s, cfg.averaging_s, self.shard)
+                                cfg.matchmaking_s, cfg.averaging_s, self.shard, cfg.timeout_s)
         self.log(f"hivemind outer sync of {self.what}: {self.deadlines.describe()}")
         avg_s = self.deadlines.averaging_s
         self.publish(outer)
@@ -193,7 +193,7 @@ class HivemindOuter:
             state_fn=self._shared,
             start=True, prefix=f"{cfg.run}_s{self.part}", target_group_size=self.plan.num_replicas,
             min_group_size=2, min_matchmaking_time=self.deadlines.matchmaking_s,
-            request_timeout=min(3.0, self.deadlines.matchmaking_s / 2), allreduce_timeout=avg_s,
+            request_timeout=self.deadlines.request_s, allreduce_timeout=avg_s,
             sender_timeout=avg_s / 2, reducer_timeout=avg_s,
             next_chunk_timeout=avg_s,  # hivemind's per-chunk wait when loading state
             initial_group_bits="0" * ROUND_BITS,
@@ -244,6 +244,7 @@ class HivemindOuter:
         self.rounds_s.append(took)
         self.last_group = set(group)
         self._report(index, took, sorted(group))
+        self._set_deadlines(self.deadlines.narrowed(took), index, f"after {took:.2f} s")
         self._completed(index, flat)
         return self._bytes_sent(flat.numel(), group)
 
@@ -264,7 +265,7 @@ class HivemindOuter:
         """Round `index` in the roster's group (`_fixed`) when the roster is the last round's
         group, then matchmaking attempts until a group averaged it or --timeout-s passed; the
         replicas of the group, or None."""
-        deadlines, cfg = self.deadlines, self.cfg
+        cfg = self.cfg
         give_up = time.monotonic() + cfg.timeout_s
         fixed = True  # the first attempt: the roster's group, if the roster did not change
         while True:
@@ -283,7 +284,7 @@ class HivemindOuter:
                     self.log(f"outer round {index + 1} of {self.what}: alone in the DHT "
                              "roster; my rounds are the mean of my own until others join")
                 return [self.replica]
-            t1 = time.monotonic()
+            t1, deadlines = time.monotonic(), self.deadlines
             try:
                 if fixed:
                     return self._fixed(index, live, weight)
@@ -300,6 +301,7 @@ class HivemindOuter:
                          f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
+                self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
             fixed = False
             # others completed it without me: take their state (with overlap, a live one's)
             done = self._best_peer_rounds(live_only=self.background) > index
@@ -311,12 +313,34 @@ class HivemindOuter:
         """The longest this part of a replica can spend in one outer round (attempts until
         --timeout-s, one more, its recovery or a background fetch until --timeout-s again) or
         in --join: how long the other parts of its replica wait for it to agree on a step."""
-        d = self.deadlines
-        if d is None:  # not attached yet: nothing derived
+        if self.deadlines is None:  # not attached yet: nothing derived
             return self.cfg.timeout_s
+        d = self.deadlines.widest
         attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
         rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
         return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
+
+    def _set_deadlines(self, new: OuterDeadlines, index: int, why: str) -> None:
+        """Round `index` changed the deadlines to `new` (`why`): say so, and pass them to the
+        averager's process (its matchmaking and all-reduce read them from there)."""
+        old = self.deadlines
+        if new == old:
+            return
+        self.deadlines = new
+        if self.averager is not None:
+            from hivemind.utils.mpfuture import MPFuture
+
+            future = MPFuture()
+            self.averager._outer_pipe.send(("_set_deadlines", [], dict(
+                matchmaking_s=new.matchmaking_s, averaging_s=new.averaging_s,
+                request_s=new.request_s, future=future)))
+            future.result(timeout=30)
+            # step() schedules a round min_matchmaking_time ahead in this process
+            self.averager.matchmaking_kwargs["min_matchmaking_time"] = new.matchmaking_s
+        how = "widened" if new.widen > old.widen else "narrowed"
+        self.log(f"outer round {index + 1} of {self.what}: deadlines {how} {why} to "
+                 f"{new.matchmaking_s:.2f} s matchmaking + {new.averaging_s:.2f} s averaging "
+                 f"({new.widen:g}x the derived ones, at most {new.max_widen:g}x)")
 
     def _fixed(self, index: int, live: set[int], weight: float) -> list[int]:
         """Round `index` averaged in the group of the `live` replicas, formed without

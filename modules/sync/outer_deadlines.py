@@ -17,11 +17,21 @@ and several seconds on a loaded 2-core machine, so its floor (5 s) is 5x the slo
 round; the averaging floor (10 s) keeps tiny payloads from timing out on a busy host. Without
 a cluster file (no --cluster) there is no prediction and the floors apply; the start line says
 which. --matchmaking-timeout-s / --averaging-timeout-s override either.
+
+A failed attempt widens both deadlines (and the request timeout) WIDEN_FACTOR times for the
+next attempt, up to MAX_WIDEN times the derived ones and never so far that one attempt
+outlasts --timeout-s (`OuterDeadlines.widened`); a completed round narrows them back one
+step when it took under half of what the narrower deadlines allow (`narrowed`). Why: the
+deadlines are derived from the links, but what stretches a round in practice is the host's
+load (a 2-core host at load 47 failed every matchmaking of a round for 90 s with the floors);
+an attempt that failed for that reason fails again with the same deadlines, one twice as
+long gets through, and narrowing only with that headroom keeps a loaded host from failing
+every other round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +49,11 @@ MATCHMAKING_FLOOR_S = 5.0
 MATCHMAKING_FACTOR = 4.0
 AVERAGING_FLOOR_S = 10.0
 AVERAGING_FACTOR = 4.0
+REQUEST_TIMEOUT_S = 3.0
+"""hivemind's wait for a leader's answer in matchmaking (at most half the matchmaking
+deadline: hivemind asks for it to be smaller), widened with the deadlines."""
+WIDEN_FACTOR = 2.0
+MAX_WIDEN = 8.0
 
 
 @dataclass(frozen=True)
@@ -53,11 +68,44 @@ class OuterDeadlines:
     """The simulator's outer all-reduce time (None: no cluster file)."""
     source: str
     """How they were chosen, for the start line."""
+    widen: float = 1.0
+    """How many times the derived deadlines these are (after failed attempts)."""
+    max_widen: float = 1.0
+    """The most `widened` goes to (1: never; `derive` sets it from --timeout-s)."""
 
     def describe(self) -> str:
         """The start line's text."""
         return (f"matchmaking deadline {self.matchmaking_s:.2f} s, averaging deadline "
-                f"{self.averaging_s:.2f} s ({self.source})")
+                f"{self.averaging_s:.2f} s ({self.source}; widened up to {self.max_widen:g}x "
+                "when an attempt misses them)")
+
+    @property
+    def request_s(self) -> float:
+        """hivemind's request timeout in matchmaking under these deadlines."""
+        return min(REQUEST_TIMEOUT_S * self.widen, self.matchmaking_s / 2)
+
+    @property
+    def widest(self) -> OuterDeadlines:
+        """These deadlines widened as far as they go."""
+        return self._at(self.max_widen)
+
+    def widened(self) -> OuterDeadlines:
+        """The next attempt's deadlines after a failed one (self when at the widest)."""
+        return self._at(min(self.max_widen, self.widen * WIDEN_FACTOR))
+
+    def narrowed(self, took_s: float) -> OuterDeadlines:
+        """The next round's deadlines after one that completed in `took_s`: one step
+        narrower when that took under half the narrower ones' matchmaking + averaging."""
+        if self.widen <= 1.0:
+            return self
+        narrower = self._at(max(1.0, self.widen / WIDEN_FACTOR))
+        return narrower if took_s < (narrower.matchmaking_s + narrower.averaging_s) / 2 else self
+
+    def _at(self, widen: float) -> OuterDeadlines:
+        """These deadlines at `widen` times the derived ones."""
+        scale = widen / self.widen
+        return replace(self, matchmaking_s=self.matchmaking_s * scale,
+                       averaging_s=self.averaging_s * scale, widen=widen)
 
 
 def predicted_outer_s(plan: Plan, cluster: Cluster, stage: int, numel: int,
@@ -78,9 +126,10 @@ def predicted_outer_s(plan: Plan, cluster: Cluster, stage: int, numel: int,
 
 def derive(plan: Plan, cluster: Cluster | None, stage: int, numel: int, compression: str,
            matchmaking_s: float | None = None, averaging_s: float | None = None,
-           shard: int = 0) -> OuterDeadlines:
-    """The deadlines of this stage's (shard's) rounds (overrides win; see the module
-    docstring)."""
+           shard: int = 0, timeout_s: float | None = None) -> OuterDeadlines:
+    """The deadlines of this stage's (shard's) rounds (overrides win), widening after failed
+    attempts up to MAX_WIDEN x but no attempt longer than `timeout_s` (--timeout-s; None: no
+    widening). See the module docstring."""
     predicted = (predicted_outer_s(plan, cluster, stage, numel, compression, shard)
                  if cluster is not None else None)
     base = predicted or 0.0
@@ -94,5 +143,7 @@ def derive(plan: Plan, cluster: Cluster | None, stage: int, numel: int, compress
                   f"{AVERAGING_FLOOR_S:g} s")
     if matchmaking_s is not None or averaging_s is not None:
         source += "; overridden by flag"
-    return OuterDeadlines(matchmaking_s if matchmaking_s is not None else match,
-                          averaging_s if averaging_s is not None else avg, predicted, source)
+    match = matchmaking_s if matchmaking_s is not None else match
+    avg = averaging_s if averaging_s is not None else avg
+    most = 1.0 if timeout_s is None else min(MAX_WIDEN, max(1.0, timeout_s / (match + avg)))
+    return OuterDeadlines(match, avg, predicted, source, max_widen=most)
