@@ -450,16 +450,10 @@ class HivemindConfig:
             parse_maddrs(self.host_maddrs, "--host-maddrs", need_peer_id=False)
             parse_maddrs(self.announce_maddrs, "--announce-maddrs", need_peer_id=False)
 
-    def check_plan(self, plan: Plan, join: bool = False) -> None:
-        """UserError for a plan (overrides applied) the hivemind backend does not run (yet);
-        `join`: this replica starts with --join."""
+    def check_plan(self, plan: Plan) -> None:
+        """UserError for a plan (overrides applied) the hivemind backend does not run (yet)."""
         if self.outer_backend != "hivemind":
             return
-        if join and plan.is_sharded:  # each shard's rounds run apart (docs/hivemind.md)
-            raise UserError("--join: not with shard groups over --outer-backend hivemind yet "
-                            "(a replica's shards would take their rounds apart while the "
-                            "joiner arrives, and one can wait past --timeout-s for the "
-                            "other); use --outer-backend store to rejoin a sharded replica")
         if plan.sync.mode != "diloco":
             raise UserError("--outer-backend hivemind: needs sync mode diloco (the plan's is "
                             f"{plan.sync.mode!r}); allreduce averages every step")
@@ -597,7 +591,7 @@ class RunConfig:
                             "--fragments 1 on every rank")
         if el.join and self.ckpt.resume:
             raise UserError("--join fetches its state from a live peer; it cannot --resume")
-        self.hivemind.check_plan(ran, el.join)
+        self.hivemind.check_plan(ran)
         _check_warmup(ran, self.steps)
         m = el.resolved_min_replicas(len(start) if start is not None else plan.num_replicas)
         if not 1 <= m <= plan.num_replicas:

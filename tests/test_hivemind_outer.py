@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -505,21 +506,54 @@ def test_shard_groups_average_shard_by_shard_as_the_store_backend(tmp_path):
         assert max_param_diff([got["hivemind"][a], got["hivemind"][b]]) == 0.0, (a, b)
 
 
-def test_join_with_shard_groups_refused_by_name():
-    """A sharded replica's shards take their hivemind rounds apart; while a joiner arrives
-    one shard's round can outlast --timeout-s beside its sibling (seen: the sibling's step
-    agreement timed out), so --join with shard groups over hivemind exits 2 naming both."""
-    from formats.plan import Plan, SyncConfig
-    from modules.config import ElasticConfig, HivemindConfig, RunConfig
+@pytest.mark.timeout(420)
+def test_a_sharded_late_joiner_loads_every_shard_and_ends_identical(tmp_path):
+    """Replicas 0 and 1 of 2 x D = 2 start; replica 2 (two ranks) starts with --join while they
+    train: each of its shards loads the state of its shard's rounds from a peer, the replica
+    agrees on one step, and every shard ends bit-identical with the same shard of the other
+    replicas. (Refused until 2026-11-27: see docs/hivemind.md.)"""
+    from formats.plan import Plan, SyncConfig, save_plan
+    from modules.train.checkpoint import load_checkpoint, step_path
 
-    plan = Plan("local", "", "gpt-tiny", [(0, 4)], [[[0, 1]], [[2, 3]]], micro_batch_size=2,
-                num_micro_batches=1, sync=SyncConfig("diloco", 4, "int8"))
-    hv = RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind"),
-                   elastic=ElasticConfig(join=True))
-    with pytest.raises(UserError, match="--join: not with shard groups over --outer-backend "
-                                        "hivemind yet"):
-        hv.resolve(plan)
-    assert RunConfig(steps=4, hivemind=HivemindConfig(outer_backend="hivemind")).resolve(plan)
+    plan = tmp_path / "plan.json"
+    save_plan(Plan("local", "", "gpt-tiny", [(0, 4)], [[[0, 1]], [[2, 3]], [[4, 5]]],
+                   micro_batch_size=2, num_micro_batches=1,
+                   sync=SyncConfig("diloco", 4, "int8")), plan)
+    run = HivemindRun(plan, tmp_path, ranks_per_replica=2)
+    steps = "240"  # 60 rounds: the joiner started at round 31-33 on a quiet machine
+    common = ("--steps", steps, "--ckpt-dir", str(tmp_path / "ck"), "--fake-data")
+    try:
+        peers = None
+        for r in range(4):
+            run.start(r, *common, "--replicas", "0,1", peers=peers)
+            peers = peers or run.peers_of(0)
+        assert run.wait_for(0, r"outer_step 1:", 120), run.output(0)
+        for r in (4, 5):
+            run.start(r, *common, "--join", peers=peers)
+        codes = run.wait(360)
+        logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in range(6))
+        assert codes == {r: 0 for r in range(6)}, (codes, logs)
+        for r in (4, 5):
+            assert re.search(rf"--join: loaded the outer model, momentum and round count \d+ "
+                             rf"of stage 0 shard {r % 2}", run.output(r)), logs
+        got = [load_checkpoint(step_path(tmp_path / "ck", r, int(steps)),
+                               {"shard_degree": 2})["model"] for r in range(6)]
+        for shard in (0, 1):
+            assert max_param_diff(got[shard::2]) == 0.0, (shard, logs)
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
+
+
+def test_a_matched_group_of_mixed_rounds_is_refused():
+    """A matchmaking group whose members were at different rounds (a joiner's averager still
+    matching the round its host gave up on) is refused, on every member alike."""
+    from modules.sync.hivemind_outer import same_round
+
+    assert same_round({b"a": {"replica": 0, "round": 32}, b"b": {"replica": 2, "round": 32}},
+                      32) == [0, 2]
+    with pytest.raises(PeerError, match=r"mixed rounds \[32, 33\]; its average is not applied"):
+        same_round({b"a": {"replica": 1, "round": 32}, b"b": {"replica": 2, "round": 31}}, 32)
 
 
 def test_fragments_refused_by_name_and_overlap_accepted():
@@ -786,7 +820,7 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
             hv.averager.bits = "1" + hv.averager.bits[1:]
             raise RuntimeError("a peer left the round mid-way")
         assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
-        return _Step({b"a": {"replica": 0}, b"b": {"replica": 1}})
+        return _Step({b"a": {"replica": 0, "round": 5}, b"b": {"replica": 1, "round": 5}})
 
     def roster_group(index, live, weight):  # the first attempt: a member died in it
         calls.append(("roster's group", index))
@@ -815,7 +849,7 @@ def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
     hv.averager.step = lambda **kw: steps.append(kw["gather"]) or _Step(
-        {b"a": {"replica": 0}, b"b": {"replica": 1}})
+        {b"a": {"replica": 0, "round": 8}, b"b": {"replica": 1, "round": 8}})
     assert hv._round(8, 1.0) == [0, 1]
     assert len(calls) == 1 and steps == [{"replica": 0, "round": 8}]
 
@@ -969,7 +1003,7 @@ def test_a_failed_attempt_widens_the_next_attempts_deadlines():
 
     def step(timeout, **kw):
         timeouts.append(timeout)
-        return _Step({b"a": {"replica": 0}, b"b": {"replica": 1}})
+        return _Step({b"a": {"replica": 0, "round": 3}, b"b": {"replica": 1, "round": 3}})
 
     hv._fixed, hv.averager.step = roster_group, step
     assert hv._round(3, 1.0) == [0, 1]
@@ -1032,3 +1066,38 @@ def test_widened_deadlines_reach_the_averagers_process():
             a.shutdown()
         for d in dhts:
             d.shutdown()
+
+
+def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
+    """After a round (or --join), a part of a replica whose sibling took a later round's state
+    takes the state of a round at or after the replica's furthest step from its peers before
+    training on (`Trainer._in_phase`); parts that cannot agree in PHASE_ATTEMPTS tries stop
+    the replica rather than train on different outer states."""
+    import modules.train.trainer as trainer_mod
+
+    trainer = trainer_mod.Trainer.__new__(trainer_mod.Trainer)
+    trainer.hivemind = type("H", (), {"longest_wait_s": 1.0})()
+    trainer.groups = type("G", (), {"world": type("W", (), {"size": 2})()})()
+    trainer.state_lock = threading.Lock()
+    caught = []
+
+    class Outer:
+        def catch_up(self, step, agreed):
+            caught.append((step, agreed))
+            return 124 if ok else step
+
+    trainer.outer = Outer()
+    ranges = iter([(120, 124), (124, 124)])
+    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: next(ranges))
+    ok = True
+    assert trainer._in_phase(120) == 124 and caught == [(120, 124)]
+    caught.clear()
+    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: (120, 124))
+    ok = False
+    with pytest.raises(PeerError, match="stayed at steps 120 to 124 after 5 tries"):
+        trainer._in_phase(120)
+    assert caught == [(120, 124)] * trainer_mod.PHASE_ATTEMPTS
+    ranges = iter([(124, 128), (128, 128)])  # the sibling behind: this part waits for it
+    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: next(ranges))
+    caught.clear()
+    assert trainer._in_phase(128) == 128 and caught == []

@@ -12,7 +12,7 @@ the communicator's timeout (NCCL's by a watchdog that aborts it); failures are `
 See base.Communicator.
 """
 
-from modules.comm.base import CommStats, Communicator, Posted, agree_int
+from modules.comm.base import CommStats, Communicator, Posted, agree_int, agree_range
 from modules.comm.choice import BackendChoice, CommOptions, DeviceInfo, choose_backend
 from modules.comm.errors import CommError, PeerError
 from modules.comm.factory import as_communicator, build_communicators, compressed_all_reduce_mean
@@ -21,5 +21,5 @@ from modules.comm.nccl import CupyNcclCommunicator
 
 __all__ = ["BackendChoice", "CommError", "CommOptions", "CommStats", "Communicator",
            "CupyNcclCommunicator", "DeviceInfo", "GlooCommunicator", "PeerError", "Posted",
-           "agree_int", "as_communicator", "build_communicators", "choose_backend",
+           "agree_int", "agree_range", "as_communicator", "build_communicators", "choose_backend",
            "compressed_all_reduce_mean"]

@@ -18,7 +18,7 @@ from modules.quant.blocks import DEFAULT_BLOCK
 REDUCE_OPS = ("sum", "max", "min")
 
 __all__ = ["REDUCE_OPS", "CommError", "CommStats", "Communicator", "GroupMembership", "Posted",
-           "agree_int", "check_op"]
+           "agree_int", "agree_range", "check_op"]
 
 
 @dataclass
@@ -252,10 +252,25 @@ def agree_int(comm: Communicator, value: int, op: str, what: str,
     for the others here when they may be busy for longer than the communicator's timeout
     (gloo's communicators read it at each wait; others keep their own)."""
     t = torch.tensor([value], dtype=torch.int64)
+    _all_reduce_waiting(comm, t, op, what, timeout_s)
+    return int(t[0])
+
+
+def agree_range(comm: Communicator, value: int, what: str,
+                timeout_s: float | None = None) -> tuple[int, int]:
+    """The least and the largest `value` over every rank of `comm`, in one all-reduce (the
+    MAX of (-value, value)); `timeout_s` as in `agree_int`."""
+    t = torch.tensor([-value, value], dtype=torch.int64)
+    _all_reduce_waiting(comm, t, "max", what, timeout_s)
+    return -int(t[0]), int(t[1])
+
+
+def _all_reduce_waiting(comm: Communicator, t: torch.Tensor, op: str, what: str,
+                        timeout_s: float | None) -> None:
+    """`comm.all_reduce` waiting at least `timeout_s` for the others."""
     saved = comm.timeout_s
     comm.timeout_s = max(saved, timeout_s or 0.0)
     try:
         comm.all_reduce(t, op, what)
     finally:
         comm.timeout_s = saved
-    return int(t[0])

@@ -291,7 +291,7 @@ class HivemindOuter:
                 gathered = self._matched(index, self._step(
                     index, live, weight, wait=False,
                     timeout=deadlines.matchmaking_s + deadlines.averaging_s))
-                return [int(v["replica"]) for v in gathered.values()]
+                return same_round(gathered, index)
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 if self.closing.is_set():
                     raise BackendClosed(index, self.what) from e
@@ -707,6 +707,20 @@ def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
             stats.bytes_sent += sent
         return sent
     return attempt
+
+
+def same_round(gathered: dict, index: int) -> list[int]:
+    """The replicas of a matched group of round `index`; PeerError when a member was at
+    another round. Every member gets every member's gathered data, so each refuses the
+    same group and none applies its average. Why: a joiner whose host had given up on a
+    round (its peers completed it without it) still had that round's step in its averager's
+    matchmaking, and the others' next round matched it (seen: {'replica': 2, 'round': 31}
+    in round 32's group, whose three members then held different outer models)."""
+    rounds = sorted({int(v.get("round", -1)) for v in gathered.values()})
+    if rounds != [index]:
+        raise PeerError(f"the group that formed mixed rounds {[r + 1 for r in rounds]}; "
+                        "its average is not applied")
+    return [int(v["replica"]) for v in gathered.values()]
 
 
 def _peer_bytes(peer: str) -> bytes:

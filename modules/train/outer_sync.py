@@ -171,6 +171,28 @@ class OuterSync:
         self.hivemind.publish(self.optimizer.outer_state())
         return step
 
+    def catch_up(self, step: int, agreed: int) -> int:
+        """hivemind: my replica goes on from step `agreed` while my part is at `step` (a
+        sibling part took a later round's state): take part in the round at my outer count
+        with weight 0, as a joiner does (its average, or the state of a peer that completed
+        it already); the step that puts me at. Loading a peer's state at once instead
+        deadlocked: my peers were in that very round, waiting for me (I am in their roster)."""
+        # with overlap a failed round takes a peer's average, never a later state: parts
+        # never differ in rounds there
+        assert self.hivemind is not None and self.overlap is None
+        before = self.optimizer.outer_count
+        self.hivemind.catching_up = True
+        try:
+            self.optimizer.outer_step()
+        finally:
+            self.hivemind.catching_up = False
+        self.hivemind.publish(self.optimizer.outer_state())
+        at = self.optimizer.outer_count * self.sync.inner_steps
+        self.log(f"my replica is at step {agreed}: took outer round "
+                 f"{self.optimizer.outer_count} of {self.hivemind.what} from my peers "
+                 f"(was at round {before}), continuing at step {at} (was {step})")
+        return at
+
     def log_round(self, sent: int) -> None:
         """Say what the outer round that just ended sent (`sent` bytes when blocking)."""
         count, ranks = self.optimizer.outer_count, list(self.membership.stage_ranks())

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from formats.run_metrics import STATUS_ENV, status_line
-from modules.comm import CommStats, PeerError, agree_int
+from modules.comm import CommStats, PeerError, agree_range
 from modules.comm.errors import first_line
 from modules.config import ResolvedRun, RunConfig
 from modules.control.dist import Topology, members_of
@@ -53,6 +53,10 @@ from modules.train.tracking import open_rank_timing, open_trackers
 
 if TYPE_CHECKING:
     from modules.sync.hivemind_outer import HivemindOuter
+
+PHASE_ATTEMPTS = 5
+"""hivemind: tries of a replica's parts at one round's outer state (`Trainer._in_phase`): each
+may find its peers a round further on (they train meanwhile), at most one round a try."""
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -262,20 +266,29 @@ class Trainer:
             self.shard.agree_max(flag)
 
     def _in_phase(self, step: int) -> int:
-        """hivemind: the step every rank of my replica goes on from, the largest any of them
-        reached. Each part of a replica (a stage, a shard) takes rounds from its own peers, so
+        """hivemind: the step every rank of my replica goes on from, all on one round's outer
+        state. Each part of a replica (a stage, a shard) takes rounds from its own peers, so
         one may have taken a later round's state (and step) than another, while the pipeline
-        and FSDP's collectives need all of them on the same step; a part left behind in rounds
-        takes a later state from its peers at its next round."""
+        and FSDP's collectives need all of them on the same step: a part behind takes part
+        in its peers' round with weight 0 (`OuterSync.catch_up`), until all agree. (A part
+        that went on from its older state missed the round the others ran at that step;
+        their roster group then partly failed and the outer models went apart: seen with a
+        sharded joiner.)"""
         if self.hivemind is None or self.groups.world.size == 1:
             return step  # a replica of one rank agrees with itself
         # A sibling may still be in its round (attempts until --timeout-s, then recovering)
         # or --join for longer than the run's timeout: wait as long as that can take.
-        agreed = agree_int(self.groups.world, step, "max", "agreeing on the step with my replica",
-                           self.hivemind.longest_wait_s)
-        if agreed != step:
-            self.log(f"continuing at step {agreed} with the rest of my replica (was {step})")
-        return agreed
+        what, wait_s = "agreeing on the step with my replica", self.hivemind.longest_wait_s
+        for _ in range(PHASE_ATTEMPTS):
+            lowest, agreed = agree_range(self.groups.world, step, what, wait_s)
+            if lowest == agreed:
+                return agreed
+            if step < agreed:
+                with self.state_lock:
+                    step = self.outer.catch_up(step, agreed)
+        raise PeerError(f"the parts of my replica stayed at steps {lowest} to {agreed} after "
+                        f"{PHASE_ATTEMPTS} tries to take one round's outer state from their "
+                        "peers; stopping rather than training on different outer states")
 
     @property
     def outer_count(self) -> int | None:
