@@ -37,9 +37,10 @@ MAX_STEP = 10 ** 12
 """Largest metrics or timing file read (a record a step of ~300 bytes: millions of steps)."""
 """The --cluster file of the run (a copy, when dist_runner was given one)."""
 RANK_FIELDS = ("step", "rank", "replica", "stage", "step_s", "compute_s", "comm_s", "pp_wait_s",
-               "bytes_sent", "dp_bytes_sent", "wall_time")
-"""What a per-rank timing record holds: seconds of the step, of compute (step_s - comm_s), of
-waiting on communication (comm_s) and of that the pipeline's share (pp_wait_s), bytes sent."""
+               "fsdp_s", "bytes_sent", "dp_bytes_sent", "wall_time")
+"""What a per-rank timing record holds: seconds of the step, of compute (step_s - comm_s -
+fsdp_s), of waiting on communication (comm_s) and of that the pipeline's share (pp_wait_s),
+inside FSDP2's collectives (fsdp_s, shard groups only), bytes sent."""
 _REPLICA_FILE = re.compile(r"^(?P<stem>.+?)(?:\.r(?P<r>\d+))?\.jsonl$")
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 

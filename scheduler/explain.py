@@ -2,7 +2,7 @@
 
 Every rank's step splits the same way on both sides, so the columns compare:
 
-    step = compute + waiting + exposed communication
+    step = compute + waiting + exposed communication (+ FSDP with shard groups)
 
 - compute: the rank's own forward/backward/optimizer seconds (measured: step_s - comm_s;
   predicted: (t_fwd + t_bwd) x micro-batches of the simulator's kernel);
@@ -10,15 +10,20 @@ Every rank's step splits the same way on both sides, so the columns compare:
   bubble, a slower peer): the makespan of the GPipe replay with zero transfers minus the rank's
   compute. Measured: the same replay run on the measured compute of every rank;
 - exposed communication: the rest of the time the rank waited on the network; `pp` the part
-  in pipeline transfers, `dp` in the data-parallel sync and the tied-embedding sum.
+  in pipeline transfers, `dp` in the data-parallel sync and the tied-embedding sum;
+- FSDP (plans with shard groups): the seconds inside FSDP2's collectives of the rank's shard
+  group (measured: the runtime's fsdp_s; predicted: simulator/sharded.py's exposed FSDP time).
+  A device that runs several lanes (a stage of fewer devices than another) is predicted by
+  its first lane, whose times are the device's.
 
 The diagnosis looks for the cause that explains the most seconds of the difference:
 a mis-estimated FLOP/s (every rank's compute off by the same factor), a straggler device (one
 rank's compute off by far more than the others'), a slow stage (every rank of one stage off
 by far more than the other stages: its layers cost more than the model says), a slow pipeline
 link (both ends of one link
-expose more pipeline communication than predicted) or a slow data-parallel sync (every member
-of a stage group exposes more sync than predicted). Pure: no files, no printing.
+expose more pipeline communication than predicted), a slow data-parallel sync (every member
+of a stage group exposes more sync than predicted) or slow FSDP collectives (every member of a
+shard group spends more in them than predicted). Pure: no files, no printing.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ import numpy as np
 
 from formats.cluster import Cluster
 from formats.errors import UserError
-from formats.plan import Plan
+from formats.plan import Plan, as_group
 from formats.run_metrics import number
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.kernel import LinkTables, StepInputs, build_inputs, no_transfers
 from scheduler.simulator.replay import replay_fast
+from scheduler.simulator.sharded import build_sharded_inputs, shard_array
 
 FLOPS_TOLERANCE = 1.1
 """A median compute ratio (measured / predicted) beyond this factor either way is a
@@ -57,16 +63,18 @@ class Split:
     """Exposed pipeline communication."""
     dp_s: float
     """Exposed data-parallel sync and tied-embedding sum."""
+    fsdp_s: float = 0.0
+    """Inside FSDP2's collectives of the shard group (0 without shard groups)."""
 
     @property
     def exposed_s(self) -> float:
-        """All exposed communication."""
+        """All exposed communication (FSDP's apart)."""
         return self.pp_s + self.dp_s
 
     @property
     def step_s(self) -> float:
         """The whole step."""
-        return self.compute_s + self.waiting_s + self.exposed_s
+        return self.compute_s + self.waiting_s + self.exposed_s + self.fsdp_s
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class Measured:
     comm_s: float
     pp_wait_s: float
     steps: int
+    fsdp_s: float = 0.0
 
 
 def mean_timing(records: list[dict[str, Any]]) -> Measured:
@@ -128,7 +137,7 @@ def mean_timing(records: list[dict[str, Any]]) -> Measured:
     def mean(key: str) -> float:
         return float(np.mean([number(r, key) or 0.0 for r in recs]))
     return Measured(mean("step_s"), mean("compute_s"), mean("comm_s"), mean("pp_wait_s"),
-                    len(recs))
+                    len(recs), mean("fsdp_s"))
 
 
 def _timed(rec: dict[str, Any]) -> bool:
@@ -139,7 +148,8 @@ def _timed(rec: dict[str, Any]) -> bool:
 
 def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
     """UserError when the records are not of this plan (a rank outside it, or where it sits)."""
-    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe)}
+    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, e in enumerate(pipe)
+             for d in as_group(e)}
     for rank, recs in ranks.items():
         if rank not in where:
             raise UserError(f"--metrics: rank {rank} has records but is not in the plan "
@@ -165,24 +175,37 @@ class Prediction:
 
 
 def predict(plan: Plan, cluster: Cluster, config: SimConfig) -> Prediction:
-    """Replay one step of `plan` (the simulator's kernel) and split it per rank."""
-    pipe = np.asarray(plan.pipelines, dtype=np.int64)
-    inputs = build_inputs(LinkTables(cluster, config), plan.model_spec(), list(plan.stages),
-                          pipe, plan.sync, plan.micro_batch_size, plan.num_micro_batches, config,
-                          pipeline_compression=plan.pipeline_compression)
+    """Replay one step of `plan` (the simulator's kernel; with shard groups, over its lanes)
+    and split it per rank."""
+    tables, model = LinkTables(cluster, config), plan.model_spec()
+    if plan.is_sharded:
+        inputs, fsdp = build_sharded_inputs(
+            tables, model, list(plan.stages), shard_array(plan.pipelines), plan.sync,
+            plan.micro_batch_size, plan.num_micro_batches, config, plan.pipeline_compression,
+            plan.reshard_after_forward)
+    else:
+        inputs = build_inputs(tables, model, list(plan.stages),
+                              np.asarray(plan.pipelines, dtype=np.int64), plan.sync,
+                              plan.micro_batch_size, plan.num_micro_batches, config,
+                              pipeline_compression=plan.pipeline_compression)
+        fsdp = np.zeros_like(inputs.t_fwd)
     times = replay_fast(inputs)
-    compute = (inputs.t_fwd + inputs.t_bwd) * inputs.num_micro_batches
+    busy = (inputs.t_fwd + inputs.t_bwd) * inputs.num_micro_batches  # (lanes, S), FSDP in
     free = replay_fast(no_transfers(inputs)).makespan_s
     # the tied-embedding sum counts as dp on both sides (the runtime times it outside its
     # pipeline receives, pp_wait_s): pp ends with the pipeline, before the sums
     pp, dp = times.pipeline_s - free, times.step_s - times.pipeline_s
-    ranks = {int(d): Split(float(compute[r, s]), max(0.0, free - float(compute[r, s])), pp, dp)
-             for (r, s), d in np.ndenumerate(pipe)}
+    ranks: dict[int, Split] = {}
+    for (lane, s), d in np.ndenumerate(inputs.pipelines):
+        if int(d) not in ranks:  # a device's first lane (each of its lanes has its times)
+            b, f = float(busy[lane, s]), float(fsdp[lane, s])
+            ranks[int(d)] = Split(b - f, max(0.0, free - b), pp, dp, f)
     return Prediction(inputs, times.step_s, ranks)
 
 
 def free_makespan(inputs: StepInputs, compute_s: np.ndarray, backward_factor: float) -> float:
-    """Makespan of the step with free links when each device computes `compute_s` (R, S)."""
+    """Makespan of the step with free links when each lane's device computes `compute_s`
+    (lanes, S: the replicas' pipelines without shard groups)."""
     t_fwd = compute_s / inputs.num_micro_batches / (1.0 + backward_factor)
     return replay_fast(replace(no_transfers(inputs), t_fwd=t_fwd,
                                t_bwd=t_fwd * backward_factor)).makespan_s
@@ -190,11 +213,11 @@ def free_makespan(inputs: StepInputs, compute_s: np.ndarray, backward_factor: fl
 
 def measured_split(m: Measured, free_s: float) -> Split:
     """A rank's measured step split like the prediction, given the free-link makespan of the
-    measured compute: waiting first, then the pipeline's share of the rest."""
-    waiting = min(m.comm_s, max(0.0, free_s - m.compute_s))
+    measured compute (and FSDP): waiting first, then the pipeline's share of the rest."""
+    waiting = min(m.comm_s, max(0.0, free_s - m.compute_s - m.fsdp_s))
     exposed = m.comm_s - waiting
     pp = min(exposed, max(0.0, m.pp_wait_s - waiting))
-    return Split(m.compute_s, waiting, pp, exposed - pp)
+    return Split(m.compute_s, waiting, pp, exposed - pp, m.fsdp_s)
 
 
 def explain(plan: Plan, cluster: Cluster, config: SimConfig,
@@ -210,11 +233,11 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
     except UserError as e:
         bad = [d for d in plan.devices() if not any(_timed(r) for r in ranks[d])]
         raise UserError(f"--metrics: ranks {bad}: {e}") from None
-    pipe = np.asarray(plan.pipelines, dtype=np.int64)
-    compute_m = np.array([[meas[int(d)].compute_s for d in row] for row in pipe])
-    free_m = free_makespan(pred.inputs, compute_m, config.backward_factor)
-    rows = sorted((RankRow(int(d), r, s, meas[int(d)].steps, measured_split(meas[int(d)], free_m),
-                           pred.ranks[int(d)]) for (r, s), d in np.ndenumerate(pipe)),
+    busy_m = np.array([[meas[int(d)].compute_s + meas[int(d)].fsdp_s for d in lane]
+                       for lane in pred.inputs.pipelines])
+    free_m = free_makespan(pred.inputs, busy_m, config.backward_factor)
+    rows = sorted((RankRow(d, *plan.stage_of(d), meas[d].steps, measured_split(meas[d], free_m),
+                           pred.ranks[d]) for d in plan.devices()),
                   key=lambda x: (x.stage, x.rank))
     step_m = float(np.mean([m.step_s for m in meas.values()]))
     if step_m <= 0:
@@ -238,8 +261,9 @@ def diagnose(rows: list[RankRow], plan: Plan, config: SimConfig) -> list[Cause]:
     """The causes that explain a significant share of the step, biggest first."""
     step = float(np.mean([x.measured.step_s for x in rows]))
     slow_stages = _slow_stage_causes(rows, plan)
-    found = [*_flops_causes(rows, config, {c.stage for c in slow_stages}), *slow_stages,
-             *_link_causes(rows, plan), *_sync_causes(rows, plan)]
+    found = [*_flops_causes(rows, config, {c.stage for c in slow_stages}, plan.is_sharded),
+             *slow_stages,
+             *_link_causes(rows, plan), *_sync_causes(rows, plan), *_fsdp_causes(rows, plan)]
     return sorted((c for c in found if c.seconds >= SIGNIFICANT_SHARE * step),
                   key=lambda c: -c.seconds)
 
@@ -280,9 +304,10 @@ def _slow_stage_causes(rows: list[RankRow], plan: Plan) -> list[StageCause]:
 
 
 def _flops_causes(rows: list[RankRow], config: SimConfig,
-                  slow_stages: set[int] | frozenset[int] = frozenset()) -> list[Cause]:
+                  slow_stages: set[int] | frozenset[int] = frozenset(),
+                  sharded: bool = False) -> list[Cause]:
     """Mis-estimated FLOP/s (the median rank) and stragglers (beyond the median; the ranks of
-    a slow stage are named with it instead)."""
+    a slow stage are named with it instead). `sharded`: the plan has shard groups."""
     g = statistics.median(_ratio(x) for x in rows)
     out: list[Cause] = []
     if g <= 0:  # the median rank recorded no compute: no ratio to judge by
@@ -293,7 +318,10 @@ def _flops_causes(rows: list[RankRow], config: SimConfig,
         out.append(Cause(
             "mis-estimated FLOP/s", off,
             f"compute takes {g:.2f}x the predicted time on the median rank: the devices are "
-            f"{word} than the cluster's tflops x mfu {config.mfu:g} says",
+            f"{word} than the cluster's tflops x mfu {config.mfu:g} says"
+            + ("; with shard groups FSDP2's own CPU work outside its collectives (copying "
+               "parameters in and out of its buffers, its hooks) counts as compute, and the "
+               "model does not charge it" if sharded and g > 1 else ""),
             f"take this run's speeds (explain ... --write-cluster FILE, then plan --cluster "
             f"FILE), or measure this model's FLOP/s on the devices (modules/device/calibrate.py) "
             f"and re-plan with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
@@ -320,11 +348,12 @@ def _flops_flag(mfu: float, ratio: float) -> str:
 def _link_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
     """Pipeline links whose two ends both expose more pipeline communication than predicted."""
     excess = {x.rank: x.measured.pp_s - x.predicted.pp_s for x in rows}
-    out = []
-    for r, pipe in enumerate(plan.pipelines):
-        for s, (a, b) in enumerate(zip(pipe, pipe[1:])):
-            seconds = min(excess[a], excess[b])
-            if seconds > 0:
+    out, seen = [], set()
+    for lane in plan.lanes():  # the replicas' pipelines without shard groups
+        for s, (a, b) in enumerate(zip(lane, lane[1:])):
+            seconds, r = min(excess[a], excess[b]), plan.stage_of(a)[0]
+            if seconds > 0 and (a, b) not in seen:
+                seen.add((a, b))
                 out.append(Cause(
                     f"slow link {a}-{b}", seconds,
                     f"ranks {a} and {b} (replica {r}, stages {s}-{s + 1}) each wait "
@@ -365,10 +394,37 @@ def _sync_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
     return out
 
 
+def _fsdp_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
+    """Shard groups whose every member spends more in FSDP's collectives than predicted."""
+    out = []
+    for r, chain in enumerate(plan.pipelines):
+        for s, entry in enumerate(chain):
+            group = [x for x in rows if x.rank in as_group(entry)]
+            if len(group) < 2:
+                continue
+            seconds = min(x.measured.fsdp_s - x.predicted.fsdp_s for x in group)
+            if seconds > 0:
+                devices = [x.rank for x in group]
+                fewer = ("plan with --no-reshard-after-forward (one gather a step instead "
+                         "of two per micro-batch), or " if plan.reshard_after_forward else "")
+                out.append(Cause(
+                    f"slow FSDP collectives of shard group {devices}", seconds,
+                    f"every device of replica {r} stage {s}'s shard group (devices {devices}) "
+                    f"spends {seconds:.3f} s more in FSDP's all-gathers and reduce-scatters "
+                    "than predicted",
+                    f"re-measure the links between devices {devices} (`python scripts/tc.py "
+                    f"probe ...`) and re-plan, {fewer}bound the shard groups with plan "
+                    "--max-shard"))
+    return out
+
+
 def format_explanation(ex: Explanation) -> str:
-    """The per-rank table and the causes, as `explain` prints them."""
+    """The per-rank table and the causes, as `explain` prints them (an FSDP column with shard
+    groups)."""
+    fsdp = any(x.measured.fsdp_s or x.predicted.fsdp_s for x in ex.rows)
     head = (f"{'stage':>5} {'rank':>4} {'replica':>7}  {'compute s':>17}  {'waiting s':>17}  "
-            f"{'exposed comm s':>17}  {'(pp / dp measured)':>18}")
+            f"{'exposed comm s':>17}  {'(pp / dp measured)':>18}"
+            + (f"  {'FSDP s':>17}" if fsdp else ""))
     lines = ["measured / predicted seconds per step (mean over steps; the first left out)", head]
     for x in ex.rows:
         m, p = x.measured, x.predicted
@@ -376,7 +432,8 @@ def format_explanation(ex: Explanation) -> str:
                      f"{m.compute_s:8.3f} / {p.compute_s:6.3f}  "
                      f"{m.waiting_s:8.3f} / {p.waiting_s:6.3f}  "
                      f"{m.exposed_s:8.3f} / {p.exposed_s:6.3f}  "
-                     f"{m.pp_s:8.3f} / {m.dp_s:7.3f}")
+                     f"{m.pp_s:8.3f} / {m.dp_s:7.3f}"
+                     + (f"  {m.fsdp_s:8.3f} / {p.fsdp_s:6.3f}" if fsdp else ""))
     error = (ex.predicted_step_s / ex.measured_step_s - 1) * 100
     lines.append(f"step: measured {ex.measured_step_s:.3f} s, predicted {ex.predicted_step_s:.3f}"
                  f" s (prediction error {error:+.0f}%)")
@@ -394,7 +451,8 @@ def explanation_dict(ex: Explanation) -> dict[str, Any]:
     """JSON-ready form of an explanation."""
     def split(s: Split) -> dict[str, float]:
         return {"compute_s": round(s.compute_s, 6), "waiting_s": round(s.waiting_s, 6),
-                "pp_s": round(s.pp_s, 6), "dp_s": round(s.dp_s, 6)}
+                "pp_s": round(s.pp_s, 6), "dp_s": round(s.dp_s, 6),
+                "fsdp_s": round(s.fsdp_s, 6)}
     return {"measured_step_s": ex.measured_step_s, "predicted_step_s": ex.predicted_step_s,
             "rows": [{"rank": x.rank, "replica": x.replica, "stage": x.stage, "steps": x.steps,
                       "measured": split(x.measured), "predicted": split(x.predicted)}

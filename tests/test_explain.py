@@ -263,3 +263,74 @@ def test_negative_seconds_are_no_timing(key):
     recs[2] = [{**r, key: -0.5} for r in recs[2]]
     with pytest.raises(UserError, match=r"ranks \[2\]: no timing records .* >= 0"):
         explain(plan, c, CPU, recs)
+
+
+def plan_sharded(cluster: Cluster) -> Plan:
+    """2 replicas x 1 stage, each stage a shard group of 2 devices (FSDP2), DiLoCo across."""
+    from formats.plan import SyncConfig
+
+    return Plan("four", cluster.sha256(), "gpt-tiny", [(0, 4)], [[[0, 1]], [[2, 3]]],
+                micro_batch_size=2, num_micro_batches=2, sync=SyncConfig("diloco", 5, "int8"))
+
+
+def sharded_records(plan: Plan, cluster: Cluster, fsdp_factor=None) -> dict[int, list[dict]]:
+    """Per-rank records as predicted (fsdp_s apart, as the runtime records it), the FSDP
+    seconds of some devices multiplied."""
+    out = {}
+    for d, p in predict(plan, cluster, CPU).ranks.items():
+        r, s = plan.stage_of(d)
+        fsdp = p.fsdp_s * (fsdp_factor or {}).get(d, 1.0)
+        comm = p.waiting_s + p.pp_s + p.dp_s
+        out[d] = [{"step": k, "rank": d, "replica": r, "stage": s, "fsdp_s": fsdp,
+                   "step_s": p.compute_s + comm + fsdp, "compute_s": p.compute_s,
+                   "comm_s": comm, "pp_wait_s": p.waiting_s + p.pp_s} for k in (1, 2, 3)]
+    return out
+
+
+def test_a_sharded_run_as_predicted_names_nothing():
+    """Plans with shard groups: every device predicted with FSDP's seconds apart from its
+    compute (they were a traceback before: explain read only device ids in the pipelines)."""
+    c = cluster4()
+    plan = plan_sharded(c)
+    ex = explain(plan, c, CPU, sharded_records(plan, c))
+    assert names(ex) == [] and [x.rank for x in ex.rows] == [0, 1, 2, 3]
+    assert [x.replica for x in ex.rows] == [0, 0, 1, 1]
+    for row in ex.rows:
+        assert row.predicted.fsdp_s > 0.2 * row.predicted.step_s
+        assert row.measured.fsdp_s == pytest.approx(row.predicted.fsdp_s)
+        assert row.measured.compute_s == pytest.approx(row.predicted.compute_s)
+    assert ex.predicted_step_s == pytest.approx(ex.rows[0].predicted.step_s, rel=1e-9)
+    assert "FSDP s" in format_explanation(ex)
+
+
+def test_slow_fsdp_collectives_are_named():
+    c = cluster4()
+    plan = plan_sharded(c)
+    ex = explain(plan, c, CPU, sharded_records(plan, c, {0: 3.0, 1: 3.0}))
+    assert names(ex)[0] == "slow FSDP collectives of shard group [0, 1]"
+    assert "--no-reshard-after-forward" in ex.causes[0].fix
+    assert not [n for n in names(ex) if "[2, 3]" in n]
+
+
+@pytest.mark.timeout(200)
+def test_explain_on_a_real_sharded_run(tmp_path):
+    """A real 1 x (D = 2) run: every rank's timing file holds fsdp_s, and explain prints the
+    FSDP column from it."""
+    cluster = Cluster("two", [Device(i, f"d{i}", "A", "127.0.0.1", "cpu", 0.02, 8.0)
+                              for i in range(2)], [[0, 1], [1, 0]], [[10, 10], [10, 10]])
+    save_cluster(cluster, tmp_path / "cluster.json")
+    save_plan(Plan("two", cluster.sha256(), "gpt-tiny", [(0, 4)], [[[0, 1]]],
+                   micro_batch_size=2, num_micro_batches=2), tmp_path / "plan.json")
+    run = tmp_path / "run"
+    p = run_entry("scripts/launch_local.py", "--plan", str(tmp_path / "plan.json"),
+                  "--threads-per-rank", "1", "--", "--steps", "4", "--fake-data",
+                  "--run-dir", str(run), "--timeout-s", "60", timeout=150)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_entry("scheduler/scheduler.py", "explain", "--plan", str(tmp_path / "plan.json"),
+                  "--metrics", str(run), "--cluster", str(tmp_path / "cluster.json"),
+                  "--runtime", "cpu")
+    assert p.returncode == 0, p.stderr
+    assert "FSDP s" in p.stdout
+    rows = [line.split() for line in p.stdout.splitlines() if line.split()[:1] == ["0"]]
+    assert [r[1] for r in rows] == ["0", "1"]
+    assert all(float(r[-3]) > 0 for r in rows), p.stdout  # measured FSDP seconds

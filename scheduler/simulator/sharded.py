@@ -224,10 +224,11 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
                          groups: np.ndarray, sync: SyncConfig, micro_batch_size: int,
                          num_micro_batches: int, config: SimConfig,
                          pipeline_compression: str = "none",
-                         reshard_after_forward: bool = True) -> tuple[StepInputs, float]:
+                         reshard_after_forward: bool = True) -> tuple[StepInputs, np.ndarray]:
     """The step inputs of a plan with shard groups, `groups` (R, S, L) lanes (shard_array):
     the kernel's per-link arrays for each lane and its rings, merged, FSDP's collectives in
-    the compute; and FSDP's exposed seconds per step (the largest over lanes and stages).
+    the compute; and FSDP's exposed seconds per step, (R x L, S) (lane r*L + i, as
+    Plan.lanes).
     Stage s has D_s devices: lane i's ring of stage s carries shard i / k_s's 1/D_s of the
     payload when i is the first of its device's k_s = L / D_s lanes, else nothing (one ring
     per shard, not per lane)."""
@@ -266,7 +267,7 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
         t_fwd, t_bwd = with_fsdp(k)
         merged = replace(merged, t_fwd=t_fwd, t_bwd=t_bwd)
     exposed = (t_fwd + t_bwd - (raw_fwd + raw_bwd) * k * per_device) * num_micro_batches
-    return merged, float(exposed.max())
+    return merged, exposed
 
 
 def lane_cpu_flops(model: ModelSpec, stages: list[tuple[int, int]], lanes: int,

@@ -144,10 +144,10 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
                       config.memory(), reshard_after_forward, outer_state)
     tables = LinkTables(cluster, config)
     if degree > 1:
-        inputs, fsdp = build_sharded_inputs(tables, model, stages, groups, sync,
-                                            micro_batch_size, num_micro_batches, config,
-                                            pipeline_compression, reshard_after_forward)
-        timeline = False
+        inputs, exposed = build_sharded_inputs(tables, model, stages, groups, sync,
+                                               micro_batch_size, num_micro_batches, config,
+                                               pipeline_compression, reshard_after_forward)
+        fsdp, timeline = float(exposed.max()), False
     else:
         inputs = build_inputs(tables, model, stages, groups[:, :, 0], sync, micro_batch_size,
                               num_micro_batches, config, pipeline_compression)
