@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = lab.calibrate_lab("badlink", args.seed, args.model, args.micro_batch_size,
-                            out / "cluster.json", args.micro_batches)
+                            out / "cluster.json", args.micro_batches, fsdp=True)
     args.calibration = cal.calibration_path  # plan (and so predict) on the lab's calibration
     runs = make_plans(args, out / "cluster.json", out)
     why_not, cross = train_all(runs, args, out / "cluster.json", out)

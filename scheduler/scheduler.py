@@ -110,7 +110,8 @@ SHARD_FLAGS = ("max_shard", "outer_state")
 SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "allreduce_algorithm",
              "outer_store_round_trips",
              "shared_cores", "background_load", "core_contention", "optimizer_flops_per_param",
-             "outer_flops_per_param", "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
+             "outer_flops_per_param", "outer_fp16_flops_per_param", "outer_int8_flops_per_param",
+             "fsdp_flops_per_unit", "fsdp_gathered_flops_per_unit")
 """The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: below)."""
 FLAG_OF_FIELD: dict[str, str] = {
     settings.qualified(cls, name): settings.flag_of(cls, name)
@@ -210,7 +211,8 @@ def add_perf_model_args(p: argparse.ArgumentParser) -> None:
                         "allreduce_algorithm, outer_store_round_trips, shared_cores, "
                         "background_load, core_contention, "
                         "optimizer_flops_per_param, outer_flops_per_param, "
-                        "outer_fp16_flops_per_param, outer_int8_flops_per_param, all optional)")
+                        "outer_fp16_flops_per_param, outer_int8_flops_per_param, "
+                        "fsdp_flops_per_unit, fsdp_gathered_flops_per_unit, all optional)")
     add_field_flags(g, SimConfig, SIM_FLAGS)
     g.add_argument("--recompute", choices=("on", "off"),
                    help="activation recomputation in backward (off: the CPU runtime)")

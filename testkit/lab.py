@@ -180,13 +180,17 @@ def noise_verdict(before: Any, after: Any = None) -> str:
 
 
 def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
-                  cluster_path: Path, micro_batches: int) -> LabCalibration:
+                  cluster_path: Path, micro_batches: int, fsdp: bool = False) -> LabCalibration:
     """The scenario with each device's tflops = one rank training alone, and a calibration file
     (beside the cluster, `calibration.json`) with the cores the ranks share and the other work
     beside them: measured side by side, all ranks at once, 2 at once and one alone, 3 rounds,
     medians, fitted (modules/device/calibrate.py); each measured step `micro_batches`
-    micro-batches in the runtime's order (all forwards, then all backwards)."""
-    from modules.device.calibrate import measure_core_sharing  # torch: only when measuring
+    micro-batches in the runtime's order (all forwards, then all backwards). `fsdp`: also
+    FSDP2's own CPU per unit (for plans with shard groups)."""
+    from modules.device.calibrate import (  # torch: only when measuring
+        measure_core_sharing,
+        measure_fsdp_cpu,
+    )
     from scheduler.simulator import save_calibration
 
     cluster = make_scenario(scenario, seed)
@@ -207,6 +211,14 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
         "outer round (all at once, gloo on loopback): " + ", ".join(
             f"{p} {sharing.outer_flops_per_param(p):.0f}" for p in sharing.outer_cpu_s)
         + " FLOPs per parameter")
+    fsdp_keys = {}
+    if fsdp:
+        per_unit = measure_fsdp_cpu(get_model(model), micro_batch_size, micro_batches)
+        log(f"  FSDP2's own CPU per unit and micro-batch (alone): {per_unit['reshard'] * 1e3:.2f}"
+            f" ms with reshard_after_forward, {per_unit['gathered'] * 1e3:.2f} ms without")
+        fsdp_keys = {"fsdp_flops_per_unit": round(per_unit["reshard"] * sharing.alone, 1),
+                     "fsdp_gathered_flops_per_unit": round(per_unit["gathered"] * sharing.alone,
+                                                           1)}
     save_cluster(cluster.with_devices([replace(d, tflops=sharing.core_flops / 1e12)  # s
                                        for d in cluster.devices]), cluster_path)
     cal_path = cluster_path.with_name("calibration.json")
@@ -216,7 +228,7 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
         "core_contention": round(sharing.contention, 4),
         "optimizer_flops_per_param": round(sharing.optimizer_flops_per_param, 2),
         **{OUTER_FIELD[p]: round(sharing.outer_flops_per_param(p), 2)
-           for p in sharing.outer_cpu_s}},
+           for p in sharing.outer_cpu_s}, **fsdp_keys},
         runtime="cpu", measured={"machine": m} | sharing_record(sharing))
     return LabCalibration(cluster_path, cal_path, sharing, m, micro_batches)
 

@@ -338,3 +338,38 @@ def test_the_lab_reads_its_delay_lines_cpu_seconds(monkeypatch, tmp_path):
     before = net.emulation_cpu_s()
     sum(i * i for i in range(3_000_000))
     assert net.emulation_cpu_s() > before > 0.0
+
+
+def test_fsdp_cpu_is_charged_per_unit_and_micro_batch_on_sharded_stages():
+    """Shard groups: FSDP2's own CPU (fsdp_flops_per_unit, or fsdp_gathered_flops_per_unit
+    without reshard_after_forward) per FSDP unit and micro-batch, charged as compute on
+    stages of D > 1: gpt-tiny in one stage is 4 blocks + the root, 4 micro-batches."""
+    groups = [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    model = get_model("gpt-tiny")
+    config = replace(CPU, shared_cores=0.0)
+
+    def compute(reshard: bool, **fsdp: float) -> float:
+        return simulate(lab_like(0.020), model, [(0, model.num_layers)], groups,
+                        SyncConfig("allreduce"), 4, 4, replace(config, **fsdp), timeline=False,
+                        reshard_after_forward=reshard).compute_s
+
+    extra = 5 * 4 * 1e8 / 0.020e12
+    for reshard, key in ((True, "fsdp_flops_per_unit"), (False, "fsdp_gathered_flops_per_unit")):
+        base = compute(reshard)
+        assert compute(reshard, **{key: 1e8}) - base == pytest.approx(extra, rel=1e-9)
+    assert compute(True, fsdp_gathered_flops_per_unit=1e8) == compute(True)  # the other mode's
+    flat = step(lab_like(0.020), np.arange(8).reshape(8, 1), config)  # no shard groups
+    assert step(lab_like(0.020), np.arange(8).reshape(8, 1),
+                replace(config, fsdp_flops_per_unit=1e8)).compute_s == flat.compute_s
+
+
+@pytest.mark.timeout(120)
+def test_calibration_measures_fsdps_own_cpu():
+    """A real measurement (a fresh process, a gloo group of one): FSDP2 adds CPU beside the
+    plain model's step in both modes (1.4-2.7 ms per unit and micro-batch on the lab's 2-core
+    machine for gpt-tiny)."""
+    from modules.device.calibrate import measure_fsdp_cpu
+
+    got = measure_fsdp_cpu(get_model("gpt-tiny"), 2, 2, repeats=7)
+    assert set(got) == {"reshard", "gathered"}
+    assert all(1e-4 < v < 0.05 for v in got.values()), got

@@ -11,7 +11,8 @@ computing alone and all N at once, for several rounds. Their ratio gives the cor
 effectively share (the simulator's `shared_cores`: scheduler/simulator/sharing.py), and the
 spread between rounds says whether the machine was quiet enough to judge by. Then all N join
 one gloo group and run the runtime's own DiLoCo outer round per payload, timing each process's
-CPU (the simulator's outer_*flops_per_param).
+CPU (the simulator's outer_*flops_per_param). `measure_fsdp_cpu` times FSDP2's own CPU beside
+its collectives (the simulator's fsdp_*flops_per_unit), for plans with shard groups.
 """
 
 from __future__ import annotations
@@ -331,3 +332,57 @@ def measure_core_sharing(spec: ModelSpec, micro_batch_size: int, processes: int,
                for p in OUTER_PAYLOADS if outer}
     return CoreSharing(processes, alone, [m["shared"] for m in mean], usable_cores(),
                        [m["pair"] for m in mean], opt, params, outer_s)
+
+
+def measure_fsdp_cpu(spec: ModelSpec, micro_batch_size: int, micro_batches: int,
+                     repeats: int = 15) -> dict[str, float]:
+    """Seconds FSDP2 adds to a training step per FSDP unit (each block, and the root) and
+    micro-batch, with reshard_after_forward ("reshard") and without ("gathered"): one fresh
+    single-thread process, the whole model sharded as the runtime shards a stage
+    (modules.shard.fsdp.apply_fsdp) over a gloo group of one, whose collectives are mere
+    copies, against the same model unsharded; medians of `repeats` steps, interleaved so that
+    the machine's drift touches all three alike. What is left is FSDP2's hooks and its copies
+    into and out of its buffers, which the runtime counts as compute (its collectives' own
+    time is fsdp_s). Measured on the lab's 2-core machine, gpt-tiny, 2 x 2: 1.4-2.7 ms per
+    unit and micro-batch alone."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_fsdp_worker, args=(spec, micro_batch_size, micro_batches,
+                                                  repeats, out))
+    proc.start()
+    got = out.get(timeout=600)
+    proc.join()
+    return got
+
+
+def _fsdp_worker(spec: ModelSpec, micro_batch_size: int, micro_batches: int, repeats: int,
+                 out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from modules.shard.fsdp import apply_fsdp, fsdp_modules
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            steps = {}
+            for kind in ("plain", "reshard", "gathered"):
+                step, _, model = _train_step(spec, micro_batch_size, 0, micro_batches)
+                if kind != "plain":
+                    apply_fsdp(model, mesh, kind == "reshard")
+                    units = len(fsdp_modules(model))
+                for _ in range(3):  # warm-up: FSDP2's buffers, the allocator
+                    step()
+                steps[kind] = step
+            times = {k: [] for k in steps}
+            for _ in range(repeats):
+                for kind, step in steps.items():
+                    times[kind].append(step())
+        finally:
+            dist.destroy_process_group()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out.put({k: max(0.0, med[k] - med["plain"]) / (units * micro_batches)
+             for k in ("reshard", "gathered")})

@@ -22,7 +22,8 @@ RUNTIME_SETTINGS = ("mfu", "activation_bytes", "recompute", "collective_latency_
                     "allreduce_algorithm", "outer_store_round_trips", "shared_cores",
                     "background_load", "core_contention", "optimizer_flops_per_param",
                     "outer_flops_per_param", "outer_fp16_flops_per_param",
-                    "outer_int8_flops_per_param")
+                    "outer_int8_flops_per_param", "fsdp_flops_per_unit",
+                    "fsdp_gathered_flops_per_unit")
 """The SimConfig fields a runtime decides: what a profile or a calibration file sets."""
 
 
@@ -89,6 +90,14 @@ class SimConfig:
     processes, memory bandwidth): its compute is stretched by 1 + core_contention x (n - 1)
     when n compute at once; 0: none. The calibration fits it to the speeds of 1, 2 and all
     ranks at once (measured 0.02-0.03 on the lab's 2-core Xeon)."""
+    fsdp_flops_per_unit: float = setting(0.0, lo=0.0, hi=1e15)
+    """Shard groups: FSDP2's own CPU per FSDP unit (a block, or a stage's root) and micro-batch
+    outside its collectives (its hooks, copying parameters into and out of its buffers), with
+    reshard_after_forward, in FLOPs at the device's training speed; 0: not charged (GPU
+    hosts). The CPU lab's calibration measures it at the lab's micro-batch count."""
+    fsdp_gathered_flops_per_unit: float = setting(0.0, lo=0.0, hi=1e15)
+    """As fsdp_flops_per_unit, without reshard_after_forward (parameters gathered once a
+    step)."""
     optimizer_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
     """The optimizer step's CPU per parameter, in FLOPs at the device's training speed (its
     seconds x the measured FLOP/s / the parameters); 0: not charged (GPU hosts, where it is

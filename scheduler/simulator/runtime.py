@@ -22,6 +22,8 @@ Calibration file, format `calibration/1` (JSON object; every key but `format` op
      "outer_flops_per_param": 30,       DiLoCo: an outer round's CPU per parameter (fp32
      "outer_fp16_flops_per_param": 40,  payload; fp16; int8: codec included), FLOPs
      "outer_int8_flops_per_param": 60,
+     "fsdp_flops_per_unit": 2e7,        shard groups: FSDP2's CPU per unit and micro-batch
+     "fsdp_gathered_flops_per_unit": 1e7,   (reshard_after_forward on; off), FLOPs
      "measured": {...}}                 what was measured (free-form, e.g. calibrate.py's
                                         FLOP/s per rank and its model); not read by the model
 
@@ -50,7 +52,8 @@ CALIBRATION_FORMAT = "calibration/1"
 FLOAT_SETTINGS = ("mfu", "collective_latency_factor", "shared_cores", "background_load",
                   "core_contention",
                   "optimizer_flops_per_param", "outer_flops_per_param",
-                  "outer_fp16_flops_per_param", "outer_int8_flops_per_param")
+                  "outer_fp16_flops_per_param", "outer_int8_flops_per_param",
+                  "fsdp_flops_per_unit", "fsdp_gathered_flops_per_unit")
 """Settings stored as floats whatever number the file gives (2 -> 2.0)."""
 
 

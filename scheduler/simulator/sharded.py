@@ -241,7 +241,7 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
     per_param = payload_bytes_per_param(sync.compression, config.int8_block)
     payload = np.array([model.stage_params(a, b) * per_param for a, b in stages]) / degrees
     flops = flops + lane_cpu_flops(model, stages, lanes, config, sync, groups.shape[0],
-                                   num_micro_batches)
+                                   num_micro_batches, degrees, reshard_after_forward)
     alone = replace(config, shared_cores=0.0)  # the cores are shared over all lanes: below
     per_shard = [step_inputs(plan_links(tables, model, groups[:, :, i], sync, micro_batch_size,
                                         config, rings, pipeline_compression),
@@ -272,12 +272,22 @@ def build_sharded_inputs(tables: LinkTables, model: ModelSpec, stages: list[tupl
 
 def lane_cpu_flops(model: ModelSpec, stages: list[tuple[int, int]], lanes: int,
                    config: SimConfig, sync: SyncConfig, replicas: int,
-                   num_micro_batches: int) -> np.ndarray:
+                   num_micro_batches: int, degrees: np.ndarray | None = None,
+                   reshard_after_forward: bool = True) -> np.ndarray:
     """(S,) forward FLOPs per micro-batch a lane adds for its device's optimizer step and
     (DiLoCo, R > 1) outer round: on 1/D of the stage's parameters, which the device's L / D
-    lanes share (so params / L per lane); 0 unless calibrated (the CPU lab)."""
+    lanes share (so params / L per lane); and, on stages of D > 1 (`degrees`), FSDP2's own
+    CPU per unit and micro-batch (SimConfig.fsdp_flops_per_unit or, without
+    reshard_after_forward, fsdp_gathered_flops_per_unit), spread over the forward and the
+    backward as the optimizer's; 0 unless calibrated (the CPU lab)."""
     params = np.array([model.stage_params(a, b) for a, b in stages], dtype=float) / lanes
     extra = optimizer_flops(params, config, num_micro_batches)
     if replicas > 1:
         extra = extra + outer_round_flops(params, config, sync, num_micro_batches)
+    if degrees is not None:
+        per_unit = (config.fsdp_flops_per_unit if reshard_after_forward
+                    else config.fsdp_gathered_flops_per_unit)
+        units = np.array([fsdp_units(model, a, b) for a, b in stages], dtype=float)
+        extra = extra + np.where(np.asarray(degrees) > 1, units * per_unit, 0.0) / (
+            1.0 + config.backward_factor)
     return extra
