@@ -947,9 +947,10 @@ def test_the_other_parts_of_a_replica_wait_as_long_as_a_round_can_take():
     after a round) covers one part's worst round: attempts until --timeout-s, one more,
     then the recovery's wait and download, or a background fetch until --timeout-s again; and
     --join's attempts. With --timeout-s 30, matchmaking 0.5 s, averaging 4 s: 2 x 30 + 0.5 +
-    4 + 5 + 3 x 4 = 81.5 s, where the communicator alone would give up after 30 s."""
+    4 + 5 + 2 (the watch for a completer) + 3 x 4 = 83.5 s, where the communicator alone
+    would give up after 30 s."""
     hv = _background_outer({}, [], averaging_s=4.0)
-    assert hv.longest_wait_s == pytest.approx(81.5)
+    assert hv.longest_wait_s == pytest.approx(83.5)
     assert hv.longest_wait_s > 2 * hv.cfg.timeout_s
     hv.deadlines = None  # before attach: nothing derived yet, the run's timeout
     assert hv.longest_wait_s == hv.cfg.timeout_s
@@ -1101,3 +1102,21 @@ def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
     monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: next(ranges))
     caught.clear()
     assert trainer._in_phase(128) == 128 and caught == []
+
+
+def test_a_failed_roster_group_waits_for_a_member_that_completed_it():
+    """The roster's group failed here; a member that completed it declares so within the
+    grace: this replica takes the round from it instead of matching again without it (two
+    members whose sides failed would complete it among themselves, apart from the third)."""
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
+    t0 = time.monotonic()
+    hv._best_peer_rounds = lambda live_only=False: 7.0 if time.monotonic() - t0 > 0.5 else -1.0
+
+    def roster_group(index, live, weight):
+        raise RuntimeError("a peer left the round mid-way")
+
+    hv._fixed = roster_group
+    hv.averager.step = lambda **kw: pytest.fail("matched again without the member that completed")
+    assert hv._round(6, 1.0) is None  # taken from the completer (`_recover`)
+    assert 0.5 < time.monotonic() - t0 < 2.0

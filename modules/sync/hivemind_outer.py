@@ -76,6 +76,12 @@ ROUND_BITS = 16
 """Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""
+COMPLETER_GRACE_S = 2.0
+"""After a failed attempt in the roster's group: how long to watch for a member that completed
+the round (it declares so at once) before matching again without it. An all-reduce's means
+can reach some members and not others (one dies, or gives up, mid-send); two members whose
+sides failed then completed the round among themselves while a third had completed it with
+everyone, and the outer models went apart (seen with a sharded joiner)."""
 KEEP_RESULTS = 2
 """Overlap: the last averaged results a replica shares (a peer that failed round k fetches
 it while this replica may already have completed round k + 1)."""
@@ -302,11 +308,20 @@ class HivemindOuter:
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
                 self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
+                if fixed:
+                    self._watch_for_completer(index)
             fixed = False
             # others completed it without me: take their state (with overlap, a live one's)
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
                 return None
+
+    def _watch_for_completer(self, index: int) -> None:
+        """Up to COMPLETER_GRACE_S: until another replica declares round `index` done."""
+        until = time.monotonic() + COMPLETER_GRACE_S
+        while (self._best_peer_rounds(live_only=self.background) <= index
+               and time.monotonic() < until):
+            time.sleep(0.2)
 
     @property
     def longest_wait_s(self) -> float:
@@ -316,7 +331,8 @@ class HivemindOuter:
         if self.deadlines is None:  # not attached yet: nothing derived
             return self.cfg.timeout_s
         d = self.deadlines.widest
-        attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
+        # a fixed group's result waits +5 s, then the watch for a member that completed it
+        attempt = d.matchmaking_s + d.averaging_s + 5.0 + COMPLETER_GRACE_S
         rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
         return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
 
