@@ -75,9 +75,10 @@ class OuterDeadlines:
 
     def describe(self) -> str:
         """The start line's text."""
+        widening = (f"; widened up to {self.max_widen:g}x when an attempt misses them"
+                    if self.max_widen > 1 else "; never widened: --timeout-s leaves no room")
         return (f"matchmaking deadline {self.matchmaking_s:.2f} s, averaging deadline "
-                f"{self.averaging_s:.2f} s ({self.source}; widened up to {self.max_widen:g}x "
-                "when an attempt misses them)")
+                f"{self.averaging_s:.2f} s ({self.source}{widening})")
 
     @property
     def request_s(self) -> float:
