@@ -376,21 +376,27 @@ def _fewer_sync_bytes(plan: Plan) -> str:
 
 
 def _sync_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
-    """Stage groups whose every member exposes more data-parallel sync than predicted."""
+    """Sync rings whose every member exposes more data-parallel sync than predicted: a stage
+    group, or with shard groups each shard's ring across the replicas (Plan.shard_peers)."""
     out = []
-    for s in sorted({x.stage for x in rows}):
-        group = [x for x in rows if x.stage == s]
-        if len(group) < 2:
-            continue
-        seconds = min(x.measured.dp_s - x.predicted.dp_s for x in group)
-        if seconds > 0:
-            devices = [x.rank for x in group]
-            out.append(Cause(
-                f"slow data-parallel sync of stage {s}", seconds,
-                f"every rank of stage {s} (devices {devices}) waits {seconds:.3f} s more on "
-                "the data-parallel sync than predicted",
-                f"re-measure the links between devices {devices} (`python scripts/tc.py probe "
-                f"...`) and re-plan, or cut the sync's bytes: {_fewer_sync_bytes(plan)}"))
+    by_rank = {x.rank: x for x in rows}
+    for s in range(plan.num_stages):
+        shards = range(plan.shard_degree(s)) if plan.is_sharded else [None]
+        for shard in shards:
+            devices = (plan.shard_peers(s, shard) if shard is not None
+                       else [x.rank for x in rows if x.stage == s])
+            group = [by_rank[d] for d in devices if d in by_rank]
+            if len(group) < 2:
+                continue
+            seconds = min(x.measured.dp_s - x.predicted.dp_s for x in group)
+            if seconds > 0:
+                what = f"stage {s}" + (f" shard {shard}" if shard is not None else "")
+                out.append(Cause(
+                    f"slow data-parallel sync of {what}", seconds,
+                    f"every rank of {what} (devices {devices}) waits {seconds:.3f} s more on "
+                    "the data-parallel sync than predicted",
+                    f"re-measure the links between devices {devices} (`python scripts/tc.py "
+                    f"probe ...`) and re-plan, or cut the sync's bytes: {_fewer_sync_bytes(plan)}"))
     return out
 
 

@@ -273,14 +273,15 @@ def plan_sharded(cluster: Cluster) -> Plan:
                 micro_batch_size=2, num_micro_batches=2, sync=SyncConfig("diloco", 5, "int8"))
 
 
-def sharded_records(plan: Plan, cluster: Cluster, fsdp_factor=None) -> dict[int, list[dict]]:
+def sharded_records(plan: Plan, cluster: Cluster, fsdp_factor=None,
+                    dp_extra=None) -> dict[int, list[dict]]:
     """Per-rank records as predicted (fsdp_s apart, as the runtime records it), the FSDP
-    seconds of some devices multiplied."""
+    seconds of some devices multiplied, seconds added to some devices' sync wait."""
     out = {}
     for d, p in predict(plan, cluster, CPU).ranks.items():
         r, s = plan.stage_of(d)
         fsdp = p.fsdp_s * (fsdp_factor or {}).get(d, 1.0)
-        comm = p.waiting_s + p.pp_s + p.dp_s
+        comm = p.waiting_s + p.pp_s + p.dp_s + (dp_extra or {}).get(d, 0.0)
         out[d] = [{"step": k, "rank": d, "replica": r, "stage": s, "fsdp_s": fsdp,
                    "step_s": p.compute_s + comm + fsdp, "compute_s": p.compute_s,
                    "comm_s": comm, "pp_wait_s": p.waiting_s + p.pp_s} for k in (1, 2, 3)]
@@ -334,3 +335,15 @@ def test_explain_on_a_real_sharded_run(tmp_path):
     rows = [line.split() for line in p.stdout.splitlines() if line.split()[:1] == ["0"]]
     assert [r[1] for r in rows] == ["0", "1"]
     assert all(float(r[-3]) > 0 for r in rows), p.stdout  # measured FSDP seconds
+
+
+def test_a_slow_shard_ring_is_named_by_its_shard():
+    """With shard groups the sync runs per shard (device i of every replica): a slow ring is
+    named with its shard and devices, the other shard's ring not."""
+    c = cluster4()
+    plan = plan_sharded(c)
+    extra = predict(plan, c, CPU).step_s
+    ex = explain(plan, c, CPU, sharded_records(plan, c, dp_extra={0: extra, 2: extra}))
+    assert names(ex) == ["slow data-parallel sync of stage 0 shard 0"]
+    assert "devices [0, 2]" in ex.causes[0].detail
+
