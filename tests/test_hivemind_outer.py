@@ -1000,6 +1000,7 @@ def test_a_failed_attempt_widens_the_next_attempts_deadlines():
     hv.averager._outer_pipe = Pipe()
 
     def roster_group(index, live, weight):
+        time.sleep(0.5)  # waited out the matchmaking deadline (a slow member)
         raise RuntimeError("a peer left the round mid-way")
 
     def step(timeout, **kw):
@@ -1120,3 +1121,27 @@ def test_a_failed_roster_group_waits_for_a_member_that_completed_it():
     hv.averager.step = lambda **kw: pytest.fail("matched again without the member that completed")
     assert hv._round(6, 1.0) is None  # taken from the completer (`_recover`)
     assert 0.5 < time.monotonic() - t0 < 2.0
+
+
+def test_an_attempt_that_failed_at_once_does_not_widen_the_deadlines():
+    """A roster group that fails at once (a dead replica still listed) missed no deadline:
+    the deadlines stay (widened, the survivors' next group waited twice as long for the dead
+    one: the fault row's stall 5.3 -> 12.3 s)."""
+    from modules.sync.outer_deadlines import OuterDeadlines
+
+    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
+    hv.deadlines = OuterDeadlines(0.5, 1.0, None, "test", max_widen=4.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
+    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+    hv._watch_for_completer = lambda index: None
+
+    def roster_group(index, live, weight):
+        raise RuntimeError("a peer left the round mid-way")
+
+    hv._fixed = roster_group
+    hv.averager.step = lambda timeout, **kw: _Step(
+        {b"a": {"replica": 0, "round": 4}, b"b": {"replica": 1, "round": 4}})
+    assert hv._round(4, 1.0) == [0, 1]
+    assert hv.deadlines.widen == 1.0 and not [x for x in hv.lines if "widened" in x]
+

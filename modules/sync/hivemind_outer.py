@@ -307,7 +307,8 @@ class HivemindOuter:
                          f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
-                self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
+                if waited >= deadlines.matchmaking_s:  # it ran into its deadline, not a dead peer
+                    self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
                 if fixed:
                     self._watch_for_completer(index)
             fixed = False
