@@ -146,10 +146,15 @@ def _timed(rec: dict[str, Any]) -> bool:
                for k in ("step_s", "compute_s", "comm_s"))
 
 
+def positions(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Device id -> (replica, stage) of every device of the plan (shard groups' too)."""
+    return {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, e in enumerate(pipe)
+            for d in as_group(e)}
+
+
 def check_records(plan: Plan, ranks: dict[int, list[dict[str, Any]]]) -> None:
     """UserError when the records are not of this plan (a rank outside it, or where it sits)."""
-    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, e in enumerate(pipe)
-             for d in as_group(e)}
+    where = positions(plan)
     for rank, recs in ranks.items():
         if rank not in where:
             raise UserError(f"--metrics: rank {rank} has records but is not in the plan "
@@ -236,7 +241,8 @@ def explain(plan: Plan, cluster: Cluster, config: SimConfig,
     busy_m = np.array([[meas[int(d)].compute_s + meas[int(d)].fsdp_s for d in lane]
                        for lane in pred.inputs.pipelines])
     free_m = free_makespan(pred.inputs, busy_m, config.backward_factor)
-    rows = sorted((RankRow(d, *plan.stage_of(d), meas[d].steps, measured_split(meas[d], free_m),
+    where = positions(plan)
+    rows = sorted((RankRow(d, *where[d], meas[d].steps, measured_split(meas[d], free_m),
                            pred.ranks[d]) for d in plan.devices()),
                   key=lambda x: (x.stage, x.rank))
     step_m = float(np.mean([m.step_s for m in meas.values()]))
@@ -348,10 +354,11 @@ def _flops_flag(mfu: float, ratio: float) -> str:
 def _link_causes(rows: list[RankRow], plan: Plan) -> list[Cause]:
     """Pipeline links whose two ends both expose more pipeline communication than predicted."""
     excess = {x.rank: x.measured.pp_s - x.predicted.pp_s for x in rows}
+    replica = {x.rank: x.replica for x in rows}
     out, seen = [], set()
     for lane in plan.lanes():  # the replicas' pipelines without shard groups
         for s, (a, b) in enumerate(zip(lane, lane[1:])):
-            seconds, r = min(excess[a], excess[b]), plan.stage_of(a)[0]
+            seconds, r = min(excess[a], excess[b]), replica[a]
             if seconds > 0 and (a, b) not in seen:
                 seen.add((a, b))
                 out.append(Cause(
