@@ -15,7 +15,7 @@ import pytest
 from formats.cluster import Cluster, Device, load_cluster, save_cluster
 from formats.errors import UserError
 from formats.plan import Plan, save_plan
-from scheduler.explain import explain, format_explanation, predict
+from scheduler.explain import explain, format_explanation, positions, predict
 from scheduler.scheduler import main as scheduler_main
 from scheduler.simulator.config import RUNTIME_PROFILES
 from scheduler.simulator.kernel import no_transfers
@@ -39,19 +39,21 @@ def plan4(cluster: Cluster) -> Plan:
 
 
 def records(plan: Plan, cluster: Cluster, compute_factor=None, pp_extra=None, dp_extra=None,
-            steps: int = 3) -> dict[int, list[dict]]:
+            steps: int = 3, fsdp_factor=None) -> dict[int, list[dict]]:
     """Per-rank timing records as the prediction says, with the given changes (seconds added
-    to a rank's pipeline or data-parallel wait, factors on its compute)."""
+    to a rank's pipeline or data-parallel wait, factors on its compute or, with shard groups,
+    on its FSDP seconds, recorded apart as the runtime does)."""
     pred = predict(plan, cluster, CPU)
-    where = {d: (r, s) for r, pipe in enumerate(plan.pipelines) for s, d in enumerate(pipe)}
+    where = positions(plan)
     out = {}
     for d, p in pred.ranks.items():
         compute = p.compute_s * (compute_factor or {}).get(d, 1.0)
+        fsdp = p.fsdp_s * (fsdp_factor or {}).get(d, 1.0)
         pp = p.waiting_s + p.pp_s + (pp_extra or {}).get(d, 0.0)
         comm = pp + p.dp_s + (dp_extra or {}).get(d, 0.0)
         out[d] = [{"step": k, "rank": d, "replica": where[d][0], "stage": where[d][1],
-                   "step_s": compute + comm, "compute_s": compute, "comm_s": comm,
-                   "pp_wait_s": pp} for k in range(1, steps + 1)]
+                   "step_s": compute + comm + fsdp, "compute_s": compute, "comm_s": comm,
+                   "pp_wait_s": pp, "fsdp_s": fsdp} for k in range(1, steps + 1)]
     return out
 
 
@@ -273,27 +275,12 @@ def plan_sharded(cluster: Cluster) -> Plan:
                 micro_batch_size=2, num_micro_batches=2, sync=SyncConfig("diloco", 5, "int8"))
 
 
-def sharded_records(plan: Plan, cluster: Cluster, fsdp_factor=None,
-                    dp_extra=None) -> dict[int, list[dict]]:
-    """Per-rank records as predicted (fsdp_s apart, as the runtime records it), the FSDP
-    seconds of some devices multiplied, seconds added to some devices' sync wait."""
-    out = {}
-    for d, p in predict(plan, cluster, CPU).ranks.items():
-        r, s = plan.stage_of(d)
-        fsdp = p.fsdp_s * (fsdp_factor or {}).get(d, 1.0)
-        comm = p.waiting_s + p.pp_s + p.dp_s + (dp_extra or {}).get(d, 0.0)
-        out[d] = [{"step": k, "rank": d, "replica": r, "stage": s, "fsdp_s": fsdp,
-                   "step_s": p.compute_s + comm + fsdp, "compute_s": p.compute_s,
-                   "comm_s": comm, "pp_wait_s": p.waiting_s + p.pp_s} for k in (1, 2, 3)]
-    return out
-
-
 def test_a_sharded_run_as_predicted_names_nothing():
     """Plans with shard groups: every device predicted with FSDP's seconds apart from its
     compute (they were a traceback before: explain read only device ids in the pipelines)."""
     c = cluster4()
     plan = plan_sharded(c)
-    ex = explain(plan, c, CPU, sharded_records(plan, c))
+    ex = explain(plan, c, CPU, records(plan, c))
     assert names(ex) == [] and [x.rank for x in ex.rows] == [0, 1, 2, 3]
     assert [x.replica for x in ex.rows] == [0, 0, 1, 1]
     for row in ex.rows:
@@ -307,7 +294,7 @@ def test_a_sharded_run_as_predicted_names_nothing():
 def test_slow_fsdp_collectives_are_named():
     c = cluster4()
     plan = plan_sharded(c)
-    ex = explain(plan, c, CPU, sharded_records(plan, c, {0: 3.0, 1: 3.0}))
+    ex = explain(plan, c, CPU, records(plan, c, fsdp_factor={0: 3.0, 1: 3.0}))
     assert names(ex)[0] == "slow FSDP collectives of shard group [0, 1]"
     assert "--no-reshard-after-forward" in ex.causes[0].fix
     assert not [n for n in names(ex) if "[2, 3]" in n]
@@ -343,7 +330,7 @@ def test_a_slow_shard_ring_is_named_by_its_shard():
     c = cluster4()
     plan = plan_sharded(c)
     extra = predict(plan, c, CPU).step_s
-    ex = explain(plan, c, CPU, sharded_records(plan, c, dp_extra={0: extra, 2: extra}))
+    ex = explain(plan, c, CPU, records(plan, c, dp_extra={0: extra, 2: extra}))
     assert names(ex) == ["slow data-parallel sync of stage 0 shard 0"]
     assert "devices [0, 2]" in ex.causes[0].detail
 
