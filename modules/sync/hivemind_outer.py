@@ -345,13 +345,8 @@ class HivemindOuter:
             return
         self.deadlines = new
         if self.averager is not None:
-            from hivemind.utils.mpfuture import MPFuture
-
-            future = MPFuture()
-            self.averager._outer_pipe.send(("_set_deadlines", [], dict(
-                matchmaking_s=new.matchmaking_s, averaging_s=new.averaging_s,
-                request_s=new.request_s, future=future)))
-            future.result(timeout=30)
+            self._in_averager("_set_deadlines", matchmaking_s=new.matchmaking_s,
+                              averaging_s=new.averaging_s, request_s=new.request_s)
             # step() schedules a round min_matchmaking_time ahead in this process
             self.averager.matchmaking_kwargs["min_matchmaking_time"] = new.matchmaking_s
         how = "widened" if new.widen > old.widen else "narrowed"
@@ -445,10 +440,15 @@ class HivemindOuter:
         self.averager._outer_pipe.send(("_reach_round", [index], {}))
 
     def _set_target(self, size: int) -> None:
+        self._in_averager("_set_target_group_size", size=size)
+
+    def _in_averager(self, method: str, **kwargs: Any) -> None:
+        """Run the averager's `method` in its process (through its control pipe, as hivemind
+        runs its own) and wait for it to finish (at most 30 s)."""
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
-        self.averager._outer_pipe.send(("_set_target_group_size", [size], {"future": future}))
+        self.averager._outer_pipe.send((method, [], {**kwargs, "future": future}))
         future.result(timeout=30)
 
     def _report(self, index: int, took: float, group: list[int]) -> None:
