@@ -782,6 +782,7 @@ class _Step:
     def result(self, timeout=None):
         if self.polls:
             self.polls -= 1
+            time.sleep(0.01)  # a short stand-in for the caller's timeout
             raise TimeoutError
         return self.value
 
@@ -798,6 +799,7 @@ def test_a_replica_stops_matching_a_round_the_others_completed():
         hv._matched(5, step)
     assert step.cancelled and step.polls == 999
     hv = _background_outer({PEER_B: 5.0}, [PEER_B], averaging_s=1.0)  # round 5 not done yet
+    hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
     assert hv._matched(5, _Step("avg", polls=2)) == "avg"
 
 
@@ -808,7 +810,7 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
     does not retry inside a step (its retries would use the moved bits)."""
     hv = _background_outer({}, [PEER_B], averaging_s=1.0)
     hv.live, hv.guard = set(), SplitGuard(2, 5.0, [], hv.log)
-    hv._set_target = lambda size: None
+    hv._set_group_size = lambda size, minimum: None
     calls = []
 
     def set_group_bits(bits):
@@ -846,7 +848,7 @@ def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     assert calls == [(7, {0, 1}, 1.0)] and ages == [hv.cfg.heartbeat_s / 2]
 
     hv.last_group = {0, 1, 2}  # replica 2 left: its entry has expired, the roster changed
-    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv._set_group_size, hv._reach = (lambda size, minimum: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
     hv.averager.step = lambda **kw: steps.append(kw["gather"]) or _Step(
         {b"a": {"replica": 0, "round": 8}, b"b": {"replica": 1, "round": 8}})
@@ -947,10 +949,9 @@ def test_the_other_parts_of_a_replica_wait_as_long_as_a_round_can_take():
     after a round) covers one part's worst round: attempts until --timeout-s, one more,
     then the recovery's wait and download, or a background fetch until --timeout-s again; and
     --join's attempts. With --timeout-s 30, matchmaking 0.5 s, averaging 4 s: 2 x 30 + 0.5 +
-    4 + 5 + 2 (the watch for a completer) + 3 x 4 = 83.5 s, where the communicator alone
-    would give up after 30 s."""
+    4 + 5 + 3 x 4 = 81.5 s, where the communicator alone would give up after 30 s."""
     hv = _background_outer({}, [], averaging_s=4.0)
-    assert hv.longest_wait_s == pytest.approx(83.5)
+    assert hv.longest_wait_s == pytest.approx(81.5)
     assert hv.longest_wait_s > 2 * hv.cfg.timeout_s
     hv.deadlines = None  # before attach: nothing derived yet, the run's timeout
     assert hv.longest_wait_s == hv.cfg.timeout_s
@@ -987,7 +988,7 @@ def test_a_failed_attempt_widens_the_next_attempts_deadlines():
     hv = _background_outer({}, [PEER_B], averaging_s=1.0)
     hv.deadlines = OuterDeadlines(0.5, 1.0, None, "test", max_widen=4.0)
     hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
-    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv._set_group_size, hv._reach = (lambda size, minimum: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
     hv.averager.matchmaking_kwargs = {}
     sent, timeouts = [], []
@@ -1070,6 +1071,55 @@ def test_widened_deadlines_reach_the_averagers_process():
             d.shutdown()
 
 
+def test_a_minimum_group_size_reaches_the_averagers_process():
+    """Two real averagers told (`_set_group_size`) to form groups of at least 3 form none at
+    their matchmaking deadline (both steps fail at the step's timeout); told at least 2, they
+    form the pair (what a redo after a failed attempt relies on: `HivemindOuter._round`)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    first = start_dht([], LOOP, [], False, 30)
+    dhts = [first, start_dht(visible_maddrs(first), LOOP, [], False, 30)]
+    avs = [ExactAverager([torch.full((8,), float(i))], d, wire=CodecWire("none"), start=True,
+                         prefix="minimum", target_group_size=3, min_group_size=2,
+                         min_matchmaking_time=0.5, request_timeout=0.3)
+           for i, d in enumerate(dhts)]
+
+    def group_size(minimum):
+        for a in avs:
+            future = MPFuture()
+            a._outer_pipe.send(("_set_group_size", [], dict(size=3, minimum=minimum,
+                                                            future=future)))
+            future.result(timeout=30)
+
+    def errors_of_a_round():
+        errors = []
+
+        def go(i):
+            try:
+                avs[i].step(gather={"replica": i}, allow_retries=False, timeout=3.0)
+            except Exception as e:  # noqa: BLE001 - counted below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        return errors
+
+    try:
+        group_size(3)
+        assert len(errors_of_a_round()) == 2
+        group_size(2)
+        assert errors_of_a_round() == []
+        assert torch.equal(avs[0]._averaged_tensors[0], torch.full((8,), 0.5))
+    finally:
+        for a in avs:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
+
+
 def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
     """After a round (or --join), a part of a replica whose sibling took a later round's state
     takes the state of a round at or after the replica's furthest step from its peers before
@@ -1105,22 +1155,84 @@ def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
     assert trainer._in_phase(128) == 128 and caught == []
 
 
-def test_a_failed_roster_group_waits_for_a_member_that_completed_it():
-    """The roster's group failed here; a member that completed it declares so within the
-    grace: this replica takes the round from it instead of matching again without it (two
-    members whose sides failed would complete it among themselves, apart from the third)."""
-    hv = _background_outer({}, [PEER_B], averaging_s=1.0)
-    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
-    t0 = time.monotonic()
-    hv._best_peer_rounds = lambda live_only=False: 7.0 if time.monotonic() - t0 > 0.5 else -1.0
+def test_after_a_failed_roster_group_only_every_live_replica_may_redo_the_round():
+    """The roster's group failed here; a member may have completed it. The next attempts need
+    every live replica in their group (hivemind's min group size = the roster), so two members
+    whose sides failed cannot complete the round among themselves apart from the completer:
+    they match until it declares the round done, then take it from it (`_recover`)."""
+    hv = _background_outer({}, [PEER_B, PEER_C], averaging_s=1.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(3, 5.0, [], hv.log), {0, 1, 2}
+    t0, sizes = time.monotonic(), []
+    hv._best_peer_rounds = lambda live_only=False: 7.0 if time.monotonic() - t0 > 0.8 else -1.0
+    hv._set_group_size, hv._reach = (lambda size, minimum: sizes.append((size, minimum))), (
+        lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+    step = _Step(None, polls=1000)  # no group of all three forms: the completer has moved on
 
     def roster_group(index, live, weight):
         raise RuntimeError("a peer left the round mid-way")
 
-    hv._fixed = roster_group
-    hv.averager.step = lambda **kw: pytest.fail("matched again without the member that completed")
-    assert hv._round(6, 1.0) is None  # taken from the completer (`_recover`)
-    assert 0.5 < time.monotonic() - t0 < 2.0
+    hv._fixed, hv.averager.step = roster_group, lambda **kw: step
+    assert hv._round(6, 1.0) is None  # taken from the completer
+    assert sizes == [(3, 3)] and step.cancelled
+    assert 0.8 < time.monotonic() - t0 < 2.5
+
+
+def test_a_first_matchmaking_attempt_may_leave_a_late_replica_out_a_redo_may_not():
+    """The roster changed (no roster's group): the round's first matchmaking attempt forms at
+    its deadline with whoever came (min group size 2, as hivemind does: a replica still
+    starting is not waited for). Once an attempt failed, every later one needs every live
+    replica."""
+    hv = _background_outer({}, [PEER_B, PEER_C], averaging_s=1.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(3, 5.0, [], hv.log), {0, 1}
+    sizes, attempts = [], []
+    hv._set_group_size, hv._reach = (lambda size, minimum: sizes.append((size, minimum))), (
+        lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+    hv._best_peer_rounds = lambda live_only=False: -1.0
+
+    def step(**kw):
+        attempts.append(kw["timeout"])
+        if len(attempts) == 1:
+            raise RuntimeError("a peer left the round mid-way")
+        return _Step({b"a": {"replica": 0, "round": 2}, b"b": {"replica": 1, "round": 2},
+                      b"c": {"replica": 2, "round": 2}})
+
+    hv._fixed = lambda index, live, weight: pytest.fail("the roster changed: no roster's group")
+    hv.averager.step = step
+    assert hv._round(2, 1.0) == [0, 1, 2]
+    assert sizes == [(3, 2), (3, 3)], sizes
+
+
+def test_a_redo_waiting_for_every_live_replica_drops_one_that_died():
+    """A strict attempt (after a failure) waits for every live replica; one killed mid-round
+    stays in the roster until its entry expires. Once it has, the attempt is given up at once
+    (not at its deadline, and no widening: no deadline's fault) and the next needs one fewer."""
+    from modules.sync.outer_deadlines import OuterDeadlines
+
+    hv = _background_outer({}, [PEER_B, PEER_C], averaging_s=5.0)
+    hv.deadlines = OuterDeadlines(0.5, 5.0, None, "test", max_widen=4.0)
+    hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1, 2}
+    hv._best_peer_rounds = lambda live_only=False: -1.0
+    t0, sizes, steps = time.monotonic(), [], []
+    hv.roster.live = lambda max_age_s=0.0: {0, 1, 2} if time.monotonic() - t0 < 1.0 else {0, 1}
+    hv._set_group_size, hv._reach = (lambda size, minimum: sizes.append((size, minimum))), (
+        lambda index: None)
+    hv.averager.set_group_bits = lambda bits: None
+
+    def step(**kw):
+        steps.append(_Step(None, polls=1000) if not steps else _Step(
+            {b"a": {"replica": 0, "round": 3}, b"b": {"replica": 1, "round": 3}}))
+        return steps[-1]
+
+    def roster_group(index, live, weight):
+        raise RuntimeError("replica 2 was killed mid-round")
+
+    hv._fixed, hv.averager.step = roster_group, step
+    assert hv._round(3, 1.0) == [0, 1]
+    assert sizes == [(3, 3), (2, 2)] and steps[0].cancelled
+    assert time.monotonic() - t0 < 3.0 and hv.deadlines.widen == 1.0
+    assert any("fewer than the 3 replicas it waited for" in x for x in hv.lines), hv.lines
 
 
 def test_an_attempt_that_failed_at_once_does_not_widen_the_deadlines():
@@ -1132,9 +1244,8 @@ def test_an_attempt_that_failed_at_once_does_not_widen_the_deadlines():
     hv = _background_outer({}, [PEER_B], averaging_s=1.0)
     hv.deadlines = OuterDeadlines(0.5, 1.0, None, "test", max_widen=4.0)
     hv.live, hv.guard, hv.last_group = set(), SplitGuard(2, 5.0, [], hv.log), {0, 1}
-    hv._set_target, hv._reach = (lambda size: None), (lambda index: None)
+    hv._set_group_size, hv._reach = (lambda size, minimum: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
-    hv._watch_for_completer = lambda index: None
 
     def roster_group(index, live, weight):
         raise RuntimeError("a peer left the round mid-way")

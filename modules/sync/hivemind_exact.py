@@ -321,10 +321,11 @@ class ExactAverager(DecentralizedAverager):
         meta, tensors = self.state_fn()
         return meta, tensors, [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
 
-    async def _set_target_group_size(self, size: int, future: Any) -> None:
-        """(averager process) Form a group as soon as `size` peers are in it."""
+    async def _set_group_size(self, size: int, minimum: int, future: Any) -> None:
+        """(averager process) Form a group as soon as `size` peers are in it, and at the
+        matchmaking deadline only with at least `minimum` (hivemind's leader checks it)."""
         mm = self._matchmaking
-        mm.target_group_size = size
+        mm.target_group_size, mm.min_group_size = size, minimum
         mm.group_key_manager.target_group_size = size
         mm.potential_leaders.target_group_size = size
         future.set_result(None)

@@ -15,7 +15,9 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
   or stale peer never averages with another round's; the group forms as soon as every
   replica of the roster is in it (target size = live replicas), else after the matchmaking
   deadline with those that came: a replica that died is dropped from the next round once
-  its roster entry expires;
+  its roster entry expires; but after a failed attempt of the round, only with every live
+  replica (a member may have completed the failed attempt, and a subset must not redo the
+  round apart from it: `_round`);
 - a round that fails for this rank (no group before --timeout-s, or a peer left mid-way and
   hivemind's retries among the rest did not finish it) is never applied half: if another
   replica completed it, this rank loads that replica's outer state (parameters = its outer
@@ -76,12 +78,6 @@ ROUND_BITS = 16
 """Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""
-COMPLETER_GRACE_S = 2.0
-"""After a failed attempt in the roster's group: how long to watch for a member that completed
-the round (it declares so at once) before matching again without it. An all-reduce's means
-can reach some members and not others (one dies, or gives up, mid-send); two members whose
-sides failed then completed the round among themselves while a third had completed it with
-everyone, and the outer models went apart (seen with a sharded joiner)."""
 KEEP_RESULTS = 2
 """Overlap: the last averaged results a replica shares (a peer that failed round k fetches
 it while this replica may already have completed round k + 1)."""
@@ -115,6 +111,11 @@ class BackendClosed(PeerError):
     def __init__(self, index: int, what: str) -> None:
         super().__init__(f"outer round {index + 1} of {what} stopped: the rank is shutting "
                          "down its hivemind outer sync")
+
+
+class AttemptCancelled(PeerError):
+    """A matchmaking attempt given up by this rank before its deadline: the round was completed
+    by others, or fewer replicas are live than the attempt waited for (no deadline's fault)."""
 
 
 class HivemindOuter:
@@ -274,6 +275,7 @@ class HivemindOuter:
         cfg = self.cfg
         give_up = time.monotonic() + cfg.timeout_s
         fixed = True  # the first attempt: the roster's group, if the roster did not change
+        every_live = False  # after a failed attempt: only groups of every live replica
         while True:
             live = self._live(index, cfg.heartbeat_s / 2 if fixed else 0.0)
             fixed = fixed and live == self.last_group
@@ -294,9 +296,10 @@ class HivemindOuter:
             try:
                 if fixed:
                     return self._fixed(index, live, weight)
+                need = len(live) if every_live else 2
                 gathered = self._matched(index, self._step(
-                    index, live, weight, wait=False,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s))
+                    index, live, weight, need, wait=False,
+                    timeout=deadlines.matchmaking_s + deadlines.averaging_s), need)
                 return same_round(gathered, index)
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 if self.closing.is_set():
@@ -307,22 +310,21 @@ class HivemindOuter:
                          f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
                          f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
                          f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
-                if waited >= deadlines.matchmaking_s:  # it ran into its deadline, not a dead peer
+                if waited >= deadlines.matchmaking_s and not isinstance(e, AttemptCancelled):
+                    # it ran into its deadline, not a dead peer
                     self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
-                if fixed:
-                    self._watch_for_completer(index)
+                # An all-reduce's means can reach some members and not others (one dies or
+                # gives up mid-send): two members whose sides failed then completed the round
+                # among themselves while a third had completed it with everyone, and the outer
+                # models went apart (seen with a sharded joiner). A group of every live replica
+                # cannot form without a completer, which has moved on: the others match until
+                # it declares the round (`_matched`), then take it from it.
+                every_live = True
             fixed = False
             # others completed it without me: take their state (with overlap, a live one's)
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
                 return None
-
-    def _watch_for_completer(self, index: int) -> None:
-        """Up to COMPLETER_GRACE_S: until another replica declares round `index` done."""
-        until = time.monotonic() + COMPLETER_GRACE_S
-        while (self._best_peer_rounds(live_only=self.background) <= index
-               and time.monotonic() < until):
-            time.sleep(0.2)
 
     @property
     def longest_wait_s(self) -> float:
@@ -332,8 +334,7 @@ class HivemindOuter:
         if self.deadlines is None:  # not attached yet: nothing derived
             return self.cfg.timeout_s
         d = self.deadlines.widest
-        # a fixed group's result waits +5 s, then the watch for a member that completed it
-        attempt = d.matchmaking_s + d.averaging_s + 5.0 + COMPLETER_GRACE_S
+        attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
         rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
         return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
 
@@ -378,29 +379,39 @@ class HivemindOuter:
         self.fixed_rounds += 1
         return [int(v["replica"]) for v in gathered.values()]
 
-    def _matched(self, index: int, control: Any) -> Any:
-        """The result of a matchmaking step (hivemind's StepControl) of round `index`; raises
-        PeerError at once when another live replica declared the round done meanwhile (this
-        one then takes it from them): a replica whose side of a round failed matched alone
-        for the whole deadline (15 s on the lab) while the others had completed it."""
+    def _matched(self, index: int, control: Any, need: int = 2) -> Any:
+        """The result of a matchmaking step (hivemind's StepControl) of round `index` whose
+        groups need `need` replicas; raises PeerError at once when another live replica
+        declared the round done meanwhile (this one then takes it from them: a replica whose
+        side of a round failed matched alone for the whole deadline, 15 s on the lab, while the
+        others had completed it), or when fewer than `need` replicas are live now (a replica
+        killed mid-round: its entry expires within a heartbeat, and the next attempt needs one
+        fewer instead of waiting out this one's deadline for it)."""
         while True:
             try:
                 return control.result(timeout=0.5)
             except TimeoutError:
+                why = ""
                 if self._best_peer_rounds(live_only=self.background) > index:
+                    why = "other replicas completed it without me"
+                elif len(self._live(index, max_age_s=1.0)) < need:
+                    why = f"fewer than the {need} replicas it waited for are live now"
+                if why:
                     with contextlib.suppress(Exception):  # already over
                         control.cancel()
-                    raise PeerError("other replicas completed it without me") from None
+                    raise AttemptCancelled(why) from None
 
-    def _step(self, index: int, live: set[int], weight: float, **kwargs: Any) -> Any:
-        """One averager step of round `index` among the `live` replicas (hivemind's `step`
-        with `kwargs`: its result, or its StepControl with wait=False). The round's key is set
+    def _step(self, index: int, live: set[int], weight: float, need: int = 2,
+              **kwargs: Any) -> Any:
+        """One averager step of round `index` among the `live` replicas, in a group of at least
+        `need` (hivemind's `step` with `kwargs`: its result, or its StepControl with
+        wait=False). The round's key is set
         again at every attempt, and hivemind never retries inside a step: it moves a peer's
         group bits on as soon as a group is assembled (update_key_on_group_assembled), each
         member to other bits, so after a group that failed mid-way (a replica killed in it)
         the survivors' retries never met again and the round failed on all of them after
         --timeout-s."""
-        self._set_target(max(2, len(live)))
+        self._set_group_size(max(2, len(live)), need)
         self._reach(index)
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
         return self.averager.step(gather={"replica": self.replica, "round": index},
@@ -439,8 +450,9 @@ class HivemindOuter:
         for it or an earlier round are refused at once from now (ExactAverager._round_reached)."""
         self.averager._outer_pipe.send(("_reach_round", [index], {}))
 
-    def _set_target(self, size: int) -> None:
-        self._in_averager("_set_target_group_size", size=size)
+    def _set_group_size(self, size: int, minimum: int) -> None:
+        """Groups form once `size` replicas are in, at the deadline with `minimum` or more."""
+        self._in_averager("_set_group_size", size=size, minimum=minimum)
 
     def _in_averager(self, method: str, **kwargs: Any) -> None:
         """Run the averager's `method` in its process (through its control pipe, as hivemind
