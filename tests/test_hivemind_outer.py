@@ -285,6 +285,63 @@ def test_overlap_equals_the_store_backends_overlap(tmp_path):
     assert max_param_diff(hv_models) > 0  # overlap's merge keeps each replica's local progress
 
 
+def _two_replicas(out, plan, steps, *extra):
+    """Replicas 0 and 1 of `plan` to step `steps` (checkpoints in out/ck), waited for: each
+    replica's log."""
+    run = HivemindRun(plan, out)
+    try:
+        _start_replicas(run, 2, steps, "--fake-data", *extra)
+        codes = run.wait(150)
+        logs = [run.output(r) for r in (0, 1)]
+        assert codes == {0: 0, 1: 0}, (codes, [x[-2500:] for x in logs])
+    finally:
+        run.stop()
+    assert run.p2pd_left() == []
+    return logs
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_resume_over_hivemind_equals_the_run_never_stopped(tmp_path, overlap):
+    """2 replicas, int8, H = 5: stopped at step 10 and restarted with --resume to step 20, every
+    replica's parameters (and with overlap its outer model and pending pseudo-gradient: the
+    round in flight at the stop is re-run) equal those of a run never stopped, bit for bit."""
+    plan = tmp_path / "plan.json"
+    write_trial_plan(plan, 2, 1, "diloco", inner_steps=5)
+    plan.write_text(plan.read_text().replace('"compression": "none"', '"compression": "int8"'))
+    extra = ("--overlap", overlap)
+    (tmp_path / "once").mkdir()
+    (tmp_path / "twice").mkdir()
+    _two_replicas(tmp_path / "once", plan, 20, *extra)
+    _two_replicas(tmp_path / "twice", plan, 10, *extra)
+    logs = _two_replicas(tmp_path / "twice", plan, 20, *extra, "--resume")
+    assert all("resumed from step 10" in x for x in logs), [x[-2500:] for x in logs]
+    once = load_models(tmp_path / "once" / "ck", [0, 1], 20)
+    twice = load_models(tmp_path / "twice" / "ck", [0, 1], 20)
+    for r in (0, 1):
+        assert max_param_diff([once[r], twice[r]]) == 0.0, (r, [x[-2500:] for x in logs])
+    got = [_opt_tensors(tmp_path / run / "ck", [0, 1], 20) for run in ("once", "twice")]
+    for r in (0, 1):
+        assert torch.equal(got[0][r], got[1][r]), r
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_resumed_from_an_older_checkpoint_takes_the_others_state(tmp_path):
+    """Over hivemind there is no store to agree on a common checkpoint: replica 1 lost its
+    newest one (step 15) and resumes from step 10 while replica 0 resumes from 15. Replica 0
+    declares its resumed rounds at once, so replica 1's first round finds them completed and
+    takes replica 0's outer state (as after a failed round); both end bit-identical."""
+    plan = tmp_path / "plan.json"
+    write_trial_plan(plan, 2, 1, "diloco", inner_steps=5)
+    _two_replicas(tmp_path, plan, 15, "--ckpt-every", "5", "--keep-checkpoints", "5")
+    (tmp_path / "ck" / "rank1" / "step00000015.pt").unlink()
+    logs = _two_replicas(tmp_path, plan, 25, "--resume")
+    assert "resumed from step 15" in logs[0] and "resumed from step 10" in logs[1], logs
+    assert "took the outer state of a replica that completed it (round 3)" in logs[1], logs[1]
+    models = load_models(tmp_path / "ck", [0, 1], 25)
+    assert max_param_diff(models) == 0.0, [x[-2500:] for x in logs]
+
+
 @pytest.mark.timeout(120)
 def test_killed_replica_is_dropped(tmp_path):
     """Three replicas; replica 2 is killed (kill -9 of its session) after round 1: once its
@@ -770,6 +827,21 @@ def test_background_round_completed_by_a_live_replica_takes_its_average():
     assert hv._recover_background(flat, 2) == 0
     assert torch.equal(flat, average) and hv.completed == 3
     assert hv.averager.state_sharing_priority == 3.0 and torch.equal(hv.results[2], average)
+
+
+def test_background_round_whose_average_is_gone_stops_at_once_naming_the_cause():
+    """Overlap: the replica that completed round 2 keeps no average of it (it resumed from a
+    newer checkpoint than this replica's, so it keeps none from before; or it is two rounds
+    ahead): this replica cannot catch up and says so at once, naming the fix, rather than
+    waiting --timeout-s for an average nobody holds."""
+    hv = _background_outer({PEER_B: 3.0}, [PEER_B], averaging_s=1.0)
+    for kept in ([], [3, 4]):
+        hv.averager.shared = ({"run": "run", "results": kept},
+                              [torch.zeros(4), torch.zeros(0)] + [torch.ones(4)] * len(kept))
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="resume every replica from the same step"):
+            hv._recover_background(torch.zeros(4), 1)
+        assert time.monotonic() - t0 < 5.0 and hv.completed == 0
 
 
 class _Step:

@@ -534,6 +534,8 @@ class HivemindOuter:
                              "its average from a replica that completed it")
                     self._completed(index, flat)
                     return 0
+                if got is not None and all(r > index for r in got[0]):
+                    raise PeerError(self._average_gone(index, got[0]))
             elif time.monotonic() - quiet_since > self.deadlines.averaging_s:
                 self.log(f"outer round {index + 1} of {self.what} failed on every live "
                          "replica that tried it; skipped at the next round boundary, keeping "
@@ -545,6 +547,16 @@ class HivemindOuter:
                                 f"{self.cfg.timeout_s:g} s (--timeout-s); stopping rather than "
                                 "leaving the outer models apart")
             time.sleep(0.5)
+
+    def _average_gone(self, index: int, kept: list[int]) -> str:
+        """Why round `index` cannot be taken from the replica that completed it: it keeps only
+        the averages of rounds `kept` (the last KEEP_RESULTS; none since its --resume)."""
+        return (f"outer round {index + 1} of {self.what}: the replica that completed it no "
+                f"longer holds its average (it keeps rounds {[r + 1 for r in kept]}, none "
+                "from before its --resume): this replica is behind the others, e.g. resumed "
+                "from an older checkpoint than theirs. With --overlap on a replica cannot "
+                "catch up on its own: resume every replica from the same step (the newest "
+                "checkpoint all of them have), or run without --overlap")
 
     def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
@@ -616,6 +628,21 @@ class HivemindOuter:
         self._reach(int(meta["outer_count"]) - 1)  # the rounds before it are over here
         return OuterState(tensors[0].clone(), momentum.clone() if momentum is not None else None,
                           int(meta["outer_count"]))
+
+    def resumed(self, outer: OuterState) -> None:
+        """After --resume: my outer model has completed the checkpoint's rounds. Declare them
+        and share that state at once, so that a replica resumed from an older checkpoint (its
+        newest one lost) finds its first round completed by me and takes my state, as a
+        replica whose round failed does, instead of matching a round nobody else is in."""
+        # with overlap the last round is still in flight (resume runs it again)
+        self.completed = max(0, outer.outer_count - 1) if self.background else outer.outer_count
+        if self.averager is None:
+            return
+        if self.completed:
+            self._reach(self.completed - 1)  # the rounds before it are over here
+        self.publish(outer)
+        if not self.cfg.client_mode:  # (publish leaves the declaration to overlap's rounds)
+            self.averager.state_sharing_priority = float(self.completed)
 
     def publish(self, outer: OuterState) -> None:
         """The training thread, after each outer step: what peers loading state now get."""

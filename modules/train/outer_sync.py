@@ -156,6 +156,11 @@ class OuterSync:
         self.hivemind.publish(self.optimizer.outer_state())
         return self.optimizer.outer_count * self.sync.inner_steps
 
+    def resumed(self) -> None:
+        """After --resume restored the outer state: hivemind declares and shares it."""
+        if self.hivemind is not None:
+            self.hivemind.resumed(self.optimizer.outer_state())
+
     def after_round(self, step: int) -> int:
         """After an outer step, the step to go on from. With hivemind: publish the outer state
         (what joiners load) and, when it was a later round's state taken from a peer, continue

@@ -345,6 +345,8 @@ class Trainer:
         elif cfg.ckpt.resume:
             self.ckpt.load(self.groups.world, self.restore)
             self.log(f"resumed from step {self.step}")
+            if self.outer is not None:
+                self.outer.resumed()
         resume = self.step if cfg.ckpt.resume else None
         reports = topo.reports  # one writer per replica
         writer = open_trackers(cfg.metrics, topo.replica, resume) if reports else None
