@@ -405,12 +405,11 @@ class HivemindOuter:
               **kwargs: Any) -> Any:
         """One averager step of round `index` among the `live` replicas, in a group of at least
         `need` (hivemind's `step` with `kwargs`: its result, or its StepControl with
-        wait=False). The round's key is set
-        again at every attempt, and hivemind never retries inside a step: it moves a peer's
-        group bits on as soon as a group is assembled (update_key_on_group_assembled), each
-        member to other bits, so after a group that failed mid-way (a replica killed in it)
-        the survivors' retries never met again and the round failed on all of them after
-        --timeout-s."""
+        wait=False). The round's key is set again at every attempt, and hivemind never
+        retries inside a step: it moves a peer's group bits on as soon as a group is assembled
+        (update_key_on_group_assembled), each member to other bits, so after a group that
+        failed mid-way (a replica killed in it) the survivors' retries never met again and the
+        round failed on all of them after --timeout-s."""
         self._set_group_size(max(2, len(live)), need)
         self._reach(index)
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
