@@ -1098,98 +1098,77 @@ def test_a_failed_attempt_widens_the_next_attempts_deadlines():
 
 
 @pytest.mark.timeout(120)
-def test_widened_deadlines_reach_the_averagers_process():
-    """Two real averagers aiming at a group of 3: their group forms with the 2 at the
-    matchmaking deadline, ~1 s; after `_set_deadlines` to 4 s it forms at ~4 s (the
-    averager's process matches with what it was told, not what it was built with)."""
-    from hivemind.utils.mpfuture import MPFuture
-
+@contextlib.contextmanager
+def _two_real_averagers(prefix: str, matchmaking_s: float, request_s: float):
+    """Two ExactAveragers on loopback DHTs aiming at a group of 3 (at least 2), each holding
+    8 copies of its index; shut down after."""
     first = start_dht([], LOOP, [], False, 30)
     dhts = [first, start_dht(visible_maddrs(first), LOOP, [], False, 30)]
     avs = [ExactAverager([torch.full((8,), float(i))], d, wire=CodecWire("none"), start=True,
-                         prefix="widen", target_group_size=3, min_group_size=2,
-                         min_matchmaking_time=1.0, request_timeout=0.5) for i, d in enumerate(dhts)]
-
-    def round_s():
-        t0, errors = time.monotonic(), []
-
-        def go(i):
-            try:
-                avs[i].step(gather={"replica": i}, allow_retries=False, timeout=30)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(repr(e))
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
-        assert not errors, errors
-        return time.monotonic() - t0
-
+                         prefix=prefix, target_group_size=3, min_group_size=2,
+                         min_matchmaking_time=matchmaking_s, request_timeout=request_s)
+           for i, d in enumerate(dhts)]
     try:
-        assert round_s() < 2.5
-        for a in avs:
-            future = MPFuture()
-            a._outer_pipe.send(("_set_deadlines", [], dict(
-                matchmaking_s=4.0, averaging_s=10.0, request_s=1.0, future=future)))
-            future.result(timeout=30)
-            a.matchmaking_kwargs["min_matchmaking_time"] = 4.0
-        assert 3.8 < round_s() < 6.5
+        yield avs
     finally:
         for a in avs:
             a.shutdown()
         for d in dhts:
             d.shutdown()
+
+
+def _in_averagers(avs, method: str, **kwargs) -> None:
+    """Run `method` in each averager's process, as HivemindOuter._in_averager does."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    for a in avs:
+        future = MPFuture()
+        a._outer_pipe.send((method, [], {**kwargs, "future": future}))
+        future.result(timeout=30)
+
+
+def _round_of(avs, timeout_s: float) -> tuple[float, list[str]]:
+    """One step of every averager at once: the seconds it took and the errors raised."""
+    t0, errors = time.monotonic(), []
+
+    def go(i):
+        try:
+            avs[i].step(gather={"replica": i}, allow_retries=False, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - returned
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(avs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    return time.monotonic() - t0, errors
+
+
+def test_widened_deadlines_reach_the_averagers_process():
+    """Two real averagers aiming at a group of 3: their group forms with the 2 at the
+    matchmaking deadline, ~1 s; after `_set_deadlines` to 4 s it forms at ~4 s (the
+    averager's process matches with what it was told, not what it was built with)."""
+    with _two_real_averagers("widen", 1.0, 0.5) as avs:
+        took, errors = _round_of(avs, 30)
+        assert not errors and took < 2.5, (took, errors)
+        _in_averagers(avs, "_set_deadlines", matchmaking_s=4.0, averaging_s=10.0, request_s=1.0)
+        for a in avs:
+            a.matchmaking_kwargs["min_matchmaking_time"] = 4.0
+        took, errors = _round_of(avs, 30)
+        assert not errors and 3.8 < took < 6.5, (took, errors)
 
 
 def test_a_minimum_group_size_reaches_the_averagers_process():
     """Two real averagers told (`_set_group_size`) to form groups of at least 3 form none at
     their matchmaking deadline (both steps fail at the step's timeout); told at least 2, they
     form the pair (what a redo after a failed attempt relies on: `HivemindOuter._round`)."""
-    from hivemind.utils.mpfuture import MPFuture
-
-    first = start_dht([], LOOP, [], False, 30)
-    dhts = [first, start_dht(visible_maddrs(first), LOOP, [], False, 30)]
-    avs = [ExactAverager([torch.full((8,), float(i))], d, wire=CodecWire("none"), start=True,
-                         prefix="minimum", target_group_size=3, min_group_size=2,
-                         min_matchmaking_time=0.5, request_timeout=0.3)
-           for i, d in enumerate(dhts)]
-
-    def group_size(minimum):
-        for a in avs:
-            future = MPFuture()
-            a._outer_pipe.send(("_set_group_size", [], dict(size=3, minimum=minimum,
-                                                            future=future)))
-            future.result(timeout=30)
-
-    def errors_of_a_round():
-        errors = []
-
-        def go(i):
-            try:
-                avs[i].step(gather={"replica": i}, allow_retries=False, timeout=3.0)
-            except Exception as e:  # noqa: BLE001 - counted below
-                errors.append(repr(e))
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(40)
-        return errors
-
-    try:
-        group_size(3)
-        assert len(errors_of_a_round()) == 2
-        group_size(2)
-        assert errors_of_a_round() == []
+    with _two_real_averagers("minimum", 0.5, 0.3) as avs:
+        _in_averagers(avs, "_set_group_size", size=3, minimum=3)
+        assert len(_round_of(avs, 3.0)[1]) == 2
+        _in_averagers(avs, "_set_group_size", size=3, minimum=2)
+        assert _round_of(avs, 3.0)[1] == []
         assert torch.equal(avs[0]._averaged_tensors[0], torch.full((8,), 0.5))
-    finally:
-        for a in avs:
-            a.shutdown()
-        for d in dhts:
-            d.shutdown()
 
 
 def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):

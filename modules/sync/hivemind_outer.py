@@ -639,8 +639,8 @@ class HivemindOuter:
             return
         if self.completed:
             self._reach(self.completed - 1)  # the rounds before it are over here
-        self.publish(outer)
-        if not self.cfg.client_mode:  # (publish leaves the declaration to overlap's rounds)
+        self.publish(outer)  # (blocking: declares it too)
+        if self.background and not self.cfg.client_mode:  # overlap declares in its rounds
             self.averager.state_sharing_priority = float(self.completed)
 
     def publish(self, outer: OuterState) -> None:
