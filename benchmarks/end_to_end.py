@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     lab.check_after(cal, args.model, args.micro_batch_size)
     print()
     print(f"machine: {lab.describe_machine(cal.machine)}")
+    print(time_to_loss_table(runs))  # the headline: who has the model first
     print(table(runs, not net.reason))
-    print(time_to_loss_table(runs))
     print()
     if net.reason:
         print(f"targets not checked: the network was not emulated ({net.reason}); the "

@@ -92,6 +92,7 @@ from scheduler.sync_search import (  # noqa: E402
     anchor_choices,
     plan_sync_auto,
 )
+from scheduler.time_to_target import explain_rows, simulate_rows, target_rows  # noqa: E402
 
 PLAN_FLAGS: dict[type, tuple[str, ...]] = {
     PlanRequest: ("num_stages", "num_replicas", "objective", "micro_batch_size",
@@ -103,7 +104,7 @@ PLAN_FLAGS: dict[type, tuple[str, ...]] = {
 SYNC_FLAGS: dict[type, tuple[str, ...]] = {
     PlanRequest: ("pipeline_compression",),
     SyncBounds: ("max_inner_steps", "max_pipeline_compression", "train_steps",
-                 "max_loss_ratio"),
+                 "target_loss"),
 }
 SHARD_FLAGS = ("max_shard", "outer_state")
 """The PlanRequest fields of the shard-group group (--no-reshard-after-forward: below)."""
@@ -126,7 +127,7 @@ CLI_DEFAULTS: dict[type, dict[str, Any]] = {
                   "pipeline_compression": None},
     SearchConfig: {"budget": None, "window": None, "time_limit_s": 60.0},
     SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None,
-                 "train_steps": None, "max_loss_ratio": None},
+                 "train_steps": None, "target_loss": None},
     SimConfig: {name: None for name in SIM_FLAGS},
 }
 """Where a flag's default differs from its field's (None: not given; the command resolves it:
@@ -143,7 +144,7 @@ DEFAULT_WORDS = {
     "SyncBounds.max_inner_steps": "default 1: allreduce only",
     "SyncBounds.max_pipeline_compression": "default none",
     "SyncBounds.train_steps": "default 1000, the runner's --steps default",
-    "SyncBounds.max_loss_ratio": "default 1.02",
+    "SyncBounds.target_loss": "default: none, the target is set by --train-steps",
 }
 """What --help says of a flag's default where the command, not the field, decides it."""
 MAX_SCENARIO_DEVICES = 1_000_000
@@ -313,6 +314,10 @@ def _plan_json(out: PlanOutcome, path: str) -> dict:
 def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | None]:
     """The fixed sync configuration, or (with --sync auto) the bounds of the choice; UserError
     naming a flag that does not go with the --sync given."""
+    if args.removed_max_loss_ratio is not None:
+        raise UserError("--max-loss-ratio: removed; --sync auto now ranks plans by predicted time "
+                        "to a target loss, which prices the loss DiLoCo costs (set the target "
+                        "with --train-steps or --target-loss; docs/planner.md)")
     if args.sync == "auto":
         for flag, value in (("--inner-steps", args.inner_steps), ("--fragments", args.fragments),
                             ("--overlap", True if args.overlap else None),
@@ -328,7 +333,7 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
             raise UserError(f"--objective {objective}: --sync auto needs --objective "
                             f"simulated (the only cost model of overlap, fragments and "
                             f"pipeline compression)")
-        given = {k: arg(args, SyncBounds, k) for k in ("train_steps", "max_loss_ratio")}
+        given = {k: arg(args, SyncBounds, k) for k in ("train_steps", "target_loss")}
         bounds = SyncBounds(arg(args, SyncBounds, "max_inner_steps") or 1, args.compression,
                             arg(args, SyncBounds, "max_pipeline_compression") or "none",
                             **{k: v for k, v in given.items() if v is not None})
@@ -337,7 +342,7 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
                         ("--allow-pipeline-compression",
                          arg(args, SyncBounds, "max_pipeline_compression")),
                         ("--train-steps", arg(args, SyncBounds, "train_steps")),
-                        ("--max-loss-ratio", arg(args, SyncBounds, "max_loss_ratio"))):
+                        ("--target-loss", arg(args, SyncBounds, "target_loss"))):
         if value is not None:
             raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
                             f"{args.sync} give the setting itself")
@@ -516,6 +521,7 @@ def _auto_table(auto: AutoOutcome) -> str:
             f"{len(auto.anchors)} searched assignments)",
             f"  chosen:    {sync_label(p.sync, p.pipeline_compression)}; {shape(p)}",
             f"  allreduce: {sync_label(arp.sync, arp.pipeline_compression)}; {shape(arp)}",
+            *target_rows(p.predicted.get("to_target"), arp.predicted.get("to_target")),
             f"  {'':32s} {'chosen':>12s} {'allreduce':>12s}"]
     for label, key, scale in AUTO_ROWS:
         rows.append(f"  {label:32s} {ours.parts.get(key, float('nan')) * scale:12.3f} "
@@ -527,10 +533,6 @@ def _auto_table(auto: AutoOutcome) -> str:
         rows.append(f"  warm-up: {p.sync.warmup_steps} all-reduce steps of "
                     f"{p.predicted['train_steps']}: the run's mean step {run_s:.3f} s "
                     f"({ar.cost_s / run_s:.2f}x shorter than allreduce's)")
-    if p.predicted.get("loss_ratio") is not None:
-        rows.append(f"  predicted validation loss {p.predicted['loss_ratio']:.3f}x allreduce's "
-                    f"after the same tokens (a table measured from scratch, docs/bad_links.md; "
-                    f"--max-loss-ratio bounds it)")
     return "\n".join(rows)
 
 
@@ -676,14 +678,16 @@ SYNC_HELP = (
     "--sync auto searches the sync configuration together with the assignment (objective "
     "simulated): allreduce or DiLoCo with H in 2, 4, 8, ... up to --max-inner-steps, "
     "overlapped or not, in 1, 2 or 4 fragments, each data-parallel payload up to "
-    "--compression and each pipeline compression up to --allow-pipeline-compression; it "
-    "each DiLoCo one also with the warm-ups the quality table measured (all-reduce for the "
-    "first W of --train-steps steps, charged at allreduce's step); it takes the "
-    "configuration of the fastest predicted run whose predicted loss over allreduce's "
-    "(a table measured from scratch, docs/bad_links.md) is at most --max-loss-ratio (within 2% "
-    "of the fastest: the lowest predicted loss, then the least risky), and prints it beside "
-    "the best allreduce plan. An H above the table's largest is never chosen; the bounds "
-    "are how much risk you accept; the defaults accept none (allreduce, no compression).")
+    "--compression and each pipeline compression up to --allow-pipeline-compression, each "
+    "DiLoCo one also with all-reduce warm-ups of 0, 10, 30 and 60 steps; it takes the "
+    "configuration of the least predicted wall time to the target (within 2% of it: the "
+    "least risky): the target is the validation loss the best allreduce plan reaches after "
+    "--train-steps steps (or --target-loss), the steps to it predicted by a quality model "
+    "fitted on measured loss curves (replicas, global batch, H, warm-up, payload, overlap, "
+    "fragments; docs/planner.md), each step's time by the simulator. It prints the predicted "
+    "time, steps and tokens to the target beside the best allreduce plan's; a configuration "
+    "outside the fitted ranges is flagged and charged extra steps. The bounds are how much "
+    "you allow; the defaults allow nothing (allreduce, no compression).")
 
 
 def add_sync_args(pl: argparse.ArgumentParser) -> None:
@@ -712,6 +716,8 @@ def add_sync_args(pl: argparse.ArgumentParser) -> None:
                          "most lossy one it may choose")
     add_field_flags(sy, PlanRequest, SYNC_FLAGS[PlanRequest])
     add_field_flags(sy, SyncBounds, SYNC_FLAGS[SyncBounds])
+    sy.add_argument("--max-loss-ratio", type=float, help=argparse.SUPPRESS,
+                    dest="removed_max_loss_ratio")  # replaced: refused by name in sync_from_args
     sy.add_argument("--allreduce-out", metavar="FILE",
                     help="--sync auto: also write the best allreduce plan there")
 
@@ -757,7 +763,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print(format_sim_table(result))
+        print("\n".join([format_sim_table(result),
+                         *simulate_rows(plan.predicted, result.run_step_s or result.step_s)]))
         if args.timeline:
             print(f"wrote {args.timeline}")
     return 0
@@ -799,7 +806,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise UserError(f"--plan {args.plan}: not the plan the run in {args.metrics} trained "
                         f"(compare {run.plan_path}); give that plan")
     result = explain(plan, cluster, sim_config_from_args(args, plan), run.ranks)
-    print(json.dumps(explanation_dict(result)) if args.json else format_explanation(result))
+    to_target = explain_rows(plan.predicted, run.replicas.get(0, []))
+    if args.json:
+        print(json.dumps({**explanation_dict(result), "to_target": to_target}))
+    else:
+        print("\n".join([format_explanation(result), *to_target]))
     if args.write_cluster:
         save_cluster(measured_cluster(cluster, result.rows), args.write_cluster)
         print(f"wrote {args.write_cluster}: the cluster with each device's tflops as its "

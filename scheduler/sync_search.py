@@ -12,28 +12,33 @@ the pipeline compression) enter the search as an outer layer around the assignme
    assignments with the simulated objective (its own layer split each), until the deadline:
    first the most compressed one of each (mode, H, overlap, fragments), then the other
    compressions of those that came near the fastest (score_choices).
-3. Warm-ups (with_warmups): each DiLoCo configuration once per warm-up (in steps) the quality
-   table measured (scheduler.quality), its cost the run's mean step (the warm-up's steps at the
-   allreduce step of the same payloads and assignment; scheduler.simulator.warmup), and its
-   predicted loss ratio to allreduce.
-4. The choice: among the configurations whose predicted loss ratio is at most
-   SyncBounds.max_loss_ratio, the one of lowest predicted loss ratio, then least risky
-   (SyncChoice.risk), whose run step is within RISK_TOLERANCE (the simulator's noise band) of
-   the fastest; the best allreduce configuration is chosen the same way among allreduce ones,
-   to show beside it. Both get the objective's split polish.
+3. Time to the target (with_targets): each configuration's predicted steps to the target loss
+   (scheduler.quality: all-reduce's steps at its global batch, inflated for DiLoCo after its
+   warm-up), each DiLoCo one once per warm-up of WARMUP_OPTIONS and outer optimizer of
+   OUTER_OPTIONS; its predicted seconds to the
+   target = the warm-up's steps at the all-reduce step of the same payloads and assignment plus
+   the rest at its own step (scheduler.simulator.warmup).
+4. The choice: the configuration of least predicted time to the target; among those within
+   RISK_TOLERANCE (the simulator's noise band) of it, the least risky (SyncChoice.risk). The
+   best allreduce configuration is chosen the same way among allreduce ones, to show beside.
+   Both get the objective's split polish.
+
+The target (SyncBounds): `target_loss` (on the fitted model's scale), or all-reduce's loss
+after `train_steps` steps of the allreduce anchor's plan (its global batch).
 
 Why not one search per configuration: hundreds of configurations would leave each a sliver of
 the time limit; and the assignment depends on the configuration mainly through whether the
 rings matter, which the two anchors span.
 
-Faster is not better for the model's quality: a larger H, a stale (overlapped) outer step and
-lossy payloads can cost loss per step, and DiLoCo from a fresh model most of all. The planner
-only picks within the user's bounds (SyncBounds) and within the loss the quality table
-predicts (docs/bad_links.md has the table and its limits).
+Faster steps are not a sooner model: more replicas, a larger H, a stale (overlapped) outer
+step and lossy payloads cost steps to a loss, DiLoCo from a fresh model most of all. The
+planner ranks by predicted time to the target, so a faster step wins only when it is faster by
+more than the steps it loses (docs/planner.md, docs/results/quality_model.md).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -56,17 +61,29 @@ from scheduler.planning import (
     plan_best_shape,
     predicted,
 )
-from scheduler.quality import PROVENANCE, loss_ratio, warmup_options
+from scheduler.quality import (
+    QualityModel,
+    Target,
+    predict_steps,
+    target_from_loss,
+    target_from_steps,
+)
+from scheduler.quality_fitted import FITTED
 from scheduler.simulator.report import sync_label
-from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS, run_step_s
+from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS
 
 RISK_TOLERANCE = 0.02
 """A riskier configuration must predict a step more than this fraction shorter to be chosen
-(the simulator's noise band; the quality side is SyncBounds.max_loss_ratio)."""
+(the simulator's noise band)."""
 ANCHORS_SHARE = 0.84
 """Part of the time limit the anchor searches share equally (the rest: scoring, polish)."""
 FRAGMENT_OPTIONS = (1, 2, 4)
 """Streaming-DiLoCo fragment counts tried (at most H)."""
+WARMUP_OPTIONS = (0, 10, 30, 60)
+"""DiLoCo warm-ups (all-reduce steps) tried, each below all-reduce's steps to the target."""
+OUTER_OPTIONS = ((1.0, 0.0), (0.7, 0.9))
+"""DiLoCo outer (learning rate, momentum) tried: plain averaging, and DiLoCo's Nesterov
+default (the two the quality model was fitted on; docs/results/quality_model.md)."""
 POLISH_REPLAYS = 400
 """Split-polish replays of each of the two final plans."""
 
@@ -84,11 +101,11 @@ class SyncBounds:
                                             choices=PIPELINE_COMPRESSIONS)
     """--sync auto: most lossy pipeline compression it may choose: none < bf16 < int8"""
     train_steps: int = setting(DEFAULT_TRAIN_STEPS, lo=1, hi=MAX_INNER_STEPS)
-    """--sync auto: steps the run will train (the runner's --steps): a DiLoCo warm-up's
-    all-reduce steps are charged as their share of it"""
-    max_loss_ratio: float = setting(1.02, lo=1.0, hi=10.0)
-    """--sync auto: largest predicted validation loss over allreduce's (after the same tokens,
-    from the measured table of docs/bad_links.md) it may choose"""
+    """--sync auto: the target is the validation loss the best allreduce plan reaches after
+    this many steps; plans are ranked by their predicted time to it"""
+    target_loss: float | None = setting(None, lo=0.0, lo_open=True, hi=1e6)
+    """--sync auto: rank plans by predicted time to this validation loss instead (on the
+    scale of the model the quality model was fitted on; see docs/planner.md)"""
 
     def __post_init__(self) -> None:
         """UserError naming the bad field (`SyncBounds.max_inner_steps`)."""
@@ -163,53 +180,74 @@ class Scored:
     replicas: int = 1
     """R of that assignment: configurations on assignments of different widths are ranked
     by cost / R (planning.per_replica_cost), the step time per sequence trained."""
-    loss_ratio: float | None = None
-    """Predicted final loss over allreduce's (scheduler.quality; None: not predicted)."""
+    batch_per_replica: float = 1.0
+    """Sequences per replica and step of that assignment's plan."""
+    steps: float | None = None
+    """Predicted steps to the target (scheduler.quality; None: not predicted yet)."""
+    seconds: float | None = None
+    """Predicted seconds to the target (the warm-up's steps at allreduce's step)."""
+    flags: tuple[str, ...] = ()
+    """Why the steps prediction is uncertain (outside the fitted ranges)."""
 
     @property
     def rank_cost(self) -> float:
-        """What `choose` compares: the step per replica."""
+        """What `choose` compares: the predicted time to the target, else the step per
+        replica (the time per sequence)."""
+        if self.seconds is not None:
+            return self.seconds
         return per_replica_cost(self.cost.cost_s, self.replicas)
 
 
-def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE,
-           max_loss_ratio: float | None = None) -> Scored | None:
-    """Among the configurations predicted within `max_loss_ratio` (None: all), the lowest
-    predicted loss ratio, then the least risky, whose step is within `tolerance` of the
-    fastest (the faster on equal risk); None when nothing has a finite cost."""
-    finite = [s for s in scored if np.isfinite(s.cost.cost_s) and (
-        max_loss_ratio is None or (s.loss_ratio is not None and s.loss_ratio <= max_loss_ratio))]
+def choose(scored: list[Scored], tolerance: float = RISK_TOLERANCE) -> Scored | None:
+    """The least risky configuration whose rank cost (time to the target, once predicted) is
+    within `tolerance` of the least (the cheaper on equal risk); None when nothing has a
+    finite cost."""
+    finite = [s for s in scored if np.isfinite(s.cost.cost_s) and np.isfinite(s.rank_cost)]
     if not finite:
         return None
     best = min(s.rank_cost for s in finite)
     near = [s for s in finite if s.rank_cost <= best * (1.0 + tolerance)]
-    return min(near, key=lambda s: (s.loss_ratio or 1.0, s.choice.risk(), s.rank_cost))
+    return min(near, key=lambda s: (s.choice.risk(), s.rank_cost))
 
 
-def with_warmups(scored: list[Scored], train_steps: int) -> list[Scored]:
-    """Every scored configuration with its predicted loss ratio; each DiLoCo one once per
-    warm-up the quality table measured for its H (scheduler.quality.warmup_options), its cost
-    the mean step of a run of
-    `train_steps` (the warm-up's steps at the allreduce step of the same payloads on the same
-    assignment)."""
+def with_targets(scored: list[Scored], target: Target, qm: QualityModel = FITTED,
+                 model_name: str | None = None) -> list[Scored]:
+    """Every scored configuration with its predicted steps and seconds to `target`; each
+    DiLoCo one once per outer optimizer of OUTER_OPTIONS and warm-up of WARMUP_OPTIONS below
+    all-reduce's steps (a warm-up's
+    steps cost the all-reduce step of the same payloads on the same assignment, and are only
+    tried where that step was scored)."""
     ar = {(s.anchor, s.choice.sync.compression, s.choice.pipeline_compression): s.cost.cost_s
           for s in scored if s.choice.sync.mode == "allreduce"}
     out = []
     for s in scored:
         sync = s.choice.sync
-        if sync.mode != "diloco":
-            out.append(replace(s, loss_ratio=loss_ratio(sync, train_steps)))
-            continue
         key = (s.anchor, sync.compression, s.choice.pipeline_compression)
-        for w in warmup_options(sync.inner_steps, train_steps) or (0,):
+        options = ([(w, o) for w in WARMUP_OPTIONS for o in OUTER_OPTIONS]
+                   if sync.mode == "diloco" else [(0, None)])
+        for w, outer in options:
             if w and key not in ar:
                 continue  # its warm-up's step was not scored (the deadline)
-            warm = replace(sync, warmup_steps=w)
-            cost = run_step_s(s.cost.cost_s, ar.get(key, 0.0), w, train_steps)
-            out.append(replace(s, choice=replace(s.choice, sync=warm),
-                               cost=CostBreakdown(s.cost.objective, cost, dict(s.cost.parts)),
-                               loss_ratio=loss_ratio(warm, train_steps)))
+            warm = sync if outer is None else replace(
+                sync, warmup_steps=w, outer_lr=outer[0], outer_momentum=outer[1])
+            pred = predict_steps(qm, warm, s.replicas, s.batch_per_replica, target, model_name)
+            if w and w >= pred.ar_steps:
+                continue  # all warm-up: that is allreduce
+            seconds = w * ar.get(key, 0.0) + (pred.steps - w) * s.cost.cost_s
+            out.append(replace(s, choice=replace(s.choice, sync=warm), steps=pred.steps,
+                               seconds=seconds, flags=pred.flags))
     return out
+
+
+def resolve_target(bounds: SyncBounds, qm: QualityModel, ar_batch: float,
+                   model_name: str) -> Target:
+    """The target of `bounds`: its loss, or allreduce's after its train_steps at `ar_batch`."""
+    if bounds.target_loss is not None:
+        return target_from_loss(qm, bounds.target_loss, ar_batch, model_name)
+    target = target_from_steps(qm, bounds.train_steps, ar_batch)
+    if model_name != qm.model:
+        target = replace(target, loss=None)  # another model's loss scale: steps only
+    return target
 
 
 @dataclass
@@ -238,12 +276,15 @@ def skeleton(choice: SyncChoice) -> tuple[str, int, bool, int]:
 
 def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarray],
                   choices: list[SyncChoice], deadline: float,
-                  tolerance: float = RISK_TOLERANCE) -> list[Scored]:
+                  tolerance: float = RISK_TOLERANCE,
+                  batches: list[float] | None = None) -> list[Scored]:
     """Choices on each anchor's assignment, until the deadline. Compression never lengthens a
     step (for a given split), so first the most compressed choice of every skeleton (the
     fastest it can be), least risky skeleton first; then the other compressions of the
     skeletons that came within `tolerance` of the fastest, and of allreduce (the plan shown
-    beside), least risky first. The allreduce skeleton is always scored in full."""
+    beside), least risky first. The allreduce skeleton is always scored in full.
+    `batches`: each anchor plan's sequences per replica and step (default 1)."""
+    batches = batches or [1.0] * len(objectives)
     groups: dict[tuple[str, int, bool, int], list[SyncChoice]] = {}
     for choice in choices:  # least risky first, so each group's last is its most compressed
         groups.setdefault(skeleton(choice), []).append(choice)
@@ -253,7 +294,8 @@ def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarr
         costs = []
         for k, (obj, pipe) in enumerate(zip(objectives, pipelines)):
             cost = obj.with_sync(choice.sync, choice.pipeline_compression).cost(pipe)
-            scored.append(Scored(choice, CostBreakdown(obj.name, cost), k, pipe.shape[0]))
+            scored.append(Scored(choice, CostBreakdown(obj.name, cost), k, pipe.shape[0],
+                                 batches[k]))
             costs.append(scored[-1].rank_cost)
         return min(costs)
 
@@ -288,7 +330,7 @@ def _final_plan(base: Plan, objective: SimulatedObjective, found: Scored,
 def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds: SyncBounds,
                    progress: Callable[[int, float], None] | None = None,
                    started: float | None = None, anchors: list[SyncChoice] | None = None,
-                   tolerance: float = RISK_TOLERANCE) -> AutoOutcome:
+                   tolerance: float = RISK_TOLERANCE, qm: QualityModel = FITTED) -> AutoOutcome:
     """Search the assignment and the sync configuration within `bounds` (module docstring);
     req.search.time_limit_s bounds all of it from `started` (a time.perf_counter() value);
     req.sync and req.pipeline_compression are replaced by the anchors' (default
@@ -316,9 +358,11 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     pipelines = [np.asarray(o.plan.pipelines) for o in outcomes]
     choices = sync_choices(bounds)
     polish_end = time.perf_counter() + (end - time.perf_counter()) * 0.8
-    scored = with_warmups(score_choices(objectives, pipelines, choices, polish_end, tolerance),
-                          bounds.train_steps)
-    chosen = choose(scored, tolerance, bounds.max_loss_ratio)
+    batches = [float(batch_per_replica(o.plan)) for o in outcomes]
+    target = resolve_target(bounds, qm, outcomes[0].plan.num_replicas * batches[0], model.name)
+    scored = with_targets(score_choices(objectives, pipelines, choices, polish_end, tolerance,
+                                        batches), target, qm, model.name)
+    chosen = choose(scored, tolerance)
     allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"], tolerance)
     if chosen is None or allreduce is None:
         raise UserError(f"no plan of {model.name} fits the devices of '{cluster.name}' under "
@@ -329,22 +373,39 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
                                    pipelines[allreduce.anchor], time.perf_counter() + polish_each)
     plan, cost = _final_plan(outcomes[chosen.anchor].plan, objectives[chosen.anchor], chosen,
                              pipelines[chosen.anchor], end)
-    _record(plan, chosen, bounds)
+    record_target(plan, chosen, target, cost.cost_s)
+    record_target(ar_plan, allreduce, target, ar_cost.cost_s)
     plan.search = {**plan.search, "sync_auto": {
         "anchors": [a.label() for a in anchors[:len(outcomes)]],
         "chosen_on_anchor": chosen.anchor, "configurations": len(choices),
         "scored": len(scored), "risk_tolerance": tolerance, "bounds": asdict(bounds),
-        "quality_table": PROVENANCE,
-        "allreduce": {**allreduce.choice.to_dict(), "cost": round(ar_cost.cost_s, 6)}}}
+        "quality_model": qm.provenance,
+        "allreduce": {**allreduce.choice.to_dict(), "cost": round(ar_cost.cost_s, 6),
+                      "to_target": ar_plan.predicted["to_target"]}}}
     outcome = replace(outcomes[chosen.anchor], plan=plan, ours=cost)
     return AutoOutcome(outcome, ar_plan, ar_cost, [a.label() for a in anchors[:len(outcomes)]],
                        len(scored), len(choices))
 
 
-def _record(plan: Plan, chosen: Scored, bounds: SyncBounds) -> None:
-    """Into the plan's `predicted`: the loss ratio the choice assumed and, with a warm-up, the
-    run's mean step it was ranked by (the warm-up's all-reduce steps included)."""
-    plan.predicted["loss_ratio"] = chosen.loss_ratio
+def batch_per_replica(plan: Plan) -> int:
+    """Sequences one replica trains per step: lanes x micro-batches x micro-batch size."""
+    return plan.lanes_per_replica * plan.num_micro_batches * plan.micro_batch_size
+
+
+def record_target(plan: Plan, found: Scored, target: Target, step_s: float) -> None:
+    """Into the plan's `predicted`: the target and the predicted steps, tokens and seconds to
+    it (`to_target`; `step_s`: the plan's polished step); with a warm-up, `train_steps` (the
+    steps it was charged over) and the run's mean step."""
+    steps = found.steps if found.steps is not None else target.ar_steps
+    w = plan.sync.warmup_steps if plan.sync.mode == "diloco" else 0
+    if found.seconds is not None:  # the warm-up's part as scored, the rest at the polished step
+        found = replace(found, seconds=found.seconds - (steps - w) * (found.cost.cost_s - step_s))
+    seqs = steps * plan.num_replicas * batch_per_replica(plan)
+    plan.predicted["to_target"] = {
+        "target": target.label, "loss": None if target.loss is None else round(target.loss, 4),
+        "steps": round(steps, 1), "tokens": int(seqs * plan.model_spec().seq_len),
+        "seconds": None if found.seconds is None else round(found.seconds, 3),
+        "flags": list(found.flags)}
     if plan.sync.warmup_steps:
-        plan.predicted["train_steps"] = bounds.train_steps
-        plan.predicted["run_step_s"] = round(chosen.cost.cost_s, 6)
+        plan.predicted["train_steps"] = max(1, math.ceil(steps))
+        plan.predicted["run_step_s"] = round(found.seconds / steps, 6)

@@ -14,7 +14,7 @@ import pytest
 
 from formats.cluster import Cluster, Device, load_cluster, save_cluster
 from formats.errors import UserError
-from formats.plan import Plan, save_plan
+from formats.plan import Plan, load_plan, save_plan
 from scheduler.explain import explain, format_explanation, positions, predict
 from scheduler.scheduler import main as scheduler_main
 from scheduler.simulator.config import RUNTIME_PROFILES
@@ -276,6 +276,18 @@ def test_explain_on_a_real_run(tmp_path, capsys):
     no_cluster = [a for a in args if a not in ("--cluster", str(tmp_path / "cluster.json"))]
     assert scheduler_main(no_cluster) == 2
     assert "--cluster: not given" in capsys.readouterr().err
+    # a plan with a predicted time to a target (one every evaluation reaches): predicted
+    # against measured time to it, and which error is larger
+    plan = load_plan(tmp_path / "plan.json")
+    plan.predicted["to_target"] = {"target": "validation loss 99", "loss": 99.0, "steps": 2.0,
+                                   "tokens": 16, "seconds": 0.5, "flags": []}
+    save_plan(plan, tmp_path / "plan-target.json")
+    argv = list(args)
+    argv[argv.index("--plan") + 1] = str(tmp_path / "plan-target.json")
+    assert scheduler_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "time to the target (validation loss 99, loss 99.000): measured" in text
+    assert "at step 2, predicted 0.5 s at step 2" in text and "the larger error is the" in text
 
 
 def test_explain_needs_per_rank_timing(tmp_path, capsys):

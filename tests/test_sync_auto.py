@@ -99,15 +99,16 @@ def test_bad_link_picks_diloco_within_the_bounds(max_h, allow_pp):
     assert plan.sync.mode == "diloco" and 2 <= plan.sync.inner_steps <= max_h
     assert plan.pipeline_compression in ("none", "bf16")[:("none", "bf16").index(allow_pp) + 1]
     assert out.allreduce.sync.mode == "allreduce"
-    # from scratch DiLoCo needs its warm-up (the quality table): over a 20 Mbit/s link it
-    # still wins, the warm-up's all-reduce steps charged in the run's mean step
-    assert plan.sync.warmup_steps > 0 and plan.predicted["loss_ratio"] <= 1.02
-    assert plan.predicted["train_steps"] == 1000
-    # (tokens/s: the two plans need not have the same replicas, so not the same tokens a step)
-    pred = plan.predicted
-    run_tokens_per_s = pred["tokens_per_s"] * pred["step_s"] / pred["run_step_s"]
-    assert run_tokens_per_s > out.allreduce_cost.parts["tokens_per_s"] / 0.85
-    assert out.outcome.ours.cost_s < plan.predicted["run_step_s"]  # the steady DiLoCo step
+    # ranked by predicted time to the target: DiLoCo needs more steps than allreduce (the
+    # quality model) and still gets there sooner over a 20 Mbit/s link
+    ours, ar = plan.predicted["to_target"], out.allreduce.predicted["to_target"]
+    assert ours["target"] == ar["target"] and "after 1000 steps" in ours["target"]
+    assert ours["steps"] > ar["steps"] and ours["seconds"] < ar["seconds"]
+    w = plan.sync.warmup_steps
+    ar_step = out.allreduce_cost.cost_s
+    assert ar["seconds"] == pytest.approx(ar["steps"] * ar_step, rel=1e-3)
+    assert ours["seconds"] >= (ours["steps"] - w) * out.outcome.ours.cost_s * (1 - 1e-3)
+    assert ours["tokens"] == pytest.approx(ours["steps"] * plan.num_replicas * 4 * 64, rel=1e-4)
     assert plan.predicted["cost"] == pytest.approx(out.outcome.ours.cost_s, abs=1e-6)
     assert plan.search["sync_auto"]["allreduce"]["sync"]["mode"] == "allreduce"
 
