@@ -6,7 +6,8 @@ CKPT_DIR is a run's --ckpt-dir (its rank*/ folders; a folder holding it as ckpt/
 The newest step whose checkpoint every stage of the replica has completely written is taken
 (--step picks another). DIR gets model.safetensors (or model-0000i-of-0000n.safetensors and
 model.safetensors.index.json above --max-shard-mb), config.json (LlamaForCausalLM or
-GPT2LMHeadModel) and, when the run had a tokenizer file, tokenizer.json; all are written into
+GPT2LMHeadModel) and tokenizer.json: the run's tokenizer file, or for the byte tokenizer a
+byte-level one (with tokenizer_config.json) that AutoTokenizer loads; all are written into
 a temporary folder renamed to DIR at the end, so DIR is complete or absent.
 Exit status: 0 written, 2 bad input (`error: ...`).
 """
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         tok = run_tokenizer(ckpt, meta)
         if tok is not None:
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
+            tok_files = [TOKENIZER_NAME]
+        else:  # the byte tokenizer, as a file AutoTokenizer reads (same ids)
+            from modules.data.byte_tokenizer_file import write_byte_tokenizer
+            tok_files = write_byte_tokenizer(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     print(f"exported replica {args.replica} step {step} of {spec.name} ({len(states)} stage(s), "
           f"{sum(t.numel() for t in tensors.values())} parameters) to {out}: "
-          f"{', '.join([*files, CONFIG_NAME] + ([TOKENIZER_NAME] if tok else []))}")
+          f"{', '.join([*files, CONFIG_NAME, *tok_files])}")
     return 0
 
 

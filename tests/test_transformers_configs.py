@@ -1,5 +1,6 @@
 """Configs as the installed transformers writes them (transformers 5: `rope_parameters`): read,
-planned and trained by path; other rope types refused by name."""
+planned, trained by path and exported (with a byte-level tokenizer.json AutoTokenizer loads);
+other rope types refused by name."""
 
 from __future__ import annotations
 
@@ -64,8 +65,35 @@ def test_a_saved_llama_is_planned_and_trained_by_path(tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = run_entry("scripts/launch_local.py", "--plan", str(plan), "--threads-per-rank", "1",
                   "--grace-s", "2", "--", "--init-from", str(folder), "--fake-data", "--steps",
-                  "3", "--metrics", str(metrics), "--timeout-s", "60", timeout=180)
+                  "3", "--metrics", str(metrics), "--timeout-s", "60", "--ckpt-dir",
+                  str(tmp_path / "ck"), "--ckpt-every", "3", timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [m["step"] for m in read_metrics(metrics)] == [1, 2, 3]
     # what this transformers writes is what the test covers (4.x: rope_theta; 5.x: both forms)
     assert "rope_parameters" in written or "rope_theta" in written
+    check_export(tmp_path, tmp_path / "ck")
+
+
+def check_export(tmp_path, ck) -> None:
+    """The byte-tokenized run's export loads with AutoTokenizer (the runtime's byte ids) and
+    AutoModelForCausalLM, and --init-from of it reads bytes again."""
+    import numpy as np
+    import torch
+
+    from modules.data.tokenizer import ByteTokenizer
+    from modules.train.hf_weights import init_tokenizer
+
+    out = tmp_path / "exported"
+    r = run_entry("scripts/export_hf.py", str(ck), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer.json" in r.stdout
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Grüße, world!\n\t<s> 42 €"
+    ids = tok(text)["input_ids"]
+    assert ids == ByteTokenizer().encode([text.encode()], "x")[0].astype(np.int64).tolist()
+    assert tok.decode(ids) == text
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), 256) and torch.isfinite(logits).all()
+    assert init_tokenizer(str(out), None) == "bytes"
