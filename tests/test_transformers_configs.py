@@ -97,3 +97,17 @@ def check_export(tmp_path, ck) -> None:
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), 256) and torch.isfinite(logits).all()
     assert init_tokenizer(str(out), None) == "bytes"
+
+
+def test_measure_takes_a_config_path_like_the_planner(tmp_path):
+    hosts = tmp_path / "ip_list"
+    hosts.write_text("root@127.0.0.1:1\n")
+    (tmp_path / "kh").write_text("")
+    bad = write_config(tmp_path / "bad", {**LLAMA, "rope_parameters": {"rope_type": "yarn"}})
+    r = run_entry("scripts/measure.py", "--hosts", str(hosts), "--known-hosts",
+                  str(tmp_path / "kh"), "--model", bad, "--out", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and f"--model {bad}/config.json: rope_parameters.rope_type " \
+        '"yarn" is not supported' in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_entry("scripts/measure.py", "--hosts", str(hosts), "--known-hosts",
+                  str(tmp_path / "kh"), "--model", "gpt-huge", "--out", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and "unknown preset 'gpt-huge'" in r.stderr, r.stderr
