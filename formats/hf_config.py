@@ -2,7 +2,8 @@
 
 `--model` (planner and runner) takes a preset name or the path of a config.json (or of the folder
 holding one). Supported: `model_type` llama (RMSNorm, SwiGLU, RoPE with rope_theta, grouped-query
-attention, tied or untied embeddings) and gpt2 (LayerNorm, GELU, learned positions, biases).
+attention, tied or untied embeddings; transformers 5's `rope_parameters` of rope type
+"default" too) and gpt2 (LayerNorm, GELU, learned positions, biases).
 Every key of the file is either mapped, checked to have the one value the model code implements,
 or known to describe nothing the training computes (ids, dtype, generation settings); any other
 key is refused by name, so a setting is never silently ignored. The sequence length is the
@@ -93,6 +94,8 @@ def spec_from_hf(obj: Any, name: str, where: str) -> ModelSpec:
                         f"{', '.join(FAMILIES)} (architectures LlamaForCausalLM, "
                         "GPT2LMHeadModel)")
     mapping, defaults, fixed = FAMILIES[family]
+    if family == "llama" and "rope_parameters" in obj:
+        obj = _flatten_rope(obj, where)
     _check_keys(obj, mapping, fixed, where)
     values = {**defaults, **obj}
     out: dict[str, Any] = {"name": name, "arch": "llama" if family == "llama" else "gpt"}
@@ -115,6 +118,30 @@ def spec_from_hf(obj: Any, name: str, where: str) -> ModelSpec:
         raise UserError(f"{where}: head_dim {obj['head_dim']} != hidden_size / "
                         "num_attention_heads is not supported")
     return spec
+
+
+def _flatten_rope(obj: dict, where: str) -> dict:
+    """transformers 5's `rope_parameters` (rope_type "default" with rope_theta) read as the
+    `rope_theta` key transformers 4 writes; any other rope type is refused by name."""
+    rope, out = obj["rope_parameters"], {k: v for k, v in obj.items() if k != "rope_parameters"}
+    if rope is None:
+        return out
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_parameters must be an object, got {json.dumps(rope)}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UserError(f"{where}: rope_parameters.rope_type {json.dumps(kind)} is not "
+                        "supported; only \"default\" (RoPE scaling is not implemented)")
+    extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+    if extra:
+        raise UserError(f"{where}: unsupported keys {extra} in rope_parameters; the model code "
+                        "implements rope_type \"default\" with rope_theta")
+    if "rope_theta" in rope:
+        if "rope_theta" in obj and obj["rope_theta"] != rope["rope_theta"]:
+            raise UserError(f"{where}: rope_theta {obj['rope_theta']} and "
+                            f"rope_parameters.rope_theta {rope['rope_theta']} differ")
+        out["rope_theta"] = rope["rope_theta"]
+    return out
 
 
 def _check_keys(obj: dict, mapping: dict, fixed: dict, where: str) -> None:

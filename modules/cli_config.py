@@ -12,6 +12,7 @@ import argparse
 
 from formats.settings import add_flags, field_docs, from_args
 from modules.config import LaunchConfig, RunConfig
+from modules.seed_flags import add_seed_flags
 
 __all__ = ["add_flags", "field_docs", "from_args", "runner_parser"]
 
@@ -24,4 +25,5 @@ def runner_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description="Run one rank (= device id) of a plan: its pipeline stage of its replica.")
     add_flags(p, LaunchConfig)  # numbers: finite only; the fields' own checks give the ranges
     add_flags(p, RunConfig)
+    add_seed_flags(p)  # the seeds' names: refused with the flag to use here
     return p

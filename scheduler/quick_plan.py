@@ -22,6 +22,11 @@ OVERRIDE_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps", "outer_lr": 
                   "outer_momentum": "--outer-momentum", "compression": "--compression",
                   "warmup_steps": "--sync-warmup-steps"}
 """The plan's sync fields the runner may override, and their flags."""
+DEFAULT_MICRO_BATCH_SIZE = 4
+DEFAULT_MICRO_BATCHES = 4
+"""The obvious plan's batch: 4 micro-batches of 4 sequences per replica per step (what the
+lab plans and benchmarks train; a batch of 1 sequence gives too noisy a gradient to learn
+from). --micro-batch-size and --total-batch-size override it."""
 
 
 def obvious_plan(spec: ModelSpec, world_size: int, num_stages: int) -> Plan:
@@ -35,6 +40,8 @@ def obvious_plan(spec: ModelSpec, world_size: int, num_stages: int) -> Plan:
     pipelines: list[list[Any]] = [[r * num_stages + s for s in range(num_stages)]
                                   for r in range(replicas)]
     plan = Plan("", "", spec.name, even_split(spec.num_layers, num_stages), pipelines,
+                micro_batch_size=DEFAULT_MICRO_BATCH_SIZE,
+                num_micro_batches=DEFAULT_MICRO_BATCHES,
                 model_config=model_record(spec), search={"method": "obvious (no --plan)"})
     validate_plan(plan, model=spec)
     return plan

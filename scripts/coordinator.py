@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
                    help="address the ranks reach the store at (it listens there only); the "
                    "ranks get --coordinator tcp://HOST:PORT")
-    p.add_argument("--plan", required=True, help="plan/1 JSON file (the ranks' plan)")
+    p.add_argument("--plan", required=True,
+                   help="the ranks' plan JSON file (plan/1, or plan/2 with shard groups)")
     p.add_argument("--start-timeout-s", type=argtypes.number(0, MAX_START_TIMEOUT_S, lo_open=True),
                    default=600.0,
                    help="exit 1 when no rank started training this long after the first rank "

@@ -3,10 +3,12 @@
     python scripts/export_hf.py CKPT_DIR --out DIR [--replica R] [--step S] [--max-shard-mb M]
 
 CKPT_DIR is a run's --ckpt-dir (its rank*/ folders; a folder holding it as ckpt/ works too).
-The newest step whose checkpoint every stage of the replica has completely written is taken
+A stage held by a shard group (FSDP2) is gathered from all its shards. The newest step whose
+checkpoint every stage (and shard) of the replica has completely written is taken
 (--step picks another). DIR gets model.safetensors (or model-0000i-of-0000n.safetensors and
 model.safetensors.index.json above --max-shard-mb), config.json (LlamaForCausalLM or
-GPT2LMHeadModel) and, when the run had a tokenizer file, tokenizer.json; all are written into
+GPT2LMHeadModel) and tokenizer.json: the run's tokenizer file, or for the byte tokenizer a
+byte-level one (with tokenizer_config.json) that AutoTokenizer loads; all are written into
 a temporary folder renamed to DIR at the end, so DIR is complete or absent.
 Exit status: 0 written, 2 bad input (`error: ...`).
 """
@@ -62,27 +64,53 @@ def find_ckpt_dir(text: str) -> Path:
 
 
 def replica_states(ckpt: Path, replica: int, step: int | None) -> tuple[dict, list[dict], int]:
-    """(meta of stage 0, each stage's model state in stage order, step) of one replica."""
-    from modules.train.checkpoint import complete_steps, load_checkpoint_meta, step_path
+    """(meta of stage 0, each stage's model state in stage order, step) of one replica; a stage
+    held by a shard group is gathered from all its D shards."""
+    from modules.train.checkpoint import complete_steps, step_path
 
     ranks = sorted(int(p.name[4:]) for p in ckpt.glob("rank*") if p.name[4:].isdigit())
     steps = {r: complete_steps(ckpt, r) for r in ranks}
-    metas = {r: load_checkpoint_meta(step_path(ckpt, r, s[-1]), {})[0]
-             for r, s in steps.items() if s}
-    mine = {m["stage"]: r for r, m in metas.items() if m.get("replica") == replica}
+    metas = {r: _load(step_path(ckpt, r, s[-1]))[0] for r, s in steps.items() if s}
+    mine: dict[int, dict[int, int]] = {}  # stage -> shard -> rank
+    for r, m in metas.items():
+        if m.get("replica") == replica:
+            mine.setdefault(m["stage"], {})[m.get("shard", 0)] = r
     if not mine:
         raise UserError(f"--replica {replica}: no complete checkpoint of it in {ckpt}")
-    num_stages = len(metas[mine[min(mine)]]["stages"])
+    num_stages = len(metas[next(iter(mine[min(mine)].values()))]["stages"])
     missing = sorted(set(range(num_stages)) - set(mine))
     if missing:
         raise UserError(f"{ckpt}: replica {replica} has no checkpoint of stage(s) {missing}")
-    common = set.intersection(*(set(steps[mine[s]]) for s in range(num_stages)))
+    for s, shards_of in mine.items():
+        degree = metas[shards_of[min(shards_of)]].get("shard_degree", 1)
+        lost = sorted(set(range(degree)) - set(shards_of))
+        if lost:
+            raise UserError(f"{ckpt}: stage {s} of replica {replica} is sharded D = {degree} "
+                            f"ways but shard(s) {lost} have no checkpoint; all are needed")
+    holders = [[mine[s][i] for i in sorted(mine[s])] for s in range(num_stages)]
+    common = set.intersection(*(set(steps[r]) for group in holders for r in group))
     chosen = step if step is not None else max(common, default=None)
     if chosen is None or chosen not in common:
-        raise UserError(f"--step {step}: not complete on every stage of replica {replica}; "
-                        f"complete on all: {sorted(common)}")
-    out = [load_checkpoint_meta(step_path(ckpt, mine[s], chosen), {}) for s in range(num_stages)]
-    return out[0][0], [state["model"] for _, state in out], chosen
+        raise UserError(f"--step {step}: not complete on every stage (and shard) of replica "
+                        f"{replica}; complete on all: {sorted(common)}")
+    out = [[_load(step_path(ckpt, r, chosen)) for r in group] for group in holders]
+    return out[0][0][0], [gather([state["model"] for _, state in group]) for group in out], chosen
+
+
+def _load(path: Path) -> tuple[dict, dict]:
+    from modules.train.checkpoint import load_checkpoint_meta
+
+    return load_checkpoint_meta(path, {}, any_shard_degree=True)
+
+
+def gather(shards: list[dict]) -> dict:
+    """A stage's model state from its shards' (FSDP2 cuts every parameter along dim 0, in
+    shard order; one shard: itself)."""
+    if len(shards) == 1:
+        return shards[0]
+    import torch
+
+    return {k: torch.cat([s[k] for s in shards], dim=0) for k in shards[0]}
 
 
 def spec_of(meta: dict, first_state: dict) -> ModelSpec:
@@ -160,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         tok = run_tokenizer(ckpt, meta)
         if tok is not None:
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
+            tok_files = [TOKENIZER_NAME]
+        else:  # the byte tokenizer, as a file AutoTokenizer reads (same ids)
+            from modules.data.byte_tokenizer_file import write_byte_tokenizer
+            tok_files = write_byte_tokenizer(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -168,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     print(f"exported replica {args.replica} step {step} of {spec.name} ({len(states)} stage(s), "
           f"{sum(t.numel() for t in tensors.values())} parameters) to {out}: "
-          f"{', '.join([*files, CONFIG_NAME] + ([TOKENIZER_NAME] if tok else []))}")
+          f"{', '.join([*files, CONFIG_NAME, *tok_files])}")
     return 0
 
 

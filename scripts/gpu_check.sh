@@ -16,7 +16,23 @@
 # DIR/results.json and DIR/logs.tar are rewritten after every row (default out/gpu_check);
 # the whole run stays under 9 minutes on one GPU. Exit 1 when the verdict is FAILED.
 set -uo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
+
+usage() {  # this wrapper's help: the header above and the flags it passes on
+  sed -n '2,/^set -uo/p' "$self" | sed '$d' | sed 's/^# \{0,1\}//'
+  cat <<'EOF'
+
+Options:
+  --python PY        the interpreter to run the checks with (default: chosen as above)
+  --out DIR          where results.json, logs.tar and summary.md go (default out/gpu_check)
+  --steps N          steps of each training run
+  --budget-s S       the whole run's time limit
+  --peak-tflops X    the GPU's peak TFLOP/s, for the MFU column
+All but --python go to scripts/gpu_check.py (--gpus is counted from nvidia-smi here; the kernel is
+compiled with $NVCC, default nvcc).
+EOF
+}
 
 py=""
 args=()
@@ -24,6 +40,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) py="${2:-}"; shift 2 ;;
     --python=*) py="${1#--python=}"; shift ;;
+    -h|--help) usage; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done

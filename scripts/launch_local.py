@@ -169,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         argv, rest = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description="Run every rank of a plan on this machine; "
                                 "arguments after -- go to dist_runner.py.")
-    p.add_argument("--plan", required=True, help="plan/1 JSON file")
+    p.add_argument("--plan", required=True,
+                   help="plan JSON file (plan/1, or plan/2 with shard groups)")
     p.add_argument("--host", default="127.0.0.1",
                    help="rendezvous address (rank 0, or the coordinator, listens)")
     p.add_argument("--port", type=argtypes.port(zero_ok=True), default=0,

@@ -41,7 +41,8 @@ from formats import argtypes  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402
 from formats.cluster import save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from formats.models import ModelSpec, get_model  # noqa: E402
+from formats.hf_config import resolve_model  # noqa: E402
+from formats.models import ModelSpec  # noqa: E402
 from scripts.netemu import sshctl  # noqa: E402
 from scripts.netemu.fleet import (  # noqa: E402
     HostInfo,
@@ -223,7 +224,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--hosts", required=True, metavar="IP_LIST", help="host list file")
-    p.add_argument("--model", required=True, help="model preset whose layer shapes to time")
+    p.add_argument("--model", required=True,
+                   help="model whose layer shapes to time: a preset or a Hugging Face "
+                        "config.json (or its folder), as scheduler.py plan takes")
     p.add_argument("--out", required=True, help="cluster file to write (atomically)")
     p.add_argument("--known-hosts", default="known_hosts", help="known_hosts file (known_hosts)")
     p.add_argument("--key", help="private key file (default: ssh agent and ~/.ssh keys)")
@@ -252,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     hosts = load_host_list(args.hosts)
     try:
-        spec = get_model(args.model)
+        spec = resolve_model(args.model)  # a preset, or a config.json like the planner's
     except UserError as e:
-        raise UserError(f"--model: {e}") from None
+        text = str(e)
+        raise UserError(text if text.startswith("--model") else f"--model: {text}") from None
     check_output_path(args.out, "--out")
     opt = sshctl.SSHOptions(Path(args.known_hosts), args.key, args.timeout, 64)
     opt.check(True, args.hosts)

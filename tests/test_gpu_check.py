@@ -148,3 +148,11 @@ def test_gpu_tests_row_tells_expected_from_unexpected_skips(tmp_path, monkeypatc
     monkeypatch.setattr(c, "run", lambda *a, **k: (1 if "failed" in out else 0, out))
     gpu_check.check_gpu_tests(c)
     assert c.rows[-1].status == status
+
+
+def test_wrapper_help_describes_the_wrapper():
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.startswith("The one command to run first"), r.stderr
+    assert "--python PY" in r.stdout and "bash scripts/gpu_check.sh" in r.stdout
+    assert "usage: gpu_check.py" not in r.stdout

@@ -54,7 +54,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family, sta
     r = run_entry("scripts/export_hf.py", str(ck), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert f"{len(stages)} stage(s)" in r.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len),
                            generator=torch.Generator().manual_seed(1))

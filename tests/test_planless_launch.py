@@ -40,6 +40,8 @@ def launch_ranks(tmp_path, per_rank, common, timeout=150):
 def test_obvious_plan_and_overrides():
     plan = obvious_plan(get_model("gpt-tiny"), 4, 2)
     assert plan.stages == [(0, 2), (2, 4)] and plan.pipelines == [[0, 1], [2, 3]]
+    # a real batch by default (4 x 4 sequences per replica), not 1 sequence
+    assert (plan.micro_batch_size, plan.num_micro_batches) == (4, 4)
     out = with_overrides(plan, {"mode": "diloco", "inner_steps": 5, "outer_lr": 0.5,
                                 "outer_momentum": None, "compression": "int8"}, 2, 16)
     assert (out.sync.mode, out.sync.inner_steps, out.sync.outer_lr, out.sync.compression,
@@ -62,7 +64,7 @@ def test_dtfm_style_launch_builds_the_plan_and_trains(tmp_path):
         assert code == 0, out[-3000:]
     out = results[0][1]
     assert "no --plan: built tiny-llama: 2 stage(s) [[0, 2], [2, 4]] x 1 replica(s)" in out
-    assert "4 micro-batch(es) of 1 (total batch 4 sequences)" in out
+    assert "1 micro-batch(es) of 4 (total batch 4 sequences)" in out
     assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
 
 

@@ -376,8 +376,10 @@ def load_checkpoint(path: Path, expect_meta: dict[str, Any]) -> dict[str, Any]:
     return load_checkpoint_meta(path, expect_meta)[1]
 
 
-def load_checkpoint_meta(path: Path, expect_meta: dict[str, Any]) -> tuple[dict, dict]:
-    """(meta, state) of a checkpoint, checked like load_checkpoint (scripts/export_hf.py)."""
+def load_checkpoint_meta(path: Path, expect_meta: dict[str, Any],
+                         any_shard_degree: bool = False) -> tuple[dict, dict]:
+    """(meta, state) of a checkpoint, checked like load_checkpoint (scripts/export_hf.py;
+    `any_shard_degree`: a reader that gathers the shards itself takes any D)."""
     if not path.exists():
         raise UserError(f"--resume: no checkpoint at {path}; run without --resume to start fresh")
     rank = _rank_of(path, expect_meta)
@@ -397,7 +399,8 @@ def load_checkpoint_meta(path: Path, expect_meta: dict[str, Any]) -> tuple[dict,
         if not isinstance(value, dict):
             raise UserError(f"{where}: {name} is {type(value).__name__}, not a mapping")
     saved_d, want_d = meta.get("shard_degree", 1), expect_meta.get("shard_degree", 1)
-    if saved_d != want_d:  # shard groups (issue 22): checked first, a shard's rows depend on D
+    # shard groups (issue 22): checked first, a shard's rows depend on D
+    if saved_d != want_d and not any_shard_degree:
         raise UserError(f"checkpoint {path}: written with shard degree D = {saved_d}, this run "
                         f"has D = {want_d}; resume with a plan of D = {saved_d} or start fresh")
     for key, want in expect_meta.items():

@@ -204,9 +204,13 @@ def check_init_from(folder: str, spec: ModelSpec) -> None:
 
 
 def init_tokenizer(folder: str | None, tokenizer: str | None) -> str:
-    """--tokenizer, else the --init-from folder's tokenizer.json, else bytes."""
+    """--tokenizer, else the --init-from folder's tokenizer.json (bytes when it is the byte
+    tokenizer's file that export_hf.py writes), else bytes."""
+    from modules.data.byte_tokenizer_file import is_byte_tokenizer
+
     if tokenizer is not None:
         return tokenizer
-    if folder is not None and (Path(folder) / "tokenizer.json").is_file():
-        return str(Path(folder) / "tokenizer.json")
+    path = None if folder is None else Path(folder) / "tokenizer.json"
+    if path is not None and path.is_file() and not is_byte_tokenizer(path):
+        return str(path)
     return "bytes"
