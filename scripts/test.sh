@@ -8,4 +8,4 @@ VENV=${VENV:-.venv}
 echo "== ruff"
 "$VENV/bin/ruff" check .
 echo "== pytest"
-exec "$VENV/bin/python" -m pytest "$@"
+exec "$VENV/bin/python" -m pytest --durations=10 "$@"
