@@ -69,8 +69,8 @@ FITTED = QualityModel(
         'global_batch': (8.0, 128.0),
         'warmup_steps': (0.0, 0.0),
         'fragments': (1.0, 1.0),
-        'outer_gain': (1.0, 7.000000000000001),
-        'ar_steps': (62.586026453125, 1258.4760573750002),
+        'outer_gain': (1.0, 7.0),
+        'ar_steps': (62.6, 1258.5),
     },
     model='gpt-tiny',
     provenance=(
