@@ -87,6 +87,9 @@ class Fabric:
         self.inside: dict[int, int] = {}
         self.most_inside: dict[int, int] = {}
         """Per rank (one device each): host calls enqueueing at once, now and at most."""
+        self.blocking = False
+        """Host calls return when their kernel is done (for code that reads buffers without
+        waiting for events: CPU tensors standing in for CUDA ones)."""
         self.enqueue_delay_s = 0.0
         """How long a host call takes to enqueue (an abort must wait for it)."""
         self.local = threading.local()
@@ -106,6 +109,14 @@ class Fabric:
                 raise AssertionError("fake NCCL: a wait outlived the test's bound")
             self.cond.wait(min(left, 0.05))
 
+    def _group_start(self) -> None:
+        self.local.group = []
+
+    def _group_end(self) -> None:
+        group, self.local.group = self.local.group, None
+        with self.cond:
+            self.wait(lambda: all(k.done for k in group))
+
     def module(self) -> types.ModuleType:
         """cupy.cuda.nccl over this fabric."""
         nccl = types.ModuleType("cupy.cuda.nccl")
@@ -114,8 +125,8 @@ class Fabric:
         for name, code in CODES.items():
             setattr(nccl, name, code)
         nccl.get_unique_id = lambda: tuple([next(self.ids) % 100] + [0] * 127)
-        nccl.groupStart = lambda: None
-        nccl.groupEnd = lambda: None
+        nccl.groupStart = self._group_start
+        nccl.groupEnd = self._group_end
         nccl.NcclCommunicator = lambda size, uid, rank: FakeComm(self, size, bytes(
             int(v) & 0xFF for v in uid), rank)
         return nccl
@@ -162,6 +173,12 @@ class FakeComm:
             if len(posts) == len(peers) + 1:
                 self._complete(posts)
             f.cond.notify_all()
+            if f.blocking:  # a group's calls are waited for at groupEnd, together
+                group = getattr(f.local, "group", None)
+                if group is not None:
+                    group.append(kernel)
+                else:
+                    f.wait(lambda: kernel.done, self)
 
     def _complete(self, posts: dict[int, Kernel]) -> None:
         """Every part posted: move the data, mark the kernels done."""

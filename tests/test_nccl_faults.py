@@ -261,3 +261,48 @@ def test_two_communicators_of_one_device_never_call_nccl_at_once(fabric, port):
     assert fabric.most_inside == {0: 1, 1: 1}
     _threads(*(comm.synchronize for comm in (a0, b0, a1, b1)))
     assert [t.tolist() for t in buffers] == [[2.0, 2.0]] * 16
+
+
+# -- the int8 mean on CUDA reads nothing back per chunk ---------------------------------------
+def test_the_int8_mean_across_ranks_reads_nothing_back_and_matches_the_cpu_codec(
+        fabric, port, monkeypatch):
+    """The CUDA branch of the codec (kernels replaced by the CPU codec with the kernel's
+    marking rule) over two fake NCCL ranks: every chunk is quantised without a read-back and
+    both ranks end with the CPU reference's bytes."""
+    from modules.quant import codec
+    from modules.quant.allreduce import reference_compressed_mean
+
+    modes = []
+
+    def kernel(x: torch.Tensor, block: int, mark_nonfinite: bool = False):  # noqa: ANN202
+        modes.append(mark_nonfinite)
+        finite = torch.isfinite(x)  # the kernel's marking: NaN/inf as 0, their block's scale NaN
+        q = codec.quantize_int8_torch(torch.where(finite, x, torch.zeros_like(x)), block)
+        if mark_nonfinite:
+            q.scales[~torch.nn.functional.pad(finite, (0, -len(x) % block), value=True)
+                     .view(-1, block).all(dim=1)] = float("nan")
+        elif not bool(finite.all()):
+            raise codec.NonFiniteError("non-finite")
+        return q
+
+    monkeypatch.setattr(codec, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(codec, "quantize_int8_cuda", kernel)
+    monkeypatch.setattr(codec, "dequantize_int8_cuda", _cpu_dequant)
+    fabric.blocking = True
+    c0, c1 = _pair(port)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3000, generator=gen) for _ in range(2)]
+    want = reference_compressed_mean(xs, "int8", block=64, segment=1024)
+    got = [x.clone() for x in xs]
+    modes.clear()  # the reference's own encodes
+    _threads(lambda: c0.mean_all_reduce(got[0], "int8", block=64, segment=1024),
+             lambda: c1.mean_all_reduce(got[1], "int8", block=64, segment=1024))
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert modes and not any(m is False for m in modes), modes  # no per-chunk read-back
+
+
+def _cpu_dequant(q):  # noqa: ANN001, ANN202
+    """codec.dequantize_int8's CPU arithmetic (the kernel's)."""
+    out = q.codes[: q.numel].to(torch.float32)
+    scales = q.scales.repeat_interleave(q.block)[: q.numel]
+    return out * scales
