@@ -270,7 +270,7 @@ def gpu_blocker(gpus: int) -> str:
         return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device "
                 f"though nvidia-smi lists {gpus}")
     if importlib.util.find_spec("cupy") is None:
-        return "needs cupy (cupy-cuda12x/13x) in this interpreter: pass --python with one"
+        return f"needs {importlib.import_module('modules.comm.nccl').cupy_package()} here"
     return ""
 
 

@@ -7,6 +7,7 @@ what ncclCommGetAsyncError reports. Ranks are threads of this process, one devic
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -306,3 +307,24 @@ def _cpu_dequant(q):  # noqa: ANN001, ANN202
     out = q.codes[: q.numel].to(torch.float32)
     scales = q.scales.repeat_interleave(q.block)[: q.numel]
     return out * scales
+
+
+# -- the cupy to install -----------------------------------------------------------------------
+@pytest.mark.parametrize(("cuda", "package"), [("13.0", "cupy-cuda13x"), ("12.8", "cupy-cuda12x"),
+                                               ("11.8", "cupy-cuda11x"), (None, "cupy-cuda13x")])
+def test_the_cupy_named_matches_torchs_cuda_major(cuda, package, monkeypatch):
+    from modules.comm import nccl
+
+    assert nccl.cupy_package(cuda) == package
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed: the import fails
+    monkeypatch.delitem(sys.modules, "cupy.cuda", raising=False)
+    with pytest.raises(CommError, match=f"pip install {package} "):
+        nccl.load_nccl()
+
+
+def test_the_gpu_extra_offers_the_cuda_13_cupy():
+    from tests.conftest import ROOT
+
+    text = (ROOT / "setup.py").read_text()
+    assert '"gpu": ["cupy-cuda13x' in text and '"gpu-cuda12": ["cupy-cuda12x' in text
