@@ -11,7 +11,9 @@ semantics NCCL and cupy document, so that the real CupyNcclCommunicator runs on 
   it, a second abort or a destroy after it is a use of a freed communicator: recorded in
   `misuse` (the tests require it empty);
 - `check_async_error` raises what `Fabric.async_error` was given (ncclCommGetAsyncError);
-- events are done when the kernels enqueued on their stream before them are.
+- events are done when the kernels enqueued on their stream before them are;
+- `Fabric.blocking`: a call (a group: its groupEnd) returns once its kernels are done, for code
+  that reads CPU buffers at once where a GPU would order the read on the stream.
 `install(monkeypatch, fabric)` puts them in sys.modules / torch.cuda.
 """
 
