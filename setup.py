@@ -41,7 +41,10 @@ setup(
         "safetensors>=0.4",  # --init-from, scripts/export_hf.py
     ],
     extras_require={
-        "gpu": ["cupy-cuda12x>=13"],
+        # cupy for torch's CUDA major: gpu (CUDA 13, the tested stack) or gpu-cuda12; the
+        # error naming what to install picks it from torch.version.cuda (modules/comm/nccl.py)
+        "gpu": ["cupy-cuda13x>=13"],
+        "gpu-cuda12": ["cupy-cuda12x>=13"],
         "netem": ["NetfilterQueue>=1.1"],
         # transformers: tests load scripts/export_hf.py's output with AutoModelForCausalLM
         "dev": ["pytest>=7", "pytest-timeout>=2.2", "ruff>=0.5", "transformers>=4.40"],

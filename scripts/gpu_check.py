@@ -14,12 +14,12 @@ copy bandwidth (CUDA events around the launches alone; WARN, not FAIL, below 70%
 stream ordering on one GPU (torch.cuda._sleep before an all-gather on a one-rank
 communicator); every `-m gpu` test; GPU against CPU losses for a 2-stage pipeline, DiLoCo int8
 with --overlap and fragments, --pipeline-compression int8, bf16/fp16, --compile and a resume on
-CUDA. NCCL across ranks (all-reduce, pipeline) needs 2 GPUs: with one it is UNVERIFIED, never
-PASS. On a GPU host, a GPU row that cannot run is a FAIL naming why, and any SKIP other than a
-missing optional dependency fails the verdict.
-OUT/results.json ({"rows": [{"name", "status", "detail", "seconds"}], "verdict"}) and
-OUT/logs.tar are rewritten after every row, so a run that is cut off still leaves what it
-measured; OUT/summary.md at the end. Exit 1 when the verdict is FAILED.
+CUDA. The `multi-gpu: ...` rows (scripts/gpu_multi.py: NCCL across ranks) need 2 GPUs: with
+one they SKIP saying so, never PASS. On a GPU host, a GPU row that cannot run is a FAIL naming
+why, and any SKIP other than a missing optional dependency fails the verdict.
+OUT/results.json ({"rows": [{"name", "status", "detail", "reason" (the same), "seconds"}],
+"verdict"}) and OUT/logs.tar are rewritten after every row, so a run that is cut off still
+leaves what it measured; OUT/summary.md at the end. Exit 1 when the verdict is FAILED.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from modules.comm.errors import first_line  # noqa: E402
 from modules.data.dataset import DEFAULT_CORPUS  # noqa: E402
 from modules.device.mfu import check_peak_tflops, flops_per_token, mfu  # noqa: E402
 from modules.train.metrics import read_metrics, replica_metrics_path  # noqa: E402
+from scripts import gpu_multi  # noqa: E402
 
 PACKAGES = ("formats", "scheduler", "modules", "testkit", "scripts", "udp_hole_punching_test")
 GPU_PATH = ("modules.comm.nccl", "modules.comm.watchdog", "modules.quant.cuda",
@@ -75,6 +76,8 @@ more. Not measured on a GPU yet: the table prints the measured difference."""
 BF16_FINAL_REL = 0.03
 """bf16's final loss against fp32's (the CPU test's bar)."""
 STATUSES = ("PASS", "FAIL", "SKIP", "WARN", "UNVERIFIED")
+MULTI_BUDGET_S = 300.0
+"""Time added to the budget for the multi-GPU rows (2+ GPUs)."""
 
 
 @dataclass
@@ -141,7 +144,7 @@ class Checker:
     def save(self) -> None:
         """results.json and logs.tar as they stand (temp file + rename each)."""
         data = {"gpus": self.gpus, "python": self.python, "verdict": self.verdict(),
-                "rows": [asdict(r) for r in self.rows]}
+                "rows": [{**asdict(r), "reason": r.detail} for r in self.rows]}
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(self.out / "results.json")
@@ -270,7 +273,7 @@ def gpu_blocker(gpus: int) -> str:
         return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device "
                 f"though nvidia-smi lists {gpus}")
     if importlib.util.find_spec("cupy") is None:
-        return "needs cupy (cupy-cuda12x/13x) in this interpreter: pass --python with one"
+        return f"needs {importlib.import_module('modules.comm.nccl').cupy_package()} here"
     return ""
 
 
@@ -427,7 +430,6 @@ def compare(c: Checker, check: str, t0: float, got: Run | str, want: Run | str,
 # -- training runs ---------------------------------------------------------------------------
 CPU = ["--device", "cpu", "--comm", "gloo"]
 GPU0 = ["--device", "cuda", "--cuda-device", "0"]
-NCCL = ["--device", "cuda", "--comm", "nccl"]  # torchrun: GPU = $LOCAL_RANK
 
 
 def speed(run: Run | str, trainer: Trainer) -> str:
@@ -505,30 +507,9 @@ def check_resume(c: Checker, t: Trainer, whole: Run | str) -> None:
             SAME_LOSS_REL)
 
 
-def check_nccl_runs(c: Checker, t: Trainer, gpus: int, pp_cpu: Run | str) -> None:
-    """With 2+ GPUs: the NCCL all-reduce (1x2) and the 2-stage NCCL pipeline against CPU; with
-    one GPU they are UNVERIFIED (NCCL refuses two ranks on one device)."""
-    names = ("NCCL all-reduce, 1x2, one GPU each, vs CPU",
-             "2-stage NCCL pipeline, one GPU each, vs CPU")
-    if gpus < 2:
-        for name in names:
-            c.add(name, "UNVERIFIED", time.monotonic(), f"needs 2 GPUs ({gpus} visible): NCCL "
-                  "across ranks has not run here")
-        return
-    dp = t.plan("dp", [(0, 4)], [[0], [1]], 4, 2, SyncConfig())
-    t0 = time.monotonic()
-    compare(c, names[0], t0, t.train("dp_nccl", dp, NCCL, torchrun=2),
-            t.train("dp_cpu", dp, CPU), SAME_LOSS_REL)
-    t0 = time.monotonic()
-    compare(c, names[1], t0, t.train("pp_nccl", t.c.out / "pp.json", NCCL, torchrun=2),
-            pp_cpu, SAME_LOSS_REL)
-
-
 GPU_ROWS = ("kernel bytes = CPU codec (through cupy, denormals)",
             "kernel bandwidth vs device copy", "NCCL stream ordering on one GPU",
-            "pytest -m gpu", "training runs on the GPU vs CPU",
-            "NCCL all-reduce, 1x2, one GPU each, vs CPU",
-            "2-stage NCCL pipeline, one GPU each, vs CPU")
+            "pytest -m gpu", "training runs on the GPU vs CPU")
 
 
 def gpu_checks(c: Checker, args: argparse.Namespace, flags_ok: bool) -> None:
@@ -537,6 +518,7 @@ def gpu_checks(c: Checker, args: argparse.Namespace, flags_ok: bool) -> None:
     if why:
         for name in GPU_ROWS:
             c.add(name, "FAIL", time.monotonic(), f"not run: {why}")
+        gpu_multi.fail_all(c, why)
         return
     from scripts import gpu_rows
 
@@ -546,11 +528,13 @@ def gpu_checks(c: Checker, args: argparse.Namespace, flags_ok: bool) -> None:
     check_gpu_tests(c)
     if not flags_ok:
         c.add(GPU_ROWS[4], "FAIL", time.monotonic(), "dist_runner.py lacks the GPU flags")
+        gpu_multi.fail_all(c, "dist_runner.py lacks the GPU flags")
         return
     t = Trainer(c, args.steps, args.peak_tflops)
     pp_cpu = check_one_gpu_runs(c, t)
     check_resume(c, t, check_precision_and_compile(c, t))
-    check_nccl_runs(c, t, args.gpus, pp_cpu)
+    c.deadline += MULTI_BUDGET_S if args.gpus > 1 else 0  # NCCL's own runs (gpu_multi.py)
+    gpu_multi.multi_gpu_checks(c, t, args.gpus, pp_cpu)
 
 
 def summary(c: Checker, gpus: int, wall_s: float) -> str:

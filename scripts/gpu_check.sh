@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command to run first on a GPU host: does the GPU path of the runtime work here?
 #
-#   bash scripts/gpu_check.sh [--python PY] [--out DIR] [--steps 10] [--peak-tflops X]
+#   bash scripts/gpu_check.sh [--python PY] [--gpus N] [--out DIR] [--steps 10] [--peak-tflops X]
 #
 # Offline and as found: it uses an interpreter that already imports CUDA torch and cupy
 # (--python PY; default: the first `python3` on PATH that does) and never makes a venv or calls
@@ -10,9 +10,11 @@
 # bandwidth against the device's copy bandwidth (WARN, not FAIL), the NCCL stream ordering on
 # one GPU, every `-m gpu` test, GPU vs CPU losses (2-stage pipeline, DiLoCo int8 with --overlap
 # and fragments, --pipeline-compression int8, bf16/fp16, --compile, a resume), and with >= 2
-# GPUs the NCCL all-reduce and pipeline (UNVERIFIED with one). A missing optional dependency
-# (paramiko, tensorboard, tokenizers) is a SKIP naming it; any other skip on a GPU host fails
-# the verdict. Without a GPU: imports and the kernel's PTX under cupy's flags (NVCC=path).
+# GPUs the `multi-gpu: ...` rows (scripts/gpu_multi.py: NCCL all-reduce and pipeline, the int8
+# mean across ranks, DiLoCo --overlap, a D = 2 shard group, fp16 across a pipeline, a killed
+# rank and --resume; SKIP with one GPU) over all visible GPUs, or the first N with --gpus N.
+# A missing optional dependency (paramiko, tensorboard, tokenizers) is a SKIP naming it; any
+# other skip on a GPU host fails the verdict. Without a GPU: imports and the kernel's PTX under cupy's flags (NVCC=path).
 # DIR/results.json and DIR/logs.tar are rewritten after every row (default out/gpu_check);
 # the whole run stays under 9 minutes on one GPU. Exit 1 when the verdict is FAILED.
 set -uo pipefail
@@ -25,22 +27,26 @@ usage() {  # this wrapper's help: the header above and the flags it passes on
 
 Options:
   --python PY        the interpreter to run the checks with (default: chosen as above)
+  --gpus N           GPUs the multi-GPU rows use (default: every GPU nvidia-smi lists)
   --out DIR          where results.json, logs.tar and summary.md go (default out/gpu_check)
   --steps N          steps of each training run
   --budget-s S       the whole run's time limit
   --peak-tflops X    the GPU's peak TFLOP/s, for the MFU column
-All but --python go to scripts/gpu_check.py (--gpus is counted from nvidia-smi here; the kernel is
-compiled with $NVCC, default nvcc).
+All but --python and --gpus go to scripts/gpu_check.py (the kernel is compiled with $NVCC,
+default nvcc).
 EOF
 }
 
 py=""
+want=""
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) py="${2:-}"; shift 2 ;;
     --python=*) py="${1#--python=}"; shift ;;
     -h|--help) usage; exit 0 ;;
+    --gpus) want="${2:-}"; shift 2 ;;
+    --gpus=*) want="${1#--gpus=}"; shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -48,6 +54,13 @@ done
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+if [ -n "$want" ]; then
+  if ! [[ "$want" =~ ^[0-9]+$ ]] || [ "$want" -gt "$gpus" ]; then
+    echo "gpu_check: --gpus $want: expected a count of 0..$gpus (nvidia-smi lists $gpus)" >&2
+    exit 2
+  fi
+  gpus=$want
 fi
 
 imports() {  # imports PY CODE: whether PY runs CODE

@@ -182,10 +182,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="GLOO_SOCKET_IFNAME for the ranks (e.g. inside netns)")
     p.add_argument("--grace-s", type=argtypes.number(0, MAX_GRACE_S), default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
-    p.add_argument("--gpus", type=argtypes.integer(0, MAX_CUDA_DEVICE + 1), default=0,
+    p.add_argument("--gpus", type=argtypes.integer(0, MAX_CUDA_DEVICE + 1), default=None,
                    help="CUDA devices on this host: the ranks take them round robin "
-                   "(--cuda-device i %% N for the i-th rank started; 0: pass none, each rank "
-                   "uses --device auto)")
+                   "(--cuda-device i %% N for the i-th rank started; default: the GPUs "
+                   "visible here, one per rank; 0: pass none, every rank on its default GPU "
+                   "0). The mapping is printed at start")
     p.add_argument("--keep-going", action="store_true",
                    help="a rank that fails does not stop the others (DiLoCo drops its replica "
                    "and trains on); exit 0 if every rank of some replica finished")
@@ -199,6 +200,55 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    "exit after the ranks (default 60)")
     p.add_argument("--runner", default=str(DIST_RUNNER), help=argparse.SUPPRESS)
     return p.parse_args(argv), rest
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied; 0 without CUDA torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _flag_value(rest: list[str], flag: str) -> str | None:
+    """The value of `flag` among dist_runner's arguments (the last one given), else None."""
+    value = None
+    for i, a in enumerate(rest):
+        if a == flag and i + 1 < len(rest):
+            value = rest[i + 1]
+        elif a.startswith(f"{flag}="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def gpu_flags(gpus: int | None, ranks: list[int], rest: list[str],
+              log: Callable[[str], None] = print) -> dict[int, list[str]]:
+    """Each rank's `--cuda-device` flags: the i-th rank started gets GPU i % N, N = `gpus`
+    (None: the GPUs visible here). Prints the mapping, and says when ranks share a GPU under
+    --comm auto (their groups then use gloo: NCCL needs one GPU per rank)."""
+    none: dict[int, list[str]] = {r: [] for r in ranks}
+    if _flag_value(rest, "--device") == "cpu":
+        return none
+    if _flag_value(rest, "--cuda-device") is not None:
+        log("launch: GPU mapping: every rank takes --cuda-device from the arguments after --")
+        return none
+    n = visible_gpus() if gpus is None else gpus
+    if n == 0:
+        if gpus == 0 and len(ranks) > 1 and visible_gpus() > 1:
+            log(f"launch: --gpus 0: no --cuda-device passed, so every rank that runs on CUDA "
+                f"uses GPU 0 of the {visible_gpus()} here (drop --gpus 0 for one GPU per rank)")
+        return none
+    where = {r: i % n for i, r in enumerate(ranks)}
+    log("launch: GPU mapping: " + ", ".join(f"rank {r} -> cuda:{g}" for r, g in where.items()))
+    shared = {g: [r for r in ranks if where[r] == g] for g in set(where.values())}
+    crowded = {g: rs for g, rs in sorted(shared.items()) if len(rs) > 1}
+    comm = _flag_value(rest, "--comm") or "auto"
+    if crowded and comm != "gloo":
+        log(f"launch: {len(ranks)} ranks on {n} GPU(s): "
+            + "; ".join(f"ranks {rs} share cuda:{g}" for g, rs in crowded.items())
+            + f": --comm {comm} cannot use NCCL between ranks of one GPU ("
+            + ("their groups fall back to gloo" if comm == "auto" else "such a group is refused")
+            + "); give each rank its own GPU (--gpus, more GPUs or fewer ranks)")
+    return {r: ["--cuda-device", str(g)] for r, g in where.items()}
 
 
 def start_rank(rank: int, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -318,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     env[STATUS_ENV] = "1"  # ranks print status records; stream() reads them
     if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):  # one secret per launch,
         env[SECRET_ENV] = new_secret()  # through the environment only (docs/security.md)
-    if args.gloo_ifname:
-        env["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
+    if args.gloo_ifname:  # NCCL's bootstrap and socket transport take the same interface
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.gloo_ifname
+    gpu = gpu_flags(args.gpus, ranks, rest)
     print(f"launch: {len(ranks)} ranks of {args.plan} ({plan.num_replicas} replicas x "
           f"{plan.num_stages} stages), rendezvous {url}"
           f"{' (coordinator process)' if args.coordinator else ''}, {threads} thread(s) per "
@@ -332,12 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.coordinator:
             run.coord = start_coordinator(args.plan, args.host, port, env,
                                           args.coordinator_timeout_s, run.lock)
-        for i, r in enumerate(ranks):
-            gpu = ["--cuda-device", str(i % args.gpus)] if args.gpus else []
+        for r in ranks:
             cmd = [sys.executable, args.runner, "--plan", args.plan, "--rank", str(r),
                    "--world-size", str(len(ranks)),
                    "--coordinator" if args.coordinator else "--dist-url", url,
-                   "--threads", str(threads), *gpu, *rest]
+                   "--threads", str(threads), *gpu[r], *rest]
             run.start(r, ["ip", "netns", "exec", netns[r], *cmd] if r in netns else cmd, env,
                       netns.get(r))
         status = run.wait_all(len(ranks), args.keep_going, plan.pipelines)

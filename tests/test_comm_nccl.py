@@ -76,7 +76,9 @@ def test_missing_first_rank_is_a_clear_error():
 def test_without_cupy_the_error_says_what_to_install():
     store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
-    with pytest.raises(CommError, match="cupy-cuda12x"):
+    from modules.comm.nccl import cupy_package
+
+    with pytest.raises(CommError, match=cupy_package()):
         CupyNcclCommunicator([0], 0, store, "t", "cuda:0")
 
 

@@ -156,3 +156,43 @@ def test_wrapper_help_describes_the_wrapper():
     assert r.returncode == 0 and r.stdout.startswith("The one command to run first"), r.stderr
     assert "--python PY" in r.stdout and "bash scripts/gpu_check.sh" in r.stdout
     assert "usage: gpu_check.py" not in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_with_two_gpus_listed_the_multi_gpu_rows_say_why_and_nothing_is_installed(tmp_path):
+    """A fake nvidia-smi lists 2 GPUs, the python3 on PATH imports (CPU) torch, no package
+    index, a recording pip: every `multi-gpu: ...` row has a status and a reason, no install
+    is tried."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-a)'\n"
+        "echo 'GPU 1: NVIDIA H100 (UUID: GPU-b)'\n")
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {_python()} \"$@\"\n")
+    for pip in ("pip", "pip3"):
+        (bin_dir / pip).write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/pip_calls\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIP_NO_INDEX": "1",
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    r, rows = run_check(tmp_path, **env)
+    assert r.stdout.startswith("gpu_check: 2 GPU(s), "), r.stdout + r.stderr
+    multi = {n: row for n, row in rows.items() if n.startswith("multi-gpu:")}
+    assert len(multi) >= 5, list(rows)
+    for row in multi.values():
+        assert row["status"] in ("PASS", "FAIL", "SKIP", "WARN", "UNVERIFIED")
+        assert row["reason"] and row["reason"] == row["detail"]
+        assert "sees no CUDA device though nvidia-smi lists 2" in row["reason"]
+    assert not (tmp_path / "pip_calls").exists()
+    assert not re.search(r"\bpip install\b|-m venv", r.stdout + r.stderr)
+
+
+def test_with_one_gpu_the_multi_gpu_rows_skip_saying_why(tmp_path):
+    from scripts import gpu_multi
+
+    c = Checker(tmp_path, "python3", 10, gpus=1)
+    gpu_multi.multi_gpu_checks(c, None, 1, None)
+    assert [r.name for r in c.rows] == list(gpu_multi.ROWS)
+    assert all(r.status == "SKIP" and r.expected and "needs 2 GPUs (1 visible)" in r.detail
+               for r in c.rows)
+    assert c.verdict() == "passed"

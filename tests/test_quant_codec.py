@@ -145,7 +145,7 @@ def _cuda_ready() -> bool:
 
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device "
-                                           "and cupy (the gpu extra: cupy-cuda12x)")]
+                                           "and cupy (the gpu extra: cupy-cuda13x)")]
 
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))

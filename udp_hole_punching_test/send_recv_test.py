@@ -58,12 +58,12 @@ def require_cuda_nccl() -> None:
     """UserError saying what is missing when cupy's NCCL or a CUDA device is not there."""
     import torch
 
-    from modules.comm.nccl import load_nccl
+    from modules.comm.nccl import cupy_package, load_nccl
 
     try:
         load_nccl()
     except RuntimeError as exc:
-        raise UserError(f"--backend cupy_nccl needs cupy with NCCL (pip install cupy-cuda12x) "
+        raise UserError(f"--backend cupy_nccl needs cupy with NCCL (pip install {cupy_package()}) "
                         f"and a CUDA GPU; use --backend gloo on CPU ({exc})") from None
     if not torch.cuda.is_available():
         raise UserError("--backend cupy_nccl: cupy is installed but no CUDA device is usable "

@@ -137,7 +137,9 @@ def _start_reduce_scatter(seg: torch.Tensor, comm: Transport, compression: str, 
     """Encode the segment and start sending chunk j to its owner j (receiving mine)."""
     bounds = chunk_bounds(seg.numel(), comm.size, block)
     me = comm.ranks.index(comm.rank)
-    mine = [encode_chunk(seg[lo:hi], compression, block) if hi > lo else [] for lo, hi in bounds]
+    # the whole input was checked: no host sync per chunk on CUDA
+    mine = [encode_chunk(seg[lo:hi], compression, block, read_back=False) if hi > lo else []
+            for lo, hi in bounds]
     lo, hi = bounds[me]
     sends, recvs, inbox = [], [], []
     for j, peer in enumerate(comm.ranks):
@@ -162,7 +164,7 @@ def _finish_reduce_scatter(step: _Step, comm: Transport, compression: str, block
     mean = reduce_chunk(step.parts, hi - lo, width, comm.size, compression, block,
                         step.seg.device)
     gathered = []
-    for part in encode_chunk(mean, compression, block):
+    for part in encode_chunk(mean, compression, block, read_back=False):  # NaN if it overflowed
         gathered.append(([torch.empty_like(part) for _ in range(comm.size)], part))
 
     def gather_all() -> None:

@@ -35,10 +35,11 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int,
     (default: the same numbers). `backend`: one for all groups, or one per group.
     gloo: dist.new_group for each gloo group, on every rank in list order (a torch rule).
     nccl: a CupyNcclCommunicator per nccl group this rank is in, created after the gloo groups
-    in list order (a total order, so the blocking NCCL inits cannot wait on each other in a
-    cycle); needs the rendezvous `store` and this rank's CUDA `device`. Groups of one member
-    are included. Communicators share `stats` when given. `on_failure`: called by an NCCL
-    communicator's watchdog right after it aborted a timed-out operation (e.g. to end the run).
+    in list order (a total order, so the blocking NCCL inits and connections cannot wait on each
+    other in a cycle), each connected to its peers before the next is made; needs the
+    rendezvous `store` and this rank's CUDA `device`. Groups of one member are included.
+    Communicators share `stats` when given. `on_failure`: called by an NCCL communicator's
+    watchdog right after it aborted a failed operation (e.g. to end the run).
     """
     backends = [backend] * len(groups) if isinstance(backend, str) else list(backend)
     if len(backends) != len(groups):
@@ -59,8 +60,9 @@ def build_communicators(groups: Sequence[Sequence[int]], rank: int,
         if b == "nccl" and rank in key:
             if store is None or device is None:
                 raise ValueError("build_communicators(backend='nccl') needs store and device")
-            out[key] = CupyNcclCommunicator(key, rank, store, f"{name}{i}", device, timeout_s,
-                                            stats, on_failure)
+            comm = out[key] = CupyNcclCommunicator(key, rank, store, f"{name}{i}", device,
+                                                   timeout_s, stats, on_failure)
+            comm.connect()  # now, in the same order on every member
     return out
 
 

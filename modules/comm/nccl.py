@@ -8,14 +8,19 @@ unless a torch Stream is given. The torch Stream object is kept for everything t
 an operation (its done-event, the all-gather's copies, the allocator's view of buffers); only
 NCCL gets its raw handle. (`torch.cuda.ExternalStream(0)` would NOT wrap the legacy default
 stream: torch hands out a fresh pooled stream for a null pointer, unordered with the operation.)
-NCCL has no timeout of its own: a Watchdog aborts the communicator
-when an operation is not done within the timeout, and the next call (or `synchronize`) raises
-a CommError naming the operation and its peers, as the gloo path does. cupy (the `gpu` extra)
-is imported lazily.
+NCCL has no timeout of its own: ncclCommInitRank runs on a helper thread waited for at most
+the timeout, and a Watchdog aborts the communicator when a host call (NCCL 2.22+ connects to a
+peer inside the first call to it, blocking until the peer answers) or an enqueued operation is
+not done within the timeout, or when NCCL reports an asynchronous error; the next call (or
+`synchronize`, `check_health`) raises a CommError naming the operation and its peers, as the
+gloo path does. Host calls go through `HostCalls` (modules.comm.nccl_guard: one abort, no call
+after it, one communicator inside NCCL per device at a time). cupy (the `gpu` extra) is
+imported lazily.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -25,12 +30,15 @@ import torch.distributed as dist
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.compressed import mean_all_reduce
 from modules.comm.errors import CommError, first_line
+from modules.comm.nccl_guard import HostCalls, bounded
 from modules.comm.watchdog import Watchdog
 from modules.control.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
 from modules.quant.allreduce import SEGMENT
 from modules.quant.blocks import DEFAULT_BLOCK
 
 UNIQUE_ID_BYTES = 128
+CUPY_NEWEST = 13
+"""The newest CUDA major a cupy wheel exists for (cupy-cuda13x)."""
 
 
 def encode_unique_id(uid: Sequence[int]) -> bytes:
@@ -105,13 +113,26 @@ def meet(store: dist.Store, prefix: str, rank: int, ranks: Sequence[int],
                         f"{timeout_s:g} s ({late[1]})", op="NCCL init", peers=missing)
 
 
+def cupy_package(cuda_version: str | None = None) -> str:
+    """The cupy wheel that matches a CUDA version (default: the installed torch's
+    `torch.version.cuda`): cupy-cuda12x for CUDA 12, cupy-cuda13x for 13; CPU torch (None)
+    gets the newest."""
+    version = torch.version.cuda if cuda_version is None else cuda_version
+    try:
+        major = int(str(version).split(".")[0])
+    except ValueError:
+        major = CUPY_NEWEST
+    return f"cupy-cuda{min(max(major, 11), CUPY_NEWEST)}x"
+
+
 def load_nccl():  # noqa: ANN201 - cupy.cuda.nccl; cupy may be absent
-    """cupy's NCCL bindings, or CommError saying what to install."""
+    """cupy's NCCL bindings, or CommError saying what to install (the cupy of torch's CUDA)."""
     try:
         from cupy.cuda import nccl
     except ImportError as e:
-        raise CommError("CupyNcclCommunicator needs cupy with NCCL: pip install "
-                        f"'scattered-train[gpu]' (cupy-cuda12x) ({e})", op="NCCL") from None
+        raise CommError(f"CupyNcclCommunicator needs cupy with NCCL: pip install "
+                        f"{cupy_package()} (torch's CUDA is {torch.version.cuda}; or pip "
+                        f"install 'scattered-train[gpu]') ({e})", op="NCCL") from None
     if not getattr(nccl, "available", True):
         raise CommError("cupy was built without NCCL: cupy.cuda.nccl is not available",
                         op="NCCL")
@@ -154,15 +175,40 @@ class CupyNcclCommunicator(GroupMembership):
         meet(store, nccl_arrival_prefix(name, self.ranks), rank, self.ranks, timeout_s)
         uid = share_unique_id(store, nccl_unique_id_key(name, self.ranks), rank == self.ranks[0],
                               nccl.get_unique_id, timeout_s)
-        with cupy.cuda.Device(self.device.index):
-            self._comm = new_communicator(nccl, self.size, uid, self.group_rank)
         index = self.device.index
-        self.watchdog = Watchdog(timeout_s, self._comm.abort, on_failure=on_failure,
-                                 thread_init=lambda: torch.cuda.set_device(index))
-        """Aborts the communicator when an operation is not done within the timeout (its thread
-        queries events on this rank's device: no extra context on GPU 0)."""
+
+        def init():  # noqa: ANN202 - ncclCommInitRank on the rank's device
+            with cupy.cuda.Device(index):
+                return new_communicator(nccl, self.size, uid, self.group_rank)
+
+        self._comm = bounded(init, timeout_s, f"NCCL communicator {name!r} over ranks "
+                             f"{list(self.ranks)}", self.others())
+        self.host = HostCalls(index, self._comm.abort, self._comm.destroy)
+        """The state machine of the host calls (modules.comm.nccl_guard)."""
+        poll = getattr(self._comm, "check_async_error", None)
+        self.watchdog = Watchdog(timeout_s, self.host.abort, on_failure=on_failure,
+                                 thread_init=lambda: torch.cuda.set_device(index), poll=poll,
+                                 peers=self.others())
+        """Aborts the communicator when an operation or a host call is not done within the
+        timeout, or when NCCL reports an asynchronous error (its thread queries events on
+        this rank's device: no extra context on GPU 0)."""
         self._timing: list[torch.cuda.Event] | None = None
         """Inside `mean_all_reduce`: the start event of the whole mean (inner calls untimed)."""
+
+    def connect(self, what: str | None = None) -> None:
+        """Connect to every member now, under the watchdog's deadline (NCCL 2.22+ would do it
+        inside the first call to each peer): a one-element all-reduce and one message to and
+        from each member. build_communicators calls it right after each communicator is made,
+        so every rank connects its communicators in one order with nothing else in flight
+        (no first call can then block inside NCCL while holding the device's lock)."""
+        if self.size == 1:
+            return
+        what = what or f"connecting the NCCL communicator over ranks {list(self.ranks)}"
+        one = torch.zeros(1, device=self.device)
+        inbox = [(torch.zeros(1, device=self.device), p) for p in self.others()]
+        self.all_reduce(one, what=what)
+        self.exchange([(one, p) for p in self.others()], inbox, what)
+        self.synchronize(what)  # the buffers live until then
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         """The torch Stream to run on: `stream`, or the device's current one (never a wrapper
@@ -177,19 +223,47 @@ class CupyNcclCommunicator(GroupMembership):
     def _enqueue(self, call: Callable[[int], None], stream: torch.cuda.Stream, what: str,
                  peers: Sequence[int]) -> None:
         """Enqueue one NCCL call (given the raw handle of `stream`) and watch it; a backend
-        failure, or an earlier operation that timed out, is a CommError. Its time on the stream
-        is measured with CUDA events around it (the enqueue itself returns at once)."""
+        failure, or an earlier operation that failed, is a CommError. The host call itself is
+        watched too (a first call to a peer connects to it and blocks until it answers). Its
+        time on the stream is measured with CUDA events around it."""
         self.watchdog.check()
         start = self._event(stream) if self._timing is None else None
+        returned = threading.Event()
+        self.watchdog.watch(returned.is_set, f"{what} (NCCL host call)", peers)
         try:
-            call(stream.cuda_stream)
+            self.host.call(lambda: call(stream.cuda_stream), self._refused)
+        except CommError:
+            raise
         except Exception as e:  # cupy raises NcclError (not a RuntimeError)
+            self.watchdog.check()  # ended by the abort: the watchdog's error says why
             raise CommError(f"{what}: NCCL failed ({first_line(e)})", op=what,
                             peers=peers) from None
+        finally:
+            returned.set()
+        self.watchdog.check()  # aborted while inside: what it enqueued never ran
         done = self._event(stream)
         if start is not None:
             self.stats.time_on_stream(start, done, self)
         self.watchdog.watch(done.query, what, peers)
+
+    def _refused(self) -> CommError:
+        """The error of a call on a communicator that is no longer open."""
+        if self.watchdog.failure is not None:
+            return self.watchdog.failure
+        return CommError(f"NCCL communicator over ranks {list(self.ranks)} is "
+                         f"{self.host.state}: no call can start", op="NCCL",
+                         peers=self.others())
+
+    def check_health(self, what: str, wait: bool = True) -> None:
+        """CommError unless every operation enqueued so far completed on a healthy
+        communicator (`wait`: wait for them, at most the timeout; else only what is known
+        now). Called before an optimizer step and a checkpoint: an aborted operation's
+        buffers hold garbage, and its kernels end as if done."""
+        if wait:
+            self.watchdog.wait_all()
+        self.watchdog.check()
+        if self.host.state != HostCalls.OPEN:
+            raise self._refused()
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -333,12 +407,11 @@ class CupyNcclCommunicator(GroupMembership):
         """Free the NCCL communicator (ncclCommDestroy, which first flushes every operation:
         only for a healthy group; an aborted one is already gone)."""
         self.watchdog.close()
-        if self.watchdog.failure is None:
-            self._comm.destroy()
+        self.host.close()
 
     def abort(self) -> None:
         """Drop the communicator without flushing (ncclCommAbort): for a group that held a
-        lost peer, whose pending operations would never finish under destroy()."""
+        lost peer, whose pending operations would never finish under destroy(). Safe twice,
+        and after the watchdog aborted it."""
         self.watchdog.close()
-        if self.watchdog.failure is None:  # the watchdog aborted it already
-            self._comm.abort()
+        self.host.abort()

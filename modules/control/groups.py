@@ -99,6 +99,16 @@ class Groups:
         for comm in self._all():
             comm.abort()
 
+    def check_health(self, what: str) -> None:
+        """CommError unless every NCCL communicator of mine completed what it was given on a
+        healthy communicator (before an optimizer step or a checkpoint: an aborted operation
+        ends as if done, its buffers holding garbage). The overlapped outer communicator is
+        only asked what it knows now (its worker waits for its own rounds)."""
+        for comm in self._all():
+            check = getattr(comm, "check_health", None)  # gloo's calls return when done
+            if check is not None:
+                check(what, wait=comm is not self.outer)
+
     def _all(self) -> list[Communicator]:
         return list({id(c): c for c in (self.world, self.pipeline, self.stage, self.tied,
                                         self.outer) if c is not None}.values())

@@ -279,6 +279,7 @@ def _outer_rounds(index: int, processes: int, model: torch.nn.Module, store: str
     from modules.sync.diloco import DiLoCoOptimizer
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the lab's ranks talk on loopback
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=index,
                             world_size=processes)
     try:

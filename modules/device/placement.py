@@ -61,9 +61,9 @@ def resolve_placement(cfg: RunConfig, plan: Plan, replica: int,
     if dev_cfg.comm == "nccl" and device.type != "cuda":
         raise UserError(f"--comm nccl: NCCL needs CUDA ranks, this rank runs on {device} "
                         "(use --comm gloo, or auto)")
+    use_device(device)  # first: the compile probe builds and runs on this rank's device
     if dev_cfg.compile:
         check_compile_available(device)
-    use_device(device)
     return Placement(device=device, precision=precision,
                      comm=CommOptions(backend=dev_cfg.comm, device=str(device)),
                      compile=dev_cfg.compile,

@@ -25,7 +25,8 @@ def resolve_device(choice: str, cuda_device: int | None,
     """--device auto|cpu|cuda and --cuda-device N -> the torch.device this rank computes on.
 
     auto is CUDA when a CUDA device is visible, else CPU. The CUDA index is --cuda-device, else
-    $LOCAL_RANK (set by torchrun: one GPU per local process), else 0. A device that does not
+    $LOCAL_RANK (set by torchrun: one GPU per local process; with one visible device, as a
+    per-task CUDA_VISIBLE_DEVICES gives each rank, that device), else 0. A device that does not
     exist is a UserError naming the flag and the value; nothing is initialised here beyond
     torch.cuda's device count, so call it before any rendezvous.
     """
@@ -47,6 +48,8 @@ def resolve_device(choice: str, cuda_device: int | None,
                         f"False{_why_no_cuda(env)}); use --device cpu")
     index, flag = _cuda_index(cuda_device, env)
     count = torch.cuda.device_count()
+    if flag.startswith("$LOCAL_RANK") and count == 1:  # per-task CUDA_VISIBLE_DEVICES (Slurm):
+        index = 0  # this task's one GPU, whatever its local rank
     if index >= count:
         plural = "device is" if count == 1 else "devices are"
         raise UserError(f"{flag}: only {count} CUDA {plural} visible (indices 0..{count - 1})"

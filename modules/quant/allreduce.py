@@ -56,11 +56,13 @@ def segment_bounds(n: int, segment: int, block: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + per)) for lo in range(0, n, per)] or [(0, 0)]
 
 
-def encode_chunk(x: torch.Tensor, compression: str, block: int) -> list[torch.Tensor]:
-    """The messages that carry chunk `x` (fp16: one; int8: one holding scales, then codes)."""
+def encode_chunk(x: torch.Tensor, compression: str, block: int,
+                 read_back: bool = True) -> list[torch.Tensor]:
+    """The messages that carry chunk `x` (fp16: one; int8: one holding scales, then codes).
+    `read_back=False`: no host sync on CUDA (codec.quantize_int8)."""
     if compression == "fp16":
         return [x.to(torch.float16)]
-    q = quantize_int8(x, block)
+    q = quantize_int8(x, block, read_back)
     # One message: the scales' bytes first (so their fp32 view stays 4-byte aligned), then the
     # codes. Over gloo every message costs a rendezvous round trip, on WAN links ~2 latencies.
     return [torch.cat([q.scales.view(torch.uint8), q.codes.view(torch.uint8)])]

@@ -64,15 +64,24 @@ def _check_args(x: torch.Tensor, block: int) -> None:
         raise ValueError(f"block: {block} is not in 1..{1 << 20}")
 
 
-def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> QuantizedTensor:
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Whether `x` goes to the int8.cu kernel (a CUDA tensor, cupy importable)."""
+    return x.is_cuda and cupy_available()
+
+
+def quantize_int8(x: torch.Tensor, block: int = DEFAULT_BLOCK,
+                  read_back: bool = True) -> QuantizedTensor:
     """Quantise fp32 `x` (any shape, taken flat) per block; NonFiniteError on NaN/inf.
 
     CUDA tensors go to the int8.cu kernel when cupy is importable, CPU tensors to torch.
+    `read_back=False` (the compressed all-reduce, whose input was checked as a whole): on CUDA
+    nothing is read back, no host sync per chunk; a NaN/inf (a mean that overflowed fp32)
+    gives its block the scale NaN, so every rank decodes NaN there, never finite garbage. On
+    CPU it changes nothing (a check there costs no sync).
     """
     _check_args(x, block)
-    if x.is_cuda and cupy_available():
-
-        return quantize_int8_cuda(x.contiguous(), block)
+    if _on_gpu(x):
+        return quantize_int8_cuda(x.contiguous(), block, mark_nonfinite=not read_back)
     return quantize_int8_torch(x, block)
 
 
@@ -110,8 +119,7 @@ def quantize_int8_torch(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> Quantize
 
 def dequantize_int8(q: QuantizedTensor) -> torch.Tensor:
     """fp32 flat tensor back from codes and scales (on their device): code * scale."""
-    if q.codes.is_cuda and cupy_available():
-
+    if _on_gpu(q.codes):
         return dequantize_int8_cuda(q)
     out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
     nfull = q.numel // q.block

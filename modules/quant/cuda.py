@@ -51,7 +51,8 @@ def quantize_int8_cuda(x: torch.Tensor, block: int = DEFAULT_BLOCK,
                        mark_nonfinite: bool = False) -> QuantizedTensor:
     """Quantise a contiguous fp32 CUDA tensor (taken flat); NonFiniteError on NaN/inf (one
     8-byte read back). `mark_nonfinite`: NaN/inf count as 0 and their block's scale is NaN
-    (the pipeline's rows), decided on the GPU: nothing is read back, no host sync."""
+    (the pipeline's rows, the compressed all-reduce's chunks), decided on the GPU: nothing is
+    read back, no host sync."""
     assert x.dtype == torch.float32 and x.is_contiguous()
     n = x.numel()
     nblocks = -(-n // block)

@@ -68,10 +68,13 @@ def complete(average: GroupAverage, what: str) -> None:
 
 
 def average_grads(params: list[torch.nn.Parameter], average: GroupAverage) -> int:
-    """Average the gradients of `params` with one flat all-reduce; returns bytes sent."""
+    """Average the gradients of `params` with one flat all-reduce; returns bytes sent. The
+    average is complete (NCCL: run on the stream by a healthy communicator, within the
+    timeout) before any gradient takes it: an aborted all-reduce leaves garbage in `flat`."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = _flatten_dense_tensors(grads)
     sent = average(flat)
+    complete(average, "the gradient average")
     for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
         if p.grad is None:
             p.grad = g

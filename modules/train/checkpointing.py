@@ -60,12 +60,15 @@ class Checkpointing:
     def __init__(self, cfg: CheckpointConfig, rank: int, meta: dict[str, Any],
                  state: Callable[[], dict[str, Any]], step: Callable[[], int],
                  state_lock: threading.Lock, outer_steps: bool, log=print,
-                 die_at: int = 0) -> None:
+                 die_at: int = 0, healthy: Callable[[str], None] | None = None) -> None:
         """`state`: the rank's full training state (live tensors); `step`: its current step;
         `state_lock`: held by the training thread while it changes them; `outer_steps`: DiLoCo
         (the consistent state is the one after the last committed outer step); `die_at`: the
-        step whose write kills this rank half-way (--debug-ckpt-die)."""
+        step whose write kills this rank half-way (--debug-ckpt-die); `healthy(what)`: raises
+        when a communicator the state came through was aborted (a periodic save checks it
+        first: an aborted operation's buffers hold garbage)."""
         self.cfg, self.rank, self.meta, self.log = cfg, rank, meta, log
+        self.healthy = healthy
         self.state, self.step, self.state_lock = state, step, state_lock
         self.outer_steps, self.die_at = outer_steps, die_at
         self.writer: AsyncCheckpointer | None = (
@@ -88,6 +91,8 @@ class Checkpointing:
         seconds the training thread was blocked (snapshot; the whole write with
         --sync-checkpoints)."""
         assert self.writer is not None and self.cfg.dir
+        if self.healthy is not None:
+            self.healthy(f"checkpoint of step {self.step()}")
         if self.cfg.sync:
             t0 = time.perf_counter()
             self.writer.flush()

@@ -160,9 +160,8 @@ class Trainer:
             self._apply(self.membership.first_generation())
 
     def _replicas_training(self) -> int:
-        """Replicas whose tokens a step's tokens/s counts (the run's, as the store backend
-        counts them): the generation's live replicas, or with hivemind (whose membership
-        is my replica alone) the DHT roster's live replicas of my stage at the last round."""
+        """Replicas whose tokens a step's tokens/s counts: the generation's live ones, or with
+        hivemind (my replica alone) the DHT roster's live replicas of my stage at the last round."""
         if self.hivemind is None:
             return len(self.replicas)
         return len(self.hivemind.live) or self.hivemind.cfg.starting
@@ -193,7 +192,8 @@ class Trainer:
         return Checkpointing(
             cfg.ckpt, self.topo.rank, self._checkpoint_meta(), self.state,
             lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=self.log,
-            die_at=cfg.debug.ckpt_die_at(self.topo.rank))
+            die_at=cfg.debug.ckpt_die_at(self.topo.rank),
+            healthy=lambda what: self.groups.check_health(what))  # nothing an abort touched
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What my checkpoints must match to be resumed (with shard groups: the shard too)."""
@@ -404,8 +404,7 @@ class Trainer:
                                      publish)
 
     def _last_background(self, rec: dict[str, Any]) -> None:
-        """sync.overlap: finish the rounds still in flight after the last step and count their
-        bytes and wait in its record (no later record would hold them)."""
+        """sync.overlap: the rounds in flight after the last step, counted in its record."""
         assert self.outer is not None
         bg, exposed = self.outer.finish()
         if self.resolved.overlapped:
@@ -433,6 +432,7 @@ class Trainer:
         if (self.outer is None or warm) and not overflow:
             self.dp_bytes += average(self.params, self.average)
         outer0 = self.outer_count
+        self.groups.check_health(f"step {self.step + 1}")  # an aborted call's garbage: unused
         with self.state_lock:
             set_lr(self.inner, self.step, self.cfg)
             # DiLoCo: inner step, and every H steps the outer (communicating) one; in its
