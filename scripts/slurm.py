@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -272,16 +273,30 @@ def cmd_submit(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def job_state(job: str) -> tuple[str, int | None]:
-    """(state, exit status or None while it can still run) from `scontrol show job`."""
+    """(state, exit status or None while it can still run) from `scontrol show job`;
+    UserError (after scancel) when it waits for what the partition can never give it."""
     out = slurm_command(["scontrol", "show", "job", "-o", job], f"job {job}", check=False)
     if "JobState=" not in out:  # gone from slurmctld's memory (MinJobAge): it has ended
         return "UNKNOWN", 1
-    return sj.job_outcome(sj.job_fields(out))
+    fields = sj.job_fields(out)
+    reason = sj.hopeless(fields)
+    if reason is not None:
+        slurm_command(["scancel", job], f"scancel {job}", check=False)
+        raise UserError(f"job {job} cannot start as asked (Reason={reason}: "
+                        f"{fields.get('NumNodes', '?')} node(s), partition "
+                        f"{fields.get('Partition', '?')}); cancelled it: ask for fewer nodes "
+                        "or GPUs (--nodes, --gpus-per-node), another --partition or --time")
+    return sj.job_outcome(fields)
 
 
 def follow(job: str, log: Path) -> int:
     """Print the job's output as it grows until the job ends; its exit status. Ctrl+C cancels
-    the job (scancel), waits for it to end and returns 130."""
+    the job (scancel), waits for it to end and returns 130; so does SIGTERM."""
+    def cancel(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # also when started in the background (SIGINT ignored there)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, cancel)
     pos = 0
     cancelled_at: float | None = None
     while True:

@@ -26,6 +26,11 @@ TERMINAL_STATES = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
     "DEADLINE", "SPECIAL_EXIT"})
 """Job states after which the job will not run again (PREEMPTED and REQUEUED ones do)."""
+NEVER_REASONS = frozenset({
+    "PartitionNodeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount", "InvalidQOS",
+    "AccountNotAllowed", "QOSMaxNodePerJobLimit", "QOSMaxGRESPerJob", "PartitionTimeLimit"})
+"""Reasons a pending job gives when it cannot start as asked (too many nodes, GPUs or time for
+the partition): --wait names them and cancels the job rather than wait forever."""
 SET_BY_SLURM = ("--plan", "--rank", "--world-size", "--dist-url", "--coordinator", "--run-dir",
                 "--cuda-device")
 """dist_runner flags scripts/slurm.py gives every rank itself (refused after --)."""
@@ -264,3 +269,11 @@ def job_outcome(fields: Mapping[str, str]) -> tuple[str, int | None]:
     if status == 0 and state != "COMPLETED":
         status = 1
     return state, status
+
+
+def hopeless(fields: Mapping[str, str]) -> str | None:
+    """A pending job's Reason when it names a limit the job cannot fit (NEVER_REASONS)."""
+    reason = fields.get("Reason", "")
+    if fields.get("JobState") == "PENDING" and reason in NEVER_REASONS:
+        return reason
+    return None

@@ -1,0 +1,112 @@
+"""scripts/slurm.py on a real one-host Slurm cluster (slurmctld + slurmd + munge, started here).
+
+The fixture installs slurm-wlm and munge when missing (root with apt), writes a private
+slurm.conf and starts the daemons on ports of their own; the tests submit plans with
+`slurm.py submit ... --wait` and read the run folder the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_entry
+
+from testkit.fault_harness import write_trial_plan
+from testkit.slurm_lab import slurm_missing, start_slurm
+
+pytestmark = pytest.mark.slurm
+
+RUNNER = ["--fake-data", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-host Slurm cluster, stopped after the module."""
+    why = slurm_missing()
+    if why:
+        pytest.skip(why)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs for 2 ranks (one task per CPU)")
+    lab = start_slurm(tmp_path_factory.mktemp("slurm"))
+    yield lab
+    lab.stop()
+
+
+@pytest.fixture(scope="module")
+def plan2(tmp_path_factory) -> Path:
+    """gpt-tiny, 2 replicas x 1 stage (2 CPU ranks, allreduce)."""
+    return write_trial_plan(tmp_path_factory.mktemp("plan") / "plan.json", 2, 1, "allreduce")
+
+
+def submit(slurm, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`scripts/slurm.py submit ARGS` against the lab's slurm.conf."""
+    return run_entry("scripts/slurm.py", "submit", *args, env=slurm.env, timeout=timeout)
+
+
+def metrics_steps(run: Path) -> dict[int, int]:
+    """{rank: last step} of every rank's timing file in a run folder."""
+    out = {}
+    for f in sorted((run / "ranks").glob("rank*.jsonl")):
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        out[rows[-1]["rank"]] = rows[-1]["step"]
+    return out
+
+
+def test_submit_wait_trains_every_rank(slurm, plan2, tmp_path) -> None:
+    run = tmp_path / "run"
+    r = submit(slurm, "--plan", str(plan2), "--run-dir", str(run), "--wait", "--",
+               "--steps", "4", *RUNNER)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "COMPLETED, exit status 0" in out
+    assert "rank 0: step 4/4" in out  # the trainer's progress, followed from the job's output
+    assert metrics_steps(run) == {0: 4, 1: 4}
+    for rank in (0, 1):
+        assert (run / "ckpt" / f"rank{rank}" / "step00000004.pt").is_file()
+    assert (run / "metrics.jsonl").is_file() and (run / "slurm-submit.sh").is_file()
+
+
+def test_ctrl_c_cancels_and_resume_continues(slurm, plan2, tmp_path) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "slurm.py"), "submit", "--plan", str(plan2),
+           "--run-dir", str(run), "--wait", "--", "--steps", "400", "--ckpt-every", "2", *RUNNER]
+    p = subprocess.Popen(cmd, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=ROOT)
+    lines = []
+    assert p.stdout is not None
+    for line in p.stdout:
+        lines.append(line)
+        if "rank 0: step 3/400" in line:
+            p.send_signal(signal.SIGINT)  # Ctrl+C
+            break
+    rest, _ = p.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert p.returncode == 130, out
+    assert "cancelling job" in out and "CANCELLED" in out
+    squeue = subprocess.run(["squeue", "-h"], env=slurm.env, capture_output=True, text=True)
+    assert squeue.stdout.strip() == ""  # nothing left running
+    saved = sorted((run / "ckpt" / "rank0").glob("step*.pt"))
+    assert saved, out
+    r = submit(slurm, "--plan", str(plan2), "--run-dir", str(run), "--wait", "--resume", "--",
+               "--steps", "6", *RUNNER)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "rank 0: resumed from step" in out
+    assert metrics_steps(run) == {0: 6, 1: 6}
+
+
+def test_bad_partition_and_too_many_nodes_one_line(slurm, plan2, tmp_path) -> None:
+    for extra, words in ((["--partition", "nosuch"], "invalid partition"),
+                         (["--nodes", "2", "--ranks-per-node", "1", "--wait"],
+                          "cannot start as asked")):
+        r = submit(slurm, "--plan", str(plan2), "--run-dir", str(tmp_path / "bad"), *extra,
+                   "--", "--steps", "2", *RUNNER, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert words in r.stderr.lower() or words in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
