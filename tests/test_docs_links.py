@@ -35,7 +35,9 @@ FLAGS_DOCUMENTED = {
     ("scripts/launch_local.py", None), ("scripts/coordinator.py", None),
     ("scripts/measure.py", None), ("scripts/plot_run.py", None), ("scripts/tc.py", "apply"),
     ("scripts/cluster_ssh.py", None), ("scripts/local_cluster.py", "up"),
-    ("benchmarks/end_to_end.py", None)}
+    ("benchmarks/end_to_end.py", None), ("scripts/slurm.py", "submit"),
+    ("scripts/slurm.py", "run"), ("scripts/launch_specs.py", "sky"),
+    ("scripts/launch_specs.py", "k8s")}
 """Entry points whose every `--flag` (from `--help`) the README or a guide mentions."""
 HELP_FLAG = re.compile(r"^\s+(--[a-z0-9][a-z0-9-]*)", re.M)
 
