@@ -26,7 +26,7 @@ TOP_FILES = ("dist_runner.py", "setup.py", "constraints-cpu.txt")
 _DIRS = "|".join(TOP_DIRS)
 _FILES = "|".join(re.escape(f) for f in TOP_FILES)
 REPO_PATH = re.compile(rf"(?<![\w./~$-])((?:{_DIRS})/[\w./-]*|(?:{_FILES}))")
-COMMAND = re.compile(r"python\s+((?:[\w-]+/)*[\w-]+\.py)(?:[ \t]+([a-z][a-z-]*)\b)?")
+COMMAND = re.compile(r"python\s+((?:[\w-]+/)*[\w-]+\.py)(?:[ \t]+([a-z][a-z0-9-]*)\b)?")
 PLACEHOLDER = re.compile(r"[*{}<>]|\.\.\.")
 FLAGS_DOCUMENTED = {
     ("dist_runner.py", None), ("scheduler/scheduler.py", "scenario"),
