@@ -134,3 +134,13 @@ def test_bad_input_one_line(tmp_path) -> None:
         assert r.returncode == 2 and words in r.stderr, r.stderr
     assert not (tmp_path / "o.yaml").exists()
     assert json.loads(plan.read_text())["model"] == "gpt-tiny"
+
+
+def test_sky_task_parses_with_skypilot(tmp_path) -> None:
+    """Where SkyPilot is installed (98 packages: not in the dev extras), its own parser."""
+    sky = pytest.importorskip("sky", reason="skypilot is not installed (pip install skypilot)")
+    plan = write_trial_plan(tmp_path / "plan.json", 4, 1, "allreduce")
+    spec("sky", plan, tmp_path / "t.yaml", "--accelerator", "A100:2", "--use-spot", "--bucket",
+         "b", rest=("--steps", "10"))
+    task = sky.Task.from_yaml(str(tmp_path / "t.yaml"))
+    assert task.num_nodes == 2 and "/mnt/run" in task.storage_mounts
