@@ -264,7 +264,14 @@ def cmd_submit(args: argparse.Namespace, rest: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / sj.SCRIPT_NAME
     atomic_write_bytes(path, script.encode())
-    out = slurm_command(["sbatch", "--parsable", str(path)], "sbatch")
+    try:
+        out = slurm_command(["sbatch", "--parsable", str(path)], "sbatch")
+    except UserError as e:
+        if "node configuration is not available" in str(e) and not args.gpus_per_node:
+            raise UserError(f"{e}: {sub.ntasks} CPU ranks x {sub.cpus_per_task} CPU(s) do not "
+                            f"fit on {sub.nodes} node(s); ask for more --nodes, or let ranks "
+                            "share CPUs with --sbatch-arg=--overcommit") from None
+        raise
     job = out.strip().split(";")[0]
     log = run_dir / sj.OUTPUT_NAME.replace("%j", job)
     print(f"slurm: submitted job {job} ({sub.ntasks} ranks on {sub.nodes} node(s)); "
@@ -285,7 +292,8 @@ def job_state(job: str) -> tuple[str, int | None]:
         raise UserError(f"job {job} cannot start as asked (Reason={reason}: "
                         f"{fields.get('NumNodes', '?')} node(s), partition "
                         f"{fields.get('Partition', '?')}); cancelled it: ask for fewer nodes "
-                        "or GPUs (--nodes, --gpus-per-node), another --partition or --time")
+                        "or GPUs (--nodes, --gpus-per-node), another --partition or --time, or "
+                        "let CPU ranks share CPUs (--sbatch-arg=--overcommit)")
     return sj.job_outcome(fields)
 
 

@@ -219,7 +219,9 @@ def sbatch_script(sub: Submission, run_cmd: Sequence[str]) -> str:
     requeued job's lines follow the first run's), then `exec run_cmd` (slurm.py run)."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={sub.job_name}", f"#SBATCH --nodes={sub.nodes}",
              f"#SBATCH --ntasks={sub.ntasks}", f"#SBATCH --cpus-per-task={sub.cpus_per_task}"]
-    if sub.ntasks_per_node is not None:
+    overcommit = any(a in ("--overcommit", "-O") for a in sub.extra)
+    if sub.ntasks_per_node is not None and not overcommit:  # sbatch refuses more per node than
+        # CPUs even with --overcommit; srun's --ntasks-per-node places the ranks then
         lines.append(f"#SBATCH --ntasks-per-node={sub.ntasks_per_node}")
     if sub.gpus_per_node > 0:
         lines.append(f"#SBATCH --gpus-per-node={sub.gpus_per_node}")

@@ -58,18 +58,32 @@ def metrics_steps(run: Path) -> dict[int, int]:
     return out
 
 
-def test_submit_wait_trains_every_rank(slurm, plan2, tmp_path) -> None:
+def test_submit_wait_trains_every_rank(slurm, tmp_path) -> None:
+    """4 ranks (2 replicas x 2 stages) for 10 steps; on a 2-CPU node they share CPUs
+    (--overcommit), as launch_local.py's ranks share the cores."""
+    plan = write_trial_plan(tmp_path / "plan4.json", 2, 2, "allreduce")
     run = tmp_path / "run"
-    r = submit(slurm, "--plan", str(plan2), "--run-dir", str(run), "--wait", "--",
-               "--steps", "4", *RUNNER)
+    over = ["--sbatch-arg=--overcommit"] if (os.cpu_count() or 1) < 4 else []
+    r = submit(slurm, "--plan", str(plan), "--run-dir", str(run), *over, "--wait", "--",
+               "--steps", "10", "--log-every", "5", "--fake-data")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "COMPLETED, exit status 0" in out
-    assert "rank 0: step 4/4" in out  # the trainer's progress, followed from the job's output
-    assert metrics_steps(run) == {0: 4, 1: 4}
-    for rank in (0, 1):
-        assert (run / "ckpt" / f"rank{rank}" / "step00000004.pt").is_file()
+    assert "step 10/10" in out  # the trainer's progress, followed from the job's output
+    assert metrics_steps(run) == {0: 10, 1: 10, 2: 10, 3: 10}
+    for rank in range(4):
+        assert (run / "ckpt" / f"rank{rank}" / "step00000010.pt").is_file()
     assert (run / "metrics.jsonl").is_file() and (run / "slurm-submit.sh").is_file()
+
+
+def test_more_cpu_ranks_than_cpus_named(slurm, tmp_path) -> None:
+    n = (os.cpu_count() or 1) + 1
+    plan = write_trial_plan(tmp_path / "plan.json", n, 1, "allreduce")
+    r = submit(slurm, "--plan", str(plan), "--run-dir", str(tmp_path / "run"), "--wait", "--",
+               "--steps", "2", *RUNNER, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    # refused by sbatch, or accepted and left pending (Reason=PartitionConfig): named either way
+    assert "--sbatch-arg=--overcommit" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_ctrl_c_cancels_and_resume_continues(slurm, plan2, tmp_path) -> None:

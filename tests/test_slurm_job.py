@@ -140,3 +140,11 @@ def test_cli_errors_are_one_line(tmp_path) -> None:
     r = run_entry("scripts/slurm.py", "--help")
     assert r.returncode == 0 and "submit" in r.stdout and "--resume" in r.stdout
     assert "--wait" in run_entry("scripts/slurm.py", "submit", "--help").stdout
+
+
+def test_overcommit_drops_ntasks_per_node(tmp_path) -> None:
+    sub = sj.Submission(nodes=1, ntasks=4, ntasks_per_node=4, gpus_per_node=0, cpus_per_task=1,
+                        run_dir=str(tmp_path), extra=("--overcommit",))
+    lines = sj.sbatch_script(sub, ["true"]).splitlines()
+    assert "#SBATCH --overcommit" in lines and "#SBATCH --ntasks=4" in lines
+    assert not any(x.startswith("#SBATCH --ntasks-per-node") for x in lines)
