@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,37 +87,6 @@ def test_more_cpu_ranks_than_cpus_named(slurm, tmp_path) -> None:
     assert "--sbatch-arg=--overcommit" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-def test_ctrl_c_cancels_and_resume_continues(slurm, plan2, tmp_path) -> None:
-    run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "scripts" / "slurm.py"), "submit", "--plan", str(plan2),
-           "--run-dir", str(run), "--wait", "--", "--steps", "400", "--ckpt-every", "2", *RUNNER]
-    p = subprocess.Popen(cmd, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, cwd=ROOT)
-    lines = []
-    assert p.stdout is not None
-    for line in p.stdout:
-        lines.append(line)
-        if "rank 0: step 3/400" in line:  # training: Ctrl+C now
-            p.send_signal(signal.SIGINT)  # Ctrl+C
-            break
-    rest, _ = p.communicate(timeout=120)
-    out = "".join(lines) + rest
-    assert p.returncode == 130, out
-    assert "cancelling job" in out and "CANCELLED" in out
-    squeue = subprocess.run(["squeue", "-h"], env=slurm.env, capture_output=True, text=True)
-    assert squeue.stdout.strip() == ""  # nothing left running
-    newest = [max((int(f.stem[4:]) for f in (run / "ckpt" / f"rank{k}").glob("step*.pt")),
-                  default=0) for k in (0, 1)]
-    assert min(newest) > 0, out  # the emergency checkpoint on SIGTERM, if not a periodic one
-    end = min(newest) + 3
-    r = submit(slurm, "--plan", str(plan2), "--run-dir", str(run), "--wait", "--resume", "--",
-               "--steps", str(end), *RUNNER)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    assert f"rank 0: resumed from step {min(newest)}" in out
-    assert metrics_steps(run) == {0: end, 1: end}
-
-
 def test_bad_partition_and_too_many_nodes_one_line(slurm, plan2, tmp_path) -> None:
     for extra, words in ((["--partition", "nosuch"], "invalid partition"),
                          (["--nodes", "2", "--ranks-per-node", "1", "--wait"],
@@ -126,3 +96,51 @@ def test_bad_partition_and_too_many_nodes_one_line(slurm, plan2, tmp_path) -> No
         assert r.returncode == 2, r.stdout + r.stderr
         assert words in r.stderr.lower() or words in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_requeued_job_resumes_then_ctrl_c_cancels(slurm, plan2, tmp_path) -> None:
+    """`scontrol requeue` mid-run (as preemption does): the same batch script runs again with
+    SLURM_RESTART_COUNT=1 and continues from the checkpoints, --wait following both runs; then
+    Ctrl+C cancels the job (scancel), every rank saves, and the follower exits 130."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "slurm.py"), "submit", "--plan", str(plan2),
+           "--run-dir", str(run), "--wait", "--", "--steps", "400", "--ckpt-every", "2", *RUNNER]
+    p = subprocess.Popen(cmd, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=ROOT)
+    ctl = {"env": slurm.env, "capture_output": True, "text": True, "timeout": 30}
+    lines, job, resumed = [], None, None
+    assert p.stdout is not None
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("slurm: submitted job "):
+            job = line.split()[3]
+        elif "rank 0: step 3/400" in line and resumed is None:
+            assert subprocess.run(["scontrol", "requeue", job], **ctl).returncode == 0
+            _start_now(job, ctl)
+            resumed = 0
+        elif line.startswith("rank 0: resumed from step "):
+            resumed = int(line.split()[-1])
+        elif resumed and f"rank 0: step {resumed + 2}/400" in line:
+            p.send_signal(signal.SIGINT)  # Ctrl+C
+            break
+    rest, _ = p.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert p.returncode == 130, out
+    assert "DUE TO JOB REQUEUE" in out and "restart 1" in out and resumed, out
+    assert "continuing from the checkpoints" in out  # --resume added by the requeued job
+    assert "cancelling job" in out and "CANCELLED" in out
+    assert subprocess.run(["squeue", "-h"], **ctl).stdout.strip() == ""  # nothing left
+    assert min(metrics_steps(run).values()) >= resumed + 1
+    for k in (0, 1):  # every rank saved past the resumed step (periodic or on SIGTERM)
+        steps = [int(f.stem[4:]) for f in (run / "ckpt" / f"rank{k}").glob("step*.pt")]
+        assert max(steps) > resumed, steps
+
+
+def _start_now(job: str, ctl: dict) -> None:
+    """Slurm holds a requeued job about two minutes (Reason=BeginTime): release it now."""
+    for _ in range(150):
+        show = subprocess.run(["scontrol", "show", "job", "-o", job], **ctl).stdout
+        if "Reason=BeginTime" in show:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], **ctl)
+            return
+        time.sleep(0.2)
