@@ -81,7 +81,7 @@ def test_sky_task_gpus_spot_bucket(tmp_path) -> None:
     out = subprocess.run(["bash", "-c", _echo(task["run"], "python")], capture_output=True,
                          text=True, env=dict(os.environ, SKYPILOT_NODE_RANK="1",
                                              SKYPILOT_NODE_IPS="10.0.0.5\n10.0.0.6"))
-    lines = out.stdout.splitlines()
+    lines = sorted(out.stdout.splitlines(), key=lambda x: x.split("--rank ")[1])  # any order:
     assert len(lines) == 4, out.stdout + out.stderr  # node 1 runs ranks 4..7, GPUs 0..3
     for i, line in enumerate(lines):
         assert f"--rank {4 + i} --dist-url tcp://10.0.0.5:29500 --cuda-device {i}" in line
