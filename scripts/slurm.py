@@ -119,6 +119,13 @@ def plan_cluster(cluster: Path, args: argparse.Namespace, run_dir: Path) -> Path
     return out
 
 
+def with_ckpt_dir(rest: list[str], run_dir: Path) -> list[str]:
+    """The runner flags with the checkpoint folder every rank gets (RUN_DIR/ckpt unless given),
+    so that a --resume after -- is checked as the ranks will see it."""
+    given = sj.flag_value(rest, "--ckpt-dir") is not None
+    return rest if given else [*rest, "--ckpt-dir", str(run_dir / "ckpt")]
+
+
 def runner_args(rest: list[str], run_dir: Path, resume: bool) -> list[str]:
     """The dist_runner flags every rank gets: the user's, the run folder, a checkpoint folder
     (DIR/ckpt unless given) and --resume when asked or requeued with a checkpoint."""
@@ -151,7 +158,7 @@ def cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
     layout = sj.plan_layout(plan, nodes, cluster, per_node)
     ntasks = os.environ.get("SLURM_NTASKS")
     sj.check_tasks(layout, int(ntasks) if ntasks and ntasks.isdigit() else None)
-    check_runner_args(rest, str(plan_path), plan)
+    check_runner_args(with_ckpt_dir(rest, run_dir), str(plan_path), plan)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):
         env[SECRET_ENV] = new_secret()  # one per run, through the environment only
@@ -253,7 +260,7 @@ def cmd_submit(args: argparse.Namespace, rest: list[str]) -> int:
     run_dir = Path(args.run_dir).absolute()
     check_output_dir(run_dir, "--run-dir")
     if args.plan:
-        check_runner_args(rest, args.plan, load_plan(args.plan))
+        check_runner_args(with_ckpt_dir(rest, run_dir), args.plan, load_plan(args.plan))
     elif not args.model and not args.cluster:
         raise UserError("submit: give --plan, or --cluster or --model to plan inside the job")
     sub = submission(args, run_dir)

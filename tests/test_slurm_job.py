@@ -140,6 +140,9 @@ def test_cli_errors_are_one_line(tmp_path) -> None:
     r = run_entry("scripts/slurm.py", "submit", "--plan", str(pl), "--run-dir", "r", "--resume",
                   "--dry-run", "--", "--steps", "2", "--fake-data")
     assert r.returncode == 0 and " --resume -- --steps 2 --fake-data" in r.stdout, r.stderr
+    r = run_entry("scripts/slurm.py", "submit", "--plan", str(pl), "--run-dir", "r", "--dry-run",
+                  "--", "--steps", "2", "--fake-data", "--resume")  # the ckpt folder is ours
+    assert r.returncode == 0, r.stderr
     r = run_entry("scripts/slurm.py", "--help")
     assert r.returncode == 0 and "submit" in r.stdout and "--resume" in r.stdout
     assert "--wait" in run_entry("scripts/slurm.py", "submit", "--help").stdout
