@@ -215,17 +215,17 @@ def cmd_task(args: argparse.Namespace, rest: list[str]) -> int:
 
 def submission(args: argparse.Namespace, run_dir: Path) -> sj.Submission:
     """What to ask sbatch for: one task per rank of the plan, or nodes x per-node to measure."""
+    devices = load_plan(args.plan).devices() if args.plan else None
     nodes = args.nodes
-    if args.plan:
-        ranks = len(load_plan(args.plan).devices())
-        if args.cluster and args.nodes is None:
-            cl = load_cluster(args.cluster)
-            nodes = len({cl.devices[d].host for d in load_plan(args.plan).devices()})
-        nodes = nodes or 1
+    if args.cluster:  # the hosts the plan uses (or all the cluster's: it will plan them all)
+        cl = load_cluster(args.cluster)
+        devices = devices if devices is not None else list(range(cl.num_devices))
+        nodes = nodes or len({cl.devices[d].host for d in devices})
+    nodes = nodes or 1
+    if devices is not None:
+        ranks = len(devices)
     else:
-        nodes = nodes or 1
-        per = args.gpus_per_node or args.ranks_per_node or 1
-        ranks = nodes * per
+        ranks = nodes * (args.gpus_per_node or args.ranks_per_node or 1)
     ntasks, per_node = sj.submission_shape(ranks, nodes, args.gpus_per_node, args.ranks_per_node)
     return sj.Submission(nodes=nodes, ntasks=ntasks, ntasks_per_node=per_node,
                          gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task or 1,

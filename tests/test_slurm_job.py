@@ -154,3 +154,14 @@ def test_overcommit_drops_ntasks_per_node(tmp_path) -> None:
     lines = sj.sbatch_script(sub, ["true"]).splitlines()
     assert "#SBATCH --overcommit" in lines and "#SBATCH --ntasks=4" in lines
     assert not any(x.startswith("#SBATCH --ntasks-per-node") for x in lines)
+
+
+def test_submission_from_cluster_without_plan(tmp_path) -> None:
+    from formats.cluster import save_cluster
+    from scripts import slurm
+
+    save_cluster(cluster(["a", "a", "b", "b"]), tmp_path / "c.json")
+    args = slurm.build_parser().parse_args(["submit", "--cluster", str(tmp_path / "c.json"),
+                                            "--model", "gpt-tiny", "--run-dir", "r"])
+    sub = slurm.submission(args, tmp_path)
+    assert (sub.nodes, sub.ntasks, sub.ntasks_per_node) == (2, 4, 2)  # its hosts, its devices
