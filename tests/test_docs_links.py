@@ -26,7 +26,7 @@ TOP_FILES = ("dist_runner.py", "setup.py", "constraints-cpu.txt")
 _DIRS = "|".join(TOP_DIRS)
 _FILES = "|".join(re.escape(f) for f in TOP_FILES)
 REPO_PATH = re.compile(rf"(?<![\w./~$-])((?:{_DIRS})/[\w./-]*|(?:{_FILES}))")
-COMMAND = re.compile(r"python\s+((?:[\w-]+/)*[\w-]+\.py)(?:[ \t]+([a-z][a-z-]*)\b)?")
+COMMAND = re.compile(r"python\s+((?:[\w-]+/)*[\w-]+\.py)(?:[ \t]+([a-z][a-z0-9-]*)\b)?")
 PLACEHOLDER = re.compile(r"[*{}<>]|\.\.\.")
 FLAGS_DOCUMENTED = {
     ("dist_runner.py", None), ("scheduler/scheduler.py", "scenario"),
@@ -35,7 +35,9 @@ FLAGS_DOCUMENTED = {
     ("scripts/launch_local.py", None), ("scripts/coordinator.py", None),
     ("scripts/measure.py", None), ("scripts/plot_run.py", None), ("scripts/tc.py", "apply"),
     ("scripts/cluster_ssh.py", None), ("scripts/local_cluster.py", "up"),
-    ("benchmarks/end_to_end.py", None)}
+    ("benchmarks/end_to_end.py", None), ("scripts/slurm.py", "submit"),
+    ("scripts/slurm.py", "run"), ("scripts/launch_specs.py", "sky"),
+    ("scripts/launch_specs.py", "k8s")}
 """Entry points whose every `--flag` (from `--help`) the README or a guide mentions."""
 HELP_FLAG = re.compile(r"^\s+(--[a-z0-9][a-z0-9-]*)", re.M)
 
