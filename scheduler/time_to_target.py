@@ -30,8 +30,9 @@ def target_rows(ours: dict[str, Any] | None, allreduce: dict[str, Any] | None) -
             rows.append(f"    {label:10s} {_num(d.get('seconds'), '.1f'):>8s} s  "
                         f"{_num(d.get('steps'), '.0f'):>6s} steps  "
                         f"{_num(d.get('tokens'), ',d'):>12s} tokens")
-    for flag in ours.get("flags", []):
-        rows.append(f"  uncertain: {flag} (charged {_margin()} more DiLoCo steps)")
+    if ours.get("flags"):
+        rows.append(f"  uncertain (DiLoCo charged {_margin()} more steps): "
+                    + "; ".join(ours["flags"]))
     return rows
 
 
