@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from modules.control.dist import topology
+    from modules.device.memory import check_stage_memory
     from modules.device.placement import resolve_placement
     from modules.device.select import describe_device
     from modules.train.outputs import check_outputs
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     topo = topology(plan, rank, run.target.world_size)  # not in plan / world mismatch: exit 2
     check_outputs(cfg, topo)  # every file and folder this rank writes, before the rendezvous
     placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
+    check_stage_memory(plan, topo.stage, placement.device)  # before anything is allocated
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {rank}: {msg}", flush=True)

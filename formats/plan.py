@@ -19,6 +19,7 @@ from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.jsonfile import load_json
 from formats.models import ModelSpec, get_model, spec_from_fields
+from formats.safe_files import refuse_non_finite
 
 PLAN_FORMAT = "plan/1"
 """Written when every stage is held by one device (D = 1)."""
@@ -475,4 +476,6 @@ def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Validate and write a plan file atomically (temp file + rename)."""
     validate_plan(plan)
-    atomic_write_json(path, plan.to_dict())
+    obj = plan.to_dict()
+    refuse_non_finite(obj, f"plan {path}")  # NaN/Infinity: JSON other tools cannot read
+    atomic_write_json(path, obj)
