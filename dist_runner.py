@@ -14,8 +14,8 @@ environment. With --coordinator, a coordinator
 process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
-rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, or the
-coordinator is gone.
+rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, the
+coordinator is gone, or a checkpoint could not be written (--on-checkpoint-error stop).
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
     from modules.control.auth import Auth, load_secret
     from modules.control.dist import parse_dist_url, rendezvous
     from modules.control.fault import members_of
+    from modules.train.ckpt_stop import start_note
     from modules.train.trainer import Trainer
 
     target, plan, el = run.target, run.plan, run.cfg.elastic
@@ -161,7 +162,7 @@ def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
     data = load_data(run, log)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {target.url} as "
-        f"{target.rank}/{target.world_size}")
+        f"{target.rank}/{target.world_size}{start_note(run.cfg.ckpt, run.cfg.steps)}")
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     if hivemind is not None:  # the store is my replica's, hosted by its first device
