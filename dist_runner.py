@@ -27,6 +27,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# c10d's C++ logger prints stack traces for failures we turn into one clear message; set
+# before anything imports torch (--init-from's checks do, before main's own import);
+# TORCH_CPP_LOG_LEVEL=INFO shows them
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -241,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     run, cluster = resolve_run(launch, cfg)  # the one resolved record, passed down from here
     assert run.target is not None
     rank, plan, cfg = run.target.rank, run.plan, run.cfg
-    # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
-    # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    # torch imports after the cheap checks, so bad input fails fast
     import torch
     import torch.distributed as dist
 

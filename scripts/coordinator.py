@@ -16,10 +16,13 @@ saves a checkpoint and exits 1 naming it: start it again, then every rank with -
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
+# before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

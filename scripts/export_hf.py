@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -1,0 +1,59 @@
+"""Messages of the entry paths: the run secret file checked (a folder, another user's file),
+c10d's C++ stack traces kept out of a rendezvous failure (TORCH_CPP_LOG_LEVEL set before torch
+is first imported)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from formats.errors import UserError
+from modules.control.auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
+
+CPP_FRAMES = ("frame #", "Exception raised from", "c10::", "[W", "[E")
+
+
+def test_a_secret_folder_is_named_not_raised(tmp_path: Path) -> None:
+    folder = tmp_path / "secret"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(UserError, match="the run secret .*secret is a folder"):
+        load_secret({SECRET_FILE_ENV: str(folder)})
+
+
+def test_a_secret_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s" * 40 + "\n")
+    path.chmod(0o600)
+    assert load_secret({SECRET_FILE_ENV: str(path)}) == b"s" * 40
+    if os.getuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    os.chown(path, 12345, 12345)
+    with pytest.raises(UserError, match="belongs to user id 12345, not to this user"):
+        load_secret({SECRET_FILE_ENV: str(path)})
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_failure_prints_no_cpp_frames(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for rank, secret in ((0, "a" * 40), (1, "b" * 40)):  # the secrets differ
+        env = {**os.environ, SECRET_ENV: secret}
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "dist_runner.py"), "--model", "gpt-tiny", "--dist-url",
+             url, "--world-size", "2", "--rank", str(rank), "--threads", "1", "--fake-data",
+             "--steps", "2", "--timeout-s", "8"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    outs = [(p.wait(timeout=100), p.stdout.read()) for p in procs]
+    for code, out in outs:
+        assert code != 0 and "error:" in out, out[-3000:]
+        assert not [f for f in CPP_FRAMES if f in out], out[-3000:]
+        assert "Traceback" not in out
