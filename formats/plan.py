@@ -43,6 +43,9 @@ MAX_INNER_STEPS = 10 ** 9
 """Most DiLoCo inner steps per outer step (the papers use 500)."""
 MAX_DEVICE_ID = 2 ** 31 - 1
 """torch.distributed ranks are 32-bit."""
+MAX_WORLD_SIZE = 65536
+"""Most ranks one run may have: each is a process and a client of one TCPStore, and the
+plan lists each device (2^31 ranks would be built for hours and never meet)."""
 
 
 @dataclass

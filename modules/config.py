@@ -21,7 +21,7 @@ from pathlib import Path
 from formats.addresses import tcp_url
 from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
-from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
+from formats.plan import MAX_DEVICE_ID, MAX_WORLD_SIZE, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
 from modules.debug_config import DebugConfig
@@ -635,7 +635,7 @@ class LaunchConfig:
     running stage r mod S of replica r div S"""
     rank: int | None = setting(None, lo=0, hi=MAX_DEVICE_ID)
     """device id of this process (default: $RANK)"""
-    world_size: int | None = setting(None, lo=1, hi=MAX_DEVICE_ID + 1)
+    world_size: int | None = setting(None, lo=1, hi=MAX_WORLD_SIZE)
     """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
     dist_url: str | None = None
     """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""

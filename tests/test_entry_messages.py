@@ -57,3 +57,15 @@ def test_a_rendezvous_failure_prints_no_cpp_frames(tmp_path: Path) -> None:
         assert code != 0 and "error:" in out, out[-3000:]
         assert not [f for f in CPP_FRAMES if f in out], out[-3000:]
         assert "Traceback" not in out
+
+
+def test_a_world_size_no_run_can_have_is_refused(monkeypatch) -> None:
+    import dist_runner
+    from modules.plan_flags import plan_without_file
+
+    with pytest.raises(UserError, match=r"--world-size: must be in \[1, 65536\], got 2147483648"):
+        dist_runner.parse_args(["--model", "gpt-tiny", "--world-size", "2147483648"])
+    launch, cfg = dist_runner.parse_args(["--model", "gpt-tiny", "--fake-data"])
+    monkeypatch.setenv("WORLD_SIZE", "99999999999")
+    with pytest.raises(UserError, match="WORLD_SIZE 99999999999: more ranks than a run may"):
+        plan_without_file(launch, cfg)
