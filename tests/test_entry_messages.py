@@ -69,3 +69,49 @@ def test_a_world_size_no_run_can_have_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "99999999999")
     with pytest.raises(UserError, match="WORLD_SIZE 99999999999: more ranks than a run may"):
         plan_without_file(launch, cfg)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_coordinator_without_a_traceback(tmp_path: Path) -> None:
+    """SIGTERM at once after it listens, and twice in a row: one line, exit 143, never a
+    SystemExit traceback (the second signal lands while the first is being reported)."""
+    import signal
+    import time
+
+    from testkit.fault_harness import Ranks, free_port, write_trial_plan
+
+    plan = write_trial_plan(tmp_path / "plan.json", 2, 1, "diloco")
+    for trial, signals in enumerate((1, 2)):
+        ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp_path / f"t{trial}")
+        ranks.out_dir.mkdir()
+        ranks.start_coordinator()
+        for _ in range(signals):
+            ranks.coordinator.send_signal(signal.SIGTERM)
+            time.sleep(0.01)
+        code = ranks.wait_coordinator(30)
+        out = ranks.coordinator_output()
+        assert code == 143 and "Traceback" not in out and "SystemExit" not in out, out
+
+
+@pytest.mark.timeout(200)
+def test_a_join_of_a_live_replica_is_refused_at_once(tmp_path: Path) -> None:
+    from testkit.fault_harness import Ranks, free_port, write_trial_plan
+
+    plan = write_trial_plan(tmp_path / "plan.json", 2, 1, "diloco")
+    ranks = Ranks(plan, f"tcp://127.0.0.1:{free_port()}", tmp_path / "run")
+    ranks.out_dir.mkdir()
+    common = ("--fake-data", "--steps", "100000", "--timeout-s", "60")
+    try:
+        for r in (0, 1):
+            ranks.start(r, *common)
+        assert ranks.wait_for_text(0, "step 2", 120), ranks.output(0)[-3000:]
+        env = {**os.environ, SECRET_ENV: ranks.secret}
+        joiner = subprocess.run(
+            [sys.executable, str(ROOT / "dist_runner.py"), "--plan", str(plan), "--rank", "1",
+             "--dist-url", ranks.url, "--threads", "1", "--join", *common], cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=50)  # well below --timeout-s 60
+    finally:
+        ranks.stop()
+    assert joiner.returncode == 2, joiner.stdout[-3000:] + joiner.stderr[-3000:]
+    assert "--join: replica 1 is still running" in joiner.stderr
+    assert "Traceback" not in joiner.stderr + joiner.stdout

@@ -41,6 +41,7 @@ from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.flag_wait import FlagWaiter
 from modules.control.groups import GroupBuilder, Groups
 from modules.control.hidden import hidden_store
+from modules.control.join_check import refuse_live_join
 from modules.control.leader import first_generation, publish
 from modules.control.protocol import (
     JOIN_TAG,
@@ -246,6 +247,9 @@ class Membership:
         and receive the outer state of my stage (see `poll` for `handover`)."""
         mon = self.monitor
         assert mon is not None and self.cfg.join
+        # a live replica is never admitted: say so now (two beats' time), not after timeout_s
+        refuse_live_join(self.store, self.topo.rank, self.topo.replica, mon.nonce,
+                         2.5 * min(1.0, self.cfg.heartbeat_timeout_s / 4) + 0.5)
         t0 = time.monotonic()
         try:
             self.store.put(join_key(self.topo.rank), "1")

@@ -206,6 +206,11 @@ class Monitor(threading.Thread):
         """When the store last answered a whole beat (monotonic, wall clock)."""
 
     # -- public ------------------------------------------------------------------------------
+    @property
+    def nonce(self) -> str:
+        """This process's heartbeat nonce (another process beating as my rank has another)."""
+        return self._nonce
+
     def describe(self, rank: int) -> str:
         """'rank R (host H, replica r, stage s)' from the store's records."""
         return describe_rank(self._client, rank, self._info)
