@@ -133,3 +133,47 @@ def test_one_ranks_failed_checkpoint_stops_every_rank(tmp_path: Path) -> None:
         assert "step 4 is complete on every rank: --resume restarts there" in out, out[-3000:]
         assert "Traceback" not in out
     assert 4 in set.intersection(*(set(complete_steps(ck, r)) for r in range(3)))
+
+
+def checkpointing(tmp_path: Path, policy: str, logged: list[str]):  # noqa: ANN201
+    import threading
+
+    from modules.config import CheckpointConfig
+    from modules.train.checkpointing import Checkpointing
+
+    cfg = CheckpointConfig(dir=str(tmp_path), every=4, on_error=policy)
+    return Checkpointing(cfg, 0, {}, lambda: STATE, lambda: 4, threading.Lock(), False,
+                         log=logged.append, fail_from=4)
+
+
+def test_a_failed_last_write_ends_the_run_with_the_message(tmp_path: Path) -> None:
+    from modules.train.ckpt_stop import CheckpointFailed
+
+    logged: list[str] = []
+    ck = checkpointing(tmp_path, "stop", logged)
+    ck.save()
+    ck.flush()
+    assert ck.stop.pending and "stopping every rank" in logged[-1]
+    store = DictStore()
+    store.put(checkpoint_key(1), "4")
+    ck.share_floor(store, [0, 1])  # the last publish, before the end's barrier
+    other = CheckpointStop(1)
+    assert "rank 0 could not write its checkpoint of step 4" in other.poll(store, [0, 1])
+    ck.at_end(store, [0, 1])
+    with pytest.raises(CheckpointFailed, match="no step is completely written on every rank"):
+        ck.raise_at_end()
+
+
+def test_continue_trains_on_and_says_at_the_end_that_no_step_is_common(tmp_path: Path) -> None:
+    logged: list[str] = []
+    ck = checkpointing(tmp_path, "continue", logged)
+    ck.save()
+    ck.flush()
+    assert not ck.stop.pending and "training goes on" in logged[-1]
+    store = DictStore()
+    store.put(checkpoint_key(1), "4")
+    ck.share_floor(store, [0, 1])
+    ck.at_end(store, [0, 1])
+    ck.raise_at_end()  # continue: no error
+    assert "warning: checkpoints at the end of the run: no step is completely written" \
+        in logged[-1]
