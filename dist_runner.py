@@ -14,8 +14,8 @@ environment. With --coordinator, a coordinator
 process (scripts/coordinator.py) hosts the store and leads membership instead of rank 0.
 Exit status: 0 done, 2 bad input (printed as `error: ...`), 1 a peer or the rendezvous did not
 answer within --timeout-s, a peer's heartbeat stopped (allreduce), the store is gone, this
-rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, or the
-coordinator is gone.
+rank's replica was dropped (DiLoCo), fewer than --min-replicas replicas are left, the
+coordinator is gone, or a checkpoint could not be written (--on-checkpoint-error stop).
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# c10d's C++ logger prints stack traces for failures we turn into one clear message; set
+# before anything imports torch (--init-from's checks do, before main's own import);
+# TORCH_CPP_LOG_LEVEL=INFO shows them
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -148,6 +152,7 @@ def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
     from modules.control.auth import Auth, load_secret
     from modules.control.dist import parse_dist_url, rendezvous
     from modules.control.fault import members_of
+    from modules.train.ckpt_stop import start_note
     from modules.train.trainer import Trainer
 
     target, plan, el = run.target, run.plan, run.cfg.elastic
@@ -161,7 +166,7 @@ def build_trainer(run: ResolvedRun, topo: Topology, placement: Placement, log,
     data = load_data(run, log)
     log(f"replica {topo.replica} stage {topo.stage} layers {list(plan.stages[topo.stage])} of "
         f"{plan.model}; sync {plan.sync.mode}; joining {target.url} as "
-        f"{target.rank}/{target.world_size}")
+        f"{target.rank}/{target.world_size}{start_note(run.cfg.ckpt, run.cfg.steps)}")
     members = ((() if join else members_of(plan, start)) if start is not None or join
                else None)
     if hivemind is not None:  # the store is my replica's, hosted by its first device
@@ -240,13 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     run, cluster = resolve_run(launch, cfg)  # the one resolved record, passed down from here
     assert run.target is not None
     rank, plan, cfg = run.target.rank, run.plan, run.cfg
-    # torch imports after the cheap checks, so bad input fails fast. c10d's C++ logger prints
-    # stack traces for timeouts we turn into one clear message; TORCH_CPP_LOG_LEVEL=INFO shows them
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    # torch imports after the cheap checks, so bad input fails fast
     import torch
     import torch.distributed as dist
 
     from modules.control.dist import topology
+    from modules.device.memory import check_stage_memory
     from modules.device.placement import resolve_placement
     from modules.device.select import describe_device
     from modules.train.outputs import check_outputs
@@ -254,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     topo = topology(plan, rank, run.target.world_size)  # not in plan / world mismatch: exit 2
     check_outputs(cfg, topo)  # every file and folder this rank writes, before the rendezvous
     placement = resolve_placement(cfg, plan, topo.replica, cluster)  # bad device flags: exit 2
+    check_stage_memory(plan, topo.stage, placement.device)  # before anything is allocated
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     log = lambda msg: print(f"rank {rank}: {msg}", flush=True)

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from formats.model_size import check_model_size
 from formats.models import PRESETS, ModelSpec, check_spec, get_model
+from formats.safe_files import load_strict_json
 
 CONFIG_NAME = "config.json"
 INERT_KEYS = frozenset({
@@ -74,12 +76,10 @@ def resolve_model(text: str, flag: str = "--model") -> ModelSpec:
         if "/" in text or text.endswith(".json"):
             raise UserError(f"{flag} {text}: no such file or folder with a {CONFIG_NAME}")
         return get_model(text)  # unknown preset: lists the known ones
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{flag} {text}: no such file ({path})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{flag} {path}: not a JSON config ({e})") from None
+    if not path.exists() and not path.is_symlink():
+        raise UserError(f"{flag} {text}: no such file ({path})")
+    # a regular file of bounded size, depth and numbers: a FIFO, /dev/zero, NaN... refused
+    obj = load_strict_json(path, flag)
     name = path.parent.name if path.name == CONFIG_NAME else path.stem
     return spec_from_hf(obj, name or "model", f"{flag} {path}")
 
@@ -113,10 +113,13 @@ def spec_from_hf(obj: Any, name: str, where: str) -> ModelSpec:
     _check_types(out, where)
     spec = ModelSpec(**out)
     check_spec(spec, where)
-    if family == "llama" and obj.get("head_dim", spec.d_model // spec.n_heads) != \
-            spec.d_model // spec.n_heads:
-        raise UserError(f"{where}: head_dim {obj['head_dim']} != hidden_size / "
-                        "num_attention_heads is not supported")
+    if obj.get("head_dim", spec.d_model // spec.n_heads) != spec.d_model // spec.n_heads:
+        width, heads = (("hidden_size", "num_attention_heads") if family == "llama"
+                        else ("n_embd", "n_head"))
+        raise UserError(f"{where}: head_dim {obj['head_dim']} != {width} / {heads} "
+                        f"({spec.d_model // spec.n_heads}) is not supported")
+    # before anything is built: 10^7 layers of 10^7 wide pass every per-field bound
+    check_model_size(spec, where, {field: key for key, field in mapping.items()})
     return spec
 
 

@@ -9,9 +9,11 @@ Counting conventions (used by the cost model, the simulator and the runtime alik
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass
 
 from formats.errors import UserError
+from formats.model_size import check_model_size
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def spec_from_fields(obj: object, where: str) -> ModelSpec:
         raise UserError(f"{where}: missing fields {missing}")
     spec = ModelSpec(**obj)
     check_spec(spec, where)
+    check_model_size(spec, where)
     return spec
 
 
@@ -199,5 +202,5 @@ def check_spec(spec: ModelSpec, where: str) -> None:
         raise UserError(f"{where}.n_kv_heads: grouped-query attention is LLaMA-only here")
     if spec.gelu not in ("exact", "tanh"):
         raise UserError(f"{where}.gelu: must be exact or tanh, got {spec.gelu!r}")
-    if not (spec.rope_theta > 0 and 0 < spec.norm_eps < 1):
+    if not (0 < spec.rope_theta < math.inf and 0 < spec.norm_eps < 1):
         raise UserError(f"{where}: rope_theta must be > 0 and norm_eps in (0, 1)")

@@ -19,6 +19,7 @@ from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.jsonfile import load_json
 from formats.models import ModelSpec, get_model, spec_from_fields
+from formats.safe_files import refuse_non_finite
 
 PLAN_FORMAT = "plan/1"
 """Written when every stage is held by one device (D = 1)."""
@@ -42,6 +43,9 @@ MAX_INNER_STEPS = 10 ** 9
 """Most DiLoCo inner steps per outer step (the papers use 500)."""
 MAX_DEVICE_ID = 2 ** 31 - 1
 """torch.distributed ranks are 32-bit."""
+MAX_WORLD_SIZE = 65536
+"""Most ranks one run may have: each is a process and a client of one TCPStore, and the
+plan lists each device (2^31 ranks would be built for hours and never meet)."""
 
 
 @dataclass
@@ -475,4 +479,6 @@ def load_plan(path: str | Path, cluster: Cluster | None = None) -> Plan:
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Validate and write a plan file atomically (temp file + rename)."""
     validate_plan(plan)
-    atomic_write_json(path, plan.to_dict())
+    obj = plan.to_dict()
+    refuse_non_finite(obj, f"plan {path}")  # NaN/Infinity: JSON other tools cannot read
+    atomic_write_json(path, obj)

@@ -21,12 +21,13 @@ from pathlib import Path
 from formats.addresses import tcp_url
 from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
-from formats.plan import MAX_DEVICE_ID, PIPELINE_COMPRESSIONS, Plan
+from formats.plan import MAX_DEVICE_ID, MAX_WORLD_SIZE, PIPELINE_COMPRESSIONS, Plan
 from formats.run_metrics import METRICS_NAME
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
+from modules.debug_config import DebugConfig
 from scheduler.quick_plan import with_overrides
 
-__all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "flag_of"]  # re-exported for the runtime
+__all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "DebugConfig", "flag_of"]  # re-exported
 MIN_TIMEOUT_S = 1.0
 """Shortest --timeout-s: a rendezvous and a first step take longer than that anyway."""
 MAX_THREADS = 1024
@@ -71,6 +72,10 @@ class CheckpointConfig:
     """complete checkpoints kept per rank, newest first"""
     sync: bool = setting(False, flag="--sync-checkpoints")
     """write checkpoints on the training thread (slower; for comparison)"""
+    on_error: str = setting("stop", flag="--on-checkpoint-error", choices=("stop", "continue"))
+    """a checkpoint that cannot be written, also on a retry (full disk, read-only folder, I/O
+    error): stop every rank (exit 1, naming the path, the reason and the step --resume restarts
+    from), or warn and train on without it"""
     resume: bool = False
     """continue from the newest step of --ckpt-dir that every rank has completely written"""
     init_from: str | None = None
@@ -321,50 +326,6 @@ class DeviceConfig:
     def resolved_pipeline_compression(self, plan: Plan) -> str:
         """--pipeline-compression, else the plan's pipeline_compression."""
         return self.pipeline_compression or plan.pipeline_compression
-
-
-def _rank_spec(text: str, flag: str, parts: int) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(":")]
-    except ValueError:
-        values = []
-    if not 2 <= len(values) <= parts or min(values) < 0:
-        raise UserError(f"{flag}: expected RANK:STEP{'[:STATUS]' if parts > 2 else ''}, "
-                        f"got {text!r}")
-    return values
-
-
-@dataclass(frozen=True)
-class DebugConfig:
-    """Fault injection for tests (hidden from --help)."""
-
-    vanish: str = setting("", flag="--debug-vanish", hidden=True)
-    """RANK:STEP[:STATUS]: that rank exits at once before STEP, like a lost peer"""
-    ckpt_die: str = setting("", flag="--debug-ckpt-die", hidden=True)
-    """RANK:STEP: SIGKILL that rank when its checkpoint of STEP is half written"""
-
-    def __post_init__(self) -> None:
-        # parsed once (frozen: set past __setattr__; not fields, so neither flags nor compared)
-        object.__setattr__(self, "_vanish", _rank_spec(self.vanish, "--debug-vanish", 3)
-                           if self.vanish else None)
-        object.__setattr__(self, "_ckpt_die", _rank_spec(self.ckpt_die, "--debug-ckpt-die", 2)
-                           if self.ckpt_die else None)
-
-    def vanish_at(self, rank: int) -> tuple[int, int]:
-        """(step, exit status) at which `rank` vanishes; (0, 0): never."""
-        spec: list[int] | None = self._vanish  # type: ignore[attr-defined]
-        if spec is None:
-            return 0, 0
-        who, step, *status = spec
-        return (step, status[0] if status else 0) if who == rank else (0, 0)
-
-    def ckpt_die_at(self, rank: int) -> int:
-        """Step whose checkpoint write kills `rank` half-way; 0: never."""
-        spec: list[int] | None = self._ckpt_die  # type: ignore[attr-defined]
-        if spec is None:
-            return 0
-        who, step = spec
-        return step if who == rank else 0
 
 
 @dataclass(frozen=True)
@@ -674,7 +635,7 @@ class LaunchConfig:
     running stage r mod S of replica r div S"""
     rank: int | None = setting(None, lo=0, hi=MAX_DEVICE_ID)
     """device id of this process (default: $RANK)"""
-    world_size: int | None = setting(None, lo=1, hi=MAX_DEVICE_ID + 1)
+    world_size: int | None = setting(None, lo=1, hi=MAX_WORLD_SIZE)
     """number of processes (default: $WORLD_SIZE, else the plan's devices)"""
     dist_url: str | None = None
     """rendezvous tcp://HOST:PORT, hosted by rank 0 (default: tcp://$MASTER_ADDR:$MASTER_PORT)"""

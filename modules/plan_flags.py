@@ -17,7 +17,7 @@ from typing import Any
 from formats.errors import UserError
 from formats.hf_config import resolve_model
 from formats.models import ModelSpec
-from formats.plan import Plan
+from formats.plan import MAX_WORLD_SIZE, Plan
 from modules.config import LaunchConfig, RunConfig
 from scheduler.quick_plan import obvious_plan, total_batch_size
 
@@ -30,6 +30,9 @@ def _world_size(launch: LaunchConfig) -> int:
     if value is None or not value.isdigit() or int(value) < 1:
         raise UserError("without --plan, --world-size (or $WORLD_SIZE, as torchrun sets) is "
                         "required: the plan is that many ranks")
+    if len(value) > 9 or int(value) > MAX_WORLD_SIZE:
+        raise UserError(f"$WORLD_SIZE {value[:20]}: more ranks than a run may have (at most "
+                        f"{MAX_WORLD_SIZE})")
     return int(value)
 
 

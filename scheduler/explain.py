@@ -28,6 +28,7 @@ shard group spends more in them than predicted). Pure: no files, no printing.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from formats.cluster import Cluster
+from formats.compact import bound_problem
 from formats.errors import UserError
 from formats.plan import Plan, as_group
 from formats.run_metrics import number
@@ -282,6 +284,16 @@ def measured_cluster(cluster: Cluster, rows: list[RankRow]) -> Cluster:
     did not time keep theirs."""
     ratio = {x.rank: x.measured.compute_s / x.predicted.compute_s for x in rows
              if x.predicted.compute_s > 0 and x.measured.compute_s > 0}
+    for d in cluster.devices:  # never write a figure the planner would refuse to read
+        if d.id in ratio:
+            tflops = d.tflops / ratio[d.id]
+            why = (bound_problem("tflops", tflops) if math.isfinite(tflops)
+                   else "is not a finite number")
+            if why is not None:
+                raise UserError(f"--write-cluster: rank {d.id}'s measured compute "
+                                f"({ratio[d.id]:.3g} x its predicted time) gives tflops "
+                                f"{tflops:.3g}, which {why}; its timing is not usable, so "
+                                "no cluster file was written")
     return cluster.with_devices([replace(d, tflops=d.tflops / ratio[d.id]) if d.id in ratio
                                  else d for d in cluster.devices])
 

@@ -16,10 +16,13 @@ saves a checkpoint and exits 1 naming it: start it again, then every rank with -
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
+# before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -69,13 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     log(f"listening on port {port} ({host} only) for {args.plan} ({plan.num_replicas} "
         f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank with "
         f"--coordinator tcp://{host}:{port}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        signal.signal(signal.SIGTERM, _on_term)
         return coord.serve()
     except SystemExit:
         log("stopped by SIGTERM: every rank will save a checkpoint and exit 1 (restart the "
             "coordinator, then the ranks with --resume)")
         raise
+    finally:  # a SIGTERM from here on (the interpreter's exit included) ends quietly
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+
+
+def _on_term(*_: object) -> None:
+    """The first SIGTERM stops serve() (SystemExit, reported above); one that comes while
+    that report or the exit runs ends the process at once, never as a SystemExit traceback
+    from wherever the main thread was (a thread's join at exit, say)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    raise SystemExit(143)
 
 
 def entry() -> None:

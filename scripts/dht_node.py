@@ -19,12 +19,15 @@ reachable), 1 an address was unreachable with --exit-after-check, 2 bad input or
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+# before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -67,10 +69,12 @@ def replica_states(ckpt: Path, replica: int, step: int | None) -> tuple[dict, li
     """(meta of stage 0, each stage's model state in stage order, step) of one replica; a stage
     held by a shard group is gathered from all its D shards."""
     from modules.train.checkpoint import complete_steps, step_path
+    from modules.train.export_checks import check_metas
 
     ranks = sorted(int(p.name[4:]) for p in ckpt.glob("rank*") if p.name[4:].isdigit())
     steps = {r: complete_steps(ckpt, r) for r in ranks}
     metas = {r: _load(step_path(ckpt, r, s[-1]))[0] for r, s in steps.items() if s}
+    check_metas(metas, ckpt)  # 'stages' and 'stage' as dist_runner.py writes them
     mine: dict[int, dict[int, int]] = {}  # stage -> shard -> rank
     for r, m in metas.items():
         if m.get("replica") == replica:
@@ -171,18 +175,27 @@ def run_tokenizer(ckpt: Path, meta: dict) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """Export; prints what was written."""
     args = build_parser().parse_args(argv)
+    from modules.train.export_checks import (
+        check_destination,
+        check_first_stage,
+        tensor_bytes,
+        write_failed,
+    )
+
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out}: exists and is not an empty folder; pick another")
+    check_destination(out)  # before the checkpoints are read: a bad --out fails at once
     ckpt = find_ckpt_dir(args.ckpt_dir)
     meta, states, step = replica_states(ckpt, args.replica, args.step)
+    check_first_stage(states[0], ckpt)
     spec = spec_of(meta, states[0])
     from modules.train.hf_weights import to_hf
 
     tensors = {k: v for state in states for k, v in to_hf(spec, state).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    check_destination(out, tensor_bytes(tensors))  # room for the weights
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         files = write_weights(tmp, tensors, args.max_shard_mb * 10 ** 6)
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config(spec), indent=2) + "\n")
         tok = run_tokenizer(ckpt, meta)
@@ -195,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # full, read-only, removed meanwhile: one line
+            raise write_failed(e, out) from None
         raise
     print(f"exported replica {args.replica} step {step} of {spec.name} ({len(states)} stage(s), "
           f"{sum(t.numel() for t in tensors.values())} parameters) to {out}: "

@@ -1,9 +1,10 @@
-"""A checkpoint that cannot be written never ends the run or leaves it unresumable
+"""A checkpoint that cannot be written never leaves the run unresumable
 (modules/train/checkpoint.py): the failure names the path, the bytes needed and the free
 space, the partial temp file is gone, the previous complete step stays on every rank (nothing
-is pruned below the newest step every rank has), training goes on, and --resume finds a
-common step. A killed write's temp file is removed at the next start; SIGTERM to one rank
-saves an emergency checkpoint. Full and read-only folders are real tmpfs mounts (root)."""
+is pruned below the newest step every rank has), with --on-checkpoint-error continue training
+goes on, and --resume finds a common step (the default, stop: tests/test_checkpoint_stop.py).
+A killed write's temp file is removed at the next start; SIGTERM to one rank saves an
+emergency checkpoint. Full and read-only folders are real tmpfs mounts (root)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_diloco_on_a_full_tmpfs_trains_on_and_resumes_from_a_common_step(tmp_pat
     # at most, and that rank (--keep-checkpoints 1) must still keep step 4, the common one
     with tmpfs(tmp_path / "ck", "72m") as ck:
         ranks = run_ranks(tmp_path, "first", ck, "--steps", "16", "--ckpt-every", "4",
-                          "--keep-checkpoints", "1")
+                          "--keep-checkpoints", "1", "--on-checkpoint-error", "continue")
         try:
             codes = ranks.wait(150)
         finally:
@@ -124,7 +125,7 @@ def test_diloco_on_a_full_tmpfs_trains_on_and_resumes_from_a_common_step(tmp_pat
         common = set.intersection(*(set(complete_steps(ck, r)) for r in range(3)))
         assert 4 in common, [complete_steps(ck, r) for r in range(3)]
         again = run_ranks(tmp_path, "again", ck, "--steps", "20", "--ckpt-every", "100",
-                          "--resume")
+                          "--resume", "--on-checkpoint-error", "continue")
         try:
             codes = again.wait(150)
         finally:

@@ -388,3 +388,16 @@ def test_a_slow_shard_ring_is_named_by_its_shard():
     assert names(ex) == ["slow data-parallel sync of stage 0 shard 0"]
     assert "devices [0, 2]" in ex.causes[0].detail
 
+
+
+def test_an_absurd_timing_never_becomes_a_cluster_figure():
+    """A rank whose compute took 1e-200 of its predicted time would give tflops of 4e198:
+    --write-cluster refuses by rank instead of writing what the planner cannot read."""
+    from formats.errors import UserError
+    from scheduler.explain import measured_cluster
+    c = cluster4()
+    plan = plan4(c)
+    ex = explain(plan, c, CPU, records(plan, c, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1e-200}))
+    with pytest.raises(UserError, match=r"--write-cluster: rank 3's measured compute .* gives "
+                                        r"tflops .*e\+\d+, which must be in \[1e-09, 1e\+09\]"):
+        measured_cluster(c, ex.rows)

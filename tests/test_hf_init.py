@@ -53,7 +53,7 @@ def test_missing_mismatched_and_foreign_tensors_are_named(tmp_path):
         (lambda t: t.__setitem__("lm_head.weight", torch.zeros(255, 64)),
          r"tensor lm_head.weight has shape \[255, 64\], the model needs \[256, 64\]"),
         (lambda t: t.__setitem__("model.norm.weight", torch.zeros(64, dtype=torch.int32)),
-         "tensor model.norm.weight has dtype torch.int32, not a float"),
+         "tensor model.norm.weight has dtype I32, not a float"),
     ]:
         bad = dict(tensors)
         change(bad)

@@ -63,18 +63,33 @@ def read_secret_file(path: Path) -> bytes:
     except OSError as e:
         raise UserError(f"{SECRET_FILE_ENV}: cannot open the run secret {path} "
                         f"({e.strerror})") from None
+    try:  # checked on the descriptor, before fdopen (which raises IsADirectoryError)
+        _check_secret_owner(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is readable by others "
-                            f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 {path}")
         data = f.read(MAX_SECRET_BYTES + 1)
     if len(data) > MAX_SECRET_BYTES:
         raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is over "
                         f"{MAX_SECRET_BYTES} bytes")
     return _check_secret(data.decode("utf-8", "replace"), str(path))
+
+
+def _check_secret_owner(st: os.stat_result, path: Path) -> None:
+    """UserError unless the secret is a regular file of this user that only it can read
+    (root included: another user's file is no proof of this run)."""
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is a folder; give the file "
+                        "that holds the secret")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is not a regular file")
+    if st.st_uid != os.getuid():
+        raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} belongs to user id "
+                        f"{st.st_uid}, not to this user ({os.getuid()}); use a file of your own")
+    if st.st_mode & 0o077:
+        raise UserError(f"{SECRET_FILE_ENV}: the run secret {path} is readable by others "
+                        f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 {path}")
 
 
 def write_secret_file(path: Path, secret: str) -> None:

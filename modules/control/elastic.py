@@ -41,6 +41,7 @@ from modules.control.fault import Monitor, MonitorConfig, is_done
 from modules.control.flag_wait import FlagWaiter
 from modules.control.groups import GroupBuilder, Groups
 from modules.control.hidden import hidden_store
+from modules.control.join_check import refuse_live_join
 from modules.control.leader import first_generation, publish
 from modules.control.protocol import (
     JOIN_TAG,
@@ -149,10 +150,11 @@ class Membership:
         """This rank hosts the rendezvous store and leads (rank 0 without a coordinator)."""
         return self.topo.rank == 0 and not self.cfg.coordinator
 
-    def start(self, on_fatal: Callable[[str], None]) -> None:
+    def start(self, on_fatal: Callable[[str], None], ckpt_stop: Any = None) -> None:
         """Start the heartbeat thread (its own store connection); rank 0 publishes generation 0
         when it hosts the store (else the coordinator does). `on_fatal(reason)` is called (from
-        any thread) when the run cannot go on for this rank; it must not return."""
+        any thread) when the run cannot go on for this rank; it must not return. `ckpt_stop`:
+        the CheckpointStop the heartbeat publishes and reads (modules.train.ckpt_stop)."""
         cfg, plan = self.cfg, self.plan
         if cfg.store_addr is None:
             return
@@ -165,7 +167,7 @@ class Membership:
             interval_s=min(1.0, cfg.heartbeat_timeout_s / 4), elastic=self.elastic,
             min_replicas=cfg.min_replicas, members=() if cfg.join else members,
             coordinator=cfg.coordinator, auth=getattr(self.store, "auth", None), log=self.log,
-            on_fatal=on_fatal))
+            on_fatal=on_fatal, ckpt_stop=ckpt_stop))
         self.monitor.start()
         self.waiter = FlagWaiter(self._flag_connection)
 
@@ -177,6 +179,12 @@ class Membership:
                             timeout=timedelta(seconds=max(1.0, self.cfg.timeout_s)))
         auth = getattr(self.store, "auth", None)
         return hidden_store(AuthStore(raw, auth)) if auth is not None else raw
+
+    @property
+    def reads_settled(self) -> bool:
+        """Whether finish's `last_reads` sees every rank's last writes: after a barrier, or on
+        the store's host once every rank is done (not on DiLoCo's other ranks)."""
+        return self.monitor is None or not self.elastic or self.hosts_store
 
     @property
     def dropped(self) -> bool:
@@ -239,6 +247,9 @@ class Membership:
         and receive the outer state of my stage (see `poll` for `handover`)."""
         mon = self.monitor
         assert mon is not None and self.cfg.join
+        # a live replica is never admitted: say so now (two beats' time), not after timeout_s
+        refuse_live_join(self.store, self.topo.rank, self.topo.replica, mon.nonce,
+                         2.5 * min(1.0, self.cfg.heartbeat_timeout_s / 4) + 0.5)
         t0 = time.monotonic()
         try:
             self.store.put(join_key(self.topo.rank), "1")

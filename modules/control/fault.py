@@ -159,6 +159,8 @@ class MonitorConfig:
     log: Callable[[str], None] = print
     on_fatal: Callable[[str], None] = field(default=lambda reason: os._exit(1))
     """Called once with the reason when the run cannot go on for this rank (must not return)."""
+    ckpt_stop: Any = None
+    """A CheckpointStop (modules.train.ckpt_stop): a rank's failed checkpoint stops every rank."""
 
     @property
     def hosts_store(self) -> bool:
@@ -204,6 +206,11 @@ class Monitor(threading.Thread):
         """When the store last answered a whole beat (monotonic, wall clock)."""
 
     # -- public ------------------------------------------------------------------------------
+    @property
+    def nonce(self) -> str:
+        """This process's heartbeat nonce (another process beating as my rank has another)."""
+        return self._nonce
+
     def describe(self, rank: int) -> str:
         """'rank R (host H, replica r, stage s)' from the store's records."""
         return describe_rank(self._client, rank, self._info)
@@ -301,6 +308,10 @@ class Monitor(threading.Thread):
         assert c is not None
         self._beats += 1
         c.put(heartbeat_key(cfg.rank), beat_value(self._nonce, self._beats))
+        stop = cfg.ckpt_stop.poll(c, self.members) if cfg.ckpt_stop is not None else None
+        if stop is not None:  # some rank's checkpoint could not be written: every rank stops
+            self.fatal(stop)
+            return
         newest = max(0, newest_generation(c))
         if newest > self.gen:
             g = read_generation(c, newest)

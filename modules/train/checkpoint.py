@@ -236,6 +236,8 @@ def shared_floor(store: Any, rank: int, ranks: Iterable[int], last: int | None,
         return None
 
 
+RETRY_PAUSE_S = 1.0
+"""Pause before the one retry of a failed checkpoint write."""
 DebugHook = Callable[[int, str], None]
 """Tests only: called by the writer with (step, "half") after half the bytes are written."""
 
@@ -249,9 +251,14 @@ class AsyncCheckpointer:
 
     def __init__(self, ckpt_dir: str | Path, rank: int, keep: int = 2,
                  debug_hook: DebugHook | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None,
+                 on_failure: Callable[[int, str], None] | None = None) -> None:
         self.ckpt_dir, self.rank, self.keep = Path(ckpt_dir), rank, keep
         self.debug_hook = debug_hook
+        self.on_failure = on_failure
+        """Called with (step, why) when a write failed twice (None: warn and train on)."""
+        self.fail_from = 0
+        """Tests (--debug-ckpt-fail): writes of this step and later fail (0: never)."""
         self.log = log or _stderr
         for f in remove_stale_temps(ckpt_dir, rank):
             self.log(f"checkpoint: removed {f}, left over by a write that was killed")
@@ -309,7 +316,7 @@ class AsyncCheckpointer:
         while True:
             step, meta, snap, prune_old = self._queue.get()
             try:
-                why = self._write(step, meta, snap)
+                why = self.write_retried(step, meta, snap)
                 if why is not None:
                     self.report_failure(step, why)
                     continue
@@ -321,14 +328,30 @@ class AsyncCheckpointer:
             finally:
                 self._idle.set()
 
-    def _write(self, step: int, meta: dict[str, Any], snap: dict[str, Any]) -> str | None:
+    def write_retried(self, step: int, meta: dict[str, Any], snap: dict[str, Any]) -> str | None:
+        """Write a step, and once more after RETRY_PAUSE_S if that failed (a transient I/O
+        error, space freed meanwhile); None when it is on disk, else why not."""
         hook = self.debug_hook
-        return write_step(self.ckpt_dir, self.rank, step, meta, snap,
-                          (lambda: hook(step, "half")) if hook is not None else None)
+        for attempt in (1, 2):
+            why = (f"cannot write {step_path(self.ckpt_dir, self.rank, step)} (Input/output "
+                   "error injected by --debug-ckpt-fail)" if self.fail_from and
+                   step >= self.fail_from else
+                   write_step(self.ckpt_dir, self.rank, step, meta, snap,
+                              (lambda: hook(step, "half")) if hook is not None else None))
+            if why is None or attempt == 2:
+                return why
+            self.log(f"checkpoint of step {step} failed: {why}; retrying once in "
+                     f"{RETRY_PAUSE_S:g} s")
+            time.sleep(RETRY_PAUSE_S)
+        return why
 
     def report_failure(self, step: int, why: str) -> None:
-        """A failed save never ends the run: say so, keep the older steps (no pruning)."""
+        """A save that failed twice: the handler decides (stop the run); without one, say so,
+        keep the older steps (no pruning) and train on."""
         self.failures.append(why)
+        if self.on_failure is not None:
+            self.on_failure(step, why)
+            return
         kept = (f"step {self.last_step} stays the newest complete one" if self.last_step
                 is not None else "no complete checkpoint of this run yet")
         self.log(f"warning: checkpoint of step {step} failed: {why}; {kept} (nothing pruned); "

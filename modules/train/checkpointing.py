@@ -10,6 +10,7 @@ thread holds while it changes that state, and, when resuming, the world communic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -34,8 +35,8 @@ from modules.train.checkpoint import (
     shared_floor,
     snapshot,
     step_path,
-    write_step,
 )
+from modules.train.ckpt_stop import CheckpointFailed, CheckpointStop, newest_steps
 
 
 def checkpoint_meta(plan: Plan, topo: Topology, seed: int,
@@ -60,21 +61,28 @@ class Checkpointing:
     def __init__(self, cfg: CheckpointConfig, rank: int, meta: dict[str, Any],
                  state: Callable[[], dict[str, Any]], step: Callable[[], int],
                  state_lock: threading.Lock, outer_steps: bool, log=print,
-                 die_at: int = 0, healthy: Callable[[str], None] | None = None) -> None:
+                 die_at: int = 0, fail_from: int = 0,
+                 healthy: Callable[[str], None] | None = None) -> None:
         """`state`: the rank's full training state (live tensors); `step`: its current step;
         `state_lock`: held by the training thread while it changes them; `outer_steps`: DiLoCo
         (the consistent state is the one after the last committed outer step); `die_at`: the
-        step whose write kills this rank half-way (--debug-ckpt-die); `healthy(what)`: raises
-        when a communicator the state came through was aborted (a periodic save checks it
-        first: an aborted operation's buffers hold garbage)."""
+        step whose write kills this rank half-way (--debug-ckpt-die); `fail_from`: writes of
+        that step and later fail (--debug-ckpt-fail); `healthy(what)`: raises when a
+        communicator the state came through was aborted (a periodic save checks it first: an
+        aborted operation's buffers hold garbage)."""
         self.cfg, self.rank, self.meta, self.log = cfg, rank, meta, log
         self.healthy = healthy
         self.state, self.step, self.state_lock = state, step, state_lock
         self.outer_steps, self.die_at = outer_steps, die_at
+        self.stop = CheckpointStop(rank, cfg.on_error)
+        """A write that failed twice under --on-checkpoint-error stop (modules.train.ckpt_stop)."""
         self.writer: AsyncCheckpointer | None = (
-            AsyncCheckpointer(cfg.dir, rank, cfg.keep, debug_hook=self._debug_hook, log=log)
+            AsyncCheckpointer(cfg.dir, rank, cfg.keep, debug_hook=self._debug_hook, log=log,
+                              on_failure=self._failed if cfg.on_error == "stop" else None)
             if cfg.dir else None)
         """Writes snapshots in the background (None without --ckpt-dir)."""
+        if self.writer is not None:
+            self.writer.fail_from = fail_from
         self.outer_snapshot: tuple[int, int, dict[str, Any]] | None = None
         """DiLoCo with --ckpt-dir: (step, outer step, state) after the last outer step."""
 
@@ -97,14 +105,52 @@ class Checkpointing:
             t0 = time.perf_counter()
             self.writer.flush()
             step = self.step()
-            why = write_step(self.cfg.dir, self.rank, step, self.meta, snapshot(self.state()))
+            why = self.writer.write_retried(step, self.meta, snapshot(self.state()))
             if why is None:
                 self.writer.last_step = step
                 prune(self.cfg.dir, self.rank, self.cfg.keep, self.writer.floor)
-            else:  # reported, the previous complete step kept; training goes on
+            else:  # reported, the previous complete step kept; stop or train on
                 self.writer.report_failure(step, why)
             return time.perf_counter() - t0
         return self.writer.save(self.step(), self.meta, self.state())
+
+    def _failed(self, step: int, why: str) -> None:
+        """--on-checkpoint-error stop: a write failed twice; the heartbeat thread stops every
+        rank at its next beat (any thread; the older steps stay, nothing is pruned)."""
+        assert self.writer is not None
+        self.log(f"error: checkpoint of step {step} failed, also on a retry: {why}; stopping "
+                 "every rank")
+        self.stop.failed(step, why, self.writer.last_step)
+
+    def at_end(self, store: Any, ranks: list[int], settled: bool = True) -> None:
+        """The last use of the store (`settled`: every rank's last save is published there):
+        settle a failed last write (CheckpointFailed from `raise_at_end`), prune to keep
+        --resume's common step, and say when the ranks' newest complete steps differ or no
+        step is on every rank."""
+        if self.writer is None:
+            return
+        with contextlib.suppress(RuntimeError, OSError):  # store gone: raise_at_end says mine
+            self.stop.poll(store, ranks)
+        floor = self.share_floor(store, ranks, publish=False)
+        if self.stop.reason is not None or floor is None:
+            return
+        if self.writer.last_step is not None:
+            self.prune(floor)
+        # unsettled (a DiLoCo rank that does not host the store): a slower rank may not have
+        # published its last step yet, so only my own shortfall is certain
+        if floor != self.writer.last_step and (settled or self.writer.last_step is None):
+            self.log(f"warning: checkpoints at the end of the run: {newest_steps(store, ranks)}")
+
+    def raise_at_end(self) -> None:
+        """CheckpointFailed when a rank's checkpoint failed (stop policy) and the run ended
+        before the heartbeats stopped it; nothing otherwise."""
+        if self.stop.reason is not None:
+            raise CheckpointFailed(self.stop.reason)
+        if self.stop.pending:  # the store did not answer: my own failure, all I know
+            raise CheckpointFailed(f"rank {self.rank}'s last checkpoint could not be written "
+                                   f"(also on a retry): {self.writer.failures[-1]}"
+                                   if self.writer and self.writer.failures else
+                                   f"rank {self.rank}'s last checkpoint could not be written")
 
     @property
     def last_step(self) -> int | None:
@@ -115,6 +161,9 @@ class Checkpointing:
         """Publish my newest complete step in the store and keep the oldest such step over
         `ranks` from being pruned (checkpoint.shared_floor): --resume finds a common step."""
         assert self.writer is not None
+        if publish and self.stop.pending:  # my failed write, for the others' end of run
+            with contextlib.suppress(RuntimeError, OSError):
+                self.stop.poll(store, ranks)
         floor = shared_floor(store, self.rank, ranks, self.writer.last_step, publish)
         if floor is not None:
             self.writer.floor = floor
@@ -168,6 +217,8 @@ class Checkpointing:
                             f"({str(e).splitlines()[0]})") from None
         if self.step() != step:
             raise UserError(f"checkpoint {path}: holds step {self.step()}, not {step}")
+        if self.writer is not None and self.writer.last_step is None:
+            self.writer.last_step = step  # on disk: published as my newest, no resave needed
 
     # -- failures --------------------------------------------------------------------------
     def save_diverged(self, reason: str) -> str:

@@ -10,17 +10,14 @@ embeddings are written once (the embedding), as transformers ties the head to it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from formats.errors import UserError
+from formats.hf_folder import INDEX_NAME, WEIGHTS_NAME, FolderWeights  # noqa: F401 - export_hf
 from formats.models import ModelSpec
-
-INDEX_NAME = "model.safetensors.index.json"
-WEIGHTS_NAME = "model.safetensors"
 
 # our name in a block -> ([(HF name, transform)], sizes along dim 0 of our fused tensor or None)
 LLAMA_BLOCK = {
@@ -114,28 +111,6 @@ def from_hf(spec: ModelSpec, wanted: dict[str, torch.Size],
     return out
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """{tensor name: file} of a folder's safetensors (sharded index, model.safetensors, or
-    every *.safetensors)."""
-    from safetensors import safe_open
-
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"--init-from {index}: not a safetensors index ({e})") from None
-        return {name: folder / file for name, file in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"--init-from {folder}: no *.safetensors files and no {INDEX_NAME}")
-    out = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            out.update({name: path for name in f.keys()})  # noqa: SIM118 - not a dict
-    return out
-
-
 def keep_tokenizer(ckpt_dir: str, tokenizer: str) -> None:
     """Copy the run's tokenizer file into its checkpoint folder (for scripts/export_hf.py)."""
     from formats.atomic_io import atomic_write_bytes
@@ -150,31 +125,27 @@ def keep_tokenizer(ckpt_dir: str, tokenizer: str) -> None:
 
 
 class WeightReader:
-    """Tensors of a Hugging Face folder, read one at a time (only what a stage needs)."""
+    """Tensors of a Hugging Face folder, read one at a time (only what a stage needs); every
+    file's header is checked against the file first (formats.hf_folder), so the safetensors
+    library only ever maps sound files."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.files = weight_files(self.folder)
+        self.weights = FolderWeights(self.folder, f"--init-from {self.folder}")
         self._open: dict[Path, object] = {}
 
     def get(self, name: str, shape: torch.Size) -> torch.Tensor:
-        """Tensor `name`, checked for shape and a floating dtype, as fp32."""
-        from safetensors import safe_open
+        """Tensor `name`, checked for shape and a floating dtype (before it is read), as fp32."""
+        from safetensors import SafetensorError, safe_open
 
-        where = f"--init-from {self.folder}"
-        path = self.files.get(name)
-        if path is None:
-            raise UserError(f"{where}: tensor {name} is missing (the model's config needs it)")
-        if path not in self._open:
-            if not path.is_file():
-                raise UserError(f"{where}: {path.name} (holding {name}) does not exist")
-            self._open[path] = safe_open(path, framework="pt")
-        tensor = self._open[path].get_tensor(name)  # type: ignore[attr-defined]
-        if tensor.shape != shape:
-            raise UserError(f"{where}: tensor {name} has shape {list(tensor.shape)}, the model "
-                            f"needs {list(shape)} (another config or vocabulary?)")
-        if not tensor.dtype.is_floating_point:
-            raise UserError(f"{where}: tensor {name} has dtype {tensor.dtype}, not a float")
+        path, _ = self.weights.entry(name, tuple(shape))
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(path, framework="pt")
+            tensor = self._open[path].get_tensor(name)  # type: ignore[attr-defined]
+        except (OSError, SafetensorError) as e:  # changed since its header was checked
+            raise UserError(f"--init-from {self.folder}: cannot read tensor {name} from "
+                            f"{path.name} ({e})") from None
         return tensor.float()
 
 

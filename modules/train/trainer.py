@@ -193,6 +193,7 @@ class Trainer:
             cfg.ckpt, self.topo.rank, self._checkpoint_meta(), self.state,
             lambda: self.step, self.state_lock, outer_steps=self.outer is not None, log=self.log,
             die_at=cfg.debug.ckpt_die_at(self.topo.rank),
+            fail_from=cfg.debug.ckpt_fail_at(self.topo.rank),
             healthy=lambda what: self.groups.check_health(what))  # nothing an abort touched
 
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -337,7 +338,7 @@ class Trainer:
         """Train from the current step (0, the checkpoint's, or a joiner's) up to cfg.steps, or
         to the evaluation at which --stop-at-loss stops every rank."""
         cfg, topo = self.cfg, self.topo
-        self.membership.start(on_fatal=self._on_fatal)
+        self.membership.start(self._on_fatal, self.ckpt.stop)
         on_terminate(lambda why: self._on_fatal(why, TERM_STATUS))  # emergency checkpoint
         if cfg.elastic.join:
             assert self.outer is not None
@@ -384,16 +385,11 @@ class Trainer:
                     w.close()
             if self.outer is not None:
                 self.outer.close()
-        self.membership.finish(last_reads=self._prune_checkpoints)
+        self.membership.finish(last_reads=lambda: self.ckpt.at_end(  # prune, settle failures
+            self.membership.store, members_of(self.plan, self.replicas),
+            self.membership.reads_settled))
+        self.ckpt.raise_at_end()  # a failed last write under --on-checkpoint-error stop
         return records
-
-    def _prune_checkpoints(self) -> None:
-        """At the end (every rank's last save is published, or older ones are kept): prune
-        to keep --resume's common step."""
-        if self.ckpt.last_step is not None:
-            floor = self._share_ckpt_floor(publish=False)
-            if floor is not None:
-                self.ckpt.prune(floor)
 
     def _share_ckpt_floor(self, publish: bool = True) -> int | None:
         """Publish my newest complete checkpoint step and keep the oldest such step over the
