@@ -31,7 +31,7 @@ def target_rows(ours: dict[str, Any] | None, allreduce: dict[str, Any] | None) -
                         f"{_num(d.get('steps'), '.0f'):>6s} steps  "
                         f"{_num(d.get('tokens'), ',d'):>12s} tokens")
     if ours.get("flags"):
-        rows.append(f"  uncertain (DiLoCo charged {_margin()} more steps): "
+        rows.append(f"  uncertain (a DiLoCo plan is charged {_margin()} more steps for it): "
                     + "; ".join(ours["flags"]))
     return rows
 

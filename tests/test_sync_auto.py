@@ -92,9 +92,9 @@ def auto(cluster: Cluster, bounds: SyncBounds, time_limit_s: float = 20.0):
     return plan_sync_auto(cluster, get_model("gpt-tiny"), req, bounds)
 
 
-@pytest.mark.parametrize("max_h,allow_pp", [(16, "bf16"), (4, "none")])
+@pytest.mark.parametrize("max_h,allow_pp", [(16, "bf16"), (8, "none")])
 def test_bad_link_picks_diloco_within_the_bounds(max_h, allow_pp):
-    out = auto(make_scenario("badlink", 0), SyncBounds(max_h, "none", allow_pp))
+    out = auto(make_scenario("badlink", 0), SyncBounds(max_h, "none", allow_pp, 200))
     plan = out.outcome.plan
     assert plan.sync.mode == "diloco" and 2 <= plan.sync.inner_steps <= max_h
     assert plan.pipeline_compression in ("none", "bf16")[:("none", "bf16").index(allow_pp) + 1]
@@ -102,7 +102,7 @@ def test_bad_link_picks_diloco_within_the_bounds(max_h, allow_pp):
     # ranked by predicted time to the target: DiLoCo needs more steps than allreduce (the
     # quality model) and still gets there sooner over a 20 Mbit/s link
     ours, ar = plan.predicted["to_target"], out.allreduce.predicted["to_target"]
-    assert ours["target"] == ar["target"] and "after 1000 steps" in ours["target"]
+    assert ours["target"] == ar["target"] and "after 200 steps" in ours["target"]
     assert ours["steps"] > ar["steps"] and ours["seconds"] < ar["seconds"]
     w = plan.sync.warmup_steps
     ar_step = out.allreduce_cost.cost_s

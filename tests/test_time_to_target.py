@@ -39,8 +39,8 @@ def test_plan_prints_time_to_the_target_first_with_the_ratio():
     assert "300 steps" in rows[2] and "2,457,600 tokens" in rows[2]
     assert target_rows(None, AR) == []
     flagged = target_rows({**OURS, "flags": ["outer_gain 3 outside the fitted 1..2"]}, AR)
-    assert flagged[-1] == ("  uncertain (DiLoCo charged 15% more steps): outer_gain 3 outside "
-                           "the fitted 1..2")
+    assert flagged[-1] == ("  uncertain (a DiLoCo plan is charged 15% more steps for it): "
+                           "outer_gain 3 outside the fitted 1..2")
 
 
 def test_simulate_prices_the_steps_at_the_step_simulated_now():
