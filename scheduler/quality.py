@@ -47,7 +47,7 @@ LOSS_GRID_STEP = 0.02
 REFERENCE_BATCH = 16
 """Per-replica batch (sequences) the batch feature is relative to: the lab recipe's."""
 RANGE_FIELDS = ("replicas", "inner_steps", "batch_per_replica", "global_batch", "warmup_steps",
-                "fragments", "outer_gain")
+                "fragments", "outer_gain", "int8", "fp16", "overlap")
 """Configuration fields whose fitted range is checked."""
 
 
@@ -248,7 +248,9 @@ def predict_steps(qm: QualityModel, sync: SyncConfig, replicas: int, batch_per_r
     flags += out_of_range(qm, {
         "replicas": replicas, "inner_steps": sync.inner_steps,
         "batch_per_replica": batch_per_replica, "warmup_steps": w, "fragments": sync.fragments,
-        "outer_gain": outer_gain(sync.outer_lr, sync.outer_momentum), "ar_steps": ar})
+        "outer_gain": outer_gain(sync.outer_lr, sync.outer_momentum), "ar_steps": ar,
+        "int8": float(sync.compression == "int8"), "fp16": float(sync.compression == "fp16"),
+        "overlap": float(sync.overlap)})
     if len(flags) > len(target.flags) or target.flags:
         inflation *= 1.0 + OUT_OF_RANGE_MARGIN
     return StepsPrediction(w + (ar - w) * inflation, ar, inflation, tuple(flags))

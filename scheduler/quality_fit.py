@@ -92,6 +92,11 @@ def _observations(qm_ar: QualityModel, runs: list[dict[str, Any]]
     return np.array(xs), np.array(ys)
 
 
+def span_of(vals: list[float]) -> tuple[float, float]:
+    """(min, max) of `vals`: a 0/1 input never set spans (0, 0)."""
+    return (min(vals), max(vals))
+
+
 def _ranges(runs: list[dict[str, Any]], ar: tuple[ArPoint, ...]) -> dict[str, tuple]:
     dl = [r for r in runs if r["mode"] == "diloco"]
 
@@ -105,7 +110,10 @@ def _ranges(runs: list[dict[str, Any]], ar: tuple[ArPoint, ...]) -> dict[str, tu
             "batch_per_replica": span("batch", dl), "global_batch": span("global_batch", runs),
             "warmup_steps": span("warmup", dl), "fragments": span("fragments", dl),
             "outer_gain": (round(min(gains), 4), round(max(gains), 4)),
-            "ar_steps": (round(min(steps), 1), round(max(steps), 1))}
+            "ar_steps": (round(min(steps), 1), round(max(steps), 1)),
+            "int8": span_of([float(r["compression"] == "int8") for r in dl]),
+            "fp16": span_of([float(r["compression"] == "fp16") for r in dl]),
+            "overlap": span_of([float(r["overlap"]) for r in dl])}
 
 
 def fit(data: dict[str, Any]) -> QualityModel:

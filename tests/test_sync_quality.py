@@ -131,8 +131,12 @@ def test_targets_the_model_cannot_predict_are_refused_by_name():
 def test_outside_the_fitted_ranges_is_flagged_and_charged():
     target = target_from_steps(FITTED, 200, 64)
     inside = predict_steps(FITTED, SyncConfig("diloco", 8), 4, 16, target)
-    outside = predict_steps(FITTED, SyncConfig("diloco", 8, outer_lr=0.3), 4, 16, target)
-    assert not inside.flags and "outer_lr 0.3 outside" in outside.flags[0]
+    outside = predict_steps(FITTED, SyncConfig("diloco", 8, fragments=4), 4, 16, target)
+    assert not inside.flags and outside.flags[0].startswith("fragments 4 outside the fitted")
+    gain = predict_steps(FITTED, SyncConfig("diloco", 8, outer_lr=2.0), 4, 16, target)
+    assert gain.flags[0].startswith("outer_gain 20 outside the fitted")
+    fp16 = predict_steps(FITTED, SyncConfig("diloco", 8, "fp16"), 4, 16, target)
+    assert "fp16 1 outside the fitted 0..0" in fp16.flags  # never measured: not assumed free
     assert outside.steps == pytest.approx(inside.steps * (1 + OUT_OF_RANGE_MARGIN))
     allreduce = predict_steps(FITTED, SyncConfig(), 4, 16, target)
     assert allreduce.inflation == 1.0 and allreduce.steps == pytest.approx(target.ar_steps)
