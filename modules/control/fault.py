@@ -54,6 +54,9 @@ from modules.control.protocol import (
 __all__ = ["Generation", "HeartbeatWatch", "Monitor", "MonitorConfig", "describe_rank",
            "members_of", "newest_generation", "publish", "read_generation", "register"]
 
+STOP_READ_PREFIX = "ckpt/stop-read/"
+"""A rank's key once it read the checkpoint stop (the store's host waits for all of them)."""
+
 
 def register(store: AuthStore, rank: int, replica: int, stage: int) -> None:
     """Record this rank's host, pid and role in the store (named in failure messages)."""
@@ -238,6 +241,22 @@ class Monitor(threading.Thread):
         else:  # another thread is already exiting
             time.sleep(3600)
 
+    def _stop_read(self, c: Any) -> None:
+        """Say I read the checkpoint stop; the store's host first waits (at most a heartbeat
+        timeout) until every member said so: leaving earlier takes the store, and the stop
+        record with it, from the ranks that have not read it yet."""
+        try:
+            c.put(f"{STOP_READ_PREFIX}{self.cfg.rank}", "1")
+            if not self.cfg.hosts_store:
+                return
+            end = time.monotonic() + self.cfg.timeout_s + 2 * self.cfg.interval_s
+            waiting = [r for r in self.members if r != self.cfg.rank and r not in self.lost]
+            while waiting and time.monotonic() < end:
+                waiting = [r for r in waiting if c.read(f"{STOP_READ_PREFIX}{r}") is None]
+                time.sleep(0.1)
+        except (RuntimeError, OSError):  # the store is gone already: nobody to wait for
+            pass
+
     def _say_left(self, gen: int) -> None:
         """Tell the store's host that I read generation `gen`, which dropped me (it waits for
         that before it exits)."""
@@ -310,6 +329,7 @@ class Monitor(threading.Thread):
         c.put(heartbeat_key(cfg.rank), beat_value(self._nonce, self._beats))
         stop = cfg.ckpt_stop.poll(c, self.members) if cfg.ckpt_stop is not None else None
         if stop is not None:  # some rank's checkpoint could not be written: every rank stops
+            self._stop_read(c)
             self.fatal(stop)
             return
         newest = max(0, newest_generation(c))
