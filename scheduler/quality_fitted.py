@@ -77,9 +77,10 @@ FITTED = QualityModel(
     },
     model='gpt-tiny',
     provenance=(
-        'python benchmarks/quality_sweep.py on 2026-12-01 (x86_64  2 cores): 28 runs of '
-        'gpt-tiny, --lr 1e-3 --warmup-steps 5 --lr-schedule constant --eval-every 10 '
-        '--eval-sequences 32'
+        'python benchmarks/quality_sweep.py on 2026-12-01 (Intel(R) Xeon(R) Processor, 2 '
+        'cores, shared with other jobs (load 5-16; the loss does not depend on it)): 28 '
+        'runs of gpt-tiny, --lr 1e-3 --warmup-steps 5 --lr-schedule constant --eval-every'
+        ' 10 --eval-sequences 32'
     ),
     residual_sd=0.1185,
     observations=756,
