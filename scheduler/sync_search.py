@@ -73,8 +73,8 @@ from scheduler.simulator.report import sync_label
 from scheduler.simulator.warmup import DEFAULT_TRAIN_STEPS
 
 RISK_TOLERANCE = 0.02
-"""A riskier configuration must predict a step more than this fraction shorter to be chosen
-(the simulator's noise band)."""
+"""A riskier configuration must predict a time to the target (or, before the targets are
+priced, a step) more than this fraction shorter to be chosen (the simulator's noise band)."""
 ANCHORS_SHARE = 0.84
 """Part of the time limit the anchor searches share equally (the rest: scoring, polish)."""
 FRAGMENT_OPTIONS = (1, 2, 4)
@@ -178,8 +178,9 @@ class Scored:
     anchor: int
     """Index of the anchor whose assignment it was scored on."""
     replicas: int = 1
-    """R of that assignment: configurations on assignments of different widths are ranked
-    by cost / R (planning.per_replica_cost), the step time per sequence trained."""
+    """R of that assignment (with the batch: its global batch, which sets allreduce's steps
+    to the target; before the targets are priced, configurations are compared by cost / R,
+    planning.per_replica_cost)."""
     batch_per_replica: float = 1.0
     """Sequences per replica and step of that assignment's plan."""
     steps: float | None = None
