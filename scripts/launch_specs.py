@@ -38,7 +38,7 @@ from formats.atomic_io import atomic_write_bytes, check_output_path  # noqa: E40
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import Plan, as_group, load_plan  # noqa: E402
 from scripts.launch_local import check_runner_args  # noqa: E402
-from scripts.slurm_job import check_runner_flags  # noqa: E402
+from scripts.slurm_job import check_runner_flags, split_at_dashes  # noqa: E402
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 DEFAULT_PORT = 29500
@@ -208,11 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: flags before `--` are ours, after it every rank's dist_runner flags."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rest: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
+    argv, rest = split_at_dashes(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     check_runner_flags(rest)
     plan = load_plan(args.plan)

@@ -415,11 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: flags before `--` are ours, after it dist_runner's."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rest: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
+    argv, rest = sj.split_at_dashes(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     return args.func(args, rest)
 

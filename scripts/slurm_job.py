@@ -279,3 +279,11 @@ def hopeless(fields: Mapping[str, str]) -> str | None:
     if fields.get("JobState") == "PENDING" and reason in NEVER_REASONS:
         return reason
     return None
+
+
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the command's own flags, the flags after `--`: every rank's dist_runner flags)."""
+    if "--" not in argv:
+        return list(argv), []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
