@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ if not __package__:
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
 from modules.train.metrics import read_metrics  # noqa: E402
+from testkit import lab  # noqa: E402
 
 MODEL = "gpt-tiny"
 LAYERS = 4
@@ -158,23 +158,8 @@ def provenance() -> dict:
     """Where and how the curves were measured."""
     return {"command": "python benchmarks/quality_sweep.py", "model": MODEL,
             "recipe": " ".join(RECIPE), "seq_len": 64, "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{_cpu_model()}, {_cores()} cores",
+            "machine": lab.describe_machine(lab.machine()),
             "ar_steps": AR_STEPS, "diloco_max_steps": DILOCO_STEPS}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _cores() -> int:
-    import os
-    return os.cpu_count() or 1
 
 
 def write_fit(curves: Path) -> None:
