@@ -168,15 +168,15 @@ def write_fit(curves: Path) -> None:
     from scheduler.quality_fit import check_held_out, fit, to_source
     data = json.loads(curves.read_text())
     qm = fit(data)
+    md = report(qm, data, check_held_out(qm, data))
     for path, text in ((ROOT / "scheduler/quality_fitted.py", to_source(qm)),
-                       (ROOT / "docs/results/quality_model.md",
-                        report(qm, data, check_held_out(qm, data)))):
+                       (ROOT / "docs/results/quality_model.md", md)):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(path)
         print(f"wrote {path.relative_to(ROOT)}")
-    print(report(qm, data, check_held_out(qm, data)).split("## Predicted")[1])
+    print(md.split("## Predicted")[1])
 
 
 def _err(r: dict) -> float | None:

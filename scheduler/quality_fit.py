@@ -24,6 +24,7 @@ from scheduler.quality import (
     outer_gain,
     predict_steps,
     steps_to_loss,
+    target_from_steps,
 )
 
 MIN_AR_STEPS = 60
@@ -160,7 +161,6 @@ def check_held_out(qm: QualityModel, data: dict[str, Any]) -> list[dict[str, Any
 
 
 def _target_at(qm: QualityModel, steps: int, batch: float) -> Target | None:
-    from scheduler.quality import target_from_steps
     t = target_from_steps(qm, steps, batch)
     return t if t.loss is not None and not t.flags else None
 
