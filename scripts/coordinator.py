@@ -69,16 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(CoordinatorConfig(host, port, plan, args.plan, args.start_timeout_s,
                                           log))
     port = coord.listen()
-    log(f"listening on port {port} ({host} only) for {args.plan} ({plan.num_replicas} "
-        f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank with "
-        f"--coordinator tcp://{host}:{port}")
     try:
+        # before the line a supervisor waits for: a SIGTERM right after it finds the handler
         signal.signal(signal.SIGTERM, _on_term)
+        log(f"listening on port {port} ({host} only) for {args.plan} ({plan.num_replicas} "
+            f"replicas x {plan.num_stages} stage(s), sync {plan.sync.mode}); start every rank "
+            f"with --coordinator tcp://{host}:{port}")
         return coord.serve()
     except SystemExit:
         log("stopped by SIGTERM: every rank will save a checkpoint and exit 1 (restart the "
             "coordinator, then the ranks with --resume)")
-        raise
+        # serve() has unwound; end here: the interpreter's teardown resets signal handlers to
+        # the default, and a second SIGTERM during it would end the process as -15
+        sys.stderr.flush()
+        os._exit(143)
     finally:  # a SIGTERM from here on (the interpreter's exit included) ends quietly
         signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 

@@ -67,8 +67,8 @@ class Stop(Exception):
         self.signum = signum
 
 
-def install_stop_handlers() -> None:
-    """Raise Stop on SIGINT, SIGTERM and SIGHUP.
+def install_stop_handlers() -> dict[int, object]:
+    """Raise Stop on SIGINT, SIGTERM and SIGHUP; returns the handlers they replace.
 
     SIGINT too: a shell ignores it in the background jobs a script starts, and Python then
     installs no KeyboardInterrupt handler, so the launcher would not react to it at all.
@@ -76,8 +76,7 @@ def install_stop_handlers() -> None:
     def on_signal(signum: int, frame: object) -> None:
         raise Stop(signum)
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_signal)
+    return {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
 
 
 def ignore_stop_signals() -> None:
@@ -378,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Ranks(threading.Lock())
     t0 = time.monotonic()
     status = 0
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         install_stop_handlers()
         if args.coordinator:
@@ -400,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
         ignore_stop_signals()
         stop_all({**run.procs, -1: run.coord[0]} if run.coord is not None else run.procs,
                  args.grace_s)
+        # called in-process (a test, a wrapper): what this process starts next must not
+        # inherit SIG_IGN for SIGTERM, or terminate() would no longer stop it
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     run.report(status, len(ranks), time.monotonic() - t0)
     return status
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -17,3 +20,18 @@ def run_entry(script: str, *args: str, timeout: float = 120,
     return subprocess.run([sys.executable, str(ROOT / script), *args],
                           cwd=kwargs.pop("cwd", ROOT), capture_output=True, text=True,
                           timeout=timeout, **kwargs)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test gets this process's signal handlers back as they were: an entry point run
+    in-process may leave SIGTERM ignored, and every process a later test starts would inherit
+    that (terminate() then stops nothing; four files of tests failed so in CI)."""
+    before = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)

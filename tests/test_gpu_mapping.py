@@ -99,11 +99,15 @@ def test_the_launcher_passes_the_mapping_and_nccls_interface(tmp_path, monkeypat
     (tmp_path / "stub.py").write_text(STUB)
     monkeypatch.setattr(launch_local, "visible_gpus", lambda: 2)
     monkeypatch.setattr(sys, "executable", sys.executable)
+    import signal
+    term_before = signal.getsignal(signal.SIGTERM)
     status = launch_local.main(["--plan", str(tmp_path / "plan.json"), "--runner",
                                 str(tmp_path / "stub.py"), "--gloo-ifname", "lo",
                                 "--grace-s", "1"])
     out = capsys.readouterr().out
     assert status == 0, out
+    # in-process: SIGTERM handled as before, not left ignored for what this process starts
+    assert signal.getsignal(signal.SIGTERM) is term_before
     assert "launch: GPU mapping: rank 0 -> cuda:0, rank 1 -> cuda:1" in out
     for r in (0, 1):
         assert f"[rank {r}] env lo lo" in out and f"--rank {r} " in out

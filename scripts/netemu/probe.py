@@ -146,6 +146,17 @@ def comparison(cluster: Cluster, groups: list[tuple[int, ...]], results: list[Pa
     return table(head, rows) + note, all_ok
 
 
+def stop_agent(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """Stop a probe agent: SIGTERM, and SIGKILL after `grace_s` (one that ignores SIGTERM,
+    or a loaded host, must not turn a finished probe into a traceback)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: ignore[no-untyped-def]
                 pings: int = 10, quiet: bool = False) -> tuple[str, list[PairResult], bool]:
     """Probe the namespace hosts of `st`; write the measured cluster; (table text, results,
@@ -176,8 +187,7 @@ def probe_local(st, cluster: Cluster, out: Path, seconds: float = 1.5,  # type: 
         results = probe_pairs(st.num_hosts, measure, None if quiet else print)
     finally:
         for proc in servers:
-            proc.terminate()
-            proc.wait(timeout=10)
+            stop_agent(proc)
     groups = [tuple(g) for g in st.groups]
     save_cluster(measured_cluster(cluster, groups, results), out)
     applied = st.delay_mode in ("netem", "delay-line")
