@@ -75,3 +75,16 @@ def test_the_target_round_trips_through_the_plan_file(tmp_path):
     plan = Plan("c", "", "gpt-tiny", [(0, 4)], [[0], [1]], predicted={"to_target": OURS})
     save_plan(plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json").predicted["to_target"] == OURS
+
+
+def test_a_plans_line_names_its_outer_optimizer_when_not_the_default():
+    """Plain averaging and Nesterov reach a loss at different steps: the one-line sync label
+    says which the planner chose (the default Nesterov one is left unsaid)."""
+    from formats.plan import SyncConfig
+    from scheduler.simulator.report import sync_label
+
+    avg = SyncConfig(mode="diloco", inner_steps=16, warmup_steps=30, compression="int8",
+                     outer_lr=1.0, outer_momentum=0.0)
+    assert sync_label(avg) == "diloco H=16 W=30 outer lr 1 momentum 0, dp int8, pp none"
+    nesterov = SyncConfig(mode="diloco", inner_steps=16)
+    assert sync_label(nesterov) == "diloco H=16, dp none, pp none"

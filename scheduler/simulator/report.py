@@ -13,8 +13,17 @@ def sync_label(sync: SyncConfig, pipeline_compression: str = "none") -> str:
     if sync.mode == "diloco":
         mode += f" H={sync.inner_steps}" + (" overlap" if sync.overlap else "") + \
             (f" F={sync.fragments}" if sync.fragments > 1 else "") + \
-            (f" W={sync.warmup_steps}" if sync.warmup_steps else "")
+            (f" W={sync.warmup_steps}" if sync.warmup_steps else "") + _outer_label(sync)
     return f"{mode}, dp {sync.compression}, pp {pipeline_compression}"
+
+
+def _outer_label(sync: SyncConfig) -> str:
+    """` outer lr 1 momentum 0` when the outer optimizer is not the default Nesterov one
+    (the planner chooses it: plain averaging and Nesterov reach a loss at different steps)."""
+    default = SyncConfig()
+    if (sync.outer_lr, sync.outer_momentum) == (default.outer_lr, default.outer_momentum):
+        return ""
+    return f" outer lr {sync.outer_lr:g} momentum {sync.outer_momentum:g}"
 
 
 def format_sim_table(result: SimResult) -> str:
