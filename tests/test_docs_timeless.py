@@ -15,8 +15,8 @@ MAX_DATED_LINES = 10
 MAX_SENTENCE_WORDS = 60
 """The longest sentence docs/ARCHITECTURE.md may hold, in words."""
 
-DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\btoday\b|\btoday's\b|\byesterday\b|\bthis session\b",
-                   re.I)
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\btoday\b|\byesterday\b|\bthis session\b"
+                   r"|\b(?:earlier|previous|last|\w+(?:st|nd|rd|th)) session\b", re.I)
 LIST_ITEM = re.compile(r"^([-*]|\d+\.)\s")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(*\[])")
 
@@ -76,8 +76,8 @@ def test_the_check_sees_a_dated_line(tmp_path: Path) -> None:
     """The pattern catches the forms the guides used (guards the regex)."""
     page = tmp_path / "x.md"
     page.write_text("A correction (2026-11-26).\nToday's run: 3 s.\nNo date here.\n"
-                    "Since yesterday.\nIn this session.\n", encoding="utf-8")
-    assert len(dated_lines([page])) == 4
+                    "Since yesterday.\nIn this session.\nThe thirteenth session added it.\n", encoding="utf-8")
+    assert len(dated_lines([page])) == 5
 
 
 def test_architecture_sentences_are_short() -> None:
