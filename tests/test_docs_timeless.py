@@ -27,7 +27,8 @@ def dated_lines(pages: list[Path] = GUIDES) -> list[str]:
     for page in pages:
         for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             if DATED.search(line):
-                out.append(f"{page.relative_to(ROOT)}:{n}: {line.strip()}")
+                name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+                out.append(f"{name}:{n}: {line.strip()}")
     return out
 
 
@@ -76,7 +77,8 @@ def test_the_check_sees_a_dated_line(tmp_path: Path) -> None:
     """The pattern catches the forms the guides used (guards the regex)."""
     page = tmp_path / "x.md"
     page.write_text("A correction (2026-11-26).\nToday's run: 3 s.\nNo date here.\n"
-                    "Since yesterday.\nIn this session.\nThe thirteenth session added it.\n", encoding="utf-8")
+                    "Since yesterday.\nIn this session.\nThe thirteenth session added it.\n",
+                    encoding="utf-8")
     assert len(dated_lines([page])) == 5
 
 
