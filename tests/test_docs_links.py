@@ -1,7 +1,7 @@
-"""The README and the guides under docs/ stay current: every relative link and anchor resolves,
-every repository path they name exists, every guide is linked from the README, the README stays
-an entry page (<= 400 lines), and every `python X.py [SUBCOMMAND]` they show still parses
-`--help`."""
+"""The README and the guides under docs/ stay current: every relative link and anchor resolves
+and every repository path they name exists (in docs/results/ too), every guide is linked from
+the README, the README stays an entry page (<= 400 lines), and every `python X.py [SUBCOMMAND]`
+they show still parses `--help`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]
+RESULTS = sorted((ROOT / "docs" / "results").glob("*.md"))
+"""Measured runs the guides link (docs/results/): their links and paths must resolve too."""
 README_MAX_LINES = 400
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -66,7 +68,7 @@ def _anchors(page: Path) -> set[str]:
 
 def _links() -> list[tuple[Path, str]]:
     """(page, target) of every relative markdown link."""
-    return [(page, m.group(1)) for page in PAGES for m in LINK.finditer(_prose(page))
+    return [(page, m.group(1)) for page in [*PAGES, *RESULTS] for m in LINK.finditer(_prose(page))
             if not re.match(r"^[a-z]+:", m.group(1))]
 
 
@@ -95,7 +97,7 @@ def test_relative_link_resolves(page: Path, target: str) -> None:
 def test_every_repo_path_named_exists() -> None:
     """`modules/x.py`-style paths in the text name files or folders of this checkout."""
     missing = []
-    for page in PAGES:
+    for page in [*PAGES, *RESULTS]:
         for m in REPO_PATH.finditer(_prose(page)):
             path = m.group(1).rstrip(".,:;")
             if PLACEHOLDER.search(path) or not path:
