@@ -45,3 +45,20 @@ def test_verdicts_check_the_issue_targets():
 def test_unknown_regimes_are_refused_by_name():
     with pytest.raises(Exception, match="--regimes: unknown moon"):
         ttl.parse_args(["--out-dir", "x", "--regimes", "lab,moon"])
+
+
+def test_a_planner_row_that_is_the_allreduce_plan_is_not_trained_twice(tmp_path):
+    """Same placement, shape and sync: one plan (predictions and search record aside); a
+    different sync is another plan."""
+    from dataclasses import replace
+
+    from formats.plan import Plan, SyncConfig, save_plan
+    from testkit.lab import Run
+
+    base = Plan("t", "", "gpt-tiny", [(0, 4)], [[0], [1]], 1, 1, SyncConfig())
+    save_plan(base, tmp_path / "ar.json")
+    save_plan(replace(base, predicted={"to_target": {"seconds": 1.0}}), tmp_path / "auto.json")
+    save_plan(replace(base, sync=SyncConfig("diloco", 8)), tmp_path / "dl.json")
+    ar, auto, dl = (Run(n, tmp_path / f"{n}.json") for n in ("ar", "auto", "dl"))
+    assert ttl.same_plan(ar, auto)
+    assert not ttl.same_plan(ar, dl)
