@@ -99,14 +99,42 @@ def test_one_set_of_limits_shared_by_the_planner_and_the_runtime():
 
 def test_the_planners_flag_words_come_from_the_declarations():
     from scheduler.planning import PlanRequest
-    from scheduler.scheduler import FLAG_OF_FIELD, in_flag_words
+    from scheduler.scheduler import in_flag_words, planner_flags
     from scheduler.search import SearchConfig
+    from scheduler.simulator.config import SimConfig
+    from scheduler.sync_search import SyncBounds
 
-    assert FLAG_OF_FIELD["PlanRequest.num_stages"] == flag_of(PlanRequest, "num_stages") == \
-        "--stages"
-    assert FLAG_OF_FIELD["SearchConfig.seed"] == "--search-seed"
+    flags = planner_flags()
+    assert flags["PlanRequest.num_stages"] == flag_of(PlanRequest, "num_stages") == "--stages"
+    assert flags["SearchConfig.seed"] == "--search-seed"
+    # flags written by hand that set a field are found too (their dest names the field)
+    assert flags["PlanRequest.reshard_after_forward"] == "--no-reshard-after-forward"
+    assert flags["SyncBounds.max_compression"] == flag_of(SyncBounds, "max_compression") == \
+        "--compression"
+    assert flags["SimConfig.runtime"] == "--runtime"
+    # every flag is the one its field declares (--no-...: the negation of a bool field)
+    assert all(flag == flag_of(cls, name) for cls in (PlanRequest, SearchConfig, SimConfig,
+                                                      SyncBounds)
+               for name in (f.name for f in dataclasses.fields(cls))
+               if (flag := flags.get(settings.qualified(cls, name))) and "no-" not in flag)
     assert in_flag_words("SearchConfig.time_limit_s: x") == "--time-limit: x"
     with pytest.raises(UserError, match=r"^PlanRequest\.objective: unknown objective 'x'"):
         PlanRequest(1, 1, objective="x")
     with pytest.raises(UserError, match=r"^SearchConfig\.budget: must be in \[1, "):
         SearchConfig(budget=0)
+
+
+def test_flags_of_fields_reads_the_parser_and_rewords_help():
+    from scheduler.cli.fields import field_dest, flags_of_fields, help_in_flag_words
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    one = sub.add_parser("one")
+    settings.add_flags(one, Example, ("count", "rate"))
+    one.add_argument("--by-hand", dest=field_dest(Example, "mode"), help="see Example.count")
+    one.add_argument("--other", help="no field")
+    flags = flags_of_fields(p)
+    assert flags == {"Example.count": "--count", "Example.rate": "--rate-of-things",
+                     "Example.mode": "--by-hand"}
+    help_in_flag_words(p, flags)
+    assert "see --count" in one.format_help()
