@@ -136,6 +136,54 @@ def test_requeued_job_resumes_then_ctrl_c_cancels(slurm, plan2, tmp_path) -> Non
         assert max(steps) > resumed, steps
 
 
+def _losses_by_step(run: Path) -> dict[tuple[int, int], float]:
+    """{(replica, step): loss} of every record in a run folder's metrics (a resumed run's
+    records included: each must be the uninterrupted run's loss at that step)."""
+    from modules.train.metrics import read_metrics, replica_metrics_path
+
+    return {(k, r["step"]): r["loss"] for k in (0, 1)
+            for r in read_metrics(replica_metrics_path(run / "metrics.jsonl", k))}
+
+
+def test_a_cancelled_job_resubmitted_with_resume_continues_bit_identically(
+        slurm, plan2, tmp_path) -> None:
+    """Ctrl+C cancels the job mid-run (every rank saves on SIGTERM); `submit --resume` of the
+    same run folder continues from the last step every rank saved; every loss either launch
+    recorded equals an uninterrupted run's at that step, to the bit."""
+    from modules.train.checkpoint import complete_steps
+
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, str(ROOT / "scripts" / "slurm.py"), "submit", "--plan", str(plan2),
+           "--run-dir", str(cut), "--wait", "--", "--steps", "400", "--ckpt-every", "2",
+           *RUNNER]
+    p = subprocess.Popen(cmd, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=ROOT)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if "rank 0: step 5/400" in line:
+            p.send_signal(signal.SIGINT)  # Ctrl+C: scancel, every rank saves
+            break
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, out
+    common = max(set(complete_steps(cut / "ckpt", 0)) & set(complete_steps(cut / "ckpt", 1)))
+    assert common >= 4, out
+    end = str(common + 3)
+    again = submit(slurm, "--plan", str(plan2), "--run-dir", str(cut), "--resume", "--wait",
+                   "--", "--steps", end, "--ckpt-every", "2", *RUNNER)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from step {common}" in again.stdout, again.stdout
+    full = tmp_path / "full"
+    straight = submit(slurm, "--plan", str(plan2), "--run-dir", str(full), "--wait", "--",
+                      "--steps", end, "--ckpt-every", "2", *RUNNER)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    want, got = _losses_by_step(full), _losses_by_step(cut)
+    assert {s for _, s in want} == set(range(1, common + 4))
+    assert {(k, s) for k, s in got if s > common} == {(k, s) for k, s in want if s > common}
+    for key, loss in got.items():
+        if key[1] <= common + 3:
+            assert loss == want[key], (key, loss, want[key])  # bit-identical
+
+
 def _start_now(job: str, ctl: dict) -> None:
     """Slurm holds a requeued job about two minutes (Reason=BeginTime): release it now."""
     for _ in range(150):
