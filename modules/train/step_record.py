@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,31 +43,35 @@ class StepMeter:
     """Measures a rank's steps: the counters before one, its record after, the progress line."""
 
     def __init__(self, cfg: RunConfig, topo: Topology, stats: CommStats, pipe: PipelineStage,
-                 shard: ShardRuntime | None, outer: OuterSync | None, tokens_per_step: int,
+                 shard: ShardRuntime | None, outer: OuterSync | None,
+                 dp_bytes: Callable[[], int], tokens_per_step: int,
                  flops_per_token: float, peak_tflops: float | None, overlapped: bool,
                  live_count: bool, hivemind: HivemindOuter | None = None, log=print) -> None:
-        """`peak_tflops`: the replica's peak (None: no MFU); `overlapped`: sync.overlap's
-        background rounds; `live_count`: records say how many replicas are live; `hivemind`:
-        the outer sync's DHT (whose roster says how many replicas train)."""
+        """`dp_bytes`: the rank's data-parallel bytes so far (the outer sync's background
+        share adds to them as a record is made); `peak_tflops`: the replica's peak (None: no
+        MFU); `overlapped`: sync.overlap's background rounds; `live_count`: records say how
+        many replicas are live; `hivemind`: the outer sync's DHT (whose roster says how many
+        replicas train)."""
         self.cfg, self.topo, self.stats, self.pipe, self.shard = cfg, topo, stats, pipe, shard
         self.outer, self.tokens_per_step, self.flops_per_token = outer, tokens_per_step, \
             flops_per_token
         self.peak_tflops, self.overlapped, self.live_count, self.log = \
             peak_tflops, overlapped, live_count, log
-        self.hivemind = hivemind
+        self.hivemind, self.dp_bytes = hivemind, dp_bytes
         self.mfu_values: list[float] = []
         """MFU of each measured step (empty without a peak)."""
 
-    def start(self, dp_bytes: int) -> StepMark:
-        """The counters now, before a step (`dp_bytes`: the rank's data-parallel bytes)."""
+    def start(self) -> StepMark:
+        """The counters now, before a step."""
         self.stats.settle()  # NCCL's spans timed on the stream before this step
         pipe = self.pipe.comm
         return StepMark(time.perf_counter(), self.stats.wait_s, self.stats.bytes_sent,
-                        self.shard.clock.seconds if self.shard is not None else 0.0, dp_bytes,
+                        self.shard.clock.seconds if self.shard is not None else 0.0,
+                        self.dp_bytes(),
                         pipe, pipe.wait_s if pipe is not None else 0.0, self.pipe.bytes_sent)
 
     def record(self, mark: StepMark, loss: float | None, *, step: int, tokens: int,
-               dp_bytes: int, outer_step: int | None, replicas: int,
+               outer_step: int | None, replicas: int,
                comm: dict[str, str]) -> dict[str, Any]:
         """The step's metrics record: its time split, bytes, throughput and MFU.
         `replicas`: the generation's live replicas; `comm`: the backend of each group."""
@@ -80,7 +85,7 @@ class StepMeter:
                "step_s": round(step_s, 6), "compute_s": round(step_s - comm_s - fsdp_s, 6),
                "comm_s": round(comm_s, 6),
                "bytes_sent": self.stats.bytes_sent - mark.bytes_sent + bg_bytes,
-               "dp_bytes_sent": dp_bytes - mark.dp_bytes,
+               "dp_bytes_sent": self.dp_bytes() - mark.dp_bytes,  # after background_share
                "pp_bytes_sent": self.pipe.bytes_sent - mark.pp_bytes,
                "outer_step": outer_step,
                "tokens_per_s": round(self.tokens_per_step * training / step_s, 1),

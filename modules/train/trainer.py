@@ -124,7 +124,8 @@ class Trainer:
             stop_at_loss(self.cfg, self.membership.store, log),  # None: no flag
             lambda e: self.failures.peer(e, self.step), log)
         self.meter = StepMeter(
-            self.cfg, topo, self.stats, self.pipe, self.shard, self.outer, self.tokens_per_step,
+            self.cfg, topo, self.stats, self.pipe, self.shard, self.outer,
+            lambda: self.dp_bytes, self.tokens_per_step,
             flops_per_token(self.spec), self.placement.replica_peak_tflops, run.overlapped,
             live_count=self.membership.monitor is not None and self.outer is not None,
             hivemind=self.hivemind, log=log)
@@ -343,7 +344,7 @@ class Trainer:
 
     def _measured_step(self) -> dict[str, Any]:
         """One train_step and its metrics record; a lost peer ends the run with its reason."""
-        mark = self.meter.start(self.dp_bytes)
+        mark = self.meter.start()
         try:
             loss = self.train_step()
             self.stats.settle()  # NCCL: comm_s and pp_wait_s from CUDA events, not enqueues
@@ -352,6 +353,6 @@ class Trainer:
         except TrainingDiverged as e:
             raise TrainingDiverged(self.ckpt.save_diverged(str(e))) from None
         return self.meter.record(
-            mark, loss, step=self.step, tokens=self.tokens, dp_bytes=self.dp_bytes,
-            outer_step=self.outer_count, replicas=len(self.replicas),
+            mark, loss, step=self.step, tokens=self.tokens, outer_step=self.outer_count,
+            replicas=len(self.replicas),
             comm={c.group: c.backend for c in self.groups.choices})
