@@ -10,7 +10,7 @@ groups of one device per region at once (the stage groups of the demo's 2 x 4 pl
 devices, and the pair of devices farthest apart (a tied-embedding sum). The hosts share one
 clock, so a run lasts from its group's last member's start to its last member's end (median
 of --reps). Beside each, the simulator's predictions: gloo's model (SimConfig.
-allreduce_algorithm "gloo", the cpu profile's: kernel.gloo_allreduce_s on gloo's rank-ordered
+allreduce_algorithm "gloo", the cpu profile's: collectives.gloo_allreduce_s on gloo's rank-ordered
 ring) and the ring model (2(n-1) steps of 2 latencies + B/n, on the ring order the planner
 picks: what the cpu profile charged before). Writes OUT/results.json ({"rows": [...]}, each
 with group, floats, measured_s, gloo_model_s, ring_model_s) and prints the table.
@@ -38,7 +38,7 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from scheduler.scenarios import make_scenario  # noqa: E402
 from scheduler.simulator import resolve_sim_config  # noqa: E402
-from scheduler.simulator.kernel import (  # noqa: E402
+from scheduler.simulator.collectives import (  # noqa: E402
     LinkTables,
     RingTable,
     gloo_allreduce_s,

@@ -30,23 +30,25 @@ from formats.plan import PIPELINE_COMPRESSIONS, SyncConfig
 from scheduler.layer_split import even_split, flops_table, params_table, split_layers
 from scheduler.memory import memory_table
 from scheduler.objective import CostBreakdown
-from scheduler.simulator.config import SimConfig
-from scheduler.simulator.kernel import (
+from scheduler.simulator.collectives import (
     LinkTables,
-    PlanLinks,
     RingTable,
-    StepInputs,
-    StepTimes,
     direct_allreduce_s,
     gloo_allreduce_s,
+    ring_allreduce_s,
+    ring_step_s,
+    runs_gloo_allreduce,
+)
+from scheduler.simulator.config import SimConfig
+from scheduler.simulator.kernel import (
+    PlanLinks,
+    StepInputs,
+    StepTimes,
     no_transfers,
     optimizer_flops,
     outer_round_flops,
     payload_bytes_per_param,
     plan_links,
-    ring_allreduce_s,
-    ring_step_s,
-    runs_gloo_allreduce,
     step_breakdown,
     step_inputs,
 )

@@ -40,8 +40,9 @@ from formats.compact import bound_problem
 from formats.errors import UserError
 from formats.plan import Plan, as_group
 from formats.run_metrics import number
+from scheduler.simulator.collectives import LinkTables
 from scheduler.simulator.config import SimConfig
-from scheduler.simulator.kernel import LinkTables, StepInputs, build_inputs, no_transfers
+from scheduler.simulator.kernel import StepInputs, build_inputs, no_transfers
 from scheduler.simulator.replay import replay_fast
 from scheduler.simulator.sharded import build_sharded_inputs, shard_array
 

@@ -1,4 +1,4 @@
-"""gloo's fp32 all-reduce model (kernel.gloo_allreduce_s) against an event-by-event replay of
+"""gloo's fp32 all-reduce model (collectives.gloo_allreduce_s) against an event-by-event replay of
 gloo's ring loop (gloo/allreduce.cc `ring`, written out here independently), and where the
 simulator uses it (SimConfig.allreduce_algorithm "gloo", the cpu runtime's profile)."""
 
@@ -12,7 +12,7 @@ from formats.models import get_model
 from formats.plan import SyncConfig
 from scheduler.layer_split import even_split
 from scheduler.simulator import resolve_sim_config, simulate
-from scheduler.simulator.kernel import GLOO_SEGMENT_BYTES, gloo_allreduce_s, ring_step_s
+from scheduler.simulator.collectives import GLOO_SEGMENT_BYTES, gloo_allreduce_s, ring_step_s
 
 
 def replay_gloo_ring(lat_s: np.ndarray, sec_per_bit: np.ndarray, payload_bytes: float) -> float:

@@ -1176,6 +1176,7 @@ def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
     takes the state of a round at or after the replica's furthest step from its peers before
     training on (`Trainer._in_phase`); parts that cannot agree in PHASE_ATTEMPTS tries stop
     the replica rather than train on different outer states."""
+    import modules.train.phase as phase_mod
     import modules.train.trainer as trainer_mod
 
     trainer = trainer_mod.Trainer.__new__(trainer_mod.Trainer)
@@ -1191,17 +1192,17 @@ def test_a_part_behind_its_replica_takes_a_later_rounds_state(monkeypatch):
 
     trainer.outer = Outer()
     ranges = iter([(120, 124), (124, 124)])
-    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: next(ranges))
+    monkeypatch.setattr(phase_mod, "agree_range", lambda comm, v, what, t: next(ranges))
     ok = True
     assert trainer._in_phase(120) == 124 and caught == [(120, 124)]
     caught.clear()
-    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: (120, 124))
+    monkeypatch.setattr(phase_mod, "agree_range", lambda comm, v, what, t: (120, 124))
     ok = False
     with pytest.raises(PeerError, match="stayed at steps 120 to 124 after 5 tries"):
         trainer._in_phase(120)
-    assert caught == [(120, 124)] * trainer_mod.PHASE_ATTEMPTS
+    assert caught == [(120, 124)] * phase_mod.PHASE_ATTEMPTS
     ranges = iter([(124, 128), (128, 128)])  # the sibling behind: this part waits for it
-    monkeypatch.setattr(trainer_mod, "agree_range", lambda comm, v, what, t: next(ranges))
+    monkeypatch.setattr(phase_mod, "agree_range", lambda comm, v, what, t: next(ranges))
     caught.clear()
     assert trainer._in_phase(128) == 128 and caught == []
 

@@ -24,7 +24,7 @@ from scheduler.scenarios import make_scenario
 from scheduler.search import SearchConfig
 from scheduler.search.class_matching import ClassPlans
 from scheduler.search.matching import _two_opt_path, bottleneck_matching
-from scheduler.simulator.kernel import RING_STARTS, ring_order
+from scheduler.simulator.collectives import RING_STARTS, ring_order
 
 SCHED = "scheduler/scheduler.py"
 

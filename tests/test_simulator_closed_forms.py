@@ -25,7 +25,7 @@ from scheduler.simulator import (
     ring_allreduce_time,
     simulate,
 )
-from scheduler.simulator.kernel import undominated
+from scheduler.simulator.collectives import undominated
 
 
 def uniform_cluster(n: int, lat_ms: float = 10.0, gbps: float = 1.0, tflops: float = 100.0,

@@ -2,7 +2,7 @@
 
 The simulator's kernel predicts one outer all-reduce of this stage's payload (its fp32, fp16 or
 int8 bytes) over the stage group's ring on the cluster's links
-(scheduler.simulator.kernel.ring_allreduce_time over ring_order): `predicted_s`. Then
+(scheduler.simulator.collectives.ring_allreduce_time over ring_order): `predicted_s`. Then
 
     averaging   = max(AVERAGING_FLOOR_S,   AVERAGING_FACTOR   x predicted_s)
     matchmaking = max(MATCHMAKING_FLOOR_S, MATCHMAKING_FACTOR x predicted_s)

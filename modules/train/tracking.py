@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from formats.plan import Plan, save_plan
 from formats.run_metrics import PLAN_NAME, RANK_FIELDS, rank_timing_path
-from modules.config import MetricsConfig, missing_tracker_package
+from modules.metrics_config import MetricsConfig, missing_tracker_package
 from modules.train.metrics import MetricsWriter, replica_metrics_path
 
 SCALARS = ("loss", "val_loss", "tokens", "tokens_per_s", "mfu", "step_s", "compute_s", "comm_s",

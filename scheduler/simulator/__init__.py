@@ -29,7 +29,7 @@ Model (every number in seconds, bytes, FLOP/s):
   scale per block). It starts when every replica of the stage has finished its last backward,
   so it overlaps with the backward of earlier stages. On the CPU runtime an fp32 all-reduce
   (compression none; the tied-embedding sum) is gloo's own algorithm instead
-  (SimConfig.allreduce_algorithm "gloo", kernel.gloo_allreduce_s): the ring in ascending rank
+  (SimConfig.allreduce_algorithm "gloo", collectives.gloo_allreduce_s): the ring in ascending rank
   order, B cut into segments of at most 1 MiB (at least 2 per member), two in flight per link,
   each sent once its receiver announced the buffer.
 - Tied embeddings (model.tie_embeddings, S > 1): the first and the last stage of a replica each
@@ -62,12 +62,14 @@ Modules:
 - config.py: SimConfig (the knobs) and RUNTIME_PROFILES (their values for the cpu and gpu
   runtimes); runtime.py: calibration files and how profile, file and flags combine;
 - kernel.py: the one cost kernel, shared with the planner's objective (cost_simulated.py):
-  per-link arrays, the ring all-reduce, the step's inputs and its breakdown;
+  per-link arrays, the step's inputs and its breakdown; collectives.py: the link tables, the
+  all-reduce models (ring, gloo's, compressed) and each stage group's ring;
 - replay.py: the vectorised max-plus replay (what the planner and `simulate(timeline=False)`
   call); events.py: the discrete-event engine (the timeline; it checks the fast path);
 - step.py: simulate() and simulate_plan() -> SimResult; report.py: the text table.
 """
 
+from scheduler.simulator.collectives import LinkTables, ring_allreduce_time, ring_order
 from scheduler.simulator.config import (
     RUNTIME_PROFILES,
     RUNTIME_SETTINGS,
@@ -75,15 +77,7 @@ from scheduler.simulator.config import (
     sim_config_from_record,
 )
 from scheduler.simulator.events import EventEngine, TimelineBox, replay_events
-from scheduler.simulator.kernel import (
-    LinkTables,
-    StepInputs,
-    StepTimes,
-    build_inputs,
-    payload_bytes_per_param,
-    ring_allreduce_time,
-    ring_order,
-)
+from scheduler.simulator.kernel import StepInputs, StepTimes, build_inputs, payload_bytes_per_param
 from scheduler.simulator.replay import fast_replay, replay_fast
 from scheduler.simulator.report import format_sim_table
 from scheduler.simulator.runtime import (

@@ -66,7 +66,7 @@ class SimConfig:
     collective_latency_factor + B/n over the link): NCCL's ring. gloo: torch's gloo backend,
     whose ring (gloo::allreduce) splits B into segments of at most 1 MiB (at least 2 per
     member), keeps two in flight per link and sends each only after its receiver announced
-    its buffer (kernel.gloo_allreduce_s); the members in ascending rank order, each sending
+    its buffer (collectives.gloo_allreduce_s); the members in ascending rank order, each sending
     to the one below. On the lab's links (benchmarks/gloo_allreduce.py) this model came to
     0.99-1.17x the measured all-reduces of 1,000-4,000,000 values but one, the ring model to
     1.12-1.35x on groups of 4 and 8 from 100,000 values (docs/simulator.md)."""

@@ -283,7 +283,7 @@ def _add_rings(eng: EventEngine, inputs: StepInputs, after: dict[tuple[int, int]
 def _add_direct_reduce_scatter(eng: EventEngine, group: int, senders: np.ndarray,
                                tx: np.ndarray, lat: np.ndarray, deps: list[int]) -> list[int]:
     """The compressed all-reduce's direct reduce-scatter of data-parallel group `group`: one
-    task per direct link (a sender's link into a region, kernel.direct_links; the ones that
+    task per direct link (a sender's link into a region, collectives.direct_links; the ones that
     can be the slowest), each on a link of its own; returns the tasks."""
     return [eng.task(eng.resource(("direct", group, k), ordered=False), float(tx[k]), deps,
                      float(lat[k]), row=int(senders[k]), kind="allreduce",

@@ -42,16 +42,14 @@ import numpy as np
 
 from formats.models import ModelSpec
 from formats.plan import Entry, SyncConfig, as_group
+from scheduler.simulator.collectives import LinkTables, RingTable, ring_order
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.kernel import (
-    LinkTables,
-    RingTable,
     StepInputs,
     optimizer_flops,
     outer_round_flops,
     payload_bytes_per_param,
     plan_links,
-    ring_order,
     step_inputs,
 )
 from scheduler.simulator.sharing import core_slowdown

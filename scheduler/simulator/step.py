@@ -12,15 +12,10 @@ from formats.cluster import Cluster
 from formats.models import ModelSpec
 from formats.plan import MAX_INNER_STEPS, Entry, Plan, SyncConfig, validate_plan
 from scheduler.memory import check_plan_memory, stage_memory
+from scheduler.simulator.collectives import LinkTables
 from scheduler.simulator.config import SimConfig
 from scheduler.simulator.events import TimelineBox, replay_events
-from scheduler.simulator.kernel import (
-    LinkTables,
-    StepBreakdown,
-    build_inputs,
-    no_transfers,
-    step_breakdown,
-)
+from scheduler.simulator.kernel import StepBreakdown, build_inputs, no_transfers, step_breakdown
 from scheduler.simulator.replay import replay_fast
 from scheduler.simulator.sharded import (
     build_sharded_inputs,
