@@ -92,3 +92,36 @@ def test_train_rows_takes_the_network_down_after_a_row_fails(monkeypatch, tmp_pa
     assert downs == [tmp_path / "cluster.json"]
     assert [c[1] for c in rec.calls if c[0] == "train"] == ["allreduce"]
     assert rec.calls[3][2] == ["--eval-sequences", "32", "--eval-every", "5"]
+
+
+def test_hierarchical_declares_equal_token_rows_and_counts_cross_site_bytes_per_step(
+        monkeypatch, tmp_path):
+    from formats.cluster import save_cluster
+    from formats.plan import Plan, SyncConfig, save_plan
+    from scheduler.scenarios import make_scenario
+
+    cluster = make_scenario("badlink", 0)
+    save_cluster(cluster, tmp_path / "cluster.json")
+    common = {"micro_batch_size": 2, "num_micro_batches": 2}
+    dil = SyncConfig("diloco", 5, "int8")
+    plans = {"allreduce": Plan(cluster.name, cluster.sha256(), "gpt-tiny", [(0, 4)],
+                               [[d] for d in range(8)], **common),  # 8 lanes, H 1
+             "pipelined": Plan(cluster.name, cluster.sha256(), "gpt-tiny", [(0, 2), (2, 4)],
+                               [[2 * k, 2 * k + 1] for k in range(4)], sync=dil,
+                               **common),  # 4 lanes: twice the steps for as many tokens
+             "hier": Plan(cluster.name, cluster.sha256(), "gpt-tiny", [(0, 4)],
+                          [[s] for s in hierarchical.sites(cluster)], sync=dil, **common)}
+    runs = []
+    for name, plan in plans.items():
+        save_plan(plan, tmp_path / f"{name}.json")
+        runs.append(lab.Run(name, tmp_path / f"{name}.json"))
+    rec = Recorder()
+    monkeypatch.setattr(lab, "predict", rec.predict)
+    monkeypatch.setattr(lab, "train_row", rec.train_row)
+    monkeypatch.setattr(hierarchical, "cross_site_bytes", lambda net, kbit: rec.counter * 1e4)
+    args = hierarchical.parse_args(["--no-netns", "--steps", "20", "--inner-steps", "5"])
+    why_not, cross = hierarchical.train_all(runs, args, tmp_path / "cluster.json", tmp_path)
+    assert why_not == "--no-netns given"
+    assert [(c[1], c[3]) for c in rec.calls if c[0] == "train"] == [
+        ("allreduce", 20), ("pipelined", 40), ("hier", 20)]
+    assert cross == pytest.approx({"allreduce": 1.0, "pipelined": 1.0, "hier": 1.0})  # MB
