@@ -46,8 +46,8 @@ from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
-from testkit import lab  # noqa: E402
-from testkit.lab import Network, Run, predict, sh  # noqa: E402
+from testkit import lab, lab_rows  # noqa: E402
+from testkit.lab import Run, sh  # noqa: E402
 
 HARSH_GBPS = 0.02
 """The harsh variant: every link between two regions capped at 20 Mbit/s."""
@@ -128,25 +128,6 @@ def describe(plan: Plan) -> str:
         + (f" F={s.fragments}" if s.fragments > 1 else "")
         + (f" W={s.warmup_steps}" if s.warmup_steps else ""))
     return f"{plan.num_stages}x{plan.num_replicas}, {sync}, pipeline {plan.pipeline_compression}"
-
-
-def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path, out: Path) -> str:
-    """Predict and train every run on the emulated cluster, allreduce first; then each other
-    run on, for allreduce's training seconds or until it reached allreduce's final validation
-    loss (lab.train_on); returns why it was not shaped."""
-    for r in runs:
-        predict(r, cluster_path)
-    net = Network(cluster_path, out, not args.no_netns, args.mtu)
-    extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
-             "--eval-every", str(args.eval_every)]
-    try:
-        net.up()
-        for r in runs:
-            lab.train_row(r, net, out, extra, args.steps, args.warmup_steps, args.eval_every,
-                          runs[0] if r is not runs[0] else None)
-    finally:
-        net.down()
-    return net.reason
 
 
 def result_rows(runs: list[Run]) -> list[dict]:
@@ -245,13 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="training steps per row (default 30 with --quick, else 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps left out of the timing, rounded up to whole rounds (10)")
-    p.add_argument("--eval-sequences", type=int, default=32,
-                   help="validation sequences for the final loss")
-    p.add_argument("--eval-every", type=int, default=5,
-                   help="validation loss every K steps: the time to allreduce's final loss "
-                   "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
-    lab.add_network_args(p)
+    lab_rows.add_row_args(p)  # --eval-sequences, --eval-every, --no-netns, --mtu
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 60)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else 10
@@ -271,7 +247,7 @@ def run_variant(name: str, cluster: Cluster, args: argparse.Namespace, out: Path
     cluster_path = vdir / "cluster.json"
     save_cluster(cluster, cluster_path)
     runs = make_plans(args, cluster_path, vdir)
-    why_not = train_all(runs, args, cluster_path, vdir)
+    why_not = lab_rows.train_rows(runs, args, cluster_path, vdir).why_not_shaped
     rows_ = result_rows(runs)
     print(f"\n## {name}" + (f" (NOT shaped: {why_not})" if why_not else ""))
     print(table(rows_, not why_not))
@@ -284,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    cal = lab.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size,
-                            out / "calibrated.json", args.micro_batches)
-    args.calibration = cal.calibration_path  # every plan: the measured core sharing
+    cal = lab_rows.calibrate(args, "lab", out / "calibrated.json")  # every plan: its sharing
     results = {"rows": run_variant("lab", load_cluster(cal.cluster_path), args, out)}
     if not args.quick:
         results["harsh_rows"] = run_variant("harsh", harsh(load_cluster(

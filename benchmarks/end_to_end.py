@@ -38,8 +38,8 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
-from testkit import lab  # noqa: E402
-from testkit.lab import Network, Run, log, predict, sh  # noqa: E402
+from testkit import lab, lab_rows  # noqa: E402
+from testkit.lab import Run, log, sh  # noqa: E402
 
 
 def make_plans(args: argparse.Namespace, cluster_path: Path, out: Path) -> list[Run]:
@@ -82,15 +82,6 @@ def auto_plan(args: argparse.Namespace, cluster_path: Path, out: Path) -> Run:
         f"pipeline {plan.pipeline_compression}")
     return Run(f"planner --sync auto ({plan.num_stages}x{plan.num_replicas}, {what}, "
                f"pipeline {plan.pipeline_compression})", path)
-
-
-def train(run: Run, net: Network, args: argparse.Namespace, out: Path,
-          base: Run | None = None) -> None:
-    """Run the plan's ranks for --steps steps; fill in measured time, tokens/s and bytes.
-    After `base` (the allreduce run, trained first): on for its training seconds unless it
-    reached base's final validation loss (lab.train_on: equal wall time to loss)."""
-    extra = ["--eval-sequences", str(args.eval_sequences), "--eval-every", str(args.eval_every)]
-    lab.train_row(run, net, out, extra, args.steps, args.warmup_steps, args.eval_every, base)
 
 
 def table(runs: list[Run], shaped: bool) -> str:
@@ -179,14 +170,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--warmup-steps", type=int, default=5,
                    help="steps left out of the measured time (rounded up to a multiple of H)")
-    p.add_argument("--eval-sequences", type=int, default=32,
-                   help="validation sequences (the time to allreduce's final loss)")
-    p.add_argument("--eval-every", type=int, default=5,
-                   help="validation loss every K steps (evaluations left out of the timings)")
     p.add_argument("--plan-time-limit", type=float, default=10.0,
                    help="planner limit for the whole plan command, s (the search ends by budget "
                    "well within it on the lab)")
-    lab.add_network_args(p)
+    lab_rows.add_row_args(p)  # --eval-sequences, --eval-every, --no-netns, --mtu
     args = p.parse_args(argv)
     h = args.inner_steps
     if h < 1 or args.steps < 1 or args.warmup_steps < 0:
@@ -205,33 +192,24 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cluster_path = out / "cluster.json"
-    cal = lab.calibrate_lab(args.scenario, args.seed, args.model, args.micro_batch_size,
-                            cluster_path, args.micro_batches)
-    args.calibration = cal.calibration_path  # every plan: the measured core sharing
+    cal = lab_rows.calibrate(args, args.scenario, cluster_path)  # every plan: its sharing
     runs = make_plans(args, cluster_path, out)
-    for r in runs:
-        predict(r, cluster_path)
-    net = Network(cluster_path, out, not args.no_netns, args.mtu)
-    try:
-        net.up()
-        for r in runs:
-            train(r, net, args, out, None if r is runs[0] else runs[0])
-    finally:
-        net.down()
+    # --seed is the scenario's, the search's and the random plan's: the ranks keep their own
+    why_not = lab_rows.train_rows(runs, args, cluster_path, out, seed_ranks=False).why_not_shaped
     lab.check_after(cal, args.model, args.micro_batch_size)
     print()
     print(f"machine: {lab.describe_machine(cal.machine)}")
     print(time_to_loss_table(runs))  # the headline: who has the model first
-    print(table(runs, not net.reason))
+    print(table(runs, not why_not))
     print()
-    if net.reason:
-        print(f"targets not checked: the network was not emulated ({net.reason}); the "
+    if why_not:
+        print(f"targets not checked: the network was not emulated ({why_not}); the "
               "predictions are for the emulated links, the measurements ran on loopback")
     else:
         for line in targets(runs, True, cal.noisy()):
             print(line)
     plot(runs, out / "end_to_end.png")
-    results = {"shaped": not net.reason, "why_not_shaped": net.reason, **cal.record(),
+    results = {"shaped": not why_not, "why_not_shaped": why_not, **cal.record(),
                "runs": [{k: v for k, v in vars(r).items() if k != "plan_path"}
                         | {"plan": str(r.plan_path), "error": r.error,
                            "seconds_to_allreduce_loss": lab.seconds_to_loss(

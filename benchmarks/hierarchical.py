@@ -47,8 +47,8 @@ from formats.cluster import Cluster, load_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
-from testkit import lab  # noqa: E402
-from testkit.lab import Network, Run, predict, sh  # noqa: E402
+from testkit import lab, lab_rows  # noqa: E402
+from testkit.lab import Network, Run, sh  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -141,34 +141,27 @@ def cross_site_bytes(net: Network, cross_kbit: int) -> int:
     return total
 
 
+def equal_token_steps(plan: Plan, base_lanes: int, args: argparse.Namespace) -> int:
+    """The steps that train `plan` on as many tokens as the allreduce row's --steps on its
+    `base_lanes` lanes (whole rounds of H, at least the warm-up and one round)."""
+    h = plan.sync.inner_steps
+    return max(args.warmup_steps + h, round(args.steps * base_lanes / lanes(plan) / h) * h)
+
+
 def train_all(runs: list[Run], args: argparse.Namespace, cluster_path: Path,
               out: Path) -> tuple[str, dict[str, float]]:
     """Predict and train every run on equal tokens, every run after allreduce on for
-    allreduce's training seconds (lab.budget_steps, lab.train_on); (why not shaped, cross-site
-    MB/step)."""
+    allreduce's training seconds (lab_rows.train_rows); (why not shaped, cross-site MB/step
+    over every launch of a row: it may have stopped)."""
     cluster = load_cluster(cluster_path)
     s = sites(cluster)
     cross_kbit = int(cluster.bandwidth_gbps[s[0][0], s[1][0]] * 1e6)
     base_lanes = lanes(load_plan(runs[0].plan_path))
-    net, cross = Network(cluster_path, out, not args.no_netns, args.mtu), {}
-    for r in runs:
-        predict(r, cluster_path)
-    try:
-        net.up()
-        for r in runs:
-            plan = load_plan(r.plan_path)
-            h = plan.sync.inner_steps
-            steps = max(args.warmup_steps + h, round(args.steps * base_lanes / lanes(plan) / h) * h)
-            before = cross_site_bytes(net, cross_kbit)
-            extra = ["--eval-sequences", str(args.eval_sequences), "--seed", str(args.seed),
-                     "--eval-every", str(args.eval_every)]
-            lab.train_row(r, net, out, extra, steps, args.warmup_steps, args.eval_every,
-                          runs[0] if r is not runs[0] else None)
-            cross[r.name] = ((cross_site_bytes(net, cross_kbit) - before) / r.steps_trained
-                             / 1e6)  # over every launch of the row (it may have stopped)
-    finally:
-        net.down()
-    return net.reason, cross
+    rows = [lab_rows.LabRow(r, equal_token_steps(load_plan(r.plan_path), base_lanes, args))
+            for r in runs]
+    done = lab_rows.train_rows(rows, args, cluster_path, out, counters={
+        "cross_site": lambda net: cross_site_bytes(net, cross_kbit)})
+    return done.why_not_shaped, {name: b / 1e6 for name, b in done.per_step["cross_site"].items()}
 
 
 def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
@@ -261,13 +254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="allreduce row's training steps (default 30 with --quick, else 80); "
                         "the other rows train as many tokens")
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the timing")
-    p.add_argument("--eval-sequences", type=int, default=32,
-                   help="validation sequences for the final loss")
-    p.add_argument("--eval-every", type=int, default=5,
-                   help="validation loss every K steps: the time to allreduce's final loss "
-                   "(evaluations left out of every timing)")
     p.add_argument("--plan-time-limit", type=float, default=10.0, help="per plan command, s")
-    lab.add_network_args(p)
+    lab_rows.add_row_args(p)  # --eval-sequences, --eval-every, --no-netns, --mtu
     args = p.parse_args(argv)
     args.steps = args.steps or (30 if args.quick else 80)
     if args.steps <= args.warmup_steps:
@@ -281,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    cal = lab.calibrate_lab("badlink", args.seed, args.model, args.micro_batch_size,
-                            out / "cluster.json", args.micro_batches, fsdp=True)
-    args.calibration = cal.calibration_path  # plan (and so predict) on the lab's calibration
+    cal = lab_rows.calibrate(args, "badlink", out / "cluster.json", fsdp=True)  # plan on it
     runs = make_plans(args, out / "cluster.json", out)
     why_not, cross = train_all(runs, args, out / "cluster.json", out)
     lab.check_after(cal, args.model, args.micro_batch_size)

@@ -149,11 +149,43 @@ def make_simulated(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> Simu
                               pipeline_compression=req.pipeline_compression)
 
 
-OBJECTIVES: dict[str, Callable[[Cluster, ModelSpec, PlanRequest], Objective]] = {
-    "dtfm": make_dtfm,
-    "simulated": make_simulated,
+FALLBACK_BUDGET = 8_000
+"""Evaluations per search of an objective that declares no budget (ObjectiveKind.budget):
+the simulated objective's, the costlier of the two measured."""
+FALLBACK_WINDOW = 0
+"""Convergence window of an objective that declares none: 0, the search runs to its budget
+(no window was measured for it)."""
+
+
+@dataclass(frozen=True)
+class ObjectiveKind:
+    """A cost model the planner can minimise: its factory (called as the kind itself) and the
+    search defaults that suit its cost per evaluation, used when `plan` is given no --budget
+    or --window."""
+
+    make: Callable[[Cluster, ModelSpec, PlanRequest], Objective]
+    budget: int = FALLBACK_BUDGET
+    """Evaluations per search when none is given (SearchConfig.budget)."""
+    window: int = FALLBACK_WINDOW
+    """Convergence window when none is given (SearchConfig.window; 0: run to the budget)."""
+
+    def __call__(self, cluster: Cluster, model: ModelSpec, req: PlanRequest) -> Objective:
+        """The objective for this cluster, model and request."""
+        return self.make(cluster, model, req)
+
+
+OBJECTIVES: dict[str, ObjectiveKind] = {
+    # dtfm stops 1,000 evaluations after its last gain (docs/planner.md, "When the search
+    # stops"); simulated, whose evaluations cost ~6x more and whose quality under a window
+    # was not measured, runs to its budget. The budgets are what one core does in 5-12 s for
+    # 64 devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget or convergence,
+    # not the clock, ends a default run and the plan is reproducible from its seed
+    # (simulated: 3,000 lost 1.19x on `universities`).
+    "dtfm": ObjectiveKind(make_dtfm, budget=20_000, window=1_000),
+    "simulated": ObjectiveKind(make_simulated, budget=8_000, window=0),
 }
-"""Objective factories by name; a new objective registers here and in OBJECTIVE_NAMES."""
+"""Objectives by name; a new one registers here (its search defaults with it, or the
+fallbacks) and in OBJECTIVE_NAMES."""
 assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
 DEFAULT_OBJECTIVE = "simulated"
 """What `plan` and `evaluate` use when no objective is named."""
@@ -167,15 +199,14 @@ FINISH_MIN_S = 0.3
 after a 1,000-device plan on a loaded 2-core machine)."""
 POLISH_SHARE = 0.05
 """Part of a shape's time kept for polishing the simulated objective's layer split."""
-DEFAULT_WINDOWS = {"dtfm": 1_000, "simulated": 0}
-"""Convergence window (SearchConfig.window) when none is given: dtfm stops 1,000 evaluations
-after its last gain (docs/planner.md, "When the search stops"); simulated, whose evaluations
-cost ~6x more and whose quality under a window was not measured, runs to its budget."""
-DEFAULT_BUDGETS = {"dtfm": 20_000, "simulated": 8_000}
-"""Evaluations per search when no budget is given: what one core does in 5-12 s for 64
-devices (dtfm ~0.25 ms, simulated ~1.5 ms each), so that the budget or convergence
-(SearchConfig.window, which usually ends a run first), not the clock, ends a default run and
-the plan is reproducible from its seed (simulated: 3,000 lost 1.19x on `universities`)."""
+
+
+def search_defaults(objective: str) -> tuple[int, int]:
+    """(budget, window) of a search minimising `objective` when none is given: what its
+    ObjectiveKind declares; FALLBACK_BUDGET and FALLBACK_WINDOW for an objective registered
+    as a bare factory."""
+    kind = OBJECTIVES[objective]
+    return (getattr(kind, "budget", FALLBACK_BUDGET), getattr(kind, "window", FALLBACK_WINDOW))
 
 
 def check_shape(cluster: Cluster, model: ModelSpec, req: PlanRequest) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from formats import argtypes, settings
 from formats.settings import MAX_SEED
-from scheduler.planning import DEFAULT_BUDGETS, DEFAULT_OBJECTIVE, DEFAULT_WINDOWS, PlanRequest
+from scheduler.planning import DEFAULT_OBJECTIVE, OBJECTIVES, PlanRequest, search_defaults
 from scheduler.search import SearchConfig
 from scheduler.simulator.config import SimConfig
 from scheduler.sync_search import SyncBounds
@@ -53,10 +53,10 @@ CLI_DEFAULTS: dict[type, dict[str, Any]] = {
 """Where a flag's default differs from its field's (None: not given; the command resolves it:
 --budget by objective, the performance model from the plan, profile and calibration)."""
 DEFAULT_WORDS = {
-    "SearchConfig.budget": "default: " + ", ".join(f"{v} for {k}"
-                                                   for k, v in DEFAULT_BUDGETS.items()),
-    "SearchConfig.window": "default: " + ", ".join(f"{v} for {k}"
-                                                   for k, v in DEFAULT_WINDOWS.items()),
+    "SearchConfig.budget": "default: " + ", ".join(f"{search_defaults(k)[0]} for {k}"
+                                                   for k in OBJECTIVES),
+    "SearchConfig.window": "default: " + ", ".join(f"{search_defaults(k)[1]} for {k}"
+                                                   for k in OBJECTIVES),
     "SearchConfig.time_limit_s": "default 60, a safety net; here it bounds the whole command: "
     "loading the cluster, the search of every shape (sharing it), the baselines; not --plot. A "
     "search cut by it is not reproducible, one ended by the budget or convergence is",

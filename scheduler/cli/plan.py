@@ -20,13 +20,7 @@ from scheduler.cli.fields import PLAN_FLAGS, SEED, SHARD_FLAGS, add_field_flags,
 from scheduler.cli.inputs import cluster_from_args
 from scheduler.cli.perf_model import add_perf_model_args, sim_config_from_args
 from scheduler.cli.plan_sync import add_sync_args, sync_from_args
-from scheduler.planning import (
-    DEFAULT_BUDGETS,
-    DEFAULT_WINDOWS,
-    PlanOutcome,
-    PlanRequest,
-    plan_best_shape,
-)
+from scheduler.planning import PlanOutcome, PlanRequest, plan_best_shape, search_defaults
 from scheduler.scenarios import SCENARIOS
 from scheduler.search import SearchConfig
 from scheduler.shard_search import Candidate, plan_hierarchical
@@ -38,10 +32,11 @@ def plan_request_from_args(args: argparse.Namespace, sync: SyncConfig) -> PlanRe
     when not given); the fields' rules check every value."""
     search = {f: arg(args, SearchConfig, f) for f in PLAN_FLAGS[SearchConfig]}
     given = {f: arg(args, PlanRequest, f) for f in (*PLAN_FLAGS[PlanRequest], "random_samples")}
+    budget, window = search_defaults(given["objective"])  # what the objective declares
     if search["budget"] is None:
-        search["budget"] = DEFAULT_BUDGETS[given["objective"]]
+        search["budget"] = budget
     if search["window"] is None:
-        search["window"] = DEFAULT_WINDOWS[given["objective"]]
+        search["window"] = window
     return PlanRequest(**given, sync=sync, search=SearchConfig(**search),
                        sim=sim_config_from_args(args),
                        pipeline_compression=arg(args, PlanRequest, "pipeline_compression")
