@@ -55,6 +55,7 @@ import torch
 
 from formats.cluster import Cluster
 from formats.plan import Plan
+from modules.comm import PeerError
 from modules.control.dht import (
     Roster,
     SplitGuard,
@@ -67,6 +68,7 @@ from modules.control.dht import (
 from modules.control.dht import visible_maddrs as dht_addresses
 from modules.sync.diloco import OuterState
 from modules.sync.hivemind_background import BackgroundRounds, background_attempt
+from modules.sync.hivemind_checks import part_identity, run_fingerprint
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
 from modules.sync.hivemind_rounds import ROUND_BITS, RoundsMixin, same_round
 from modules.sync.hivemind_state import SharedStateMixin
@@ -103,6 +105,9 @@ class HivemindSettings:
     compression: str
     matchmaking_s: float | None
     averaging_s: float | None
+    fingerprint: str = ""
+    """The model's and plan's (modules.sync.hivemind_checks.run_fingerprint): every record a
+    replica writes carries it, with its part's parameter count."""
 
 
 
@@ -132,8 +137,17 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
                              list(settings.announce_maddrs), settings.client_mode,
                              settings.timeout_s)
         self.addresses = dht_addresses(self.dht)
-        log(f"hivemind DHT up (run id {settings.run}); other replicas can join with "
-            f"--initial-peers {','.join(self.addresses)}")
+        if settings.client_mode:  # it accepts no connections: its addresses lead nowhere
+            log(f"hivemind DHT up (run id {settings.run}) in --client-mode: other replicas "
+                "cannot join through this one; give them a full peer's --initial-peers")
+        else:
+            log(f"hivemind DHT up (run id {settings.run}); other replicas can join with "
+                f"--initial-peers {','.join(self.addresses)}")
+        self.numel = 0
+        self.identity = ""
+        """My part's identity (`attach`: the run's fingerprint, my part, its size)."""
+        self.offences: dict[int, int] = {}
+        """Replica -> its contributions left out of rounds here (`_note_rejected`)."""
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
@@ -175,6 +189,7 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         from modules.sync.hivemind_exact import CodecWire, ExactAverager
 
         cfg = self.cfg
+        self.numel, self.identity = numel, part_identity(cfg.fingerprint, self.part, numel)
         self.deadlines = derive(self.plan, self.cluster, self.stage, numel, cfg.compression,
                                 cfg.matchmaking_s, cfg.averaging_s, self.shard, cfg.timeout_s)
         self.log(f"hivemind outer sync of {self.what}: {self.deadlines.describe()}")
@@ -197,7 +212,7 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
             signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.part, self.replica, cfg.heartbeat_s,
-                             self.log, client_mode=cfg.client_mode)
+                             self.log, client_mode=cfg.client_mode, identity=self.identity)
         if not joining:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
@@ -283,6 +298,31 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
             live = self.roster.live()
         self.started = True
         self.last_group = live if len(live) >= expected else set()
+        self._need_full_peer()
+
+    def _need_full_peer(self) -> None:
+        """--client-mode: PeerError unless a replica that accepts connections is in the
+        roster (a client alone averages with nobody, and would train solo to exit 0)."""
+        if self.cfg.client_mode and not self.roster.peers(sharing=True):
+            given = ",".join(self.cfg.initial_peers) or "(none)"
+            raise PeerError(f"--client-mode: no replica without --client-mode of run "
+                            f"{self.cfg.run} {self.what} is in the DHT (waited "
+                            f"{self.cfg.timeout_s:g} s, --timeout-s); a client averages only "
+                            "through such a peer: start one, and pass its address as "
+                            f"--initial-peers (given: {given})")
+
+    def _note_rejected(self, index: int, gathered: dict) -> None:
+        """Name each replica whose contribution to round `index` my averager left out
+        (ExactAverager marks it in the gathered data: wrong size, non-finite, norm bound)."""
+        for v in gathered.values():
+            why = v.get("rejected") if isinstance(v, dict) else None
+            if not why:
+                continue
+            r = v.get("replica")
+            self.offences[r] = self.offences.get(r, 0) + 1
+            self.log(f"outer round {index + 1} of {self.what}: left out the contribution of "
+                     f"replica {r} (peer {v.get('peer', '?')}) to the chunks reduced here: "
+                     f"{str(why)[:200]} ({self.offences[r]} time(s) so far)")
 
     def _reach(self, index: int) -> None:
         """Tell the averager this rank is at round `index` or past it: roster groups' parts
@@ -378,5 +418,6 @@ def settings_of(run: ResolvedRun) -> HivemindSettings:
         client_mode=hv.client_mode, run=run_id(agreed, hv.run_id), timeout_s=cfg.timeout_s,
         heartbeat_s=cfg.elastic.heartbeat_timeout_s, min_replicas=run.min_replicas,
         compression=plan.sync.compression,
+        fingerprint=run_fingerprint(plan.to_dict(), plan.sync.compression),
         starting=len(run.start_replicas or range(plan.num_replicas)),
         matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from modules.comm import PeerError
-from modules.control.dht import first
+from modules.control.dht import RunMismatch, first
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
 from modules.sync.hivemind_state import JOIN_ATTEMPTS
 from modules.sync.outer_deadlines import OuterDeadlines
@@ -42,6 +42,7 @@ class RoundsMixin:
                 time.sleep(0.5)
                 continue
             if live == {self.replica} and self.whole and not self.catching_up:
+                self._need_full_peer()  # a client alone averages with nobody
                 if self.last_group != live or not self.rounds_s:
                     self.log(f"outer round {index + 1} of {self.what}: alone in the DHT "
                              "roster; my rounds are the mean of my own until others join")
@@ -54,7 +55,11 @@ class RoundsMixin:
                 gathered = self._matched(index, self._step(
                     index, live, weight, need, wait=False,
                     timeout=deadlines.matchmaking_s + deadlines.averaging_s), need)
-                return same_round(gathered, index)
+                group = same_round(gathered, index, self.identity)
+                self._note_rejected(index, gathered)
+                return group
+            except RunMismatch:  # another run in the group: no attempt can succeed
+                raise
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
                 if self.closing.is_set():
                     raise BackendClosed(index, self.what) from e
@@ -131,6 +136,7 @@ class RoundsMixin:
             wait_s=d.matchmaking_s, future=future)))
         gathered = future.result(timeout=d.matchmaking_s + d.averaging_s + 5.0)
         self.fixed_rounds += 1
+        self._note_rejected(index, gathered)
         return [int(v["replica"]) for v in gathered.values()]
 
     def _matched(self, index: int, control: Any, need: int = 2) -> Any:
@@ -167,17 +173,26 @@ class RoundsMixin:
         self._set_group_size(max(2, len(live)), need)
         self._reach(index)
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
-        return self.averager.step(gather={"replica": self.replica, "round": index},
+        return self.averager.step(gather={"replica": self.replica, "round": index,
+                                                  "id": self.identity},
                                   weight=weight, allow_retries=False, **kwargs)
 
 
-def same_round(gathered: dict, index: int) -> list[int]:
+def same_round(gathered: dict, index: int, identity: str | None = None) -> list[int]:
     """The replicas of a matched group of round `index`; PeerError when a member was at
     another round. Every member gets every member's gathered data, so each refuses the
     same group and none applies its average. Why: a joiner whose host had given up on a
     round (its peers completed it without it) still had that round's step in its averager's
     matchmaking, and the others' next round matched it (seen: {'replica': 2, 'round': 31}
     in round 32's group, whose three members then held different outer models)."""
+    if identity is not None:
+        other = [v for v in gathered.values() if v.get("id") != identity]
+        if other:
+            raise RunMismatch(f"replica {other[0].get('replica')} of the group that formed is "
+                              f"another run on --run-id (fingerprint "
+                              f"{str(other[0].get('id'))[:16]}, this one {identity}): a "
+                              "different model, plan or sync settings; give each run its own "
+                              "--run-id")
     rounds = sorted({int(v.get("round", -1)) for v in gathered.values()})
     if rounds != [index]:
         raise PeerError(f"the group that formed mixed rounds {[r + 1 for r in rounds]}; "

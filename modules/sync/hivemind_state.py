@@ -26,7 +26,7 @@ class SharedStateMixin:
         while self._best_peer_rounds() <= index and time.monotonic() < wait_until:
             time.sleep(0.5)
         if self._best_peer_rounds() > index:
-            loaded = self.load_state()
+            loaded = self.load_state(after_round=index)
             if loaded is not None and loaded.outer_count > index:
                 self.log(f"outer round {index + 1} of {self.what} failed here; took the "
                          f"outer state of a replica that completed it (round "
@@ -87,14 +87,28 @@ class SharedStateMixin:
 
     def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
         """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
+        got = self._checked_state()
+        if got is None:
+            return None
+        rounds = list(got[0].get("results", []))
+        return rounds, list(got[1][2:2 + len(rounds)])
+
+    def _checked_state(self, after_round: int = -1) -> tuple[dict, list[torch.Tensor]] | None:
+        """The shared state of the most advanced live peer of my part whose state agrees with
+        what this run knows (hivemind_checks.state_fault: my identity, parameter count, a
+        round past `after_round`, finite values); the peers refused are named in the log.
+        None when no peer's state passed in time."""
+        self.roster.live()
+        peers = sorted(self.roster.peers(sharing=True))
+        check = {"identity": self.identity, "numel": self.numel, "after_round": after_round}
         try:
-            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
+            meta, tensors, refused = self.averager.load_checked_state(
+                check, peers, self.deadlines.averaging_s)
         except TimeoutError:
             return None
-        if got is None or got[0].get("run") != self.cfg.run:
-            return None
-        rounds = [int(r) for r in got[0].get("results", [])]
-        return rounds, list(got[1][2:2 + len(rounds)])
+        for peer, why in refused:
+            self.log(f"{self.what}: did not take the shared outer state of peer {peer}: {why}")
+        return None if meta is None else (meta, list(tensors))
 
     def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
         """Peer id -> the rounds that peer of my stage declared done, me excluded;
@@ -139,17 +153,13 @@ class SharedStateMixin:
         self.log(f"leaving before replica peer(s) {sorted(waiting)} declared round "
                  f"{self.completed} of {self.what} done")
 
-    def load_state(self) -> OuterState | None:
-        """The outer state of the most advanced peer (None when none answered in time)."""
-        try:
-            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
-        except TimeoutError:
-            return None
+    def load_state(self, after_round: int = -1) -> OuterState | None:
+        """The outer state of the most advanced peer whose state passes the checks, past round
+        `after_round` (None when none did in time: `_checked_state`)."""
+        got = self._checked_state(after_round)
         if got is None:
             return None
         meta, tensors = got
-        if meta.get("run") != self.cfg.run or not tensors:
-            return None
         momentum = tensors[1] if len(tensors) > 1 and meta.get("momentum") else None
         self.completed = int(meta["completed"])
         self._reach(int(meta["outer_count"]) - 1)  # the rounds before it are over here
@@ -177,7 +187,7 @@ class SharedStateMixin:
         tensors = [outer.anchor.detach().cpu().float().clone(),
                    outer.momentum.detach().cpu().float().clone() if has_momentum
                    else torch.zeros(0)]
-        meta = {"run": self.cfg.run, "outer_count": outer.outer_count,
+        meta = {"run": self.cfg.run, "identity": self.identity, "outer_count": outer.outer_count,
                 "momentum": has_momentum, "completed": self.completed}
         with self.lock:
             self.snapshot = (meta, tensors)
