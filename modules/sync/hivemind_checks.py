@@ -44,25 +44,37 @@ def part_identity(fingerprint: str, part: str, numel: int) -> str:
     return hashlib.sha256(f"{fingerprint}|{part}|{numel}".encode()).hexdigest()[:16]
 
 
+def norm_of(part: torch.Tensor) -> float:
+    """The L2 norm of `part` in one pass; not finite when any value is NaN or infinite (or
+    so large that its square overflows fp32: no honest pseudo-gradient is)."""
+    return float(torch.linalg.vector_norm(part if part.dtype == torch.float32 else part.float()))
+
+
 def part_fault(part: torch.Tensor | None, numel: int) -> str | None:
     """Why a contribution to one chunk cannot be averaged (None: it can)."""
+    return _fault_and_norm(part, numel)[0]
+
+
+def _fault_and_norm(part: torch.Tensor | None, numel: int) -> tuple[str | None, float]:
+    """(why `part` cannot be averaged or None, its norm): one pass over the values (the
+    norm tells non-finite values: the checks cost a fraction of the codec's work)."""
     if part is None:
-        return "a cut or undecodable message"
+        return "a cut or undecodable message", 0.0
     if part.numel() != numel:
-        return f"{part.numel()} values for a chunk of {numel}"
-    if not bool(torch.isfinite(part).all()):
-        return "non-finite values (NaN or infinity)"
-    return None
+        return f"{part.numel()} values for a chunk of {numel}", 0.0
+    n = norm_of(part)
+    if not math.isfinite(n):
+        return "non-finite values (NaN or infinity) or an overflowing norm", n
+    return None, n
 
 
 def mean_fault(mean: torch.Tensor | None, numel: int, own_norm: float | None,
                bound: float = MEAN_BOUND) -> str | None:
     """Why a reducer's mean of one chunk is refused (None: taken): the wrong size, non-finite,
     or a norm over `bound` times my own part's (`own_norm`; None: I contributed nothing)."""
-    fault = part_fault(mean, numel)
-    if fault is not None or own_norm is None or own_norm <= 0.0 or mean is None:
+    fault, n = _fault_and_norm(mean, numel)
+    if fault is not None or own_norm is None or own_norm <= 0.0:
         return fault
-    n = float(torch.linalg.vector_norm(mean.float()))
     if n > bound * own_norm:
         return f"norm {n:.3g}, over {bound:g}x my own part's {own_norm:.3g}"
     return None
@@ -74,19 +86,23 @@ def contribution_faults(parts: dict[int, torch.Tensor | None], numel: int,
     over `bound` times the reference: the median norm of three or more parts (the reducer's
     own included: a replica that scaled its own is left out by its own reducer too), else the
     norm of sender `trusted`'s part (the reducer itself, never left out for its norm then)."""
-    faults = {i: f for i, t in parts.items() if (f := part_fault(t, numel)) is not None}
-    norms = {i: float(torch.linalg.vector_norm(t.float())) for i, t in parts.items()
-             if i not in faults and t is not None}
+    faults, norms = {}, {}
+    for i, t in parts.items():
+        fault, n = _fault_and_norm(t, numel)
+        if fault is None:
+            norms[i] = n
+        else:
+            faults[i] = fault
     if not norms:
         return faults
     if len(norms) < 3 and trusted in norms:
         ref = norms[trusted]
     else:
         ref, trusted = statistics.median(norms.values()), None
-    if ref <= 0.0 or not math.isfinite(ref):  # nothing to compare with (an all-zero chunk)
+    if ref <= 0.0:  # nothing to compare with (an all-zero chunk)
         return faults
     for i, n in norms.items():
-        if i != trusted and (not math.isfinite(n) or n > bound * ref):
+        if i != trusted and n > bound * ref:
             faults[i] = f"norm {n:.3g}, over {bound:g}x the reference {ref:.3g}"
     return faults
 

@@ -58,7 +58,7 @@ from modules.quant.allreduce import (
     segment_bounds,
 )
 from modules.quant.codec import DEFAULT_BLOCK
-from modules.sync.hivemind_checks import contribution_faults, mean_fault, state_fault
+from modules.sync.hivemind_checks import contribution_faults, mean_fault, norm_of, state_fault
 
 STATE_SOURCES = 2
 """Peers a state download tries (by declared priority) before it gives up."""
@@ -223,8 +223,7 @@ class ExactRunner(AllReduceRunner):
         self.part_numels = [[part.numel() for part, _ in parts] for parts in
                             self.tensor_part_container._input_parts_by_peer]
         """Per peer, the size of each mean it sends back (checked before it is used)."""
-        self.own_norms = [[float(torch.linalg.vector_norm(part.float())) if self.weight > 0
-                           else None for part, _ in parts]
+        self.own_norms = [[norm_of(part) if self.weight > 0 else None for part, _ in parts]
                           for parts in self.tensor_part_container._input_parts_by_peer]
         """Per peer, the norm of my part of each of its chunks (a mean's bound)."""
         self.suspects = suspects if suspects is not None else set()
