@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -13,9 +13,6 @@ from modules.comm import CommStats
 from modules.sync.diloco import OuterRoundSkipped
 from modules.sync.hivemind_errors import BackendClosed
 from modules.sync.overlap import OuterJob, OverlapSync
-
-if TYPE_CHECKING:
-    from modules.sync.hivemind_outer import HivemindOuter
 
 
 class BackgroundRounds(OverlapSync):
@@ -51,10 +48,11 @@ class BackgroundRounds(OverlapSync):
                 raise j.error
 
 
-def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
+def background_attempt(hivemind: Any, stats: CommStats | None
                        ) -> Callable[[torch.Tensor, int], int | None]:
-    """BackgroundRounds' attempt: one hivemind round on the worker thread; the bytes sent
-    (counted into `stats`, the background accounting), or None when nobody completed it."""
+    """BackgroundRounds' attempt: one round of `hivemind` (a HivemindOuter) on the worker
+    thread; the bytes sent (counted into `stats`, the background accounting), or None when
+    nobody completed it."""
     hivemind.background = True
 
     def attempt(flat: torch.Tensor, index: int) -> int | None:

@@ -109,6 +109,11 @@ class HivemindSettings:
     """The model's and plan's (modules.sync.hivemind_checks.run_fingerprint): every record a
     replica writes carries it, with its part's parameter count."""
 
+    @property
+    def dht_flags(self) -> tuple[bool, float]:
+        """start_dht's client mode and startup timeout."""
+        return self.client_mode, self.timeout_s
+
 
 
 class HivemindOuter(RoundsMixin, SharedStateMixin):
@@ -134,20 +139,12 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         quiet_hivemind()
         install_orphan_guard()  # a rank killed with -9 leaves no DHT process or p2pd behind
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
-                             list(settings.announce_maddrs), settings.client_mode,
-                             settings.timeout_s)
+                             list(settings.announce_maddrs), *settings.dht_flags)
         self.addresses = dht_addresses(self.dht)
-        if settings.client_mode:  # it accepts no connections: its addresses lead nowhere
-            log(f"hivemind DHT up (run id {settings.run}) in --client-mode: other replicas "
-                "cannot join through this one; give them a full peer's --initial-peers")
-        else:
-            log(f"hivemind DHT up (run id {settings.run}); other replicas can join with "
-                f"--initial-peers {','.join(self.addresses)}")
-        self.numel = 0
-        self.identity = ""
-        """My part's identity (`attach`: the run's fingerprint, my part, its size)."""
-        self.offences: dict[int, int] = {}
-        """Replica -> its contributions left out of rounds here (`_note_rejected`)."""
+        log(self._started_line())  # before the rendezvous: the addresses to pass, early
+        self.numel, self.identity, self.offences = 0, "", {}
+        """My part's size, its identity (`attach`: the run's fingerprint, my part, its size),
+        and per replica its contributions left out here (`_note_rejected`)."""
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
@@ -182,6 +179,14 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         roster is this group again starts in the roster's group (a dead replica still listed:
         that group fails at once), one whose roster changed (a replica joined, or a dead one's
         entry expired) goes to matchmaking."""
+
+    def _started_line(self) -> str:
+        """The line that says the DHT is up and how other replicas join through it."""
+        if self.cfg.client_mode:  # it accepts no connections: its addresses lead nowhere
+            return (f"hivemind DHT up (run id {self.cfg.run}) in --client-mode: other replicas "
+                    "cannot join through this one; give them a full peer's --initial-peers")
+        return (f"hivemind DHT up (run id {self.cfg.run}); other replicas can join with "
+                f"--initial-peers {','.join(self.addresses)}")
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;

@@ -51,13 +51,7 @@ class RoundsMixin:
             try:
                 if fixed:
                     return self._fixed(index, live, weight)
-                need = len(live) if every_live else 2
-                gathered = self._matched(index, self._step(
-                    index, live, weight, need, wait=False,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s), need)
-                group = same_round(gathered, index, self.identity)
-                self._note_rejected(index, gathered)
-                return group
+                return self._matchmade(index, live, weight, len(live) if every_live else 2)
             except RunMismatch:  # another run in the group: no attempt can succeed
                 raise
             except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
@@ -84,6 +78,17 @@ class RoundsMixin:
             done = self._best_peer_rounds(live_only=self.background) > index
             if time.monotonic() > give_up or done:
                 return None
+
+    def _matchmade(self, index: int, live: set[int], weight: float, need: int) -> list[int]:
+        """Round `index` averaged in a group matched by hivemind, of at least `need` of the
+        `live` replicas: its replicas (raises when no such group averaged it)."""
+        d = self.deadlines
+        gathered = self._matched(index, self._step(index, live, weight, need, wait=False,
+                                                   timeout=d.matchmaking_s + d.averaging_s),
+                                 need)
+        group = same_round(gathered, index, self.identity)
+        self._note_rejected(index, gathered)
+        return group
 
     @property
     def longest_wait_s(self) -> float:
