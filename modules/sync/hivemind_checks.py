@@ -22,6 +22,8 @@ MEAN_BOUND = NORM_BOUND
 """A mean sent back by a chunk's reducer whose norm exceeds this many times my own part of that
 chunk is refused (the round fails here): a mean of honest parts is no larger than the largest
 of them; a reducer that put a scaled or forged contribution into its own chunk is caught."""
+STATE_SOURCES = 2
+"""Peers a state download tries (by declared priority) before it gives up."""
 MAX_COUNT = 1 << 31
 """Largest round count or replica number a peer's record may carry."""
 IDENTITY_KEYS = ("model", "model_config", "stages", "sync")

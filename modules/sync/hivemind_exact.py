@@ -58,10 +58,14 @@ from modules.quant.allreduce import (
     segment_bounds,
 )
 from modules.quant.codec import DEFAULT_BLOCK
-from modules.sync.hivemind_checks import contribution_faults, mean_fault, norm_of, state_fault
+from modules.sync.hivemind_checks import (
+    STATE_SOURCES,
+    contribution_faults,
+    mean_fault,
+    norm_of,
+    state_fault,
+)
 
-STATE_SOURCES = 2
-"""Peers a state download tries (by declared priority) before it gives up."""
 FIXED_GROUP = b"fixed:"
 """Prefix of the ids of groups formed from the roster (`ExactAverager._fixed_round`)."""
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from modules.comm import PeerError
 from modules.control.dht import RunMismatch, first
+from modules.sync.hivemind_checks import STATE_SOURCES
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
 from modules.sync.hivemind_state import JOIN_ATTEMPTS
 from modules.sync.outer_deadlines import OuterDeadlines
@@ -99,8 +100,10 @@ class RoundsMixin:
             return self.cfg.timeout_s
         d = self.deadlines.widest
         attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
-        rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
-        return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
+        # a state download tries up to STATE_SOURCES peers, each within the averaging deadline
+        download = STATE_SOURCES * d.averaging_s + 1.0
+        rounds = 2 * self.cfg.timeout_s + attempt + 2 * d.averaging_s + download
+        return max(rounds, JOIN_ATTEMPTS * (download + min(5.0, d.matchmaking_s)))
 
     def _set_deadlines(self, new: OuterDeadlines, index: int, why: str) -> None:
         """Round `index` changed the deadlines to `new` (`why`): say so, and pass them to the
