@@ -246,3 +246,40 @@ def test_client_mode_replicas_without_a_full_peer_stop_with_an_error(tmp_path):
     finally:
         run.stop()
         first.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_poisoned_shared_state_is_refused_naming_the_peer():
+    """Two real peers: one shares an outer state with a NaN, then one of another run; the
+    other's checked download refuses both, naming the peer and why, then takes a good one."""
+    first = start_dht([], LOOP, [], False, 30)
+    other = start_dht(visible_maddrs(first), LOOP, [], False, 30)
+    shared = {"state": None}
+    kwargs = dict(wire=CodecWire("none"), start=True, prefix="state", target_group_size=2,
+                  min_matchmaking_time=2.0, request_timeout=2.0, declare_state_period=1.0)
+    src = ExactAverager([torch.zeros(5)], first, state_fn=lambda: shared["state"], **kwargs)
+    dst = ExactAverager([torch.zeros(5)], other, **kwargs)
+    try:
+        src.state_sharing_priority = 3.0
+        peer = str(src.peer_id)
+        meta = {"identity": "me", "outer_count": 3, "completed": 3, "momentum": False}
+        check = {"identity": "me", "numel": 5, "after_round": 1}
+        bad = torch.ones(5)
+        bad[2] = float("nan")
+        deadline = time.monotonic() + 30
+        for state, why in (((meta, [bad, torch.zeros(0)]), "non-finite"),
+                           (({**meta, "identity": "them"}, [torch.ones(5), torch.zeros(0)]),
+                            "another run")):
+            shared["state"] = state
+            got, refused = None, []
+            while not refused and time.monotonic() < deadline:  # until it declared its state
+                got, _, refused = dst.load_checked_state(check, [peer], 5.0)
+                time.sleep(0.5)
+            assert got is None and refused and refused[0][0] == peer, refused
+            assert why in refused[0][1], refused
+        shared["state"] = (meta, [torch.ones(5), torch.zeros(0)])
+        got, tensors, refused = dst.load_checked_state(check, [peer], 5.0)
+        assert got == meta and torch.equal(tensors[0], torch.ones(5)) and not refused
+    finally:
+        for part in (src, dst, first, other):
+            part.shutdown()
