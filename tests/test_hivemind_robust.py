@@ -149,6 +149,21 @@ def test_a_client_without_a_full_peer_is_an_error():
         hv._need_full_peer()
 
 
+def test_a_left_out_contribution_is_named_in_the_log_with_a_count():
+    from modules.sync.hivemind_outer import HivemindOuter
+
+    hv = HivemindOuter.__new__(HivemindOuter)
+    hv.what, hv.offences, lines = "stage 0", {}, []
+    hv.log = lines.append
+    gathered = {b"a": {"replica": 0}, b"b": {"replica": 2, "rejected": "norm 2e3, over 8x",
+                                             "peer": PEER_B}}
+    hv._note_rejected(4, gathered)
+    hv._note_rejected(5, {**gathered, b"c": "not a dict"})
+    assert lines == [f"outer round {k} of stage 0: left out the contribution of replica 2 "
+                     f"(peer {PEER_B}) to the chunks reduced here: norm 2e3, over 8x ({n} "
+                     "time(s) so far)" for k, n in ((5, 1), (6, 2))], lines
+
+
 def _round_of(dhts, inputs, prefix, compression):
     """One round of ExactAverager, peer i is replica i; (results, gathered data) per peer."""
     avs = [ExactAverager([x.clone()], d, wire=CodecWire(compression), start=True, prefix=prefix,

@@ -144,7 +144,7 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         log(self._started_line())  # before the rendezvous: the addresses to pass, early
         self.numel, self.identity, self.offences = 0, "", {}
         """My part's size, its identity (`attach`: the run's fingerprint, my part, its size),
-        and per replica its contributions left out here (`_note_rejected`)."""
+        and per peer its contributions left out here (`_note_rejected`)."""
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
@@ -323,11 +323,11 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
             why = v.get("rejected") if isinstance(v, dict) else None
             if not why:
                 continue
-            r = v.get("replica")
-            self.offences[r] = self.offences.get(r, 0) + 1
+            peer = str(v.get("peer", "?"))  # set by my averager (the replica is the sender's word)
+            self.offences[peer] = self.offences.get(peer, 0) + 1
             self.log(f"outer round {index + 1} of {self.what}: left out the contribution of "
-                     f"replica {r} (peer {v.get('peer', '?')}) to the chunks reduced here: "
-                     f"{str(why)[:200]} ({self.offences[r]} time(s) so far)")
+                     f"replica {str(v.get('replica'))[:20]} (peer {peer}) to the chunks reduced "
+                     f"here: {str(why)[:200]} ({self.offences[peer]} time(s) so far)")
 
     def _reach(self, index: int) -> None:
         """Tell the averager this rank is at round `index` or past it: roster groups' parts

@@ -11,6 +11,7 @@ import torch
 
 from modules.comm import PeerError
 from modules.sync.diloco import OuterRoundSkipped, OuterState
+from modules.sync.hivemind_checks import MAX_COUNT
 
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""
@@ -119,9 +120,11 @@ class SharedStateMixin:
         if found is None or not isinstance(found.value, dict):
             return {}
         live = {_peer_bytes(p) for p in self.roster.peers(sharing)} if live_only else set()
+        # a declaration is a count: an outsider's NaN, infinity or 2^60 is none (it would
+        # make every replica look for a state nobody has)
         return {k: float(v.value) for k, v in found.value.items()
-                if k != mine and isinstance(v.value, (int, float))
-                and (not live_only or k in live)}
+                if k != mine and isinstance(getattr(v, "value", None), int | float)
+                and 0 <= v.value < MAX_COUNT and (not live_only or k in live)}
 
     def _best_peer_rounds(self, live_only: bool = False) -> float:
         """The most rounds any other peer of my stage declared done (-1: none declared)."""
