@@ -66,6 +66,9 @@ from modules.sync.hivemind_checks import (
     state_fault,
 )
 
+STATE_BYTES_PER_VALUE = 4 * (4 + 2)
+"""Most bytes per parameter a shared state may take: fp32 model, momentum and the averages of
+the last rounds (KEEP_RESULTS), with room to spare."""
 FIXED_GROUP = b"fixed:"
 """Prefix of the ids of groups formed from the roster (`ExactAverager._fixed_round`)."""
 
@@ -398,7 +401,9 @@ class ExactAverager(DecentralizedAverager):
             trusted = [p for p in prio if p not in self._suspects]
             for peer in sorted(trusted, key=prio.get, reverse=True)[:STATE_SOURCES]:
                 try:
-                    meta, tensors = await asyncio.wait_for(self._download(peer), timeout)
+                    meta, tensors = await asyncio.wait_for(
+                        self._download(peer, STATE_BYTES_PER_VALUE * check["numel"] + (1 << 20)),
+                        timeout)
                 except Exception as e:  # noqa: BLE001 - a dead, slow or garbled peer
                     refused.append((peer, f"no complete state within {timeout:.2f} s "
                                           f"({type(e).__name__})"))
@@ -412,12 +417,16 @@ class ExactAverager(DecentralizedAverager):
             if not future.done():
                 future.set_result((None, [], refused))
 
-    async def _download(self, peer: str) -> tuple[Any, list[torch.Tensor]]:
-        """(averager process) A peer's shared state as it streams it (hivemind's format)."""
+    async def _download(self, peer: str, limit: int) -> tuple[Any, list[torch.Tensor]]:
+        """(averager process) A peer's shared state as it streams it (hivemind's format);
+        ValueError past `limit` bytes (a peer that streams without end is refused, not kept)."""
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        meta, tensors, current = None, [], []
+        meta, tensors, current, size = None, [], [], 0
         async for message in stream:
+            size += len(message.tensor_part.buffer) + len(message.metadata)
+            if size > limit:
+                raise ValueError(f"more than {limit} bytes")
             if message.metadata:
                 meta = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and current:  # a new tensor starts
