@@ -109,7 +109,11 @@ class SharedStateMixin:
             return None
         for peer, why in refused:
             self.log(f"{self.what}: did not take the shared outer state of peer {peer}: {why}")
-        return None if meta is None else (meta, list(tensors))
+        if meta is None:
+            return None
+        # the checks counted values: a peer's 2-D or fp16 tensor of that size is taken flat, fp32
+        return meta, [t.reshape(-1).float() if isinstance(t, torch.Tensor) else t
+                      for t in tensors]
 
     def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
         """Peer id -> the rounds that peer of my stage declared done, me excluded;
