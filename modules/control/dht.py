@@ -214,6 +214,10 @@ async def _connect(peer: str, maddrs: list[str], dht: Any, node: Any) -> None:
                                    [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
 
 
+IGNORED_KEPT = 10_000
+"""Most distinct garbage records a roster counts (an outsider may write without end)."""
+
+
 class Roster:
     """This rank's entry in the DHT's roster of live replicas of its part of the model (a
     stage, or a stage's shard), refreshed in a thread, and the roster as others wrote it (see
@@ -228,8 +232,9 @@ class Roster:
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{part}", replica, ttl_s, log)
         self.run, self.identity = run, identity
-        self.ignored = 0
-        """Records read that are no roster entries (an outsider's garbage): never parsed."""
+        self.ignored: set[str] = set()
+        """Subkeys of records read that are no roster entries (an outsider's garbage, at most
+        IGNORED_KEPT of them kept): never parsed further."""
         self.conflict: PeerError | None = None
         """Set once an entry of another run (identity) was read: `live` raises it."""
         # a --client-mode replica (behind a NAT) announces no address: dialling its LAN
@@ -309,12 +314,13 @@ class Roster:
         another identity sets `conflict`."""
         from modules.sync.hivemind_checks import roster_record
 
-        out, bad = {}, 0
+        out, before = {}, len(self.ignored)
         for k, e in records.items():
             got = roster_record(k, getattr(e, "value", None))
             exp = getattr(e, "expiration_time", None)
             if got is None or not isinstance(exp, float | int):
-                bad += 1
+                if len(self.ignored) < IGNORED_KEPT:
+                    self.ignored.add(repr(k)[:64])
                 continue
             replica, peer, maddrs, identity = got
             if identity != self.identity and self.conflict is None:
@@ -325,12 +331,11 @@ class Roster:
                     "Give each run its own --run-id, or start every replica from the same plan")
             if identity == self.identity:
                 out[replica] = ([peer, maddrs], float(exp))
-        if bad:
-            before, self.ignored = self.ignored, self.ignored + bad
-            if len(str(before)) != len(str(self.ignored)) or not before:
-                self.log(f"warning: ignored {self.ignored} record(s) in the DHT roster "
-                         f"{self.key} that are not this run's entries (written from outside "
-                         "the run, or by another version)")
+        now = len(self.ignored)
+        if now > before and (not before or len(str(before)) != len(str(now))):
+            self.log(f"warning: ignored {now} record(s) in the DHT roster "
+                     f"{self.key} that are not this run's entries (written from outside "
+                     "the run, or by another version)")
         return out
 
     def peers(self, sharing: bool = False) -> set[str]:
