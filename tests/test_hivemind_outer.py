@@ -33,6 +33,11 @@ from testkit.hivemind_runs import (  # noqa: E402
 )
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _g(replica: int, index: int) -> dict:
+    """A peer's gathered data in a matched group (HivemindOuter._step's gather, identity "")."""
+    return {"replica": replica, "round": index, "id": ""}
 FAKE_ID = "12D3KooWBpJ5MYtL1QxfmJV1CyweZGo8w2zuDEW3J5E9z6P7oJra"
 
 
@@ -607,10 +612,10 @@ def test_a_matched_group_of_mixed_rounds_is_refused():
     matching the round its host gave up on) is refused, on every member alike."""
     from modules.sync.hivemind_outer import same_round
 
-    assert same_round({b"a": {"replica": 0, "round": 32}, b"b": {"replica": 2, "round": 32}},
+    assert same_round({b"a": _g(0, 32), b"b": _g(2, 32)},
                       32) == [0, 2]
     with pytest.raises(PeerError, match=r"mixed rounds \[32, 33\]; its average is not applied"):
-        same_round({b"a": {"replica": 1, "round": 32}, b"b": {"replica": 2, "round": 31}}, 32)
+        same_round({b"a": _g(1, 32), b"b": _g(2, 31)}, 32)
 
 
 def test_fragments_refused_by_name_and_overlap_accepted():
@@ -722,7 +727,7 @@ def _entries(**replicas):
     """A DHT dictionary value: replica -> (roster entry of a --client-mode peer, expiration)."""
     from hivemind.utils import ValueWithExpiration
 
-    return ValueWithExpiration({int(r[1:]): ValueWithExpiration([peer, []], exp)
+    return ValueWithExpiration({int(r[1:]): ValueWithExpiration([peer, [], ""], exp)
                                 for r, (peer, exp) in replicas.items()}, max(
                                     (e for _, e in replicas.values()), default=0.0))
 
@@ -763,9 +768,14 @@ class _FakeAverager:
     def __init__(self, dht) -> None:
         self.peer_id, self.shared, self.loads = dht.peer_id, None, 0
 
-    def load_state_from_peers(self, timeout=None):
+    def load_checked_state(self, check, peers, timeout):
+        from modules.sync.hivemind_checks import state_fault
+
         self.loads += 1
-        return self.shared
+        if self.shared is None:
+            return None, [], []
+        fault = state_fault(*self.shared, **check)
+        return (*self.shared, []) if fault is None else (None, [], [(peers[0], fault)])
 
 
 def _background_outer(declared: dict[str, float], live: list[str], averaging_s: float):
@@ -781,7 +791,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.cfg = HivemindSettings((), (), (), False, "run", 30.0, 3.0, 2, 3, "none", None, None)
     hv.deadlines = OuterDeadlines(0.5, averaging_s, None, "test")
     hv.stage, hv.replica, hv.background, hv.completed = 0, 0, True, 0
-    hv.what = "stage 0"
+    hv.what, hv.identity, hv.numel = "stage 0", "", 4
     hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
     hv.closing, hv.whole, hv.catching_up = threading.Event(), True, False
     hv.log = hv.lines.append
@@ -820,7 +830,8 @@ def test_background_round_completed_by_a_live_replica_takes_its_average():
     the job's tensor (0 bytes sent), and this replica declares the round done in turn."""
     hv = _background_outer({PEER_B: 3.0}, [PEER_B], averaging_s=1.0)
     average = torch.arange(4.0)
-    hv.averager.shared = ({"run": "run", "results": [1, 2]},
+    hv.averager.shared = ({"run": "run", "identity": "", "outer_count": 3, "completed": 3,
+                           "results": [1, 2]},
                           [torch.zeros(4), torch.zeros(0), torch.ones(4), average])
     hv.averager.state_sharing_priority = 0.0
     flat = torch.zeros(4)
@@ -836,7 +847,8 @@ def test_background_round_whose_average_is_gone_stops_at_once_naming_the_cause()
     waiting --timeout-s for an average nobody holds."""
     hv = _background_outer({PEER_B: 3.0}, [PEER_B], averaging_s=1.0)
     for kept in ([], [3, 4]):
-        hv.averager.shared = ({"run": "run", "results": kept},
+        hv.averager.shared = ({"run": "run", "identity": "", "outer_count": 4,
+                               "completed": 4, "results": kept},
                               [torch.zeros(4), torch.zeros(0)] + [torch.ones(4)] * len(kept))
         t0 = time.monotonic()
         with pytest.raises(PeerError, match="resume every replica from the same step"):
@@ -894,7 +906,7 @@ def test_every_attempt_of_a_round_uses_the_rounds_group_key():
             hv.averager.bits = "1" + hv.averager.bits[1:]
             raise RuntimeError("a peer left the round mid-way")
         assert hv.averager.bits == format(5, "016b"), "the survivors would never meet"
-        return _Step({b"a": {"replica": 0, "round": 5}, b"b": {"replica": 1, "round": 5}})
+        return _Step({b"a": _g(0, 5), b"b": _g(1, 5)})
 
     def roster_group(index, live, weight):  # the first attempt: a member died in it
         calls.append(("roster's group", index))
@@ -923,9 +935,9 @@ def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     hv._set_group_size, hv._reach = (lambda size, minimum: None), (lambda index: None)
     hv.averager.set_group_bits = lambda bits: None
     hv.averager.step = lambda **kw: steps.append(kw["gather"]) or _Step(
-        {b"a": {"replica": 0, "round": 8}, b"b": {"replica": 1, "round": 8}})
+        {b"a": _g(0, 8), b"b": _g(1, 8)})
     assert hv._round(8, 1.0) == [0, 1]
-    assert len(calls) == 1 and steps == [{"replica": 0, "round": 8}]
+    assert len(calls) == 1 and steps == [_g(0, 8)]
 
 
 def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):
@@ -938,9 +950,9 @@ def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):
     from modules.control.dht import Roster
 
     monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: 1000.0)
-    value = ValueWithExpiration({0: ValueWithExpiration([FAKE_ID, ["/ip4/1.2.3.4/tcp/1"]], 1003.0),
-                                 1: ValueWithExpiration([PEER_B, []], 1003.0),
-                                 2: ValueWithExpiration([PEER_C, ["/ip4/1.2.3.5/tcp/1"]], 1003.0)},
+    entries = {0: [FAKE_ID, ["/ip4/1.2.3.4/tcp/1"], ""], 1: [PEER_B, [], ""],
+               2: [PEER_C, ["/ip4/1.2.3.5/tcp/1"], ""]}
+    value = ValueWithExpiration({r: ValueWithExpiration(e, 1003.0) for r, e in entries.items()},
                                 1003.0)
     groups = []
     for me, peer in ((0, FAKE_ID), (2, PEER_C)):
@@ -1021,9 +1033,10 @@ def test_the_other_parts_of_a_replica_wait_as_long_as_a_round_can_take():
     after a round) covers one part's worst round: attempts until --timeout-s, one more,
     then the recovery's wait and download, or a background fetch until --timeout-s again; and
     --join's attempts. With --timeout-s 30, matchmaking 0.5 s, averaging 4 s: 2 x 30 + 0.5 +
-    4 + 5 + 3 x 4 = 81.5 s, where the communicator alone would give up after 30 s."""
+    4 + 5 + 2 x 4 + a download from up to 2 peers (2 x 4 + 1) = 86.5 s, where the
+    communicator alone would give up after 30 s."""
     hv = _background_outer({}, [], averaging_s=4.0)
-    assert hv.longest_wait_s == pytest.approx(81.5)
+    assert hv.longest_wait_s == pytest.approx(86.5)
     assert hv.longest_wait_s > 2 * hv.cfg.timeout_s
     hv.deadlines = None  # before attach: nothing derived yet, the run's timeout
     assert hv.longest_wait_s == hv.cfg.timeout_s
@@ -1078,7 +1091,7 @@ def test_a_failed_attempt_widens_the_next_attempts_deadlines():
 
     def step(timeout, **kw):
         timeouts.append(timeout)
-        return _Step({b"a": {"replica": 0, "round": 3}, b"b": {"replica": 1, "round": 3}})
+        return _Step({b"a": _g(0, 3), b"b": _g(1, 3)})
 
     hv._fixed, hv.averager.step = roster_group, step
     assert hv._round(3, 1.0) == [0, 1]
@@ -1247,8 +1260,8 @@ def test_a_first_matchmaking_attempt_may_leave_a_late_replica_out_a_redo_may_not
         attempts.append(kw["timeout"])
         if len(attempts) == 1:
             raise RuntimeError("a peer left the round mid-way")
-        return _Step({b"a": {"replica": 0, "round": 2}, b"b": {"replica": 1, "round": 2},
-                      b"c": {"replica": 2, "round": 2}})
+        return _Step({b"a": _g(0, 2), b"b": _g(1, 2),
+                      b"c": _g(2, 2)})
 
     hv._fixed = lambda index, live, weight: pytest.fail("the roster changed: no roster's group")
     hv.averager.step = step
@@ -1274,7 +1287,7 @@ def test_a_redo_waiting_for_every_live_replica_drops_one_that_died():
 
     def step(**kw):
         steps.append(_Step(None, polls=1000) if not steps else _Step(
-            {b"a": {"replica": 0, "round": 3}, b"b": {"replica": 1, "round": 3}}))
+            {b"a": _g(0, 3), b"b": _g(1, 3)}))
         return steps[-1]
 
     def roster_group(index, live, weight):
@@ -1304,7 +1317,7 @@ def test_an_attempt_that_failed_at_once_does_not_widen_the_deadlines():
 
     hv._fixed = roster_group
     hv.averager.step = lambda timeout, **kw: _Step(
-        {b"a": {"replica": 0, "round": 4}, b"b": {"replica": 1, "round": 4}})
+        {b"a": _g(0, 4), b"b": _g(1, 4)})
     assert hv._round(4, 1.0) == [0, 1]
     assert hv.deadlines.widen == 1.0 and not [x for x in hv.lines if "widened" in x]
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from modules.comm.errors import PeerError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 """--host-maddrs default: every interface, a free port (the printed addresses say which)."""
@@ -213,16 +214,29 @@ async def _connect(peer: str, maddrs: list[str], dht: Any, node: Any) -> None:
                                    [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
 
 
+IGNORED_KEPT = 10_000
+"""Most distinct garbage records a roster counts (an outsider may write without end)."""
+
+
 class Roster:
     """This rank's entry in the DHT's roster of live replicas of its part of the model (a
     stage, or a stage's shard), refreshed in a thread, and the roster as others wrote it (see
     the module docstring)."""
 
     def __init__(self, dht: Any, run: str, part: int | str, replica: int, ttl_s: float,
-                 log: Callable[[str], None] = print, client_mode: bool = False) -> None:
-        """`part`: what the replicas in this roster average together (HivemindOuter.part)."""
+                 log: Callable[[str], None] = print, client_mode: bool = False,
+                 identity: str = "") -> None:
+        """`part`: what the replicas in this roster average together (HivemindOuter.part);
+        `identity`: its fingerprint (modules.sync.hivemind_checks.part_identity), which every
+        entry carries: an entry of another identity is another run on this --run-id."""
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{part}", replica, ttl_s, log)
+        self.run, self.identity = run, identity
+        self.ignored: set[str] = set()
+        """Subkeys of records read that are no roster entries (an outsider's garbage, at most
+        IGNORED_KEPT of them kept): never parsed further."""
+        self.conflict: PeerError | None = None
+        """Set once an entry of another run (identity) was read: `live` raises it."""
         # a --client-mode replica (behind a NAT) announces no address: dialling its LAN
         # address from outside only costs the others LINK_TIMEOUT_S (seen on the NAT lab)
         self.maddrs = [] if client_mode else visible_maddrs(dht)
@@ -245,7 +259,8 @@ class Roster:
     def _announce(self) -> None:
         from hivemind.utils import get_dht_time
 
-        self.dht.store(self.key, subkey=self.replica, value=[str(self.dht.peer_id), self.maddrs],
+        self.dht.store(self.key, subkey=self.replica,
+                       value=[str(self.dht.peer_id), self.maddrs, self.identity],
                        expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
@@ -255,6 +270,8 @@ class Roster:
             try:
                 self._announce()
                 self.live()
+            except RunMismatch:  # the rounds raise it (`live`), once
+                return
             except Exception as e:  # noqa: BLE001 - a transient DHT error; retried next beat
                 self.log(f"warning: DHT roster refresh failed ({first(e)})")
 
@@ -272,6 +289,8 @@ class Roster:
 
         if time.monotonic() - self.read_at >= max_age_s:
             self._read()
+        if self.conflict is not None:
+            raise self.conflict
         now = get_dht_time()
         with self.lock:
             self.seen = {r: v for r, v in self.seen.items() if v[1] > now}
@@ -281,12 +300,43 @@ class Roster:
         """Merge the DHT's roster into `seen`, connecting to replicas new to my p2pd."""
         found = self.dht.get(self.key, latest=True)
         if found is not None and isinstance(found.value, dict):
-            self._link([e.value for e in found.value.values()])
+            entries = self._valid(found.value)
+            self._link([v for v, _ in entries.values()])
             with self.lock:
-                for k, e in found.value.items():
-                    if e.expiration_time > self.seen.get(int(k), (None, 0.0))[1]:
-                        self.seen[int(k)] = (e.value, e.expiration_time)
+                for r, (v, exp) in entries.items():
+                    if exp > self.seen.get(r, (None, 0.0))[1]:
+                        self.seen[r] = (v, exp)
         self.read_at = time.monotonic()
+
+    def _valid(self, records: dict) -> dict[int, tuple[list, float]]:
+        """Replica -> (entry, expiration) of the well-formed records of this run; the others
+        counted (`ignored`, said at 1, 10, 100, ...), never parsed further; an entry of
+        another identity sets `conflict`."""
+        from modules.sync.hivemind_checks import roster_record
+
+        out, before = {}, len(self.ignored)
+        for k, e in records.items():
+            got = roster_record(k, getattr(e, "value", None))
+            exp = getattr(e, "expiration_time", None)
+            if got is None or not isinstance(exp, float | int):
+                if len(self.ignored) < IGNORED_KEPT:
+                    self.ignored.add(repr(k)[:64])
+                continue
+            replica, peer, maddrs, identity = got
+            if identity != self.identity and self.conflict is None:
+                self.conflict = RunMismatch(
+                    f"--run-id {self.run}: replica {replica} (peer {peer}) in this DHT prefix "
+                    f"is another run (fingerprint {identity[:16] or '(none)'}, this one "
+                    f"{self.identity}): a different model, plan, sync settings or version. "
+                    "Give each run its own --run-id, or start every replica from the same plan")
+            if identity == self.identity:
+                out[replica] = ([peer, maddrs], float(exp))
+        now = len(self.ignored)
+        if now > before and (not before or len(str(before)) != len(str(now))):
+            self.log(f"warning: ignored {now} record(s) in the DHT roster "
+                     f"{self.key} that are not this run's entries (written from outside "
+                     "the run, or by another version)")
+        return out
 
     def peers(self, sharing: bool = False) -> set[str]:
         """Peer ids (base58) of the replicas `live` last saw, mine excluded; `sharing`: only
@@ -316,7 +366,7 @@ class Roster:
         libp2p) replicas that only shared an initial peer did not find each other by libp2p's
         own routing and formed no groups."""
         for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2) or entry[0] in self.linked:
+            if entry[0] in self.linked:
                 continue
             peer, maddrs = entry
             self.linked.add(peer)  # once: a peer that accepts no connections stays so
@@ -332,6 +382,10 @@ class Roster:
     def close(self) -> None:
         """Stop refreshing (the entry expires by itself)."""
         self.stop.set()
+
+
+class RunMismatch(PeerError):
+    """Another run (another model or plan) uses this run's DHT prefix (--run-id)."""
 
 
 class SplitGuard:

@@ -35,7 +35,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
@@ -46,6 +46,7 @@ from hivemind.utils.asyncio import (
     as_aiter,
     enter_asynchronously,
 )
+from hivemind.utils.streaming import combine_from_streaming
 
 from modules.control.dht import hand_over_fds
 from modules.quant.allreduce import (
@@ -57,7 +58,17 @@ from modules.quant.allreduce import (
     segment_bounds,
 )
 from modules.quant.codec import DEFAULT_BLOCK
+from modules.sync.hivemind_checks import (
+    STATE_SOURCES,
+    contribution_faults,
+    mean_fault,
+    norm_of,
+    state_fault,
+)
 
+STATE_BYTES_PER_VALUE = 4 * (4 + 2)
+"""Most bytes per parameter a shared state may take: fp32 model, momentum and the averages of
+the last rounds (KEEP_RESULTS), with room to spare."""
 FIXED_GROUP = b"fixed:"
 """Prefix of the ids of groups formed from the roster (`ExactAverager._fixed_round`)."""
 
@@ -151,9 +162,12 @@ class OrderedReducer(TensorPartReducer):
     by sender index (= replica order), weight 0 skipped."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, owners: list[int],
-                 wire: CodecWire) -> None:
-        self.owners, self.wire = owners, wire
-        self.parts: dict[int, tuple[torch.Tensor, float]] = {}
+                 wire: CodecWire, me: int | None = None) -> None:
+        """`me`: my sender index (my own part is the norm reference: hivemind_checks)."""
+        self.owners, self.wire, self.me = owners, wire, me
+        self.parts: dict[int, tuple[torch.Tensor | None, float]] = {}
+        self.rejected: dict[int, str] = {}
+        """Sender -> why its part of a chunk was left out (the first reason)."""
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -162,7 +176,8 @@ class OrderedReducer(TensorPartReducer):
         super().reset_accumulators()
 
     async def accumulate_part(self, sender_index: int, part_index: int,
-                              tensor_part: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+                              tensor_part: torch.Tensor | None, weight: float = 1.0
+                              ) -> torch.Tensor:
         """Keep the part (the parent's waiting and banning rules), return the ordered mean."""
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:
@@ -185,7 +200,14 @@ class OrderedReducer(TensorPartReducer):
             return
         owner = self.owners[self.current_part_index]
         order = [owner] + sorted(i for i in self.parts if i != owner)
-        used = [self.parts[i][0] for i in order if i in self.parts and self.parts[i][1] > 0]
+        # every weighted part is checked before it counts (size, finite, norm bound); one
+        # left out is named by the host (HivemindOuter._note_rejected), the round goes on
+        weighted = {i: t for i, (t, w) in self.parts.items() if w > 0}
+        numel = self.part_shapes[self.current_part_index].numel()
+        faults = contribution_faults(weighted, numel, self.me)
+        for i, why in faults.items():
+            self.rejected.setdefault(i, why)
+        used = [weighted[i] for i in order if i in weighted and i not in faults]
         if not used:  # only weight-0 senders: nothing to average (never committed)
             self.current_part_future.set_exception(AllreduceException("no weighted sender"))
         else:
@@ -201,15 +223,25 @@ class ExactRunner(AllReduceRunner):
     sent back; `failed` says whether any sender or reducer was lost."""
 
     def __init__(self, *, wire: CodecWire, owners: list[int], fail_fast: bool = False,
+                 suspects: set[str] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(compression=wire, part_size_bytes=WHOLE_PARTS, **kwargs)
         self.wire, self.fail_fast = wire, fail_fast
+        self.part_numels = [[part.numel() for part, _ in parts] for parts in
+                            self.tensor_part_container._input_parts_by_peer]
+        """Per peer, the size of each mean it sends back (checked before it is used)."""
+        self.own_norms = [[norm_of(part) if self.weight > 0 else None for part, _ in parts]
+                          for parts in self.tensor_part_container._input_parts_by_peer]
+        """Per peer, the norm of my part of each of its chunks (a mean's bound)."""
+        self.suspects = suspects if suspects is not None else set()
+        """Peers (base58) whose contribution or mean was refused: never a state source."""
         replaced = self.tensor_part_reducer
         replaced.num_senders = 0  # never used: no "received 0%" warning when it is dropped
         replaced.finalize()
         self.tensor_part_reducer = OrderedReducer(
             tuple(p.shape for p in self.parts_for_local_averaging), len(self.sender_peer_ids),
-            owners, wire)
+            owners, wire, me=self.sender_peer_ids.index(self.peer_id)
+            if self.peer_id in self.sender_peer_ids and self.weight > 0 else None)
 
     @property
     def failed(self) -> bool:
@@ -250,13 +282,28 @@ class ExactRunner(AllReduceRunner):
             return self.wire.extract(msg.tensor_part)
 
         count = 0
+        parts = self.tensor_part_container.num_parts_by_peer[peer_index]
         async for mean in amap_in_executor(decode, aiter_with_timeout(stream,
                                                                       self.reducer_timeout)):
+            fault = (mean_fault(mean, self.part_numels[peer_index][count],
+                                self.own_norms[peer_index][count]) if count < parts
+                     else "more parts than its chunk has")
+            if fault is not None:  # the reducer's mean itself is bad: the round fails here
+                self.suspects.add(str(peer_id))
+                raise AllreduceException(f"peer {peer_id} sent a mean with {fault}")
             self.tensor_part_container.register_processed_part(peer_index, count, mean)
             count += 1
         if count != self.tensor_part_container.num_parts_by_peer[peer_index]:
             raise AllreduceException(f"peer {peer_id} sent {count} parts, expected "
                                      f"{self.tensor_part_container.num_parts_by_peer[peer_index]}")
+
+    def _decode_part(self, msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor | None, float]:
+        """A sender's part and weight; None for a part that does not decode (cut, garbage):
+        the reducer leaves it out by name instead of the stream failing."""
+        try:
+            return self.wire.extract(msg.tensor_part), float(msg.weight)
+        except Exception:  # noqa: BLE001 - whatever the bytes were, they are no part
+            return None, float(msg.weight)
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int
@@ -265,8 +312,7 @@ class ExactRunner(AllReduceRunner):
         part_index = 0
         loop = asyncio.get_event_loop()
         try:
-            async for part, weight in amap_in_executor(
-                    lambda msg: (self.wire.extract(msg.tensor_part), msg.weight), stream):
+            async for part, weight in amap_in_executor(self._decode_part, stream):
                 try:
                     mean = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=weight)
@@ -292,6 +338,8 @@ class ExactAverager(DecentralizedAverager):
                  **kwargs: Any) -> None:
         self.wire = wire
         self.state_fn = state_fn
+        self._suspects: set[str] = set()
+        """(averager process) Peers whose contribution or mean a round refused (base58)."""
         super().__init__(tensors, dht, **kwargs)
 
     def run(self) -> None:
@@ -320,6 +368,74 @@ class ExactAverager(DecentralizedAverager):
             return {}, [], []
         meta, tensors = self.state_fn()
         return meta, tensors, [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+
+    def load_checked_state(self, check: dict, peers: list[str], timeout: float
+                           ) -> tuple[Any, list[torch.Tensor], list[tuple[str, str]]]:
+        """The shared state of the most advanced of `peers` (base58, the run's roster) whose
+        state passes hivemind_checks.state_fault(**check): (metadata, tensors, the peers
+        refused and why); metadata None when none passed. hivemind's load_state_from_peers
+        stops at the first peer that answers, an outsider's or a poisoned one included."""
+        from hivemind.utils.mpfuture import MPFuture
+
+        future = MPFuture()
+        self._outer_pipe.send(("_load_checked_state", [], dict(
+            check=check, peers=peers, timeout=timeout, future=future)))
+        return future.result(timeout=STATE_SOURCES * timeout + 1.0)
+
+    async def _load_checked_state(self, check: dict, peers: list[str], timeout: float,
+                                  future: Any) -> None:
+        """(averager process) `load_checked_state`: at most STATE_SOURCES peers by declared
+        priority, each download within `timeout`."""
+        refused: list[tuple[str, str]] = []
+        try:
+            found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+            declared = found.value if found is not None and isinstance(found.value, dict) else {}
+            prio = {}
+            for peer in peers:
+                v = declared.get(PeerID.from_base58(peer).to_bytes())
+                value = getattr(v, "value", None)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    prio[peer] = float(value)
+            for peer in [p for p in prio if p in self._suspects]:
+                refused.append((peer, "it sent a refused contribution or mean to a round here"))
+            trusted = [p for p in prio if p not in self._suspects]
+            for peer in sorted(trusted, key=prio.get, reverse=True)[:STATE_SOURCES]:
+                try:
+                    meta, tensors = await asyncio.wait_for(
+                        self._download(peer, STATE_BYTES_PER_VALUE * check["numel"] + (1 << 20)),
+                        timeout)
+                except Exception as e:  # noqa: BLE001 - a dead, slow or garbled peer
+                    refused.append((peer, f"no complete state within {timeout:.2f} s "
+                                          f"({type(e).__name__})"))
+                    continue
+                fault = state_fault(meta, tensors, **check)
+                if fault is None:
+                    future.set_result((meta, tensors, refused))
+                    return
+                refused.append((peer, fault))
+        finally:
+            if not future.done():
+                future.set_result((None, [], refused))
+
+    async def _download(self, peer: str, limit: int) -> tuple[Any, list[torch.Tensor]]:
+        """(averager process) A peer's shared state as it streams it (hivemind's format);
+        ValueError past `limit` bytes (a peer that streams without end is refused, not kept)."""
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        meta, tensors, current, size = None, [], [], 0
+        async for message in stream:
+            size += len(message.tensor_part.buffer) + len(message.metadata)
+            if size > limit:
+                raise ValueError(f"more than {limit} bytes")
+            if message.metadata:
+                meta = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and current:  # a new tensor starts
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+                current = []
+            current.append(message.tensor_part)
+        if current:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+        return meta, tensors
 
     async def _set_group_size(self, size: int, minimum: int, future: Any) -> None:
         """(averager process) Form a group as soon as `size` peers are in it, and at the
@@ -365,11 +481,15 @@ class ExactAverager(DecentralizedAverager):
                 weight=kwargs["weight"], sender_timeout=kwargs.get("sender_timeout"),
                 reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire,
                 owners=owners[order.index(self.peer_id)],
-                fail_fast=kwargs.get("fail_fast", False))
+                fail_fast=kwargs.get("fail_fast", False), suspects=self._suspects)
             self._running_groups[group_info.group_id].set_result(runner)
             results = []
             async for result in runner:
                 results.append(result)
+            for i, why in runner.tensor_part_reducer.rejected.items():
+                peer = runner.sender_peer_ids[i]
+                by_peer[peer] = {**by_peer[peer], "rejected": why, "peer": str(peer)}
+                self._suspects.add(str(peer))
             if runner.failed or len(results) != len(views):
                 raise AllreduceException("a peer left the round mid-way")
             for view, result in zip(views, results):

@@ -55,11 +55,10 @@ import torch
 
 from formats.cluster import Cluster
 from formats.plan import Plan
-from modules.comm import CommStats, PeerError
+from modules.comm import PeerError
 from modules.control.dht import (
     Roster,
     SplitGuard,
-    first,
     install_orphan_guard,
     parse_maddrs,
     run_id,
@@ -67,17 +66,20 @@ from modules.control.dht import (
     stop_now,
 )
 from modules.control.dht import visible_maddrs as dht_addresses
-from modules.sync.diloco import OuterRoundSkipped, OuterState
+from modules.sync.diloco import OuterState
+from modules.sync.hivemind_background import BackgroundRounds, background_attempt
+from modules.sync.hivemind_checks import part_identity, run_fingerprint
+from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
+from modules.sync.hivemind_rounds import ROUND_BITS, RoundsMixin, same_round
+from modules.sync.hivemind_state import SharedStateMixin
 from modules.sync.outer_deadlines import OuterDeadlines, derive
-from modules.sync.overlap import OuterJob, OverlapSync
 
 if TYPE_CHECKING:
     from modules.config import ResolvedRun
 
-ROUND_BITS = 16
-"""Group bits carrying the round number (mod 2^16): peers of different rounds never match."""
-JOIN_ATTEMPTS = 3
-"""Tries at loading the state from a peer before a joiner gives up."""
+__all__ = ["AttemptCancelled", "BackendClosed", "BackgroundRounds", "HivemindOuter",
+           "HivemindSettings", "background_attempt", "same_round", "settings_of"]
+
 KEEP_RESULTS = 2
 """Overlap: the last averaged results a replica shares (a peer that failed round k fetches
 it while this replica may already have completed round k + 1)."""
@@ -103,22 +105,18 @@ class HivemindSettings:
     compression: str
     matchmaking_s: float | None
     averaging_s: float | None
+    fingerprint: str = ""
+    """The model's and plan's (modules.sync.hivemind_checks.run_fingerprint): every record a
+    replica writes carries it, with its part's parameter count."""
+
+    @property
+    def dht_flags(self) -> tuple[bool, float]:
+        """start_dht's client mode and startup timeout."""
+        return self.client_mode, self.timeout_s
 
 
-class BackendClosed(PeerError):
-    """A round cut short because the rank is stopping (`HivemindOuter.close`, e.g. Ctrl+C)."""
 
-    def __init__(self, index: int, what: str) -> None:
-        super().__init__(f"outer round {index + 1} of {what} stopped: the rank is shutting "
-                         "down its hivemind outer sync")
-
-
-class AttemptCancelled(PeerError):
-    """A matchmaking attempt given up by this rank before its deadline: the round was completed
-    by others, or fewer replicas are live than the attempt waited for (no deadline's fault)."""
-
-
-class HivemindOuter:
+class HivemindOuter(RoundsMixin, SharedStateMixin):
     """This rank's hivemind outer sync (see the module docstring)."""
 
     def __init__(self, settings: HivemindSettings, plan: Plan, cluster: Cluster | None,
@@ -141,11 +139,12 @@ class HivemindOuter:
         quiet_hivemind()
         install_orphan_guard()  # a rank killed with -9 leaves no DHT process or p2pd behind
         self.dht = start_dht(list(settings.initial_peers), list(settings.host_maddrs),
-                             list(settings.announce_maddrs), settings.client_mode,
-                             settings.timeout_s)
+                             list(settings.announce_maddrs), *settings.dht_flags)
         self.addresses = dht_addresses(self.dht)
-        log(f"hivemind DHT up (run id {settings.run}); other replicas can join with "
-            f"--initial-peers {','.join(self.addresses)}")
+        log(self._started_line())  # before the rendezvous: the addresses to pass, early
+        self.numel, self.identity, self.offences = 0, "", {}
+        """My part's size, its identity (`attach`: the run's fingerprint, my part, its size),
+        and per peer its contributions left out here (`_note_rejected`)."""
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
@@ -181,12 +180,21 @@ class HivemindOuter:
         that group fails at once), one whose roster changed (a replica joined, or a dead one's
         entry expired) goes to matchmaking."""
 
+    def _started_line(self) -> str:
+        """The line that says the DHT is up and how other replicas join through it."""
+        if self.cfg.client_mode:  # it accepts no connections: its addresses lead nowhere
+            return (f"hivemind DHT up (run id {self.cfg.run}) in --client-mode: other replicas "
+                    "cannot join through this one; give them a full peer's --initial-peers")
+        return (f"hivemind DHT up (run id {self.cfg.run}); other replicas can join with "
+                f"--initial-peers {','.join(self.addresses)}")
+
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
         a joiner enters the roster only once it has loaded the state (`join`)."""
         from modules.sync.hivemind_exact import CodecWire, ExactAverager
 
         cfg = self.cfg
+        self.numel, self.identity = numel, part_identity(cfg.fingerprint, self.part, numel)
         self.deadlines = derive(self.plan, self.cluster, self.stage, numel, cfg.compression,
                                 cfg.matchmaking_s, cfg.averaging_s, self.shard, cfg.timeout_s)
         self.log(f"hivemind outer sync of {self.what}: {self.deadlines.describe()}")
@@ -209,7 +217,7 @@ class HivemindOuter:
             signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.part, self.replica, cfg.heartbeat_s,
-                             self.log, client_mode=cfg.client_mode)
+                             self.log, client_mode=cfg.client_mode, identity=self.identity)
         if not joining:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
@@ -268,154 +276,6 @@ class HivemindOuter:
         if not self.cfg.client_mode:  # a client shares nothing
             self.averager.state_sharing_priority = float(self.completed)
 
-    def _round(self, index: int, weight: float) -> list[int] | None:
-        """Round `index` in the roster's group (`_fixed`) when the roster is the last round's
-        group, then matchmaking attempts until a group averaged it or --timeout-s passed; the
-        replicas of the group, or None."""
-        cfg = self.cfg
-        give_up = time.monotonic() + cfg.timeout_s
-        fixed = True  # the first attempt: the roster's group, if the roster did not change
-        every_live = False  # after a failed attempt: only groups of every live replica
-        while True:
-            live = self._live(index, cfg.heartbeat_s / 2 if fixed else 0.0)
-            fixed = fixed and live == self.last_group
-            if len(live) < cfg.min_replicas:  # the others may still be starting
-                if time.monotonic() > give_up:
-                    raise PeerError(f"outer round {index + 1} of {self.what}: only "
-                                    f"replicas {sorted(live)} were live in the DHT for "
-                                    f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
-                                    f"--min-replicas {cfg.min_replicas}")
-                time.sleep(0.5)
-                continue
-            if live == {self.replica} and self.whole and not self.catching_up:
-                if self.last_group != live or not self.rounds_s:
-                    self.log(f"outer round {index + 1} of {self.what}: alone in the DHT "
-                             "roster; my rounds are the mean of my own until others join")
-                return [self.replica]
-            t1, deadlines = time.monotonic(), self.deadlines
-            try:
-                if fixed:
-                    return self._fixed(index, live, weight)
-                need = len(live) if every_live else 2
-                gathered = self._matched(index, self._step(
-                    index, live, weight, need, wait=False,
-                    timeout=deadlines.matchmaking_s + deadlines.averaging_s), need)
-                return same_round(gathered, index)
-            except Exception as e:  # noqa: BLE001 - hivemind raises many types for one failure
-                if self.closing.is_set():
-                    raise BackendClosed(index, self.what) from e
-                waited = time.monotonic() - t1
-                how = "the roster's group" if fixed else "matchmaking"
-                self.log(f"outer round {index + 1} of {self.what}: no completed average "
-                         f"in {how} within the deadlines ({deadlines.matchmaking_s:.2f} s "
-                         f"matchmaking + {deadlines.averaging_s:.2f} s averaging; measured "
-                         f"{waited:.2f} s, live replicas {sorted(live)}): {first(e)}")
-                if waited >= deadlines.matchmaking_s and not isinstance(e, AttemptCancelled):
-                    # it ran into its deadline, not a dead peer
-                    self._set_deadlines(deadlines.widened(), index, "after a failed attempt")
-                # An all-reduce's means can reach some members and not others (one dies or
-                # gives up mid-send): two members whose sides failed then completed the round
-                # among themselves while a third had completed it with everyone, and the outer
-                # models went apart (seen with a sharded joiner). A group of every live replica
-                # cannot form without a completer, which has moved on: the others match until
-                # it declares the round (`_matched`), then take it from it.
-                every_live = True
-            fixed = False
-            # others completed it without me: take their state (with overlap, a live one's)
-            done = self._best_peer_rounds(live_only=self.background) > index
-            if time.monotonic() > give_up or done:
-                return None
-
-    @property
-    def longest_wait_s(self) -> float:
-        """The longest this part of a replica can spend in one outer round (attempts until
-        --timeout-s, one more, its recovery or a background fetch until --timeout-s again) or
-        in --join: how long the other parts of its replica wait for it to agree on a step."""
-        if self.deadlines is None:  # not attached yet: nothing derived
-            return self.cfg.timeout_s
-        d = self.deadlines.widest
-        attempt = d.matchmaking_s + d.averaging_s + 5.0  # a fixed group's result waits +5 s
-        rounds = 2 * self.cfg.timeout_s + attempt + 3 * d.averaging_s
-        return max(rounds, JOIN_ATTEMPTS * (d.averaging_s + min(5.0, d.matchmaking_s)))
-
-    def _set_deadlines(self, new: OuterDeadlines, index: int, why: str) -> None:
-        """Round `index` changed the deadlines to `new` (`why`): say so, and pass them to the
-        averager's process (its matchmaking and all-reduce read them from there)."""
-        old = self.deadlines
-        if new == old:
-            return
-        self.deadlines = new
-        if self.averager is not None:
-            self._in_averager("_set_deadlines", matchmaking_s=new.matchmaking_s,
-                              averaging_s=new.averaging_s, request_s=new.request_s)
-            # step() schedules a round min_matchmaking_time ahead in this process
-            self.averager.matchmaking_kwargs["min_matchmaking_time"] = new.matchmaking_s
-        how = "widened" if new.widen > old.widen else "narrowed"
-        self.log(f"outer round {index + 1} of {self.what}: deadlines {how} {why} to "
-                 f"{new.matchmaking_s:.2f} s matchmaking + {new.averaging_s:.2f} s averaging "
-                 f"({new.widen:g}x the derived ones, at most {new.max_widen:g}x)")
-
-    def _fixed(self, index: int, live: set[int], weight: float) -> list[int]:
-        """Round `index` averaged in the group of the `live` replicas, formed without
-        matchmaking: every replica reads the same roster, so each forms the same members
-        and group id and starts the all-reduce when it reaches the round (a replica up to the
-        matchmaking deadline late is waited for). The replicas of the group; raises when
-        the group did not average it (a member gone or seeing another roster: matchmaking
-        follows). Matchmaking alone took 0.2-0.7 s a round on the lab, against the
-        all-reduce's 0.1-0.4 s (docs/hivemind.md)."""
-        from hivemind.utils.mpfuture import MPFuture
-
-        from modules.sync.hivemind_exact import fixed_group_id
-
-        members = self.roster.members(live, str(self.dht.peer_id), self.cfg.client_mode)
-        if len(members) < 2:
-            raise PeerError(f"the roster has no peer id for replicas {sorted(live)}")
-        text = "|".join([self.averager.prefix] + [f"{r}:{p}" for p, r, _ in members])
-        d, future = self.deadlines, MPFuture()
-        self.averager._outer_pipe.send(("_fixed_round", [], dict(
-            index=index, group_id=fixed_group_id(index, text), members=members, weight=weight,
-            wait_s=d.matchmaking_s, future=future)))
-        gathered = future.result(timeout=d.matchmaking_s + d.averaging_s + 5.0)
-        self.fixed_rounds += 1
-        return [int(v["replica"]) for v in gathered.values()]
-
-    def _matched(self, index: int, control: Any, need: int = 2) -> Any:
-        """The result of a matchmaking step (hivemind's StepControl) of round `index` whose
-        groups need `need` replicas; raises PeerError at once when another live replica
-        declared the round done meanwhile (this one then takes it from them: a replica whose
-        side of a round failed matched alone for the whole deadline, 15 s on the lab, while the
-        others had completed it), or when fewer than `need` replicas are live now (a replica
-        killed mid-round: its entry expires within a heartbeat, and the next attempt needs one
-        fewer instead of waiting out this one's deadline for it)."""
-        while True:
-            try:
-                return control.result(timeout=0.5)
-            except TimeoutError:
-                why = ""
-                if self._best_peer_rounds(live_only=self.background) > index:
-                    why = "other replicas completed it without me"
-                elif len(self._live(index, max_age_s=1.0)) < need:
-                    why = f"fewer than the {need} replicas it waited for are live now"
-                if why:
-                    with contextlib.suppress(Exception):  # already over
-                        control.cancel()
-                    raise AttemptCancelled(why) from None
-
-    def _step(self, index: int, live: set[int], weight: float, need: int = 2,
-              **kwargs: Any) -> Any:
-        """One averager step of round `index` among the `live` replicas, in a group of at least
-        `need` (hivemind's `step` with `kwargs`: its result, or its StepControl with
-        wait=False). The round's key is set again at every attempt, and hivemind never
-        retries inside a step: it moves a peer's group bits on as soon as a group is assembled
-        (update_key_on_group_assembled), each member to other bits, so after a group that
-        failed mid-way (a replica killed in it) the survivors' retries never met again and the
-        round failed on all of them after --timeout-s."""
-        self._set_group_size(max(2, len(live)), need)
-        self._reach(index)
-        self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
-        return self.averager.step(gather={"replica": self.replica, "round": index},
-                                  weight=weight, allow_retries=False, **kwargs)
-
     def _live(self, index: int, max_age_s: float = 0.0) -> set[int]:
         """The live replicas of my stage now (the roster, read at most `max_age_s` ago),
         saying which left since the last look (round `index` goes on without them)."""
@@ -443,6 +303,31 @@ class HivemindOuter:
             live = self.roster.live()
         self.started = True
         self.last_group = live if len(live) >= expected else set()
+        self._need_full_peer()
+
+    def _need_full_peer(self) -> None:
+        """--client-mode: PeerError unless a replica that accepts connections is in the
+        roster (a client alone averages with nobody, and would train solo to exit 0)."""
+        if self.cfg.client_mode and not self.roster.peers(sharing=True):
+            given = ",".join(self.cfg.initial_peers) or "(none)"
+            raise PeerError(f"--client-mode: no replica without --client-mode of run "
+                            f"{self.cfg.run} {self.what} is in the DHT (waited "
+                            f"{self.cfg.timeout_s:g} s, --timeout-s); a client averages only "
+                            "through such a peer: start one, and pass its address as "
+                            f"--initial-peers (given: {given})")
+
+    def _note_rejected(self, index: int, gathered: dict) -> None:
+        """Name each replica whose contribution to round `index` my averager left out
+        (ExactAverager marks it in the gathered data: wrong size, non-finite, norm bound)."""
+        for v in gathered.values():
+            why = v.get("rejected") if isinstance(v, dict) else None
+            if not why:
+                continue
+            peer = str(v.get("peer", "?"))  # set by my averager (the replica is the sender's word)
+            self.offences[peer] = self.offences.get(peer, 0) + 1
+            self.log(f"outer round {index + 1} of {self.what}: left out the contribution of "
+                     f"replica {str(v.get('replica'))[:20]} (peer {peer}) to the chunks reduced "
+                     f"here: {str(why)[:200]} ({self.offences[peer]} time(s) so far)")
 
     def _reach(self, index: int) -> None:
         """Tell the averager this rank is at round `index` or past it: roster groups' parts
@@ -491,202 +376,6 @@ class HivemindOuter:
                     total += encoded(b - a) * ((world - 1) if j == me else 1)
         return total
 
-    # -- recovering and joining --------------------------------------------------------------
-    def _recover(self, index: int) -> OuterRoundSkipped:
-        """After a failed round: another replica's state if one completed it, else skip."""
-        wait_until = time.monotonic() + self.deadlines.averaging_s
-        while self._best_peer_rounds() <= index and time.monotonic() < wait_until:
-            time.sleep(0.5)
-        if self._best_peer_rounds() > index:
-            loaded = self.load_state()
-            if loaded is not None and loaded.outer_count > index:
-                self.log(f"outer round {index + 1} of {self.what} failed here; took the "
-                         f"outer state of a replica that completed it (round "
-                         f"{loaded.outer_count})")
-                return OuterRoundSkipped(loaded)
-        self.log(f"outer round {index + 1} of {self.what} failed on every replica that "
-                 "tried it; skipped, keeping the local pseudo-gradient for the next round")
-        return OuterRoundSkipped(None)
-
-    def _recover_background(self, flat: torch.Tensor, index: int) -> int:
-        """Overlap, after round `index` failed here (the background thread): put the average of
-        a live replica that completed it into `flat` (0 bytes sent), or raise
-        OuterRoundSkipped(None) once no live replica has declared it done for the averaging
-        deadline in a row (nobody alive has it: every survivor skips it); PeerError when live
-        replicas declared it done and none shared it within --timeout-s.
-
-        Only live replicas (the roster) count: a replica that completed the round and died
-        at once (killed mid-round, the others' parts already in) left a declaration that
-        outlives it, and waiting for its average made every survivor stop after --timeout-s.
-        A survivor that did take the average from it declares it in turn, and the others
-        take it from that survivor."""
-        give_up = time.monotonic() + self.cfg.timeout_s
-        quiet_since = time.monotonic()
-        while True:
-            self.roster.live()  # refreshes who counts
-            if self._best_peer_rounds(live_only=True) > index:
-                quiet_since = time.monotonic()
-                got = self._fetch()
-                if got is not None and index in got[0]:
-                    flat.copy_(got[1][got[0].index(index)].to(flat.dtype))
-                    self.log(f"outer round {index + 1} of {self.what} failed here; took "
-                             "its average from a replica that completed it")
-                    self._completed(index, flat)
-                    return 0
-                if got is not None and all(r > index for r in got[0]):
-                    raise PeerError(self._average_gone(index, got[0]))
-            elif time.monotonic() - quiet_since > self.deadlines.averaging_s:
-                self.log(f"outer round {index + 1} of {self.what} failed on every live "
-                         "replica that tried it; skipped at the next round boundary, keeping "
-                         "the local pseudo-gradient for the next round")
-                raise OuterRoundSkipped(None)
-            if time.monotonic() > give_up:
-                raise PeerError(f"outer round {index + 1} of {self.what}: a replica "
-                                f"completed it but none shared its average within "
-                                f"{self.cfg.timeout_s:g} s (--timeout-s); stopping rather than "
-                                "leaving the outer models apart")
-            time.sleep(0.5)
-
-    def _average_gone(self, index: int, kept: list[int]) -> str:
-        """Why round `index` cannot be taken from the replica that completed it: it keeps only
-        the averages of rounds `kept` (the last KEEP_RESULTS; none since its --resume)."""
-        return (f"outer round {index + 1} of {self.what}: the replica that completed it no "
-                f"longer holds its average (it keeps rounds {[r + 1 for r in kept]}, none "
-                "from before its --resume): this replica is behind the others, e.g. resumed "
-                "from an older checkpoint than theirs. With --overlap on a replica cannot "
-                "catch up on its own: resume every replica from the same step (the newest "
-                "checkpoint all of them have), or run without --overlap")
-
-    def _fetch(self) -> tuple[list[int], list[torch.Tensor]] | None:
-        """Overlap: the rounds and averages the most advanced peer shares (None: no answer)."""
-        try:
-            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
-        except TimeoutError:
-            return None
-        if got is None or got[0].get("run") != self.cfg.run:
-            return None
-        rounds = [int(r) for r in got[0].get("results", [])]
-        return rounds, list(got[1][2:2 + len(rounds)])
-
-    def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
-        """Peer id -> the rounds that peer of my stage declared done, me excluded;
-        `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
-        not in --client-mode)."""
-        found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
-        mine = self.averager.peer_id.to_bytes()
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        live = {_peer_bytes(p) for p in self.roster.peers(sharing)} if live_only else set()
-        return {k: float(v.value) for k, v in found.value.items()
-                if k != mine and isinstance(v.value, (int, float))
-                and (not live_only or k in live)}
-
-    def _best_peer_rounds(self, live_only: bool = False) -> float:
-        """The most rounds any other peer of my stage declared done (-1: none declared)."""
-        return max(self._declared(live_only).values(), default=-1.0)
-
-    def linger(self) -> None:
-        """After the last step, before `close`: stay (sharing my state and averages) until
-        every live replica that shares state declared the rounds I completed, at most one
-        failed attempt and one download (matchmaking + 2 x averaging deadline).
-
-        Why: a replica leaves as soon as its last round completed here; a peer whose side of
-        that round failed (the leaver's last means were still on the wire when its p2pd
-        stopped: seen in the kill test, 0.3 s into the round) then found nobody to take the
-        round from, and skipped it (or, before, exited 1 after --timeout-s) while the leaver
-        had applied it. Clients declare nothing and are not waited for."""
-        if (self.averager is None or self.deadlines is None or self.cfg.client_mode
-                or not self.completed):
-            return
-        d, waiting = self.deadlines, set()
-        until = time.monotonic() + d.matchmaking_s + 2 * d.averaging_s
-        while time.monotonic() < until:
-            self.roster.live()
-            declared = self._declared(live_only=True, sharing=True)
-            waiting = {p for p in self.roster.peers(sharing=True)
-                       if declared.get(_peer_bytes(p), -1.0) < self.completed}
-            if not waiting:
-                return
-            time.sleep(0.5)
-        self.log(f"leaving before replica peer(s) {sorted(waiting)} declared round "
-                 f"{self.completed} of {self.what} done")
-
-    def load_state(self) -> OuterState | None:
-        """The outer state of the most advanced peer (None when none answered in time)."""
-        try:
-            got = self.averager.load_state_from_peers(timeout=self.deadlines.averaging_s)
-        except TimeoutError:
-            return None
-        if got is None:
-            return None
-        meta, tensors = got
-        if meta.get("run") != self.cfg.run or not tensors:
-            return None
-        momentum = tensors[1] if len(tensors) > 1 and meta.get("momentum") else None
-        self.completed = int(meta["completed"])
-        self._reach(int(meta["outer_count"]) - 1)  # the rounds before it are over here
-        return OuterState(tensors[0].clone(), momentum.clone() if momentum is not None else None,
-                          int(meta["outer_count"]))
-
-    def resumed(self, outer: OuterState) -> None:
-        """After --resume: my outer model has completed the checkpoint's rounds. Declare them
-        and share that state at once, so that a replica resumed from an older checkpoint (its
-        newest one lost) finds its first round completed by me and takes my state, as a
-        replica whose round failed does, instead of matching a round nobody else is in."""
-        # with overlap the last round is still in flight (resume runs it again)
-        self.completed = max(0, outer.outer_count - 1) if self.background else outer.outer_count
-        if self.averager is None:
-            return
-        if self.completed:
-            self._reach(self.completed - 1)  # the rounds before it are over here
-        self.publish(outer)  # (blocking: declares it too)
-        if self.background and not self.cfg.client_mode:  # overlap declares in its rounds
-            self.averager.state_sharing_priority = float(self.completed)
-
-    def publish(self, outer: OuterState) -> None:
-        """The training thread, after each outer step: what peers loading state now get."""
-        has_momentum = outer.momentum is not None
-        tensors = [outer.anchor.detach().cpu().float().clone(),
-                   outer.momentum.detach().cpu().float().clone() if has_momentum
-                   else torch.zeros(0)]
-        meta = {"run": self.cfg.run, "outer_count": outer.outer_count,
-                "momentum": has_momentum, "completed": self.completed}
-        with self.lock:
-            self.snapshot = (meta, tensors)
-        if self.background:  # the background thread declares its rounds (_completed)
-            return
-        if self.averager is not None and not self.cfg.client_mode:  # a client shares no state
-            self.averager.state_sharing_priority = float(self.completed)
-
-    def _shared(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a loading peer gets: the outer state and (overlap) the last rounds' averages."""
-        with self.lock:
-            assert self.snapshot is not None
-            meta, tensors = self.snapshot
-            rounds = sorted(self.results)
-            return {**meta, "results": rounds}, tensors + [self.results[r] for r in rounds]
-
-    def join(self) -> OuterState:
-        """--join: the state of a live peer, in at most JOIN_ATTEMPTS tries (PeerError after)."""
-        for attempt in range(1, JOIN_ATTEMPTS + 1):
-            t0 = time.monotonic()
-            state = self.load_state()
-            if state is not None:
-                self.log(f"--join: loaded the outer model, momentum and round count "
-                         f"{state.outer_count} of {self.what} from a peer in "
-                         f"{time.monotonic() - t0:.2f} s")
-                self.catching_up = True
-                self.roster.start()
-                return state
-            self.log(f"--join: attempt {attempt}/{JOIN_ATTEMPTS}: no peer of run "
-                     f"{self.cfg.run} {self.what} shared its state within "
-                     f"{self.deadlines.averaging_s:.2f} s; "
-                     + ("retrying" if attempt < JOIN_ATTEMPTS else "giving up"))
-            time.sleep(min(5.0, self.deadlines.matchmaking_s))
-        raise PeerError(f"--join: no live replica of run {self.cfg.run} shared the state of "
-                        f"{self.what} in {JOIN_ATTEMPTS} attempts (initial peers "
-                        f"{','.join(self.cfg.initial_peers) or '(none)'}); is the run alive?")
-
     def abort(self) -> None:
         """The rank's emergency exit (it os._exits next; any thread, no lock): the DHT and
         averager processes and their p2pd stop now, silently (modules.control.dht.stop_now)."""
@@ -709,80 +398,6 @@ class HivemindOuter:
                         part.shutdown()
             self.averager = self.dht = self.roster = None
 
-
-class BackgroundRounds(OverlapSync):
-    """sync.overlap over hivemind: the rounds run on OverlapSync's worker thread, which never
-    touches the model; a round that failed there (nobody completed it: the attempt returned
-    None) is not redone, `finish` raises OuterRoundSkipped(None) on the training thread at the
-    next round boundary and DiLoCo skips that outer step (a round that failed only here was
-    already completed on the worker with a peer's average: HivemindOuter._recover_background)."""
-
-    def finish(self, job: OuterJob) -> None:
-        """Block until `job` is over; OuterRoundSkipped(None) when nobody completed it."""
-        t0 = time.perf_counter()
-        try:
-            job.done.wait()
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        self.jobs.remove(job)
-        if job.error is not None:
-            raise job.error
-        if not job.ok:
-            raise OuterRoundSkipped(None)
-
-    def drain(self) -> None:
-        """Wait for every job in flight; results (or skips) stay for `finish`."""
-        t0 = time.perf_counter()
-        try:
-            for j in list(self.jobs):
-                j.done.wait()
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        for j in self.jobs:
-            if j.error is not None:
-                raise j.error
-
-
-def background_attempt(hivemind: HivemindOuter, stats: CommStats | None
-                       ) -> Callable[[torch.Tensor, int], int | None]:
-    """BackgroundRounds' attempt: one hivemind round on the worker thread; the bytes sent
-    (counted into `stats`, the background accounting), or None when nobody completed it."""
-    hivemind.background = True
-
-    def attempt(flat: torch.Tensor, index: int) -> int | None:
-        try:
-            sent = hivemind.all_reduce(flat, index)
-        except OuterRoundSkipped:
-            return None
-        except Exception as e:
-            if hivemind.closing.is_set():  # whatever the stopped DHT raised: not a failure
-                raise BackendClosed(index, hivemind.what) from e
-            raise
-        if stats is not None:
-            stats.bytes_sent += sent
-        return sent
-    return attempt
-
-
-def same_round(gathered: dict, index: int) -> list[int]:
-    """The replicas of a matched group of round `index`; PeerError when a member was at
-    another round. Every member gets every member's gathered data, so each refuses the
-    same group and none applies its average. Why: a joiner whose host had given up on a
-    round (its peers completed it without it) still had that round's step in its averager's
-    matchmaking, and the others' next round matched it (seen: {'replica': 2, 'round': 31}
-    in round 32's group, whose three members then held different outer models)."""
-    rounds = sorted({int(v.get("round", -1)) for v in gathered.values()})
-    if rounds != [index]:
-        raise PeerError(f"the group that formed mixed rounds {[r + 1 for r in rounds]}; "
-                        "its average is not applied")
-    return [int(v["replica"]) for v in gathered.values()]
-
-
-def _peer_bytes(peer: str) -> bytes:
-    """A peer id's bytes (the DHT's subkeys) from its base58 text (the roster's)."""
-    from hivemind.p2p import PeerID
-
-    return PeerID.from_base58(peer).to_bytes()
 
 
 def quiet_hivemind() -> None:
@@ -808,5 +423,6 @@ def settings_of(run: ResolvedRun) -> HivemindSettings:
         client_mode=hv.client_mode, run=run_id(agreed, hv.run_id), timeout_s=cfg.timeout_s,
         heartbeat_s=cfg.elastic.heartbeat_timeout_s, min_replicas=run.min_replicas,
         compression=plan.sync.compression,
+        fingerprint=run_fingerprint(plan.to_dict(), plan.sync.compression),
         starting=len(run.start_replicas or range(plan.num_replicas)),
         matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)
