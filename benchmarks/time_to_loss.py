@@ -105,7 +105,8 @@ def same_plan(a: Run, b: Run) -> bool:
     training it twice would only measure the machine's noise as a difference."""
     def key(run: Run) -> dict:
         d = load_plan(run.plan_path).to_dict()
-        return {k: v for k, v in d.items() if k not in ("name", "predicted", "description", "search")}
+        aside = ("name", "predicted", "description", "search")
+        return {k: v for k, v in d.items() if k not in aside}
     return key(a) == key(b)
 
 
