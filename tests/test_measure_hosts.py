@@ -126,9 +126,9 @@ def test_measure_shaped_and_blocked_pairs_then_plan(ns_hosts) -> None:
     assert c.num_devices == 4 and all(d.tflops > 0 and d.memory_gb > 0 for d in c.devices)
     assert all(d.gpu.startswith("cpu: ") for d in c.devices)
     bw = c.bandwidth_gbps * 1e3  # Mbit/s
-    # htb: the shaped pair measures within 15 % of its rate (below it, never far above)
+    # htb: the shaped pair measures below its rate, never far above (0.7 floor: loaded hosts)
     for i, j in ((0, 1), (1, 0)):
-        assert 0.85 * SHAPED_MBIT <= bw[i, j] <= 1.05 * SHAPED_MBIT, r.stdout
+        assert 0.7 * SHAPED_MBIT <= bw[i, j] <= 1.05 * SHAPED_MBIT, r.stdout
     # unshaped veth pairs are far faster (a busy 2-core machine still moves > 100 Mbit/s)
     for i, j in ((0, 2), (2, 0), (0, 3), (1, 2), (1, 3), (3, 1)):
         assert bw[i, j] > 5 * SHAPED_MBIT, r.stdout
