@@ -23,6 +23,15 @@ from modules.control.auth import new_secret
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def soak_seeds(first: int, full: int) -> range:
+    """Seeds for a randomized soak test: 3 in the default suite (it has to fit CI's time);
+    SOAK_TRIALS=full runs `full` of them, SOAK_TRIALS=N runs N (a night's soak: 50)."""
+    wanted = os.environ.get("SOAK_TRIALS", "")
+    if wanted == "full":
+        return range(first, first + full)
+    return range(first, first + (int(wanted) if wanted.isdigit() and int(wanted) > 0 else 3))
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, below the kernel's ephemeral port range when it can: a
     port from that range (what binding port 0 gives) can be taken as the source port of any

@@ -22,7 +22,7 @@ from modules.control.leader import Generation, Leader, first_generation, read_ge
 from modules.control.protocol import RUN_SETTINGS, join_key
 from modules.train.checkpoint import complete_steps
 from modules.train.metrics import read_metrics
-from testkit.fault_harness import Ranks, free_port, kill_trial, write_trial_plan
+from testkit.fault_harness import Ranks, free_port, kill_trial, soak_seeds, write_trial_plan
 from tests.conftest import run_entry
 
 HB = 2.0  # heartbeat timeout of the trials (s)
@@ -200,7 +200,7 @@ def test_the_lost_rank_0_comes_back_with_join(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_rank0_kill_trials_behind_a_coordinator(tmp_path):
-    for seed in range(300, 308):
+    for seed in soak_seeds(300, 8):
         _rank0_trial(tmp_path, seed, stages=2 if seed % 3 == 0 else 1)
 
 

@@ -13,7 +13,14 @@ import torch
 from modules.data.dataset import DEFAULT_CORPUS
 from modules.train.checkpoint import load_checkpoint, step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
-from testkit.fault_harness import Ranks, free_port, kill_trial, poll_exits, write_trial_plan
+from testkit.fault_harness import (
+    Ranks,
+    free_port,
+    kill_trial,
+    poll_exits,
+    soak_seeds,
+    write_trial_plan,
+)
 
 HB = 2.0  # heartbeat timeout of the trials (s)
 AFTER_KILL = 40
@@ -89,7 +96,7 @@ def test_diloco_kill_with_overlap_and_fragments(tmp_path, seed, stages):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_diloco_kill_trials(tmp_path):
-    for seed in range(100, 110):  # 10 trials, each with its own deadline
+    for seed in soak_seeds(100, 10):  # each trial with its own deadline
         _diloco_trial(tmp_path, seed, stages=2 if seed % 3 == 0 else 1)
 
 
@@ -102,7 +109,7 @@ def test_allreduce_kill_stops_every_rank_with_the_reason(tmp_path, seed):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_allreduce_kill_trials(tmp_path):
-    for seed in range(200, 210):
+    for seed in soak_seeds(200, 10):
         _allreduce_trial(tmp_path, seed)
 
 
