@@ -185,10 +185,15 @@ def test_a_cancelled_job_resubmitted_with_resume_continues_bit_identically(
 
 
 def _start_now(job: str, ctl: dict) -> None:
-    """Slurm holds a requeued job about two minutes (Reason=BeginTime): release it now."""
+    """Slurm holds a requeued job about two minutes (Reason=BeginTime): release it now, but not
+    within the second its first run was killed in. slurmd refuses a launch whose credential is
+    no newer (in whole seconds) than the killed run's revocation ("Job credential revoked"),
+    and the job then ends FAILED instead of running again: under load the release came that
+    fast."""
     for _ in range(150):
         show = subprocess.run(["scontrol", "show", "job", "-o", job], **ctl).stdout
-        if "Reason=BeginTime" in show:
+        if "Reason=BeginTime" in show and "JobState=PENDING" in show:
+            time.sleep(2.0)
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], **ctl)
             return
         time.sleep(0.2)
