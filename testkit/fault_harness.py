@@ -25,11 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def soak_seeds(first: int, full: int) -> range:
     """Seeds for a randomized soak test: 3 in the default suite (it has to fit CI's time);
-    SOAK_TRIALS=full runs `full` of them, SOAK_TRIALS=N runs N (a night's soak: 50)."""
-    wanted = os.environ.get("SOAK_TRIALS", "")
+    SOAK_TRIALS=full runs `full` of them, SOAK_TRIALS=N runs N (a night's soak: 50).
+    ValueError naming the variable for anything else (a typo must not quietly run 3)."""
+    wanted = os.environ.get("SOAK_TRIALS", "").strip()
+    if wanted == "":
+        return range(first, first + 3)
     if wanted == "full":
         return range(first, first + full)
-    return range(first, first + (int(wanted) if wanted.isdigit() and int(wanted) > 0 else 3))
+    if not wanted.isdigit() or int(wanted) < 1:
+        raise ValueError(f"SOAK_TRIALS={wanted!r}: give a number of trials (1 or more) or "
+                         "'full', or unset it for the default 3")
+    return range(first, first + int(wanted))
 
 
 def free_port() -> int:

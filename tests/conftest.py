@@ -14,6 +14,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+SHAPED_RATE_FLOOR = 0.7
+"""Lowest fraction of a shaped link's configured rate a measurement may read and still pass:
+on a loaded 2-core host the probe itself competes for CPU (CI read 0.78-0.85 through the
+delay line). The upper bounds (1.02-1.2x) are what show the shaping works; 0.7 still tells
+40 from 120 Mbit/s."""
+
+
 def run_entry(script: str, *args: str, timeout: float = 120,
               **kwargs) -> subprocess.CompletedProcess:
     """Run `python <script> args...` from the repo root, capturing text output."""

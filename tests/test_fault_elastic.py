@@ -173,3 +173,19 @@ def test_join_a_third_replica_mid_run_bit_identical_after_the_next_outer_step(tm
     assert sum(losses[-20:]) / 20 < losses[0], losses  # the joiner's loss falls
     zero = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert sum(zero[-20:]) / 20 < sum(zero[:5]) / 5
+
+
+@pytest.mark.parametrize("value, want", [("", range(5, 8)), ("full", range(5, 15)),
+                                         ("2", range(5, 7)), (" 4 ", range(5, 9))])
+def test_soak_seeds_follow_soak_trials(monkeypatch, value, want) -> None:
+    """SOAK_TRIALS unset: 3 seeds; `full`: all of them; N: N."""
+    monkeypatch.setenv("SOAK_TRIALS", value)
+    assert soak_seeds(5, 10) == want
+
+
+@pytest.mark.parametrize("value", ["0", "three", "-2", "1.5"])
+def test_soak_seeds_refuse_a_garbled_soak_trials(monkeypatch, value) -> None:
+    """A typo in SOAK_TRIALS is an error naming the variable, not a quiet 3-seed run."""
+    monkeypatch.setenv("SOAK_TRIALS", value)
+    with pytest.raises(ValueError, match="SOAK_TRIALS"):
+        soak_seeds(5, 10)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_entry
+from conftest import ROOT, SHAPED_RATE_FLOOR, run_entry
 from test_ssh_helpers import keygen, sshd_missing, start_sshd
 
 from formats.cluster import Cluster, Device, load_cluster, save_cluster
@@ -127,8 +127,8 @@ def test_apply_show_probe_reset_over_ssh(ns_fleet) -> None:
         p.stdout + p.stderr
     assert "delay not applied" not in p.stdout, p.stdout
     m = load_cluster(out)
-    assert 0.7 * 0.06 <= m.bandwidth_gbps[0, 1] <= 1.02 * 0.06, p.stdout
-    assert 0.7 * 0.03 <= m.bandwidth_gbps[1, 0] <= 1.02 * 0.03, p.stdout
+    assert SHAPED_RATE_FLOOR * 0.06 <= m.bandwidth_gbps[0, 1] <= 1.02 * 0.06, p.stdout
+    assert SHAPED_RATE_FLOOR * 0.03 <= m.bandwidth_gbps[1, 0] <= 1.02 * 0.03, p.stdout
     assert 18.0 <= 2 * m.latency_ms[0, 1] <= 30.0, p.stdout  # 10 ms each way (+ busy CPU)
     if "kernel has no sch_netem" in a.stdout:
         # SIGKILL host 1's delay line: its NFQUEUE rules stay, --queue-bypass keeps the traffic
