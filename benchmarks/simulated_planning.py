@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from formats.models import get_model  # noqa: E402
 from formats.plan import SyncConfig  # noqa: E402
+from formats.sync_rules import sync_modes  # noqa: E402
 from scheduler.baselines import index_order_plan  # noqa: E402
 from scheduler.cost_dtfm import DtfmObjective  # noqa: E402
 from scheduler.cost_simulated import SimulatedObjective  # noqa: E402
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8_000,
                     help="evaluations per search (the planner's default for `simulated`)")
     ap.add_argument("--random-plans", type=int, default=20)
-    ap.add_argument("--sync", choices=["allreduce", "diloco"], default="allreduce")
+    ap.add_argument("--sync", choices=sync_modes(), default="allreduce")
     ap.add_argument("--inner-steps", type=int, default=1)
     ap.add_argument("--compression", choices=["none", "fp16", "int8"], default="none")
     args = ap.parse_args()

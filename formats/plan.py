@@ -20,6 +20,7 @@ from formats.errors import UserError
 from formats.jsonfile import load_json
 from formats.models import ModelSpec, get_model, spec_from_fields
 from formats.safe_files import refuse_non_finite
+from formats.sync_rules import ALLREDUCE, SyncRule, local_step_modes, sync_rule
 
 PLAN_FORMAT = "plan/1"
 """Written when every stage is held by one device (D = 1)."""
@@ -29,7 +30,6 @@ PLAN_FORMAT_SHARDED = "plan/2"
 PLAN_FORMATS = (PLAN_FORMAT, PLAN_FORMAT_SHARDED)
 OUTER_STATES = ("device", "host")
 """Where DiLoCo's anchor parameters and outer momentum (per shard) live."""
-SYNC_MODES = ("allreduce", "diloco")
 COMPRESSIONS = ("none", "fp16", "int8")
 PIPELINE_COMPRESSIONS = ("none", "bf16", "int8")
 """How activations (forward) and activation gradients (backward) cross pipeline links."""
@@ -52,8 +52,9 @@ plan lists each device (2^31 ranks would be built for hours and never meet)."""
 class SyncConfig:
     """How the replicas of a stage keep their parameters in step."""
 
-    mode: str = "allreduce"
-    """`allreduce`: average gradients every step; `diloco`: outer step every `inner_steps`."""
+    mode: str = ALLREDUCE.name
+    """A registered sync rule (formats/sync_rules.py): `allreduce` averages gradients every
+    step; `diloco` takes an outer step every `inner_steps`."""
     inner_steps: int = 1
     """H: inner optimizer steps between two outer (communicating) steps; 1 for allreduce."""
     compression: str = "none"
@@ -81,17 +82,21 @@ class SyncConfig:
             del out["warmup_steps"]
         return out
 
+    @property
+    def rule(self) -> SyncRule:
+        """The registered rule `mode` names (UserError naming sync.mode when none does)."""
+        return sync_rule(self.mode)
+
     def validate(self) -> None:
         """Raise UserError on a bad field."""
-        if self.mode not in SYNC_MODES:
-            raise UserError(f"sync.mode: {self.mode!r} is not one of {', '.join(SYNC_MODES)}")
+        local = self.rule.local_steps
         if self.compression not in COMPRESSIONS:
             raise UserError(
                 f"sync.compression: {self.compression!r} is not one of {', '.join(COMPRESSIONS)}")
         checks.integer(self.inner_steps, "sync.inner_steps", 1, MAX_INNER_STEPS)
-        if self.mode == "allreduce" and self.inner_steps != 1:
-            raise UserError(
-                f"sync.inner_steps: {self.inner_steps} only makes sense with mode 'diloco'")
+        if not local and self.inner_steps != 1:
+            raise UserError(f"sync.inner_steps: {self.inner_steps} only makes sense with mode "
+                            f"{local_step_modes()}")
         checks.finite_number(self.outer_lr, "sync.outer_lr", 0, lo_open=True)
         checks.finite_number(self.outer_momentum, "sync.outer_momentum", 0, 1, hi_open=True)
         if not isinstance(self.overlap, bool):
@@ -99,12 +104,13 @@ class SyncConfig:
                 f"sync.overlap: expected true or false, got {checks.shown(self.overlap)}")
         checks.integer(self.fragments, "sync.fragments", 1, MAX_FRAGMENTS)
         checks.integer(self.warmup_steps, "sync.warmup_steps", 0, MAX_INNER_STEPS)
-        if self.mode != "diloco" and self.warmup_steps:
+        if not local and self.warmup_steps:
             raise UserError(f"sync.warmup_steps: {self.warmup_steps} only applies to mode "
-                            f"'diloco' (mode {self.mode!r} all-reduces every step anyway)")
-        if self.mode != "diloco" and (self.overlap or self.fragments != 1):
-            raise UserError("sync.overlap and sync.fragments only apply to mode 'diloco' "
-                            f"(mode is {self.mode!r})")
+                            f"{local_step_modes()} (mode {self.mode!r} all-reduces every step "
+                            "anyway)")
+        if not local and (self.overlap or self.fragments != 1):
+            raise UserError(f"sync.overlap and sync.fragments only apply to mode "
+                            f"{local_step_modes()} (mode is {self.mode!r})")
         if self.fragments > self.inner_steps:
             raise UserError(f"sync.fragments: {self.fragments} fragments need at least as many "
                             f"inner steps per round (sync.inner_steps is {self.inner_steps})")

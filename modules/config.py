@@ -20,6 +20,7 @@ from formats.atomic_io import check_output_dir, check_output_path
 from formats.errors import UserError
 from formats.plan import MAX_DEVICE_ID, MAX_WORLD_SIZE, PIPELINE_COMPRESSIONS, Plan
 from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, setting
+from formats.sync_rules import sync_modes
 from modules.debug_config import DebugConfig
 from modules.metrics_config import MetricsConfig
 from scheduler.quick_plan import with_overrides
@@ -268,7 +269,7 @@ class OuterSyncConfig:
         overlap = sync.overlap if self.overlap == "plan" else self.overlap == "on"
         if (fragments, overlap) == (sync.fragments, sync.overlap):
             return plan
-        if sync.mode != "diloco":
+        if not sync.rule.local_steps:
             raise UserError(f"--fragments/--overlap: only apply to sync mode diloco (the plan's "
                             f"is {sync.mode!r})")
         if not 1 <= fragments <= sync.inner_steps:
@@ -327,7 +328,7 @@ class HivemindConfig:
         """UserError for a plan (overrides applied) the hivemind backend does not run (yet)."""
         if self.outer_backend != "hivemind":
             return
-        if plan.sync.mode != "diloco":
+        if not plan.sync.rule.local_steps:
             raise UserError("--outer-backend hivemind: needs sync mode diloco (the plan's is "
                             f"{plan.sync.mode!r}); allreduce averages every step")
         if plan.sync.fragments > 1:  # one averager round per outer step (docs/hivemind.md)
@@ -345,7 +346,7 @@ class PlanOverrideConfig:
     """Overrides of the plan's sync and batch (the seed projects' flags, docs/models.md; every
     rank must give the same, which the ranks check through the store)."""
 
-    sync: str | None = setting(None, choices=("allreduce", "diloco"))
+    sync: str | None = setting(None, choices=sync_modes())
     """data-parallel sync: allreduce (gradients every step) or diloco (outer step every
     --inner-steps; default: the plan's sync.mode)"""
     inner_steps: int | None = setting(None, lo=1, hi=MAX_COUNT)
@@ -451,7 +452,7 @@ class RunConfig:
         plan = self.overrides.apply(plan)  # --sync, --inner-steps, ..., the batch
         el = self.elastic
         start = el.start_replicas(plan.num_replicas)
-        if (el.join or start is not None) and plan.sync.mode != "diloco":
+        if (el.join or start is not None) and not plan.sync.rule.local_steps:
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
         ran = self.outer.apply(plan)  # --fragments, --overlap: on top of the above
@@ -524,7 +525,7 @@ class ResolvedRun:
     @property
     def overlapped(self) -> bool:
         """DiLoCo's outer all-reduces run in the background (sync.overlap, after --overlap)."""
-        return self.plan.sync.mode == "diloco" and self.plan.sync.overlap
+        return self.plan.sync.rule.local_steps and self.plan.sync.overlap
 
     @property
     def overlap_alpha(self) -> float | None:

@@ -97,7 +97,7 @@ class SimulatedObjective:
             self._rings[sync.compression] = RingTable(self.tables, self.model, sync.compression,
                                                       self.config)
         self.rings = self._rings[sync.compression]
-        self.diloco = sync.mode == "diloco"
+        self.diloco = sync.rule.local_steps
         self.inner_steps = sync.inner_steps if self.diloco else 1
         per_param = payload_bytes_per_param(sync.compression, self.config.int8_block)
         self.payload = params_table(self.model) * per_param

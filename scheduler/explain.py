@@ -137,7 +137,7 @@ def steady_window(plan: Plan) -> tuple[int, int, str]:
     with a warm-up was compared with a mean that held its every-step all-reduces: -15% on a
     run the benchmark measured +18% (the hierarchical lab's planner row)."""
     sync = plan.sync
-    if sync.mode != "diloco":
+    if not sync.rule.local_steps:
         return 1, 1, "the first step left out"
     skip, rounds = max(1, sync.warmup_steps), sync.inner_steps
     why = (f"the all-reduce warm-up ({sync.warmup_steps} steps) and the rest of its round"
@@ -411,7 +411,7 @@ def _fewer_sync_bytes(plan: Plan) -> str:
     """The sync settings the plan does not use yet that send fewer bytes per step."""
     sync = plan.sync
     out = [] if sync.compression == "int8" else ["--compression int8"]
-    if sync.mode != "diloco":
+    if not sync.rule.local_steps:
         out.append("--sync diloco --inner-steps H")
     else:
         out.append(f"more --inner-steps than {sync.inner_steps}")

@@ -370,7 +370,7 @@ def _check_fixed_split_memory(cluster: Cluster, model: ModelSpec, req: PlanReque
     objective blind to memory may put any stage on any device."""
     if not stages:
         return
-    diloco = req.sync.mode == "diloco"
+    diloco = req.sync.rule.local_steps
     need, (a, b) = max((stage_memory(model, a, b, req.micro_batch_size, req.num_micro_batches,
                                      diloco, req.sim.memory(),
                                      outer_state=req.outer_state).total_bytes, (a, b))

@@ -32,6 +32,7 @@ import numpy as np
 
 from formats.errors import UserError
 from formats.plan import SyncConfig
+from formats.sync_rules import DILOCO
 
 FEATURES = ("const", "log2_m", "log2_h", "log2_m_x_log2_h", "log2_batch", "progress",
             "warmup", "int8", "fp16", "overlap", "log2_fragments", "log2_outer_gain",
@@ -239,8 +240,10 @@ def predict_steps(qm: QualityModel, sync: SyncConfig, replicas: int, batch_per_r
     if model_name is not None and model_name != qm.model:
         flags.append(f"model {model_name}: the inflation was measured on {qm.model}")
     flags += out_of_range(qm, {"global_batch": global_batch})
-    if sync.mode != "diloco" or replicas < 2 or sync.warmup_steps >= ar:
+    if not sync.rule.local_steps or replicas < 2 or sync.warmup_steps >= ar:
         return StepsPrediction(ar, ar, 1.0, tuple(flags))
+    if sync.mode != DILOCO.name:  # another local-step rule: priced with DiLoCo's curves
+        flags.append(f"sync {sync.mode}: the inflation was measured on {DILOCO.name}")
     w = sync.warmup_steps
     x = features(replicas, sync.inner_steps, batch_per_replica, ar, w, sync.compression,
                  sync.overlap, sync.fragments, sync.outer_lr, sync.outer_momentum)

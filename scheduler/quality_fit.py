@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from formats.plan import SyncConfig
+from formats.sync_rules import ALLREDUCE, DILOCO
 from scheduler.quality import (
     FEATURES,
     LOSS_GRID_STEP,
@@ -78,7 +79,7 @@ def _observations(qm_ar: QualityModel, runs: list[dict[str, Any]]
     """x rows and y = log((S - W) / (S_ar - W)) for every DiLoCo run and reached target."""
     xs, ys = [], []
     for r in runs:
-        if r["mode"] != "diloco":
+        if r["mode"] != DILOCO.name:
             continue
         w, b = r["warmup"], r["batch"]
         for p in qm_ar.ar:
@@ -99,7 +100,7 @@ def span_of(vals: list[float]) -> tuple[float, float]:
 
 
 def _ranges(runs: list[dict[str, Any]], ar: tuple[ArPoint, ...]) -> dict[str, tuple]:
-    dl = [r for r in runs if r["mode"] == "diloco"]
+    dl = [r for r in runs if r["mode"] == DILOCO.name]
 
     def span(key, rows):
         vals = [float(r[key]) for r in rows]
@@ -120,7 +121,7 @@ def _ranges(runs: list[dict[str, Any]], ar: tuple[ArPoint, ...]) -> dict[str, tu
 def fit(data: dict[str, Any]) -> QualityModel:
     """The quality model of a sweep's curves (its `fit: true` runs)."""
     runs = _fitted(data["runs"])
-    ar_runs = [r for r in runs if r["mode"] == "allreduce"]
+    ar_runs = [r for r in runs if r["mode"] == ALLREDUCE.name]
     ar = fit_allreduce(ar_runs)
     prov = data.get("provenance", {})
     base = QualityModel(ar, (0.0,) * len(FEATURES), {}, prov.get("model", "gpt-tiny"), "")
@@ -141,9 +142,9 @@ def check_held_out(qm: QualityModel, data: dict[str, Any]) -> list[dict[str, Any
     losses all-reduce reaches in 150, 200 and 250 steps at the run's global batch."""
     rows = []
     for r in data["runs"]:
-        if r["mode"] != "diloco":
+        if r["mode"] != DILOCO.name:
             continue
-        sync = SyncConfig("diloco", r["inner_steps"], r["compression"], outer_lr=r["outer_lr"],
+        sync = SyncConfig(DILOCO.name, r["inner_steps"], r["compression"], outer_lr=r["outer_lr"],
                           outer_momentum=r.get("outer_momentum", 0.9),
                           overlap=r["overlap"], fragments=r["fragments"],
                           warmup_steps=r["warmup"])

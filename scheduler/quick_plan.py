@@ -54,10 +54,10 @@ def with_overrides(plan: Plan, sync: dict[str, Any], micro_batch_size: int | Non
     unknown = set(given) - set(OVERRIDE_FLAGS)
     assert not unknown, unknown
     new_sync = dataclasses.replace(plan.sync, **given)
-    if given.get("mode") == "allreduce" and "inner_steps" not in given:
+    if "mode" in given and not new_sync.rule.local_steps and "inner_steps" not in given:
         new_sync = dataclasses.replace(new_sync, inner_steps=1, fragments=1, overlap=False,
                                        warmup_steps=0)
-    if new_sync.mode == "allreduce" and given.get("inner_steps", 1) != 1:
+    if not new_sync.rule.local_steps and given.get("inner_steps", 1) != 1:
         raise UserError(f"--inner-steps {given['inner_steps']}: only with --sync diloco (the "
                         f"plan's sync is {new_sync.mode})")
     mbs = micro_batch_size or plan.micro_batch_size
@@ -88,7 +88,7 @@ def describe(plan: Plan) -> str:
     """One line about a plan built or changed by the runner."""
     s = plan.sync
     sync = (f"diloco H={s.inner_steps} outer lr {s.outer_lr} momentum {s.outer_momentum}"
-            if s.mode == "diloco" else "allreduce")
+            if s.rule.local_steps else s.mode)
     return (f"{plan.model}: {plan.num_stages} stage(s) {[list(x) for x in plan.stages]} x "
             f"{plan.num_replicas} replica(s), pipelines {plan.pipelines}, {sync}, compression "
             f"{s.compression}, {plan.num_micro_batches} micro-batch(es) of "

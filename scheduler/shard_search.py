@@ -29,6 +29,7 @@ from formats.cluster import Cluster
 from formats.errors import UserError
 from formats.models import ModelSpec, model_record
 from formats.plan import Plan, SyncConfig
+from formats.sync_rules import sync_rule
 from scheduler.layer_split import flops_table, split_layers
 from scheduler.memory import stage_memory
 from scheduler.planning import PlanRequest, default_micro_batches
@@ -125,7 +126,7 @@ def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
     digest = cluster.sha256()
     for degree in range(2, min(req.max_shard, model.shard_limit()) + 1):
         groups = shard_groups(cluster, degree)
-        tables = {mode: memory_table(model, req, degree, mode == "diloco")
+        tables = {mode: memory_table(model, req, degree, sync_rule(mode).local_steps)
                   for mode in {sync.mode for sync in syncs}} if groups else {}
         for s_count in range(1, min(len(groups), model.num_layers) + 1):
             r_count = len(groups) // s_count
@@ -133,7 +134,7 @@ def sharded_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
             for sync in syncs:
                 if out and time.perf_counter() > deadline:
                     return out
-                if sync.mode == "allreduce" or r_count > 1:
+                if not sync.rule.local_steps or r_count > 1:
                     out.append(_score(cluster, model, req, pipes, sync, tables[sync.mode],
                                       digest))
     return out + mixed_candidates(cluster, model, req, syncs, deadline, bool(out))
@@ -209,12 +210,13 @@ def mixed_candidates(cluster: Cluster, model: ModelSpec, req: PlanRequest,
         tables: dict[tuple[str, int], np.ndarray] = {}  # per (sync mode, D): stages share them
         for degrees, pipes in mixed_layouts(cluster, lanes, _most_stages(cluster, model, lanes)):
             for mode, d in {(sync.mode, d) for sync in syncs for d in degrees} - tables.keys():
-                tables[mode, d] = memory_table(model, req, d, mode == "diloco", lanes // d)
+                tables[mode, d] = memory_table(model, req, d, sync_rule(mode).local_steps,
+                                                lanes // d)
             need = {sync.mode: [tables[sync.mode, d] for d in degrees] for sync in syncs}
             for sync in syncs:
                 if (out or scored) and time.perf_counter() > deadline:
                     return out
-                if sync.mode == "allreduce" or len(pipes) > 1:
+                if not sync.rule.local_steps or len(pipes) > 1:
                     out.append(_score(cluster, model, req, pipes, sync, need[sync.mode], digest))
     return out
 

@@ -50,6 +50,7 @@ from formats.errors import UserError
 from formats.models import ModelSpec
 from formats.plan import COMPRESSIONS, MAX_INNER_STEPS, PIPELINE_COMPRESSIONS, Plan, SyncConfig
 from formats.settings import check, setting
+from formats.sync_rules import sync_rule
 from scheduler.cost_simulated import SimulatedObjective
 from scheduler.objective import CostBreakdown
 from scheduler.planning import (
@@ -123,7 +124,7 @@ class SyncChoice:
         """Quality risk, lexicographic: H (0 for allreduce), overlap (a stale outer step),
         pipeline compression, data-parallel payload, fragments."""
         s = self.sync
-        return (s.inner_steps if s.mode == "diloco" else 0, int(s.overlap),
+        return (s.inner_steps if s.rule.local_steps else 0, int(s.overlap),
                 PIPELINE_COMPRESSIONS.index(self.pipeline_compression),
                 COMPRESSIONS.index(s.compression), s.fragments)
 
@@ -219,13 +220,13 @@ def with_targets(scored: list[Scored], target: Target, qm: QualityModel = FITTED
     steps cost the all-reduce step of the same payloads on the same assignment, and are only
     tried where that step was scored)."""
     ar = {(s.anchor, s.choice.sync.compression, s.choice.pipeline_compression): s.cost.cost_s
-          for s in scored if s.choice.sync.mode == "allreduce"}
+          for s in scored if not s.choice.sync.rule.local_steps}
     out = []
     for s in scored:
         sync = s.choice.sync
         key = (s.anchor, sync.compression, s.choice.pipeline_compression)
         options = ([(w, o) for w in WARMUP_OPTIONS for o in OUTER_OPTIONS]
-                   if sync.mode == "diloco" else [(0, None)])
+                   if sync.rule.local_steps else [(0, None)])
         for w, outer in options:
             if w and key not in ar:
                 continue  # its warm-up's step was not scored (the deadline)
@@ -307,11 +308,11 @@ def score_choices(objectives: list[SimulatedObjective], pipelines: list[np.ndarr
         fastest[key] = score(group[-1])
     best = min(fastest.values())
     for key, group in groups.items():
-        if key not in fastest or (key[0] != "allreduce" and
+        if key not in fastest or (sync_rule(key[0]).local_steps and
                                   fastest[key] > best * (1.0 + tolerance)):
             continue
         for choice in group[:-1]:
-            if key[0] != "allreduce" and time.perf_counter() > deadline:
+            if sync_rule(key[0]).local_steps and time.perf_counter() > deadline:
                 return scored
             score(choice)
     return scored
@@ -364,7 +365,8 @@ def plan_sync_auto(cluster: Cluster, model: ModelSpec, req: PlanRequest, bounds:
     scored = with_targets(score_choices(objectives, pipelines, choices, polish_end, tolerance,
                                         batches), target, qm, model.name)
     chosen = choose(scored, tolerance)
-    allreduce = choose([s for s in scored if s.choice.sync.mode == "allreduce"], tolerance)
+    allreduce = choose([s for s in scored if not s.choice.sync.rule.local_steps],
+                       tolerance)
     if chosen is None or allreduce is None:
         raise UserError(f"no plan of {model.name} fits the devices of '{cluster.name}' under "
                         f"any sync configuration allowed")
@@ -398,7 +400,7 @@ def record_target(plan: Plan, found: Scored, target: Target, step_s: float) -> N
     it (`to_target`; `step_s`: the plan's polished step); with a warm-up, `train_steps` (the
     steps it was charged over) and the run's mean step."""
     steps = found.steps if found.steps is not None else target.ar_steps
-    w = plan.sync.warmup_steps if plan.sync.mode == "diloco" else 0
+    w = plan.sync.warmup_steps if plan.sync.rule.local_steps else 0
     if found.seconds is not None:  # the warm-up's part as scored, the rest at the polished step
         found = replace(found, seconds=found.seconds - (steps - w) * (found.cost.cost_s - step_s))
     seqs = steps * plan.num_replicas * batch_per_replica(plan)

@@ -161,7 +161,7 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self.store: AuthStore | None = None
-        self.elastic = cfg.plan.sync.mode == "diloco"
+        self.elastic = cfg.plan.sync.rule.local_steps
         """DiLoCo: drop lost replicas, admit joiners; allreduce: only host and watch."""
         self.lost: dict[int, str] = {}
         """rank -> description, for members found gone."""

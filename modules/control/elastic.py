@@ -121,7 +121,7 @@ class Membership:
                  ) -> None:
         self.store, self.plan, self.topo, self.cfg = store, plan, topo, cfg
         self.builder, self.stats, self.log = builder, stats, log
-        self.elastic = plan.sync.mode == "diloco"
+        self.elastic = plan.sync.rule.local_steps
         """DiLoCo: a lost replica is dropped and the rest go on; allreduce: a loss is fatal."""
         start = cfg.start_replicas if cfg.start_replicas is not None else range(plan.num_replicas)
         self.replicas: tuple[int, ...] = tuple(sorted(start))

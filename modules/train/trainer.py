@@ -139,7 +139,7 @@ class Trainer:
 
     def _make_outer_sync(self, background: CommStats | None) -> OuterSync | None:
         """DiLoCo around the inner AdamW, or None in allreduce mode."""
-        if self.plan.sync.mode != "diloco":
+        if not self.plan.sync.rule.local_steps:
             return None
         return OuterSync(self.resolved, self.topo.stage, self.model, self.inner, self.membership,
                          background, self._apply, self._count_dp_bytes, lambda: self.step,

@@ -32,7 +32,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         try:  # a plan that does not fit costs inf to the search; here it is the user's error
             check_plan_memory(cluster, model, list(plan.stages), plan.pipelines,
                               plan.micro_batch_size, plan.num_micro_batches,
-                              plan.sync.mode == "diloco", sim.memory())
+                              plan.sync.rule.local_steps, sim.memory())
         except UserError as e:
             raise UserError(f"{args.plan}: {e}") from None
         # Score the plan as written: its own layer split, not one the objective would choose.

@@ -7,7 +7,8 @@ import argparse
 
 from formats import argtypes
 from formats.errors import UserError
-from formats.plan import COMPRESSIONS, MAX_FRAGMENTS, MAX_INNER_STEPS, SYNC_MODES, SyncConfig
+from formats.plan import COMPRESSIONS, MAX_FRAGMENTS, MAX_INNER_STEPS, SyncConfig
+from formats.sync_rules import local_step_modes, sync_modes, sync_rule
 from scheduler.cli.fields import SYNC_FLAGS, add_field_flags, arg, field_dest
 from scheduler.planning import PlanRequest
 from scheduler.sync_search import SyncBounds
@@ -34,7 +35,7 @@ def add_sync_args(pl: argparse.ArgumentParser) -> None:
     sy = pl.add_argument_group(
         "sync (how replicas of a stage stay in step, and how activations cross pipeline links)",
         SYNC_HELP)
-    sy.add_argument("--sync", default="allreduce", choices=(*SYNC_MODES, "auto"),
+    sy.add_argument("--sync", default="allreduce", choices=(*sync_modes(), "auto"),
                     help="allreduce (default), diloco, or auto (see above)")
     sy.add_argument("--inner-steps", type=argtypes.integer(),  # SyncConfig checks
                     help="DiLoCo H (with --sync diloco; default 1)")
@@ -81,17 +82,18 @@ def sync_from_args(args: argparse.Namespace) -> tuple[SyncConfig, SyncBounds | N
         if value is not None:
             raise UserError(f"{flag} bounds what --sync auto may choose; with --sync "
                             f"{args.sync} give the setting itself")
-    if args.sync != "diloco" and (args.overlap or args.fragments is not None
-                                  or args.sync_warmup_steps is not None):
+    local = sync_rule(args.sync, "--sync").local_steps
+    if not local and (args.overlap or args.fragments is not None
+                      or args.sync_warmup_steps is not None):
         raise UserError(f"--overlap, --fragments and --sync-warmup-steps apply to --sync "
-                        f"diloco, not {args.sync}")
+                        f"{local_step_modes('')}, not {args.sync}")
     inner = 1 if args.inner_steps is None else args.inner_steps  # SyncConfig checks it
     fragments = 1 if args.fragments is None else args.fragments
     if args.fragments is not None and fragments > inner >= 1:
         raise UserError(f"--fragments {fragments}: needs at least as many --inner-steps "
                         f"(got {inner})")
-    if args.inner_steps is not None and args.sync == "allreduce" and inner != 1:
-        raise UserError(f"--inner-steps {inner}: only with --sync diloco")
+    if args.inner_steps is not None and not local and inner != 1:
+        raise UserError(f"--inner-steps {inner}: only with --sync {local_step_modes('')}")
     return SyncConfig(args.sync, inner, compression, overlap=args.overlap,
                       fragments=fragments, warmup_steps=args.sync_warmup_steps or 0), None
 

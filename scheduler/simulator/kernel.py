@@ -69,7 +69,7 @@ def tied_links(pipelines: np.ndarray, lat_s: np.ndarray, bits_per_s: np.ndarray,
 def outer_agreement_time(pipelines: np.ndarray, lat_s: np.ndarray, sync: SyncConfig,
                          config: SimConfig) -> float:
     """Seconds of a DiLoCo outer step's store round trips (0 with allreduce or one replica)."""
-    if sync.mode != "diloco" or pipelines.shape[0] < 2 or not config.outer_store_round_trips:
+    if not sync.rule.local_steps or pipelines.shape[0] < 2 or not config.outer_store_round_trips:
         return 0.0
     rtt = lat_s[pipelines.ravel(), 0] + lat_s[0, pipelines.ravel()]
     return config.outer_store_round_trips * float(rtt.max())
@@ -164,7 +164,7 @@ def plan_links(tables: LinkTables, model: ModelSpec, pipelines: np.ndarray, sync
                       tables.bits_per_s, model)
     fwd_tx, bwd_tx = msg_bits / tables.bits_per_s[src, dst], msg_bits / tables.bits_per_s[dst, src]
     ring_orders = np.array([r.order for r in per_stage])
-    background = sync.mode == "diloco" and sync.overlap
+    background = sync.rule.local_steps and sync.overlap
     return PlanLinks(
         pipe, tables.flops_per_s[pipe], fwd_tx, tables.lat_s[src, dst], bwd_tx,
         tables.lat_s[dst, src], ring_orders, np.array([r.lat_s for r in per_stage]),
@@ -308,7 +308,7 @@ def step_inputs(links: PlanLinks, stage_flops: np.ndarray, stage_payload_bytes: 
                                       num_micro_batches, config.shared_cores,
                                       config.background_load, config.core_contention)
     r_count, s_count = links.pipelines.shape
-    diloco = sync.mode == "diloco"
+    diloco = sync.rule.local_steps
     fragments = sync.fragments if diloco else 1
     ring_tx = ring_step_s(stage_payload_bytes[:, None] / fragments, r_count,
                           links.ring_sec_per_bit)
@@ -367,7 +367,7 @@ def outer_round_flops(stage_params: np.ndarray, config: SimConfig, sync: SyncCon
     stage's parameters, once per round of H steps) as forward FLOPs per micro-batch: spread
     over the round's forwards and backwards, as optimizer_flops (0 with allreduce or
     uncalibrated; the caller charges it only with more than one replica)."""
-    if sync.mode != "diloco":
+    if not sync.rule.local_steps:
         return np.zeros_like(stage_params)
     per_param = getattr(config, OUTER_CPU_FIELD[sync.compression])
     return (stage_params * per_param

@@ -10,7 +10,7 @@ def sync_label(sync: SyncConfig, pipeline_compression: str = "none") -> str:
     """`diloco H=64 overlap F=2 W=100, dp int8, pp bf16`: a sync configuration in one line (W:
     the warm-up's all-reduce steps)."""
     mode = sync.mode
-    if sync.mode == "diloco":
+    if sync.rule.local_steps:
         mode += f" H={sync.inner_steps}" + (" overlap" if sync.overlap else "") + \
             (f" F={sync.fragments}" if sync.fragments > 1 else "") + \
             (f" W={sync.warmup_steps}" if sync.warmup_steps else "") + _outer_label(sync)
@@ -39,7 +39,7 @@ def format_sim_table(result: SimResult) -> str:
     ]
     lines = [f"{name:<32}{value:>12.3f} s" for name, value in rows]
     lines.append(f"{'hidden data-parallel sync':<32}{result.dp_hidden_s:>12.3f} s  (per step)")
-    if sync.mode == "diloco":
+    if sync.rule.local_steps:
         lines.append(f"{'outer sync per round':<32}{result.dp_sync_round_s:>12.3f} s  "
                      f"({result.dp_comm_round_s:.3f} exposed, "
                      f"{result.dp_sync_round_s - result.dp_comm_round_s:.3f} hidden)")

@@ -133,7 +133,7 @@ def simulate(cluster: Cluster, model: ModelSpec, stages: list[tuple[int, int]],
     config = config or SimConfig()
     groups = shard_array(pipelines)
     degree = groups.shape[2]
-    diloco = sync.mode == "diloco"
+    diloco = sync.rule.local_steps
     check_plan_memory(cluster, model, stages, shard_groups(groups) if degree > 1
                       else groups[:, :, 0], micro_batch_size, num_micro_batches, diloco,
                       config.memory(), reshard_after_forward, outer_state)
