@@ -208,3 +208,56 @@ def test_outer_state_handed_to_a_fresh_optimizer_continues_identically(outer_ste
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="outer state: 3 values"):
         jopt.load_outer_state(type(state)(torch.zeros(3), None, 0))
+
+
+def test_the_default_outer_optimizer_is_the_nesterov_sgd_factory():
+    from modules.sync.diloco import nesterov_sgd
+
+    a, b = _model(), _model()
+    da = DiLoCoOptimizer(a.parameters(), torch.optim.AdamW(a.parameters(), lr=1e-2),
+                         outer_lr=0.7, outer_momentum=0.9, inner_steps=2, all_reduce_fn=_halve)
+    db = DiLoCoOptimizer(b.parameters(), torch.optim.AdamW(b.parameters(), lr=1e-2),
+                         inner_steps=2, all_reduce_fn=_halve,
+                         outer_optimizer=nesterov_sgd(0.7, 0.9))
+    assert _train(a, da, 6) == _train(b, db, 6)  # bit-identical
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_any_outer_optimizer_steps_the_anchor_with_the_averaged_pseudo_gradient():
+    """Adam as the outer optimizer: after one round the parameters are exactly what Adam gives
+    the starting weights with the averaged pseudo-gradient as their gradient; its outer state
+    carries the model and count (no SGD momentum), and a joiner built the same way loads it."""
+    def adam(anchors):
+        return torch.optim.Adam(anchors, lr=0.05)
+
+    sent = []
+
+    def average(t: torch.Tensor) -> None:
+        t.mul_(0.5)  # as _halve, keeping the average the outer step is given
+        sent.append(t.clone())
+
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = DiLoCoOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
+                          inner_steps=3, all_reduce_fn=average, outer_optimizer=adam)
+    assert all(isinstance(o, torch.optim.Adam) for o in opt.outers)
+    _train(model, opt, 3)
+    assert len(sent) == 1
+    ref, off = [], 0
+    for s in start:
+        ref.append(s.clone().requires_grad_(True))
+        ref[-1].grad = sent[0][off:off + s.numel()].view_as(s).clone()
+        off += s.numel()
+    torch.optim.Adam(ref, lr=0.05).step()
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-7)
+    state = opt.outer_state()
+    assert state.momentum is None and state.outer_count == 1
+    joiner_model = _model(seed=5)
+    joiner = DiLoCoOptimizer(joiner_model.parameters(),
+                             torch.optim.SGD(joiner_model.parameters(), lr=0.1), inner_steps=3,
+                             all_reduce_fn=_halve, outer_optimizer=adam)
+    joiner.load_outer_state(state)
+    for p, q in zip(joiner_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)

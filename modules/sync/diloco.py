@@ -2,7 +2,8 @@
 
     pseudo_grad = anchor - params              (what the inner steps moved)
     pseudo_grad = average over workers         (the only communication, every H steps)
-    anchor      = outer SGD(Nesterov) step of anchor with pseudo_grad as the gradient
+    anchor      = outer optimizer step of anchor with pseudo_grad as the gradient
+                  (Nesterov SGD unless `outer_optimizer` builds another)
     params      = anchor
 
 as in DiLoCo (Douillard et al. 2023) and OpenDiLoCo (Jaghouar et al. 2024). Usable on its own:
@@ -43,6 +44,18 @@ from modules.sync.overlap import OuterJob, OverlapSync
 
 AllReduceFn = Callable[[torch.Tensor], "int | None"]
 """Averages a flat fp32 tensor in place over the workers; may return the bytes it sent."""
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the outer optimizer of one fragment's anchors, whose `.grad` is the averaged
+pseudo-gradient at each outer step (as torchft's DiLoCo takes any outer optimizer)."""
+
+
+def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9,
+                 nesterov: bool = True) -> OuterOptimizerFactory:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0)."""
+    def build(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(anchors, lr=lr, momentum=momentum,
+                               nesterov=nesterov and momentum > 0)
+    return build
 
 
 class Reducer(Protocol):
@@ -130,10 +143,12 @@ class DiLoCoOptimizer:
                  all_reduce_fn: AllReduceFn | None = None, nesterov: bool = True,
                  fragments: int = 1, overlap: bool = False, overlap_alpha: float = 0.5,
                  reducer: Reducer | None = None,
-                 anchor_device: torch.device | str | None = None) -> None:
+                 anchor_device: torch.device | str | None = None,
+                 outer_optimizer: OuterOptimizerFactory | None = None) -> None:
         """`anchor_device`: where the anchors and outer momentum live (default: with each
         parameter; "cpu" keeps them in host memory, the pseudo-gradient is still taken and
-        averaged on the parameters' device)."""
+        averaged on the parameters' device). `outer_optimizer`: builds each fragment's outer
+        optimizer (default: `nesterov_sgd(outer_lr, outer_momentum, nesterov)`)."""
         self.params = [p for p in params if p.requires_grad]
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
@@ -156,9 +171,8 @@ class DiLoCoOptimizer:
         self.bounds = fragment_bounds([p.numel() for p in self.params], fragments)
         """Parameter index range [start, end) of each fragment."""
         self.slots = sync_slots(inner_steps, fragments)
-        self.outers = [torch.optim.SGD(self.anchor[a:b], lr=outer_lr, momentum=outer_momentum,
-                                       nesterov=nesterov and outer_momentum > 0)
-                       for a, b in self.bounds]
+        build = outer_optimizer or nesterov_sgd(outer_lr, outer_momentum, nesterov)
+        self.outers = [build(self.anchor[a:b]) for a, b in self.bounds]
         """One outer optimizer per fragment (its own momentum)."""
         self.overlap = overlap
         self.alpha = overlap_alpha if overlap else 0.0
@@ -271,9 +285,12 @@ class DiLoCoOptimizer:
 
     @torch.no_grad()
     def outer_state(self) -> OuterState:
-        """The outer model, momentum and count, flat (copies: safe to send while training)."""
+        """The outer model, momentum and count, flat (copies: safe to send while training).
+        The momentum is SGD's buffer: with another outer optimizer a joiner takes the outer
+        model and count, and its optimizer starts afresh (momentum None)."""
         anchor = torch.cat([a.reshape(-1) for a in self.anchor])
-        if not any(o.state for o in self.outers):
+        sgd = all(isinstance(o, torch.optim.SGD) for o in self.outers)
+        if not sgd or not any(o.state for o in self.outers):
             return OuterState(anchor, None, self.outer_count)
         momentum = torch.cat([self._momentum(a).reshape(-1) for a in self.anchor])
         return OuterState(anchor, momentum, self.outer_count)
@@ -297,9 +314,8 @@ class DiLoCoOptimizer:
             k = p.numel()
             a.copy_(state.anchor[off:off + k].view_as(a))
             p.copy_(a)
-            if state.momentum is not None:
-                outer = self.outers[next(f for f, (lo, hi) in enumerate(self.bounds)
-                                         if lo <= i < hi)]
+            outer = self.outers[next(f for f, (lo, hi) in enumerate(self.bounds) if lo <= i < hi)]
+            if state.momentum is not None and isinstance(outer, torch.optim.SGD):
                 outer.state[a]["momentum_buffer"] = state.momentum[off:off + k].view_as(a).clone()
             off += k
         self.outer_count = state.outer_count
