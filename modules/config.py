@@ -23,7 +23,7 @@ from formats.settings import MAX_COUNT, MAX_SECONDS, MAX_SEED, check, flag_of, s
 from formats.sync_rules import sync_modes
 from modules.debug_config import DebugConfig
 from modules.metrics_config import MetricsConfig
-from scheduler.quick_plan import with_overrides
+from scheduler.quick_plan import OVERRIDE_FLAGS, override_attr, with_overrides
 
 __all__ = ["MAX_COUNT", "MAX_SECONDS", "MAX_SEED", "DebugConfig", "MetricsConfig",
            "flag_of"]  # re-exported
@@ -372,9 +372,7 @@ class PlanOverrideConfig:
 
     def sync_fields(self) -> dict[str, object]:
         """The SyncConfig fields these override (None: keep the plan's)."""
-        return {"mode": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "compression": self.compression,
-                "warmup_steps": self.sync_warmup_steps}
+        return {name: getattr(self, override_attr(flag)) for name, flag in OVERRIDE_FLAGS.items()}
 
     def given(self) -> bool:
         """Whether any override is given (else the plan runs as it is)."""

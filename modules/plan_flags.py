@@ -19,7 +19,7 @@ from formats.hf_config import resolve_model
 from formats.models import ModelSpec
 from formats.plan import MAX_WORLD_SIZE, Plan
 from modules.config import LaunchConfig, RunConfig
-from scheduler.quick_plan import obvious_plan, total_batch_size
+from scheduler.quick_plan import OVERRIDE_FLAGS, obvious_plan, total_batch_size
 
 
 def _world_size(launch: LaunchConfig) -> int:
@@ -72,10 +72,7 @@ def check_model_flag(launch: LaunchConfig, plan: Plan) -> None:
 
 def agreed_plan_fields(plan: Plan) -> dict[str, Any]:
     """What every rank must have resolved alike ({flag: value}, for modules.control.agreement)."""
-    s = plan.sync
     return {"--model": plan.model_spec().fields(), "--stages": [list(x) for x in plan.stages],
-            "--sync": s.mode, "--inner-steps": s.inner_steps, "--outer-lr": s.outer_lr,
-            "--outer-momentum": s.outer_momentum, "--compression": s.compression,
-            "--sync-warmup-steps": s.warmup_steps,
+            **{flag: getattr(plan.sync, name) for name, flag in OVERRIDE_FLAGS.items()},
             "--micro-batch-size": plan.micro_batch_size,
             "--total-batch-size": total_batch_size(plan)}

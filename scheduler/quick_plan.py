@@ -21,7 +21,15 @@ from scheduler.layer_split import even_split
 OVERRIDE_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps", "outer_lr": "--outer-lr",
                   "outer_momentum": "--outer-momentum", "compression": "--compression",
                   "warmup_steps": "--sync-warmup-steps"}
-"""The plan's sync fields the runner may override, and their flags."""
+"""The plan's sync fields the runner may override, and their flags: the one declaration
+(modules.config.PlanOverrideConfig holds a field per flag, `sync_fields` and the ranks'
+agreement, modules.plan_flags.agreed_plan_fields, are derived from it)."""
+
+
+def override_attr(flag: str) -> str:
+    """The PlanOverrideConfig field of a runner flag (`--sync-warmup-steps` ->
+    `sync_warmup_steps`)."""
+    return flag[2:].replace("-", "_")
 DEFAULT_MICRO_BATCH_SIZE = 4
 DEFAULT_MICRO_BATCHES = 4
 """The obvious plan's batch: 4 micro-batches of 4 sequences per replica per step (what the

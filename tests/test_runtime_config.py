@@ -107,3 +107,29 @@ def test_bad_value_is_exit_2_without_traceback() -> None:
     r = run_entry("dist_runner.py", "--plan", "p.json", "--steps", "2", "--lr", "inf")
     assert r.returncode == 2
     assert "--lr" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_plan_overrides_are_declared_once() -> None:
+    """OVERRIDE_FLAGS names each sync override once: PlanOverrideConfig has a field per flag
+    (plus the batch's two), each key is a SyncConfig field, and the ranks' agreement and
+    sync_fields follow it."""
+    from formats.plan import SyncConfig
+    from modules.plan_flags import agreed_plan_fields
+    from scheduler.quick_plan import OVERRIDE_FLAGS, override_attr
+
+    fields = {f.name for f in dataclasses.fields(PlanOverrideConfig)}
+    assert fields == {override_attr(f) for f in OVERRIDE_FLAGS.values()} | {
+        "micro_batch_size", "total_batch_size"}
+    assert set(OVERRIDE_FLAGS) <= {f.name for f in dataclasses.fields(SyncConfig)}
+    over = PlanOverrideConfig(sync="diloco", inner_steps=8, sync_warmup_steps=5)
+    assert over.sync_fields() == {"mode": "diloco", "inner_steps": 8, "outer_lr": None,
+                                  "outer_momentum": None, "compression": None,
+                                  "warmup_steps": 5}
+    from formats.models import get_model
+    from scheduler.quick_plan import obvious_plan
+
+    plan = over.apply(obvious_plan(get_model("gpt-tiny"), 2, 1))
+    agreed = agreed_plan_fields(plan)
+    assert {f: agreed[f] for f in OVERRIDE_FLAGS.values()} == {
+        "--sync": "diloco", "--inner-steps": 8, "--outer-lr": 0.7, "--outer-momentum": 0.9,
+        "--compression": "none", "--sync-warmup-steps": 5}
