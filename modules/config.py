@@ -240,6 +240,11 @@ class DeviceConfig:
         """--pipeline-compression, else the plan's pipeline_compression."""
         return self.pipeline_compression or plan.pipeline_compression
 
+    def resolved_reshard(self, plan: Plan) -> bool:
+        """--reshard-after-forward on/off, else the plan's reshard_after_forward."""
+        return plan.reshard_after_forward if self.reshard_after_forward == "plan" \
+            else self.reshard_after_forward == "on"
+
 
 @dataclass(frozen=True)
 class OuterSyncConfig:
@@ -261,6 +266,10 @@ class OuterSyncConfig:
 
     def __post_init__(self) -> None:
         check(self, flag_of)
+
+    def resolved_outer_state(self, plan: Plan) -> str:
+        """--outer-state device/host, else the plan's outer_state."""
+        return plan.outer_state if self.outer_state == "plan" else self.outer_state
 
     def apply(self, plan: Plan) -> Plan:
         """The plan with these overrides in its sync config (checked like a plan's)."""
@@ -454,9 +463,10 @@ class RunConfig:
             raise UserError("--join and --replicas need sync mode diloco (allreduce has no "
                             "slack for a replica to come and go)")
         ran = self.outer.apply(plan)  # --fragments, --overlap: on top of the above
-        compression = self.device.resolved_pipeline_compression(ran)
-        if compression != ran.pipeline_compression:
-            ran = dataclasses.replace(ran, pipeline_compression=compression)
+        ran = dataclasses.replace(  # what the plan leaves to the flags' "plan" default
+            ran, pipeline_compression=self.device.resolved_pipeline_compression(ran),
+            reshard_after_forward=self.device.resolved_reshard(ran),
+            outer_state=self.outer.resolved_outer_state(ran))
         if el.join and (ran.sync.overlap or ran.sync.fragments > 1):
             raise UserError("--join: not supported with sync.overlap or sync.fragments > 1 yet "
                             "(a joiner would need the pending rounds); use --overlap off "
@@ -509,8 +519,9 @@ class ResolvedRun:
     dist_runner applies an override or re-parses a flag."""
 
     plan: Plan
-    """The plan as this rank runs it: --fragments, --overlap and --pipeline-compression
-    applied (the plan copy --run-dir keeps, what `explain` replays)."""
+    """The plan as this rank runs it: the overrides, --fragments, --overlap,
+    --pipeline-compression, --reshard-after-forward and --outer-state applied (the plan copy
+    --run-dir keeps, what `explain` replays)."""
     cfg: RunConfig
     """The settings as given (their lists parsed once, when made)."""
     start_replicas: tuple[int, ...] | None

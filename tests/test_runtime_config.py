@@ -133,3 +133,19 @@ def test_the_plan_overrides_are_declared_once() -> None:
     assert {f: agreed[f] for f in OVERRIDE_FLAGS.values()} == {
         "--sync": "diloco", "--inner-steps": 8, "--outer-lr": 0.7, "--outer-momentum": 0.9,
         "--compression": "none", "--sync-warmup-steps": 5}
+
+
+@pytest.mark.parametrize("reshard, outer, want", [
+    ("plan", "plan", (True, "device")), ("off", "host", (False, "host")),
+    ("on", "device", (True, "device"))])
+def test_resolve_applies_every_plan_valued_flag(reshard, outer, want) -> None:
+    """--reshard-after-forward and --outer-state ("plan": the plan's) are applied once, by
+    RunConfig.resolve, into the plan the rank runs: nothing below re-reads the flags."""
+    from formats.models import get_model
+    from scheduler.quick_plan import obvious_plan
+
+    plan = obvious_plan(get_model("gpt-tiny"), 2, 1)
+    cfg = RunConfig(device=DeviceConfig(reshard_after_forward=reshard),
+                    outer=OuterSyncConfig(outer_state=outer))
+    ran = cfg.resolve(plan).plan
+    assert (ran.reshard_after_forward, ran.outer_state) == want

@@ -73,8 +73,7 @@ class OuterSync:
         ordered = outer_param_order(params, model.tied_pair(), sync.fragments)
         if shard is not None:  # per-shard DiLoCo: on my local shards
             ordered = shard.local_params(ordered)
-        where = run.cfg.outer.outer_state
-        where = run.plan.outer_state if where == "plan" else where
+        where = run.plan.outer_state  # --outer-state applied by RunConfig.resolve
         # its anchor: the parameters as they are now, on the device (or in host memory)
         self.optimizer = DiLoCoOptimizer(
             ordered, inner,

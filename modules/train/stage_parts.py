@@ -75,9 +75,8 @@ def make_shard(run: ResolvedRun, topo: Topology, store: dist.Store, model: torch
     plan, cfg = run.plan, run.cfg
     if not plan.is_sharded:
         return None
-    flag = cfg.device.reshard_after_forward
-    shard = ShardRuntime(topo, store, model, device, cfg.timeout_s,
-                         plan.reshard_after_forward if flag == "plan" else flag == "on", stats)
+    shard = ShardRuntime(topo, store, model, device, cfg.timeout_s,  # flags applied by
+                         plan.reshard_after_forward, stats)  # RunConfig.resolve
     log(f"shard {topo.shard} of {topo.shard_degree} of stage {topo.stage} with devices "
         f"{list(topo.shard_group)} (FSDP2)")
     return shard
