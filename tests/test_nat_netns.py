@@ -4,6 +4,7 @@ firewall, hole punching, a WireGuard tunnel through the hole and gloo send/recv 
 from __future__ import annotations
 
 import ast
+import hashlib
 import itertools
 import json
 import os
@@ -80,9 +81,19 @@ def lab_and_server(
         lab.close()
 
 
+def _test_session() -> str:
+    """A session name of this test's own. The WireGuard interface, and its control socket in
+    /var/run/wireguard (shared by every namespace), are named by the session: a previous
+    test's wireguard-go still exiting on a loaded host must not hold this test's name."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "nat").split(" ")[0]
+    return "nat-" + hashlib.sha256(test.encode()).hexdigest()[:10]
+
+
 def start_peer(lab: Lab, procs: list, side: str, result: Path, *extra: str,
-               session: str = "nat1", token: str = "tok") -> subprocess.Popen:  # fmt: skip
-    """Start peer.py in client namespace `side` ('a' or 'b')."""
+               session: str | None = None, token: str = "tok") -> subprocess.Popen:  # fmt: skip
+    """Start peer.py in client namespace `side` ('a' or 'b'), in this test's session unless
+    one is given."""
+    session = session or _test_session()
     cmd = [*lab.exec_prefix(f"cli{side}"), PY, str(SCRIPTS / "peer.py"),
            "--server", f"{SERVER_IP}:{SERVER_PORT}", "--session", session, "--token", token,
            "--result-json", str(result), *extra]  # fmt: skip
@@ -339,7 +350,7 @@ def test_garbage_and_wrong_token_to_server_and_peer(tmp_path):
     # pinned token: in open mode the attacker's wrong-token registration could claim the session
     with lab_and_server(token="tok") as (lab, procs):
         pa = start_peer(lab, procs, "a", tmp_path / "a.json", "--no-wireguard",
-                        "--local-port", "40011")  # fmt: skip
+                        "--local-port", "40011", session="nat1")  # the attacker's session
         assert pa.stdout.readline().startswith("peer "), "peer a did not start"  # a is bound
         # while a waits for b: a host on the internet floods the server, and a LAN neighbour
         # of a sends garbage and wrong-token hellos to a's port
@@ -352,7 +363,7 @@ def test_garbage_and_wrong_token_to_server_and_peer(tmp_path):
         procs += [to_server, to_peer]
         assert int(finish(to_server)[1]) > 0 and int(finish(to_peer)[1]) > 0
         assert pa.poll() is None, finish(pa)
-        pb = start_peer(lab, procs, "b", tmp_path / "b.json", "--no-wireguard")
+        pb = start_peer(lab, procs, "b", tmp_path / "b.json", "--no-wireguard", session="nat1")
         code_a, _, err_a = finish(pa)
         code_b, _, err_b = finish(pb)
         assert code_a == 0 and code_b == 0, err_a + err_b
