@@ -77,7 +77,7 @@ GUARDS: dict[str, tuple[str, ...]] = {
     "coordinator": ("modules.control.coordinator.Coordinator.listen",),
     "delay_line": ("scripts.delay_line.serve", "scripts.delay_line.cleanup"),
     "rendezvous_server": ("udp_hole_punching_test.rendezvous_server.RendezvousServer.serve",),
-    "peer": ("udp_hole_punching_test.peer.Puncher.register",),
+    "peer": ("udp_hole_punching_test.puncher.Puncher.register",),
     "send_recv_test": ("udp_hole_punching_test.send_recv_test.run",),
 }
 """Per entry point: the functions that act once the input is checked; a case reaching one

@@ -20,7 +20,8 @@ import pytest
 
 from udp_hole_punching_test import protocol as P
 from udp_hole_punching_test import registry as R
-from udp_hole_punching_test.peer import PeerConfig, Puncher, mapping_behaviour
+from udp_hole_punching_test.punch_result import mapping_behaviour
+from udp_hole_punching_test.puncher import PeerConfig, Puncher
 from udp_hole_punching_test.rendezvous_server import RendezvousServer
 from udp_hole_punching_test.wireguard import interface_name, tunnel_addresses
 

@@ -20,7 +20,7 @@ import pytest
 
 from udp_hole_punching_test import protocol as P
 from udp_hole_punching_test import registry as R
-from udp_hole_punching_test.peer import PeerConfig, Puncher
+from udp_hole_punching_test.puncher import PeerConfig, Puncher
 from udp_hole_punching_test.rendezvous_server import RendezvousServer
 
 WG = "LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw="
