@@ -1,5 +1,6 @@
-"""Fuzz every entry point with malformed flags and files (testkit/fuzz.py,
-testkit/fuzz_runs.py and testkit/fuzz_files.py make the cases).
+"""Fuzz every entry point with malformed flags and files (testkit/fuzz_entry_points.py,
+testkit/fuzz_random.py, testkit/fuzz_runs.py and testkit/fuzz_files.py make the cases from the
+building blocks of testkit/fuzz.py).
 
 Each case must end with exit status 2, an `error:` message naming the flag or field at fault,
 no traceback, and nothing written in the folder it ran in. The cases run in this process
