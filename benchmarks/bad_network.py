@@ -18,13 +18,14 @@ text, the same seed), and the training seconds to reach allreduce's final valida
 (seconds_to_allreduce_loss; evaluated every --eval-every steps, evaluations left out of all
 timings). The loss ratio is at --steps steps; s/step and tokens/s are over the whole rounds of a
 row's first launch after the warm-up, on the run's clock: its slowest replica's, less the
-slowest replica's evaluations (lab.read_metrics, lab.run_clock). Allreduce trains first,
---steps steps, and every other row trains on in the same launch for allreduce's training
-seconds (steps from its predicted s/step, lab.budget_steps), or until an evaluation from step
---steps on reaches allreduce's final validation loss (dist_runner --stop-at-loss,
-lab.stop_flags), resumed from its checkpoint (bit-identical to one longer run) if that fell
-short and it has not reached that loss: equal wall time, the comparison "which plan gets me to
-this loss sooner" (lab.train_row, lab.train_on).
+slowest replica's evaluations (lab_metrics.read_metrics, lab_metrics.run_clock). Allreduce
+trains first, --steps steps, and every other row trains on in the same launch for allreduce's
+training seconds (steps from its predicted s/step, lab_training.budget_steps), or until an
+evaluation from step --steps on reaches allreduce's final validation loss (dist_runner
+--stop-at-loss, lab_training.stop_flags), resumed from its checkpoint (bit-identical to one
+longer run) if that fell short and it has not reached that loss: equal wall time, the
+comparison "which plan gets me to this loss sooner" (lab_training.train_row,
+lab_training.train_on).
 Writes OUT/results.json ({"rows": [...]} for the lab, first row allreduce; "harsh_rows"
 likewise) and prints the tables.
 """
@@ -46,7 +47,7 @@ from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
-from testkit import lab, lab_rows  # noqa: E402
+from testkit import lab, lab_calibration, lab_metrics, lab_rows  # noqa: E402
 from testkit.lab import Run, sh  # noqa: E402
 
 HARSH_GBPS = 0.02
@@ -139,7 +140,7 @@ def result_rows(runs: list[Run]) -> list[dict]:
                                          if base and r.final_val_loss else None),
              "val_loss": r.final_val_loss, "prediction_error": r.error,
              "emulation_cpu_s_per_step": r.emulation_cpu_s_per_step,
-             "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base),
+             "seconds_to_allreduce_loss": lab_metrics.seconds_to_loss(r, base),
              "trained_s": r.trained_s, "steps_trained": r.steps_trained} for r in runs]
 
 
@@ -171,7 +172,8 @@ def time_to_loss(row: dict, base: dict) -> str:
 
 def targets(rows_: list[dict], noisy: str = "") -> list[str]:
     """The issue's targets on the lab, each with its measured value and verdict (a prediction
-    that misses is NOISY, not MISS, when the machine's speed did not hold: lab.verdict)."""
+    that misses is NOISY, not MISS, when the machine's speed did not hold:
+    lab_calibration.verdict)."""
     b = rows_[0]
     ok = [r for r in rows_[1:] if r["loss_ratio_vs_allreduce"] is not None
           and r["loss_ratio_vs_allreduce"] <= 1.02]
@@ -195,7 +197,7 @@ def targets(rows_: list[dict], noisy: str = "") -> list[str]:
         out.append(f"{'PASS' if t is not None and t <= t0 / 3 else 'MISS'} --sync auto reaches "
                    f"allreduce's final validation loss {when} (target <= 1/3)")
     worst = max(rows_, key=lambda r: abs(r["prediction_error"]))
-    verdict = lab.verdict(worst["prediction_error"], noisy)
+    verdict = lab_calibration.verdict(worst["prediction_error"], noisy)
     out.append(f"{verdict} every prediction within 15% (worst "
                f"{worst['prediction_error'] * 100:+.1f}%, {worst['name']})")
     if auto is not None:
@@ -265,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         results["harsh_rows"] = run_variant("harsh", harsh(load_cluster(
             out / "calibrated.json")), args, out)
-    lab.check_after(cal, args.model, args.micro_batch_size)
+    lab_calibration.check_after(cal, args.model, args.micro_batch_size)
     results.update(cal.record())
-    print(f"\nmachine: {lab.describe_machine(cal.machine)}")
+    print(f"\nmachine: {lab_calibration.describe_machine(cal.machine)}")
     for line in targets(results["rows"], cal.noisy()):
         print(line)
     atomic_write_json(out / "results.json", results)

@@ -3,10 +3,10 @@
 
     .venv/bin/python benchmarks/core_sharing.py [--out-dir out/core_sharing] [--steps 16]
 
-Calibrates the lab (testkit/lab.py calibrate_lab: 8 processes, each a session of its own,
-all at once, 2 at once, one alone, 3 rounds), gives every link of the lab 0.05 ms and 10 Gbit/s
-(loopback, no namespaces: what is left to predict is compute), plans the three shapes with
-`--runtime cpu --calibration`, trains each with dist_runner.py, and prints per shape the
+Calibrates the lab (testkit/lab_calibration.py calibrate_lab: 8 processes, each a session of
+its own, all at once, 2 at once, one alone, 3 rounds), gives every link of the lab 0.05 ms and
+10 Gbit/s (loopback, no namespaces: what is left to predict is compute), plans the three
+shapes with `--runtime cpu --calibration`, trains each with dist_runner.py, and prints per shape the
 prediction of the core-sharing model, of the old one (one speed, all 8 at once, for every
 plan), the measured s/step, and each one's ratio to 1 x 8: the old model's error is in how
 shapes compare (a pipeline's ranks take turns and get more CPU each). Then it measures again
@@ -29,8 +29,9 @@ import numpy as np  # noqa: E402
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import Cluster, load_cluster, save_cluster  # noqa: E402
 from formats.errors import run_main  # noqa: E402
-from testkit import lab  # noqa: E402
-from testkit.lab import Network, Run, sh  # noqa: E402
+from testkit import lab, lab_calibration, lab_metrics, lab_training  # noqa: E402
+from testkit.lab import Run, sh  # noqa: E402
+from testkit.lab_network import Network  # noqa: E402
 
 SHAPES = ((1, 8), (2, 4), (4, 2))
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cal = lab.calibrate_lab("lab", 0, "gpt-tiny", 4, out / "calibrated.json", 4)
+    cal = lab_calibration.calibrate_lab("lab", 0, "gpt-tiny", 4, out / "calibrated.json", 4)
     calibrated = load_cluster(out / "calibrated.json")
     save_cluster(fast_links(calibrated), out / "cluster.json")
     save_cluster(fast_links(calibrated, cal.sharing.shared / 1e12), out / "old_cluster.json")
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                             "--background-load", "0", "--optimizer-flops-per-param", "0"))
     net = Network(out / "cluster.json", out, False)
     for run in runs:
-        lab.read_metrics(run, lab.train(run, net, args.steps, out), 4)
-    noisy = lab.check_after(cal, "gpt-tiny", 4)
-    print(f"\nmachine: {lab.describe_machine(cal.machine)}")
+        lab_metrics.read_metrics(run, lab_training.train(run, net, args.steps, out), 4)
+    noisy = lab_calibration.check_after(cal, "gpt-tiny", 4)
+    print(f"\nmachine: {lab_calibration.describe_machine(cal.machine)}")
     print("| shape | sharing model s/step | old model s/step | measured s/step | sharing / 1x8 "
           "| old / 1x8 | measured / 1x8 |\n" + "|---" * 7 + "|")
     for run, o in zip(runs, old):

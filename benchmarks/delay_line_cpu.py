@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from formats.errors import UserError, run_main  # noqa: E402
-from testkit.lab import netns_unavailable, process_cpu_s  # noqa: E402
+from testkit.lab_network import netns_unavailable, process_cpu_s  # noqa: E402
 
 A, B, ADDR_A, ADDR_B, PORT = "dlca", "dlcb", "198.18.9.1", "198.18.9.2", 5001
 RECV = ("import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,"

@@ -16,7 +16,8 @@
    reach the allreduce run's final validation loss: every run after it trains on for the
    allreduce run's training seconds, or until it reached that loss (--stop-at-loss from step
    --steps on; equal wall time; the other columns are of its first --steps steps;
-   lab.budget_steps, lab.train_on, lab.stop_flags); writes a plot and results.json;
+   lab_training.budget_steps, lab_training.train_on, lab_training.stop_flags); writes a plot
+   and results.json;
 6. tears the namespaces down, also after an error or Ctrl+C.
 """
 
@@ -38,7 +39,7 @@ from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import SyncConfig, load_plan, save_plan  # noqa: E402
 from scheduler.layer_split import even_split  # noqa: E402
-from testkit import lab, lab_rows  # noqa: E402
+from testkit import lab, lab_calibration, lab_metrics, lab_rows  # noqa: E402
 from testkit.lab import Run, log, sh  # noqa: E402
 
 
@@ -101,10 +102,10 @@ def table(runs: list[Run], shaped: bool) -> str:
 def time_to_loss_table(runs: list[Run]) -> str:
     """Each run's training seconds to the allreduce run's (ours) final validation loss."""
     target = runs[0].final_val_loss
-    base = lab.seconds_to_loss(runs[0], target)
+    base = lab_metrics.seconds_to_loss(runs[0], target)
     lines = ["| plan | final val loss | s to allreduce loss | vs allreduce |", "|---|---|---|---|"]
     for r in runs:
-        t = lab.seconds_to_loss(r, target)
+        t = lab_metrics.seconds_to_loss(r, target)
         lines.append(f"| {r.name} | {r.final_val_loss or float('nan'):.4f} | "
                      f"{f'not reached in {r.trained_s:.1f}' if t is None else f'{t:.1f}'} | "
                      f"{f'{t / base:.2f}x' if t is not None and base else '-'} |")
@@ -113,11 +114,11 @@ def time_to_loss_table(runs: list[Run]) -> str:
 
 def targets(runs: list[Run], shaped: bool, noisy: str = "") -> list[str]:
     """The issue's targets, each with its measured value and verdict (a prediction that misses
-    is NOISY, not MISS, when the machine's speed did not hold: `noisy`, lab.verdict)."""
+    is NOISY, not MISS, when the machine's speed did not hold: `noisy`, lab_calibration.verdict)."""
     ours, rnd, dil, auto = runs
     out = [f"NOISY machine too noisy to judge the predictions: {noisy}"] if noisy else []
     for r in runs:
-        verdict = lab.verdict(r.error, noisy)
+        verdict = lab_calibration.verdict(r.error, noisy)
         out.append(f"{verdict} prediction within 15% for {r.name}: {r.error * 100:+.1f}%")
     pred, meas = rnd.predicted_s / ours.predicted_s, rnd.measured_s / ours.measured_s
     ok = meas > 1.0 and (pred > 1.0) == (meas > 1.0)
@@ -196,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = make_plans(args, cluster_path, out)
     # --seed is the scenario's, the search's and the random plan's: the ranks keep their own
     why_not = lab_rows.train_rows(runs, args, cluster_path, out, seed_ranks=False).why_not_shaped
-    lab.check_after(cal, args.model, args.micro_batch_size)
+    lab_calibration.check_after(cal, args.model, args.micro_batch_size)
     print()
-    print(f"machine: {lab.describe_machine(cal.machine)}")
+    print(f"machine: {lab_calibration.describe_machine(cal.machine)}")
     print(time_to_loss_table(runs))  # the headline: who has the model first
     print(table(runs, not why_not))
     print()
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"shaped": not why_not, "why_not_shaped": why_not, **cal.record(),
                "runs": [{k: v for k, v in vars(r).items() if k != "plan_path"}
                         | {"plan": str(r.plan_path), "error": r.error,
-                           "seconds_to_allreduce_loss": lab.seconds_to_loss(
+                           "seconds_to_allreduce_loss": lab_metrics.seconds_to_loss(
                                r, runs[0].final_val_loss)} for r in runs]}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out / 'end_to_end.png'} and {out / 'results.json'} "

@@ -45,7 +45,8 @@ from scheduler.simulator.collectives import (  # noqa: E402
     ring_allreduce_time,
     ring_step_s,
 )
-from testkit.lab import PY, Network, log, netns_unavailable  # noqa: E402
+from testkit.lab import PY, log  # noqa: E402
+from testkit.lab_network import Network, netns_unavailable  # noqa: E402
 
 SIZES = (1_000, 32_768, 100_000, 429_568, 1_000_000, 4_000_000)
 """fp32 values per all-reduce (429,568: a gpt-tiny half, the demo's stage payload)."""

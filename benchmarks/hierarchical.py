@@ -21,12 +21,12 @@ largest parameter + gradient + AdamW (+ DiLoCo anchor and momentum) bytes a rank
 each row needed to reach allreduce's final validation loss (evaluated every --eval-every steps;
 every row after allreduce trains on past its equal-token steps for allreduce's training seconds,
 or until it reached that loss (--stop-at-loss from its equal-token steps on): equal wall time,
-testkit/lab.budget_steps, train_on and stop_flags; the other columns are of the equal-token
-steps). Writes
-OUT/results.json {"rows": [...]} (first row allreduce) and prints the table and the targets.
-Predictions use the lab's calibration (testkit/lab.py calibrate_lab: the cores the ranks share,
-the optimizer's and the outer round's CPU; docs/simulator.md), checked again after the runs:
-a miss is NOISY, not MISS, when the machine's speed moved by more than the 15% bar.
+testkit/lab_training.budget_steps, train_on and stop_flags; the other columns are of the
+equal-token steps). Writes OUT/results.json {"rows": [...]} (first row allreduce) and prints
+the table and the targets.
+Predictions use the lab's calibration (testkit/lab_calibration.py calibrate_lab: the cores the
+ranks share, the optimizer's and the outer round's CPU; docs/simulator.md), checked again after
+the runs: a miss is NOISY, not MISS, when the machine's speed moved by more than the 15% bar.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from formats.cluster import Cluster, load_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, load_plan, save_plan  # noqa: E402
-from testkit import lab, lab_rows  # noqa: E402
-from testkit.lab import Network, Run, sh  # noqa: E402
+from testkit import lab, lab_calibration, lab_metrics, lab_rows  # noqa: E402
+from testkit.lab import Run, sh  # noqa: E402
+from testkit.lab_network import Network  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -178,7 +179,7 @@ def result_rows(runs: list[Run], cross: dict[str, float]) -> list[dict]:
             "loss_ratio_vs_allreduce": (r.final_val_loss / base.final_val_loss
                                         if base.final_val_loss and r.final_val_loss else None),
             "max_state_mb_per_rank": max_state_mb(plan),
-            "seconds_to_allreduce_loss": lab.seconds_to_loss(r, base.final_val_loss),
+            "seconds_to_allreduce_loss": lab_metrics.seconds_to_loss(r, base.final_val_loss),
             "trained_s": r.trained_s, "steps_trained": r.steps_trained,
             "val_loss": r.final_val_loss, "prediction_error": r.error})
     return rows
@@ -204,11 +205,11 @@ def table(rows: list[dict], shaped: bool) -> str:
 
 def targets(rows: list[dict], noisy: str = "") -> list[str]:
     """The issue's targets, each with the measured value and PASS/MISS (a prediction that
-    misses is NOISY when the machine's speed did not hold: lab.verdict)."""
+    misses is NOISY when the machine's speed did not hold: lab_calibration.verdict)."""
     flat, hier = rows[1], rows[2]
     out = [f"NOISY machine too noisy to judge the predictions: {noisy}"] if noisy else []
     worst = max(rows, key=lambda r: abs(r["prediction_error"]))
-    out.append(f"{lab.verdict(worst['prediction_error'], noisy)} every "
+    out.append(f"{lab_calibration.verdict(worst['prediction_error'], noisy)} every "
                f"prediction within 15% (worst {worst['prediction_error'] * 100:+.1f}%, "
                f"{worst['name']})")
     unsharded = max(r["max_state_mb_per_rank"] for r in rows if r["shard_degree"] == 1)
@@ -272,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     cal = lab_rows.calibrate(args, "badlink", out / "cluster.json", fsdp=True)  # plan on it
     runs = make_plans(args, out / "cluster.json", out)
     why_not, cross = train_all(runs, args, out / "cluster.json", out)
-    lab.check_after(cal, args.model, args.micro_batch_size)
+    lab_calibration.check_after(cal, args.model, args.micro_batch_size)
     rows = result_rows(runs, cross)
-    print(f"\nmachine: {lab.describe_machine(cal.machine)}")
+    print(f"\nmachine: {lab_calibration.describe_machine(cal.machine)}")
     print("\n" + table(rows, not why_not) + ("" if not why_not else f"\n(NOT shaped: {why_not})"))
     print()
     for line in targets(rows, cal.noisy()):

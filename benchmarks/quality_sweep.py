@@ -41,7 +41,7 @@ if not __package__:
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
 from modules.train.metrics import read_metrics  # noqa: E402
-from testkit import lab  # noqa: E402
+from testkit import lab_calibration  # noqa: E402
 
 MODEL = "gpt-tiny"
 LAYERS = 4
@@ -158,7 +158,7 @@ def provenance() -> dict:
     """Where and how the curves were measured."""
     return {"command": "python benchmarks/quality_sweep.py", "model": MODEL,
             "recipe": " ".join(RECIPE), "seq_len": 64, "date": time.strftime("%Y-%m-%d"),
-            "machine": lab.describe_machine(lab.machine()),
+            "machine": lab_calibration.describe_machine(lab_calibration.machine()),
             "ar_steps": AR_STEPS, "diloco_max_steps": DILOCO_STEPS}
 
 

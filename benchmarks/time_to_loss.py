@@ -6,15 +6,15 @@ model sooner than the best all-reduce plan, and are its predictions of that time
 
 For each regime (REGIMES: `fast`, datacenter-like links; `lab`, the lab cluster of the demo;
 `wan`, the lab's links thinned until all-reduce's step is mostly communication):
-1. the lab's 8 CPU ranks with this machine's measured FLOP/s (measured once, testkit/lab.py),
-   links per regime;
+1. the lab's 8 CPU ranks with this machine's measured FLOP/s (measured once,
+   testkit/lab_calibration.py), links per regime;
 2. `scheduler.py plan --sync auto --train-steps N` (the target: the validation loss the best
    all-reduce plan reaches after N steps) and `--allreduce-out`: the best all-reduce plan the
    same search found, with its own predicted time to the target;
 3. network-namespace hosts with the regime's rates and delays (root; else loopback, said so);
 4. the all-reduce row trains N steps (evaluating every 10): the target is its validation loss
    at step N; then the planner's row trains until it reaches that loss (--stop-at-loss) or
-   has trained for the all-reduce row's time (lab.train_row);
+   has trained for the all-reduce row's time (lab_training.train_row);
 5. each row's measured seconds and tokens to the target (training time, evaluations left out)
    beside its predicted seconds (the plan's predicted.to_target).
 Both rows are measured end to end on the emulated links; nothing is extrapolated. Writes
@@ -42,8 +42,10 @@ from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import load_cluster, save_cluster  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
 from formats.plan import load_plan  # noqa: E402
-from testkit import lab  # noqa: E402
-from testkit.lab import Network, Run, log, predict, sh  # noqa: E402
+from formats.run_metrics import METRICS_NAME  # noqa: E402
+from testkit import lab, lab_calibration, lab_metrics, lab_network, lab_training  # noqa: E402
+from testkit.lab import Run, log, predict, sh  # noqa: E402
+from testkit.lab_network import Network  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def same_plan(a: Run, b: Run) -> bool:
 def row_record(run: Run, target: float | None, chosen: bool) -> dict:
     """One row of results.json."""
     plan = load_plan(run.plan_path)
-    t = lab.seconds_to_loss(run, target)
+    t = lab_metrics.seconds_to_loss(run, target)
     step = None if t is None else first_step_at(run, target)
     per_step = plan.num_replicas * plan.lanes_per_replica * plan.num_micro_batches \
         * plan.micro_batch_size * plan.model_spec().seq_len
@@ -131,8 +133,8 @@ def row_record(run: Run, target: float | None, chosen: bool) -> dict:
 def first_step_at(run: Run, target: float) -> int | None:
     """The step of replica 0's first evaluation at or below `target` (every launch's
     records: train_on appends to the same metrics file)."""
-    path = run.plan_path.parent / run.plan_path.stem / lab.METRICS_NAME
-    for r in lab.step_records_of(path):
+    path = run.plan_path.parent / run.plan_path.stem / METRICS_NAME
+    for r in lab_metrics.step_records_of(path):
         if r.get("val_loss") is not None and r["val_loss"] <= target:
             return int(r["step"])
     return None
@@ -158,12 +160,13 @@ def run_regime(args: argparse.Namespace, regime: Regime, base_cluster: Path, out
     net = Network(cluster_path, d, not args.no_netns, args.mtu)
     try:
         net.up()
-        lab.train_row(ar, net, d, extra, args.steps, args.warmup_steps, EVAL_EVERY)
+        lab_training.train_row(ar, net, d, extra, args.steps, args.warmup_steps, EVAL_EVERY)
         if same_plan(ar, auto):
             log("the planner chose the all-reduce plan itself: its row is that measurement")
             auto = replace(ar, name=f"{auto.name} = the allreduce row")
         else:
-            lab.train_row(auto, net, d, extra, EVAL_EVERY, args.warmup_steps, EVAL_EVERY, ar)
+            lab_training.train_row(auto, net, d, extra, EVAL_EVERY, args.warmup_steps,
+                                   EVAL_EVERY, ar)
     finally:
         net.down()
     target = ar.final_val_loss
@@ -234,7 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="scenario and search seed")
     p.add_argument("--max-inner-steps", type=int, default=32,
                    help="--sync auto: the largest H it may choose (default 32)")
-    lab.add_network_args(p)
+    lab_network.add_network_args(p)
     args = p.parse_args(argv)
     known = {r.name for r in REGIMES}
     args.regime_list = [r for r in REGIMES if r.name in args.regimes.split(",")]
@@ -255,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     base = out / "cluster-lab.json"
-    cal = lab.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size, base,
-                            args.micro_batches)
+    cal = lab_calibration.calibrate_lab("lab", args.seed, args.model, args.micro_batch_size,
+                                        base, args.micro_batches)
     args.calibration = cal.calibration_path
     results: dict = {**cal.record(), "regimes": []}
     for regime in args.regime_list:

@@ -1,5 +1,6 @@
-"""Malformed input of the third reliability pass (added to the cases of testkit/fuzz.py and
-testkit/fuzz_runs.py; tests/test_fuzz_cli.py runs them all).
+"""Malformed input of the third reliability pass (added to the cases of
+testkit/fuzz_entry_points.py, testkit/fuzz_random.py and testkit/fuzz_runs.py;
+tests/test_fuzz_cli.py runs them all).
 
 Classes of input, each generated over every file or flag it applies to:
 - special files where a file is read: a FIFO (opening it blocks forever) and a symlink to
@@ -326,7 +327,8 @@ def cases() -> list[Case]:
 
 
 def all_cases(seed: int) -> list[Case]:
-    """Every fuzz case: testkit/fuzz.py's and testkit/fuzz_runs.py's, and this module's."""
+    """Every fuzz case: fuzz_entry_points.py's, fuzz_random.py's, fuzz_runs.py's and this
+    module's."""
     return [*fuzz_runs.all_cases(seed), *cases()]
 
 

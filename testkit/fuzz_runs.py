@@ -1,5 +1,6 @@
 """Malformed input for the corpus, tokenizer, run-folder and sync entry points (added to the
-cases of testkit/fuzz.py; tests/test_fuzz_cli.py runs both).
+cases of testkit/fuzz_entry_points.py and testkit/fuzz_random.py; tests/test_fuzz_cli.py runs
+all).
 
 Covers `dist_runner.py`'s data, run-folder and tracker flags and the plan's sync fields
 (overlap, fragments, pipeline compression), `scheduler.py plan --sync auto` and its bounds,
@@ -25,14 +26,14 @@ from testkit.fuzz import (
     Folder,
     Raw,
     Scenario,
-    _short,
     cluster_dict,
-    fuzz_cases,
     mutated,
     plan_dict,
+    short_text,
     to_json,
     with_flag,
 )
+from testkit.fuzz_random import fuzz_cases
 
 CORPUS = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
                  for i in range(80)).encode()
@@ -207,7 +208,7 @@ def sync_plan_files() -> list[tuple[str, bytes, tuple[str, ...]]]:
     out = []
     for path, values, names in SYNC_FIELDS:
         for v in values:
-            shown = "deleted" if v is DELETE else _short(v)
+            shown = "deleted" if v is DELETE else short_text(v)
             out.append((f"{'.'.join(map(str, path))} = {shown}", to_json(mutated(base, path, v)),
                         names))
     for label, extra in ALLREDUCE_SYNC:
@@ -364,7 +365,7 @@ def explain_cases() -> list[Case]:
             out.append(s.file("run/plan.json", content, ("plan.json",), label))
     for key, values in RANK_RECORD_JUNK:
         for v in values:
-            shown = "deleted" if v is DELETE else _short(v)
+            shown = "deleted" if v is DELETE else short_text(v)
             out.append(s.file("run/ranks/rank1.jsonl", _jsonl_raw(_rank_records(1, 0, 1,
                               change={key: v})), ("--metrics",), f"rank 1 {key} = {shown}"))
     return out
@@ -471,6 +472,7 @@ def base_scenarios() -> list[Scenario]:
 
 
 def all_cases(seed: int) -> list[Case]:
-    """testkit/fuzz.py's cases (systematic and seeded random) and this module's."""
+    """testkit/fuzz_entry_points.py's and fuzz_random.py's cases (systematic and seeded random)
+    and this module's."""
     return [*fuzz_cases(seed), *(c for gen in GENERATORS for c in gen())]
 

@@ -11,8 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testkit import lab
-from testkit.lab import LabCalibration, Network, Run
+from testkit import lab, lab_calibration, lab_network, lab_training
+from testkit.lab import Run
+from testkit.lab_calibration import LabCalibration
+from testkit.lab_network import Network
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def add_row_args(p: argparse.ArgumentParser) -> None:
     (--no-netns, --mtu)."""
     for f in ROW_FLAGS:
         p.add_argument(f.flag, type=f.type, default=f.default, help=f.help)
-    lab.add_network_args(p)
+    lab_network.add_network_args(p)
 
 
 def flag_dest(flag: str) -> str:
@@ -57,10 +59,10 @@ def runner_flags(args: argparse.Namespace, seed_ranks: bool = True) -> list[str]
 
 def calibrate(args: argparse.Namespace, scenario: str, cluster_path: Path,
               fsdp: bool = False) -> LabCalibration:
-    """The lab's calibration for the benchmark's model and batch (lab.calibrate_lab), made the
-    calibration of every plan the benchmark makes (args.calibration, lab.plan_command)."""
-    cal = lab.calibrate_lab(scenario, args.seed, args.model, args.micro_batch_size,
-                            cluster_path, args.micro_batches, fsdp=fsdp)
+    """The lab's calibration for the benchmark's model and batch (lab_calibration.calibrate_lab),
+    made the calibration of every plan the benchmark makes (args.calibration, lab.plan_command)."""
+    cal = lab_calibration.calibrate_lab(scenario, args.seed, args.model, args.micro_batch_size,
+                                        cluster_path, args.micro_batches, fsdp=fsdp)
     args.calibration = cal.calibration_path
     return cal
 
@@ -95,8 +97,8 @@ def train_rows(rows: Sequence[Run | LabRow], args: argparse.Namespace, cluster_p
     train the rows in order and tear the network down, after an error too. The first row (the
     allreduce row) trains its steps alone; every row after it is launched for the first's
     training seconds and stops at its final validation loss, resumed if it fell short
-    (lab.train_row). Every row gets runner_flags(args, seed_ranks); a row's steps are its own
-    or args.steps; args.warmup_steps and args.eval_every set what is measured. `counters`:
+    (lab_training.train_row). Every row gets runner_flags(args, seed_ranks); a row's steps are
+    its own or args.steps; args.warmup_steps and args.eval_every set what is measured. `counters`:
     what each moved per step trained, row by row (RowsOutcome.per_step)."""
     rows = [r if isinstance(r, LabRow) else LabRow(r) for r in rows]
     for r in rows:
@@ -110,8 +112,10 @@ def train_rows(rows: Sequence[Run | LabRow], args: argparse.Namespace, cluster_p
         net.up()
         for r in rows:
             before = {name: read(net) for name, read in counters.items()}
-            lab.train_row(r.run, net, out, extra, args.steps if r.steps is None else r.steps,
-                          args.warmup_steps, args.eval_every, None if r.run is base else base)
+            lab_training.train_row(r.run, net, out, extra,
+                                   args.steps if r.steps is None else r.steps,
+                                   args.warmup_steps, args.eval_every,
+                                   None if r.run is base else base)
             for name, read in counters.items():  # the row may have stopped early: per step
                 per_step[name][r.run.name] = (read(net) - before[name]) / r.run.steps_trained
     finally:

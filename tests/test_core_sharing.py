@@ -1,6 +1,6 @@
 """The CPU lab's ranks share the host's cores: the simulator's processor-sharing fixed point
 (scheduler/simulator/sharing.py), its plumbing (SimConfig.shared_cores, calibration files, the
-flag) and the benchmarks' noisy-machine verdict (testkit/lab.py)."""
+flag) and the benchmarks' noisy-machine verdict (testkit/lab_calibration.py)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_contention_stretches_whoever_computes_beside_others():
 
 
 def test_the_noise_verdict_names_what_moved():
-    from testkit.lab import noise_verdict
+    from testkit.lab_calibration import noise_verdict
 
     steady = sharing([20.0, 20.5, 20.2], [5.0, 5.1, 5.05])
     assert noise_verdict(steady) == ""
@@ -201,7 +201,7 @@ def row(name: str, predicted: float, measured: float, tokens: float) -> dict:
 
 
 def test_a_prediction_within_the_bar_passes_however_noisy_and_a_miss_is_noisy_only_if_noisy():
-    from testkit.lab import verdict
+    from testkit.lab_calibration import verdict
 
     assert verdict(-0.149, "") == verdict(0.149, "moved 30%") == "PASS"
     assert verdict(-0.16, "") == "MISS" and verdict(0.16, "moved 30%") == "NOISY"
@@ -328,7 +328,7 @@ def test_the_lab_reads_its_delay_lines_cpu_seconds(monkeypatch, tmp_path):
     import types
 
     import scripts.netemu.netns as netns
-    from testkit.lab import Network
+    from testkit.lab_network import Network
 
     net = Network(tmp_path / "cluster.json", tmp_path, False)
     assert net.emulation_cpu_s() == 0.0  # not active: no delay lines

@@ -31,7 +31,7 @@ def test_demo_trains_four_plans_on_the_emulated_network_and_tears_it_down(tmp_pa
         assert run["measured_s"] > 0 and run["predicted_s"] > 0
         assert run["wire_bytes_per_step"] > 0  # tc counters of the namespace hosts moved
         # every run after allreduce trains on for allreduce's seconds unless it reached its
-        # loss in its 6 steps (lab.train_on): never fewer steps, one loss per step trained
+        # loss in its 6 steps (lab_training.train_on): never fewer steps, one loss per step trained
         assert len(run["losses"]) == run["steps_trained"] >= 6
         t = run["seconds_to_allreduce_loss"]
         assert t is None or t <= run["trained_s"] + 1e-9

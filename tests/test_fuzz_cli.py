@@ -1,5 +1,6 @@
-"""Fuzz every entry point with malformed flags and files (testkit/fuzz.py,
-testkit/fuzz_runs.py and testkit/fuzz_files.py make the cases).
+"""Fuzz every entry point with malformed flags and files (testkit/fuzz_entry_points.py,
+testkit/fuzz_random.py, testkit/fuzz_runs.py and testkit/fuzz_files.py make the cases from the
+building blocks of testkit/fuzz.py).
 
 Each case must end with exit status 2, an `error:` message naming the flag or field at fault,
 no traceback, and nothing written in the folder it ran in. The cases run in this process
@@ -77,7 +78,7 @@ GUARDS: dict[str, tuple[str, ...]] = {
     "coordinator": ("modules.control.coordinator.Coordinator.listen",),
     "delay_line": ("scripts.delay_line.serve", "scripts.delay_line.cleanup"),
     "rendezvous_server": ("udp_hole_punching_test.rendezvous_server.RendezvousServer.serve",),
-    "peer": ("udp_hole_punching_test.peer.Puncher.register",),
+    "peer": ("udp_hole_punching_test.puncher.Puncher.register",),
     "send_recv_test": ("udp_hole_punching_test.send_recv_test.run",),
 }
 """Per entry point: the functions that act once the input is checked; a case reaching one

@@ -1,6 +1,6 @@
 """The lab row runner (testkit/lab_rows.py): the lab benchmarks declare their rows to it, and a
 flag of every row is declared once (ROW_FLAGS). Nothing trains here: the runner's own sequence
-is checked with lab.train_row and lab.predict replaced, on loopback (--no-netns)."""
+is checked with lab_training.train_row and lab.predict replaced, on loopback (--no-netns)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bad_network, end_to_end, hierarchical
-from testkit import lab, lab_rows
+from testkit import lab, lab_network, lab_rows, lab_training
 from testkit.lab_rows import ROW_FLAGS, LabRow, RowFlag
 
 BENCHMARKS = (end_to_end, bad_network, hierarchical)
@@ -20,7 +20,7 @@ BENCHMARKS = (end_to_end, bad_network, hierarchical)
 def test_every_lab_benchmark_takes_the_row_flags_with_their_defaults(bench):
     args = bench.parse_args([])
     assert (args.eval_sequences, args.eval_every, args.no_netns, args.mtu) == (
-        32, 5, False, lab.LAB_MTU)
+        32, 5, False, lab_network.LAB_MTU)
     args = bench.parse_args(["--eval-every", "10", "--eval-sequences", "8", "--no-netns"])
     assert lab_rows.runner_flags(args, seed_ranks=False) == [
         "--eval-sequences", "8", "--eval-every", "10"]
@@ -36,7 +36,7 @@ def test_a_flag_added_to_row_flags_reaches_every_benchmark_and_every_rows_launch
 
 
 class Recorder:
-    """lab.predict and lab.train_row stand-ins: what the runner asked, in order."""
+    """lab.predict and lab_training.train_row stand-ins: what the runner asked, in order."""
 
     def __init__(self, fail_at: str = "") -> None:
         self.calls: list[tuple] = []
@@ -51,7 +51,7 @@ class Recorder:
             raise RuntimeError("rank died")
         self.calls.append(("train", run.name, list(extra), steps, warmup_steps, eval_every,
                            base and base.name))
-        run.steps_trained = steps + 2  # it trained on past its steps (lab.train_on)
+        run.steps_trained = steps + 2  # it trained on past its steps (lab_training.train_on)
         self.counter += 100.0 * run.steps_trained
 
 
@@ -64,7 +64,7 @@ def test_train_rows_predicts_all_then_trains_in_order_after_the_first_row(monkey
                                                                           tmp_path):
     rec = Recorder()
     monkeypatch.setattr(lab, "predict", rec.predict)
-    monkeypatch.setattr(lab, "train_row", rec.train_row)
+    monkeypatch.setattr(lab_training, "train_row", rec.train_row)
     runs = [lab.Run(n, tmp_path / f"{n}.json") for n in ("allreduce", "diloco", "wide")]
     done = lab_rows.train_rows([runs[0], runs[1], LabRow(runs[2], steps=4)], lab_args(),
                                tmp_path / "cluster.json", tmp_path,
@@ -82,9 +82,9 @@ def test_train_rows_predicts_all_then_trains_in_order_after_the_first_row(monkey
 def test_train_rows_takes_the_network_down_after_a_row_fails(monkeypatch, tmp_path):
     rec = Recorder(fail_at="diloco")
     monkeypatch.setattr(lab, "predict", rec.predict)
-    monkeypatch.setattr(lab, "train_row", rec.train_row)
+    monkeypatch.setattr(lab_training, "train_row", rec.train_row)
     downs = []
-    monkeypatch.setattr(lab.Network, "down", lambda self: downs.append(self.cluster_path))
+    monkeypatch.setattr(lab_network.Network, "down", lambda self: downs.append(self.cluster_path))
     runs = [lab.Run(n, tmp_path / f"{n}.json") for n in ("allreduce", "diloco", "wide")]
     with pytest.raises(RuntimeError, match="rank died"):
         lab_rows.train_rows(runs, lab_args(), tmp_path / "cluster.json", tmp_path,
@@ -117,7 +117,7 @@ def test_hierarchical_declares_equal_token_rows_and_counts_cross_site_bytes_per_
         runs.append(lab.Run(name, tmp_path / f"{name}.json"))
     rec = Recorder()
     monkeypatch.setattr(lab, "predict", rec.predict)
-    monkeypatch.setattr(lab, "train_row", rec.train_row)
+    monkeypatch.setattr(lab_training, "train_row", rec.train_row)
     monkeypatch.setattr(hierarchical, "cross_site_bytes", lambda net, kbit: rec.counter * 1e4)
     args = hierarchical.parse_args(["--no-netns", "--steps", "20", "--inner-steps", "5"])
     why_not, cross = hierarchical.train_all(runs, args, tmp_path / "cluster.json", tmp_path)

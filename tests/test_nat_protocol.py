@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from udp_hole_punching_test import protocol as P
-from udp_hole_punching_test.peer import PeerConfig, Puncher, mapping_behaviour
+from udp_hole_punching_test import registry as R
+from udp_hole_punching_test.punch_result import mapping_behaviour
+from udp_hole_punching_test.puncher import PeerConfig, Puncher
 from udp_hole_punching_test.rendezvous_server import RendezvousServer
 from udp_hole_punching_test.wireguard import interface_name, tunnel_addresses
 
@@ -158,7 +160,7 @@ class FakeClock:
 
 def test_rate_limiter_burst_refill_and_bounded_memory():
     clock = FakeClock()
-    rl = P.RateLimiter(rate_per_s=10, burst=5, max_sources=100, clock=clock)
+    rl = R.RateLimiter(rate_per_s=10, burst=5, max_sources=100, clock=clock)
     assert [rl.allow("1.1.1.1") for _ in range(7)] == [True] * 5 + [False] * 2
     assert rl.allow("2.2.2.2")  # other sources keep their own bucket
     clock.t += 0.2  # 2 tokens back
@@ -170,7 +172,7 @@ def test_rate_limiter_burst_refill_and_bounded_memory():
 
 def test_registry_open_mode_pins_first_key_and_rejects_wrong_token():
     clock = FakeClock(time.time())
-    r = P.Registry(clock=clock)
+    r = R.Registry(clock=clock)
     msg = reg(now=clock.t)
     r.register(msg, r.authenticate(msg), ("203.0.113.1", 4000))
     wrong = reg(keys=P.derive_keys("wrong", "s1"), pid="b" * 16, now=clock.t)
@@ -183,7 +185,7 @@ def test_registry_open_mode_pins_first_key_and_rejects_wrong_token():
 
 def test_registry_pinned_token_mode():
     clock = FakeClock(time.time())
-    r = P.Registry(pinned_token="tok", clock=clock)
+    r = R.Registry(pinned_token="tok", clock=clock)
     r.authenticate(reg(skey=False, now=clock.t))
     with pytest.raises(P.ProtocolError, match="bad MAC"):
         r.authenticate(reg(keys=P.derive_keys("nope", "s1"), now=clock.t))
@@ -199,7 +201,7 @@ def test_pinned_registry_stretches_the_token_once_not_per_session(monkeypatch):
 
     monkeypatch.setattr(P.hashlib, "pbkdf2_hmac", counting)
     clock = FakeClock(time.time())
-    r = P.Registry(pinned_token="tok", clock=clock)
+    r = R.Registry(pinned_token="tok", clock=clock)
     assert calls[0] == 1
     junk = [P.parse(P.encode(b"x" * 32, "reg", f"junk{i}", "b" * 16, now=clock.t,
                              priv=["10.0.0.1", 9], wg=WG, wgmac="0" * 64, probe=False))
@@ -215,7 +217,7 @@ def test_pinned_registry_stretches_the_token_once_not_per_session(monkeypatch):
 
 def test_registry_replay_skew_full_probe_and_expiry():
     clock = FakeClock(time.time())
-    r = P.Registry(ttl_s=60, max_skew_s=120, clock=clock)
+    r = R.Registry(ttl_s=60, max_skew_s=120, clock=clock)
     a = reg(pid="a" * 16, now=clock.t)
     r.register(a, r.authenticate(a), ("203.0.113.1", 4000))
     with pytest.raises(P.ProtocolError, match="replayed"):
@@ -233,7 +235,7 @@ def test_registry_replay_skew_full_probe_and_expiry():
     r.register(b, r.authenticate(b), ("198.51.100.7", 6000))
     assert r.other("s1", "a" * 16).pub == ("198.51.100.7", 6000)
     c = reg(pid="c" * 16, now=clock.t)
-    with pytest.raises(P.SessionFull):
+    with pytest.raises(R.SessionFull):
         r.register(c, r.authenticate(c), ("192.0.2.9", 1))
     clock.t += 30
     b2 = reg(pid="b" * 16, now=clock.t)
@@ -247,7 +249,7 @@ def test_registry_replay_skew_full_probe_and_expiry():
 
 def test_relay_binds_only_registered_peers_and_forwards_between_them():
     clock = FakeClock(time.time())
-    r = P.Registry(ttl_s=60, clock=clock)
+    r = R.Registry(ttl_s=60, clock=clock)
 
     def relay_msg(pid):
         return P.parse(P.encode(KEYS.server_key, "relay", "s1", pid, now=clock.t))
@@ -276,7 +278,7 @@ def test_relay_binds_only_registered_peers_and_forwards_between_them():
 
 def test_rate_limiter_by_cost():
     clock = FakeClock()
-    rl = P.RateLimiter(rate_per_s=1000, burst=1000, clock=clock)
+    rl = R.RateLimiter(rate_per_s=1000, burst=1000, clock=clock)
     assert rl.allow("x", cost=600) and not rl.allow("x", cost=600)
     clock.t += 0.2
     assert rl.allow("x", cost=600)

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from udp_hole_punching_test import protocol as P
-from udp_hole_punching_test.peer import PeerConfig, Puncher
+from udp_hole_punching_test import registry as R
+from udp_hole_punching_test.puncher import PeerConfig, Puncher
 from udp_hole_punching_test.rendezvous_server import RendezvousServer
 
 WG = "LMueet3LUb2IObBGg4oYl11JBGLPU7pHI1ufhbbN7Qw="
@@ -337,7 +338,7 @@ def _parsed(data: bytes) -> dict:
 
 def test_guard_refuses_replays_after_expiry_and_accepts_fresh_registrations():
     clock = FakeClock(time.time())
-    r = P.Registry(ttl_s=60, max_skew_s=120, clock=clock)
+    r = R.Registry(ttl_s=60, max_skew_s=120, clock=clock)
     a = _parsed(_reg("a" * 16, now=clock.t))
     r.register(a, r.authenticate(a), ("203.0.113.1", 4000))
     clock.t += 61
@@ -354,7 +355,7 @@ def test_guard_refuses_replays_after_expiry_and_accepts_fresh_registrations():
 
 def test_open_mode_session_key_outlives_the_session_by_the_replay_window():
     clock = FakeClock(time.time())
-    r = P.Registry(ttl_s=60, max_skew_s=120, clock=clock)
+    r = R.Registry(ttl_s=60, max_skew_s=120, clock=clock)
     a = _parsed(_reg("a" * 16, now=clock.t))
     r.register(a, r.authenticate(a), ("203.0.113.1", 4000))
     clock.t += 100
@@ -371,13 +372,13 @@ def test_open_mode_session_key_outlives_the_session_by_the_replay_window():
 
 def test_guard_channels_are_bounded_and_sessions_budgeted_separately():
     clock = FakeClock(time.time())
-    r = P.Registry(pinned_token=TOKEN, clock=clock, session_rate_per_s=1, session_burst=2)
+    r = R.Registry(pinned_token=TOKEN, clock=clock, session_rate_per_s=1, session_burst=2)
     first = _parsed(_reg("0" * 16, skey=False, now=clock.t))
     r.authenticate(first)
-    for i in range(1, P.MAX_REPLAY_CHANNELS + 1):  # one id too many: the oldest is evicted
+    for i in range(1, R.MAX_REPLAY_CHANNELS + 1):  # one id too many: the oldest is evicted
         r.authenticate(_parsed(_reg(f"{i:016x}", skey=False, now=clock.t + i * 0.001)))
     guard = r.guards[SESSION]
-    assert len(guard.newest_ts) == P.MAX_REPLAY_CHANNELS and guard.floor_ts == first["ts"]
+    assert len(guard.newest_ts) == R.MAX_REPLAY_CHANNELS and guard.floor_ts == first["ts"]
     with pytest.raises(P.ProtocolError, match="replayed"):
         r.authenticate(first)  # its channel is gone, the floor still refuses it
     assert [r.within_rate(SESSION) for _ in range(3)] == [True, True, False]
@@ -389,7 +390,7 @@ def test_guard_channels_are_bounded_and_sessions_budgeted_separately():
 
 def test_guards_are_capped_like_sessions():
     clock = FakeClock(time.time())
-    r = P.Registry(clock=clock, max_sessions=3)
+    r = R.Registry(clock=clock, max_sessions=3)
     for i in range(3):
         r.authenticate(_parsed(_reg("a" * 16, now=clock.t, session=f"s{i}")))
     with pytest.raises(P.ProtocolError, match="too many sessions"):

@@ -40,14 +40,12 @@ if __package__ in (None, ""):
 from formats import argtypes  # noqa: E402
 from formats.addresses import host_port, resolve  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402
-from udp_hole_punching_test.protocol import (  # noqa: E402
-    ProtocolError,
+from udp_hole_punching_test.protocol import ProtocolError, encode, parse  # noqa: E402
+from udp_hole_punching_test.registry import (  # noqa: E402
     RateLimiter,
     Registration,
     Registry,
     SessionFull,
-    encode,
-    parse,
 )
 
 log = logging.getLogger("rendezvous")
