@@ -60,6 +60,38 @@ def first(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:200]
 
 
+DHT_CALL_S = 30.0
+"""Longest one DHT get or store may take: a lookup under load took seconds, never this long.
+The answer comes from this replica's DHT process; one that died never answers, and the call
+waited forever (the replica hung with its DHT process killed)."""
+
+
+class DhtGone(PeerError):
+    """This replica's DHT process (and its p2pd) ended: its outer sync cannot go on."""
+
+
+def dht_call(dht: Any, method: str, *args: Any, timeout_s: float = DHT_CALL_S,
+             **kwargs: Any) -> Any:
+    """`dht.<method>(*args, **kwargs)` (get, store) within `timeout_s`: DhtGone at once when
+    the DHT process has ended, PeerError when it is alive but does not answer in time."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    future = getattr(dht, method)(*args, return_future=True, **kwargs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except FutureTimeout:
+            if not dht.is_alive():
+                raise DhtGone(f"this replica's DHT process (pid {dht.pid}) ended (exit code "
+                              f"{dht.exitcode}) while its outer sync needed it; nothing of "
+                              "the hivemind backend works without it") from None
+            if time.monotonic() >= deadline:
+                raise PeerError(f"DHT {method}: no answer from this replica's DHT process "
+                                f"(pid {dht.pid}) within {timeout_s:g} s: it is alive but "
+                                "stuck (stopped, or starved of CPU)") from None
+
+
 def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs: list[str],
               client_mode: bool, timeout_s: float, flag: str = "--initial-peers",
               identity_path: str | None = None) -> Any:
@@ -259,9 +291,9 @@ class Roster:
     def _announce(self) -> None:
         from hivemind.utils import get_dht_time
 
-        self.dht.store(self.key, subkey=self.replica,
-                       value=[str(self.dht.peer_id), self.maddrs, self.identity],
-                       expiration_time=get_dht_time() + self.ttl_s)
+        dht_call(self.dht, "store", self.key, subkey=self.replica,
+                 value=[str(self.dht.peer_id), self.maddrs, self.identity],
+                 expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
         """Announce, and read the roster (so a round can start from the last read: `live`),
@@ -270,7 +302,7 @@ class Roster:
             try:
                 self._announce()
                 self.live()
-            except RunMismatch:  # the rounds raise it (`live`), once
+            except (RunMismatch, DhtGone):  # the rounds raise it (`live`), once
                 return
             except Exception as e:  # noqa: BLE001 - a transient DHT error; retried next beat
                 self.log(f"warning: DHT roster refresh failed ({first(e)})")
@@ -298,7 +330,7 @@ class Roster:
 
     def _read(self) -> None:
         """Merge the DHT's roster into `seen`, connecting to replicas new to my p2pd."""
-        found = self.dht.get(self.key, latest=True)
+        found = dht_call(self.dht, "get", self.key, latest=True)
         if found is not None and isinstance(found.value, dict):
             entries = self._valid(found.value)
             self._link([v for v, _ in entries.values()])

@@ -83,6 +83,9 @@ __all__ = ["AttemptCancelled", "BackendClosed", "BackgroundRounds", "HivemindOut
 KEEP_RESULTS = 2
 """Overlap: the last averaged results a replica shares (a peer that failed round k fetches
 it while this replica may already have completed round k + 1)."""
+AVERAGER_CALL_S = 30.0
+"""Longest a setting sent to the averager's process may take to apply (it takes milliseconds;
+an averager whose p2pd died never answers)."""
 
 
 @dataclass(frozen=True)
@@ -340,12 +343,23 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
 
     def _in_averager(self, method: str, **kwargs: Any) -> None:
         """Run the averager's `method` in its process (through its control pipe, as hivemind
-        runs its own) and wait for it to finish (at most 30 s)."""
+        runs its own) and wait for it to finish (at most AVERAGER_CALL_S); PeerError naming the
+        averager's process when it does not answer (it died, or its p2pd did: seen)."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
         self.averager._outer_pipe.send((method, [], {**kwargs, "future": future}))
-        future.result(timeout=30)
+        try:
+            future.result(timeout=AVERAGER_CALL_S)
+        except FutureTimeout:
+            proc = self.averager
+            how = (f"ended (exit code {proc.exitcode})" if not proc.is_alive() else
+                   "is alive but stuck (its p2pd or the DHT process may have died)")
+            raise PeerError(f"this replica's hivemind averager process (pid {proc.pid}) did not "
+                            f"answer {method.strip('_')} within {AVERAGER_CALL_S:g} s: it "
+                            f"{how}; its outer sync cannot go on") from None
 
     def _report(self, index: int, took: float, group: list[int]) -> None:
         """Log a round that overran its deadlines (with the measured time), or a small group."""
@@ -408,6 +422,10 @@ def quiet_hivemind() -> None:
 
         get_logger("hivemind")  # its handler and level are set up once, here, not later
         logging.getLogger("hivemind").setLevel(logging.CRITICAL)
+        # hivemind's own asyncio tasks end with exceptions nobody retrieves when a peer dies
+        # mid-round ("Task exception was never retrieved", a traceback each, seen 4 times on
+        # the survivor of a killed replica); the DHT and averager processes inherit this
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def settings_of(run: ResolvedRun) -> HivemindSettings:

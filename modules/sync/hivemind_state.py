@@ -10,6 +10,7 @@ import time
 import torch
 
 from modules.comm import PeerError
+from modules.control.dht import dht_call
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.hivemind_checks import MAX_COUNT
 
@@ -119,7 +120,7 @@ class SharedStateMixin:
         """Peer id -> the rounds that peer of my stage declared done, me excluded;
         `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
         not in --client-mode)."""
-        found = self.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        found = dht_call(self.dht, "get", f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
             return {}
