@@ -173,24 +173,29 @@ def test_a_left_out_contribution_is_named_in_the_log_with_a_count():
                      "time(s) so far)" for k, n in ((5, 1), (6, 2))], lines
 
 
-def test_a_repeat_offender_is_excluded_once_and_the_averager_told(monkeypatch):
+def test_a_repeat_offender_is_excluded_once_and_the_averager_told():
     """EXCLUDE_AFTER rounds with a left-out contribution: one line names the peer and replica
     as excluded, and its peer id goes to the averager's process once; later rounds' parts left
     out as excluded say nothing more. My own peer id is never excluded (the median can leave
     an honest reducer's own part out)."""
     from modules.sync.hivemind_outer import HivemindOuter
 
+    told = []
+
+    class Averager:
+        class _outer_pipe:  # noqa: N801 - the averager's control pipe
+            send = told.append
+
     hv = HivemindOuter.__new__(HivemindOuter)
-    hv.what, hv.averager, lines, told = "stage 0", object(), [], []
+    hv.what, hv.averager, lines = "stage 0", Averager(), []
     hv.log = lines.append
     hv.offenders = Offenders(hv.what, hv.log, me=PEER_A)
-    monkeypatch.setattr(hv, "_in_averager", lambda method, **kw: told.append((method, kw)))
     bad = {b"a": {"replica": 0, "rejected": "norm 9e3, over 8x", "peer": PEER_A},
            b"b": {"replica": 2, "rejected": "norm 2e3, over 8x", "peer": PEER_B}}
     for k in range(EXCLUDE_AFTER):
         assert told == []
         hv._note_rejected(k, bad)
-    assert told == [("_exclude_peers", {"peers": [PEER_B]})]
+    assert told == [("_exclude_peers", [[PEER_B]], {})]
     excluding = [x for x in lines if "excluding" in x]
     assert excluding == [f"outer round {EXCLUDE_AFTER} of stage 0: excluding peer {PEER_B} "
                          f"(replica 2) from the average: {EXCLUDE_AFTER} contributions left "

@@ -85,7 +85,9 @@ class ExclusionMixin:
     _excluded: frozenset[str] = frozenset()
     """(averager process) Peers (base58) whose parts my reducers leave out (`screened`)."""
 
-    async def _exclude_peers(self, peers: list[str], future: Any) -> None:
-        """(averager process) Leave `peers`' parts out of every later round here."""
+    async def _exclude_peers(self, peers: list[str], future: Any = None) -> None:
+        """(averager process) Leave `peers`' parts out of every later round here (`future`,
+        if given, is told when done)."""
         self._excluded = self._excluded | set(peers)
-        future.set_result(None)
+        if future is not None:
+            future.set_result(None)

@@ -321,10 +321,12 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         """Name each replica whose contribution to round `index` my averager left out
         (ExactAverager marks it in the gathered data: wrong size, non-finite, norm bound), and
         tell the averager's process of the peers excluded now (hivemind_offenders): its
-        reducers leave their parts out from the next round on."""
+        reducers leave their parts out from the next round on. Not waited for (as `_reach`):
+        the pipe's commands start in order, so the next round's sees it, and the round that
+        just completed must not fail here on a slow averager process."""
         excluded = self.offenders.note(index, gathered)
         if excluded and self.averager is not None:
-            self._in_averager("_exclude_peers", peers=excluded)
+            self.averager._outer_pipe.send(("_exclude_peers", [excluded], {}))
 
     def _reach(self, index: int) -> None:
         """Tell the averager this rank is at round `index` or past it: roster groups' parts
