@@ -25,6 +25,7 @@ from modules.control.signals import TERM_STATUS  # noqa: E402
 from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
 from modules.sync.diloco import DiLoCoOptimizer, OuterRoundSkipped, OuterState  # noqa: E402
 from modules.sync.hivemind_exact import CodecWire, ExactAverager, reducer_of  # noqa: E402
+from modules.sync.hivemind_offenders import Offenders  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import (  # noqa: E402
     HivemindRun,
@@ -795,6 +796,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.results, hv.lock, hv.lines = {}, threading.Lock(), []
     hv.closing, hv.whole, hv.catching_up = threading.Event(), True, False
     hv.log = hv.lines.append
+    hv.offenders = Offenders(hv.what, hv.log)
     hv.dht = _FakeDHT()
     hv.averager = _FakeAverager(hv.dht)
     hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(

@@ -24,7 +24,13 @@ from modules.sync.hivemind_checks import (  # noqa: E402
     run_fingerprint,
     state_fault,
 )
-from modules.sync.hivemind_exact import CodecWire, ExactAverager  # noqa: E402
+from modules.sync.hivemind_exact import (  # noqa: E402
+    CodecWire,
+    ExactAverager,
+    OrderedReducer,
+    owner_views,
+)
+from modules.sync.hivemind_offenders import EXCLUDE_AFTER, EXCLUDED, Offenders  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import HivemindRun  # noqa: E402
 
@@ -155,8 +161,9 @@ def test_a_left_out_contribution_is_named_in_the_log_with_a_count():
     from modules.sync.hivemind_outer import HivemindOuter
 
     hv = HivemindOuter.__new__(HivemindOuter)
-    hv.what, hv.offences, lines = "stage 0", {}, []
+    hv.what, hv.averager, lines = "stage 0", None, []
     hv.log = lines.append
+    hv.offenders = Offenders(hv.what, hv.log)
     gathered = {b"a": {"replica": 0}, b"b": {"replica": 2, "rejected": "norm 2e3, over 8x",
                                              "peer": PEER_B}}
     hv._note_rejected(4, gathered)
@@ -166,12 +173,95 @@ def test_a_left_out_contribution_is_named_in_the_log_with_a_count():
                      "time(s) so far)" for k, n in ((5, 1), (6, 2))], lines
 
 
+def test_a_repeat_offender_is_excluded_once_and_the_averager_told():
+    """EXCLUDE_AFTER rounds with a left-out contribution: one line names the peer and replica
+    as excluded, and its peer id goes to the averager's process once; later rounds' parts left
+    out as excluded say nothing more. My own peer id is never excluded (the median can leave
+    an honest reducer's own part out)."""
+    from modules.sync.hivemind_outer import HivemindOuter
+
+    told = []
+
+    class Averager:
+        class _outer_pipe:  # noqa: N801 - the averager's control pipe
+            send = told.append
+
+    hv = HivemindOuter.__new__(HivemindOuter)
+    hv.what, hv.averager, lines = "stage 0", Averager(), []
+    hv.log = lines.append
+    hv.offenders = Offenders(hv.what, hv.log, me=PEER_A)
+    bad = {b"a": {"replica": 0, "rejected": "norm 9e3, over 8x", "peer": PEER_A},
+           b"b": {"replica": 2, "rejected": "norm 2e3, over 8x", "peer": PEER_B}}
+    for k in range(EXCLUDE_AFTER):
+        assert told == []
+        hv._note_rejected(k, bad)
+    assert told == [("_exclude_peers", [[PEER_B]], {})]
+    excluding = [x for x in lines if "excluding" in x]
+    assert excluding == [f"outer round {EXCLUDE_AFTER} of stage 0: excluding peer {PEER_B} "
+                         f"(replica 2) from the average: {EXCLUDE_AFTER} contributions left "
+                         "out here; its parts are left out of every later round here, "
+                         "whatever they hold (it still receives the average)"], lines
+    count = len(lines)
+    hv._note_rejected(EXCLUDE_AFTER, {b"b": {"replica": 2, "rejected": EXCLUDED,
+                                             "peer": PEER_B}})
+    assert len(lines) == count and len(told) == 1  # said once
+    assert hv.offenders.excluded == {PEER_B}
+
+
+async def _reduce(parts: dict, me: int, excluded: set[int]):
+    """One chunk of len(parts) senders through OrderedReducer: (the mean, rejected)."""
+    import asyncio
+
+    numel = next(iter(parts.values())).numel()
+    reducer = OrderedReducer([torch.Size([numel])], len(parts), [me], CodecWire("none"),
+                             me=me, excluded=excluded)
+    means = await asyncio.gather(*(reducer.accumulate_part(i, 0, t) for i, t in parts.items()))
+    assert all(torch.equal(means[0], m) for m in means[1:])
+    return means[0], reducer.rejected
+
+
+def test_an_excluded_senders_part_is_left_out_even_when_it_passes_the_checks():
+    """Sender 2's part, 3x an honest one, passes the norm bound and counts; once sender 2 is
+    excluded it is left out with the reason EXCLUDED and the mean is the honest pair's. With
+    every other sender excluded, the chunk's mean is my own part (the round still completes);
+    my own index in `excluded` changes nothing."""
+    import asyncio
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(512, generator=g), torch.randn(512, generator=g)
+    parts = {0: a, 1: b, 2: 3 * a}
+    mean, rejected = asyncio.run(_reduce(parts, 0, set()))
+    assert rejected == {} and torch.allclose(mean, (a + b + 3 * a) / 3)
+    mean, rejected = asyncio.run(_reduce(parts, 0, {2}))
+    assert rejected == {2: EXCLUDED} and torch.allclose(mean, (a + b) / 2)
+    mean, rejected = asyncio.run(_reduce(parts, 1, {0, 1, 2}))
+    assert rejected == {0: EXCLUDED, 2: EXCLUDED} and torch.equal(mean, b)
+
+
+def _averagers(dhts, prefix, compression, numel):
+    """One ExactAverager per DHT (peer i is replica i), aiming at a group of them all."""
+    return [ExactAverager([torch.zeros(numel)], d, wire=CodecWire(compression), start=True,
+                          prefix=prefix, target_group_size=len(dhts), min_matchmaking_time=5.0,
+                          request_timeout=2.0, sender_timeout=20, reducer_timeout=40)
+            for d in dhts]
+
+
 def _round_of(dhts, inputs, prefix, compression):
     """One round of ExactAverager, peer i is replica i; (results, gathered data) per peer."""
-    avs = [ExactAverager([x.clone()], d, wire=CodecWire(compression), start=True, prefix=prefix,
-                         target_group_size=len(dhts), min_matchmaking_time=5.0,
-                         request_timeout=2.0, sender_timeout=20, reducer_timeout=40)
-           for d, x in zip(dhts, inputs)]
+    avs = _averagers(dhts, prefix, compression, inputs[0].numel())
+    try:
+        return _step_all(avs, inputs)
+    finally:
+        for a in avs:
+            a.shutdown()
+
+
+def _step_all(avs, inputs):
+    """One round of the averagers `avs` (peer i holding inputs[i] and being replica i):
+    (results, gathered data) per peer."""
+    for a, x in zip(avs, inputs):
+        with a.get_tensors() as ts:
+            ts[0].copy_(x)
     gathered, errors = [None] * len(avs), []
 
     def go(i):
@@ -189,7 +279,6 @@ def _round_of(dhts, inputs, prefix, compression):
     for a in avs:
         with a.get_tensors() as ts:
             outs.append(ts[0].clone())
-        a.shutdown()
     assert not errors, errors
     return outs, gathered
 
@@ -216,6 +305,57 @@ def test_a_poisoned_contribution_is_left_out_and_its_sender_named_on_every_peer(
                 bad_ones = [v for v in got.values() if v.get("rejected")]
                 assert [v["replica"] for v in bad_ones] == [2], got
     finally:
+        for d in dhts:
+            d.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_repeat_offender_is_excluded_after_its_offences_even_with_plausible_values():
+    """Three real peers on loopback, each with its host's offence count (HivemindOuter's
+    `_note_rejected`, which tells its averager's process whom to exclude): replica 2 sends
+    -20x for EXCLUDE_AFTER rounds (left out, counted), then 3x an honest pseudo-gradient,
+    under the norm bound. From that round on the honest reducers leave it out as excluded
+    (their chunks are the honest pair's mean), and each honest host said so once."""
+    from modules.sync.hivemind_outer import HivemindOuter
+
+    first = start_dht([], LOOP, [], False, 30)
+    dhts = [first] + [start_dht(visible_maddrs(first), LOOP, [], False, 30) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(30_000, generator=g), torch.randn(30_000, generator=g)
+    avs = _averagers(dhts, "offenders", "int8", a.numel())
+    try:
+        hosts, lines = [], [[] for _ in avs]
+        for av, out in zip(avs, lines):
+            hv = HivemindOuter.__new__(HivemindOuter)
+            hv.what, hv.averager, hv.log = "stage 0", av, out.append
+            hv.offenders = Offenders(hv.what, hv.log, me=str(av.peer_id))
+            hosts.append(hv)
+        views, _, owners = owner_views(torch.arange(a.numel(), dtype=torch.float32), 3,
+                                       CodecWire("int8").block)
+        honest = torch.cat(views[:len(owners[0]) + len(owners[1])]).long()
+        for k in range(EXCLUDE_AFTER + 2):
+            bad = -20 * a if k < EXCLUDE_AFTER else 3 * a
+            outs, gathered = _step_all(avs, [a, b, bad])
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+            gap = (outs[0] - (a + b) / 2)[honest].abs().max()
+            assert gap < 0.05, (k, gap)
+            for hv, got in zip(hosts, gathered):
+                why = [v["rejected"] for v in got.values() if v.get("rejected")]
+                if hv is not hosts[2]:
+                    assert why == [EXCLUDED if k >= EXCLUDE_AFTER else why[0]], (k, got)
+                    assert k >= EXCLUDE_AFTER or "norm" in why[0], (k, got)
+                hv._note_rejected(k, got)
+        peer = str(avs[2].peer_id)
+        for out in lines[:2]:
+            excluding = [x for x in out if "excluding" in x]
+            assert len(excluding) == 1, out
+            assert excluding[0].startswith(f"outer round {EXCLUDE_AFTER} of stage 0: excluding "
+                                           f"peer {peer} (replica 2) from the average: "
+                                           f"{EXCLUDE_AFTER} contributions left out"), out
+        assert not any("excluding" in x for x in lines[2]), lines[2]  # never itself
+    finally:
+        for av in avs:
+            av.shutdown()
         for d in dhts:
             d.shutdown()
 

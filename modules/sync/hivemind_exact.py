@@ -58,13 +58,8 @@ from modules.quant.allreduce import (
     segment_bounds,
 )
 from modules.quant.codec import DEFAULT_BLOCK
-from modules.sync.hivemind_checks import (
-    STATE_SOURCES,
-    contribution_faults,
-    mean_fault,
-    norm_of,
-    state_fault,
-)
+from modules.sync.hivemind_checks import STATE_SOURCES, mean_fault, norm_of, state_fault
+from modules.sync.hivemind_offenders import ExclusionMixin, screened
 
 STATE_BYTES_PER_VALUE = 4 * (4 + 2)
 """Most bytes per parameter a shared state may take: fp32 model, momentum and the averages of
@@ -162,9 +157,11 @@ class OrderedReducer(TensorPartReducer):
     by sender index (= replica order), weight 0 skipped."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, owners: list[int],
-                 wire: CodecWire, me: int | None = None) -> None:
-        """`me`: my sender index (my own part is the norm reference: hivemind_checks)."""
-        self.owners, self.wire, self.me = owners, wire, me
+                 wire: CodecWire, me: int | None = None, excluded: set[int] | None = None
+                 ) -> None:
+        """`me`: my sender index (my own part is the norm reference: hivemind_checks);
+        `excluded`: senders whose parts are left out whatever they hold (hivemind_offenders)."""
+        self.owners, self.wire, self.me, self.excluded = owners, wire, me, excluded or set()
         self.parts: dict[int, tuple[torch.Tensor | None, float]] = {}
         self.rejected: dict[int, str] = {}
         """Sender -> why its part of a chunk was left out (the first reason)."""
@@ -200,11 +197,12 @@ class OrderedReducer(TensorPartReducer):
             return
         owner = self.owners[self.current_part_index]
         order = [owner] + sorted(i for i in self.parts if i != owner)
-        # every weighted part is checked before it counts (size, finite, norm bound); one
-        # left out is named by the host (HivemindOuter._note_rejected), the round goes on
+        # every weighted part is checked before it counts (size, finite, norm bound; an
+        # excluded sender's is left out unread); one left out is named by the host
+        # (HivemindOuter._note_rejected), the round goes on
         weighted = {i: t for i, (t, w) in self.parts.items() if w > 0}
         numel = self.part_shapes[self.current_part_index].numel()
-        faults = contribution_faults(weighted, numel, self.me)
+        faults = screened(weighted, numel, self.me, self.excluded)
         for i, why in faults.items():
             self.rejected.setdefault(i, why)
         used = [weighted[i] for i in order if i in weighted and i not in faults]
@@ -223,7 +221,7 @@ class ExactRunner(AllReduceRunner):
     sent back; `failed` says whether any sender or reducer was lost."""
 
     def __init__(self, *, wire: CodecWire, owners: list[int], fail_fast: bool = False,
-                 suspects: set[str] | None = None,
+                 suspects: set[str] | None = None, excluded: frozenset[str] = frozenset(),
                  **kwargs: Any) -> None:
         super().__init__(compression=wire, part_size_bytes=WHOLE_PARTS, **kwargs)
         self.wire, self.fail_fast = wire, fail_fast
@@ -241,7 +239,9 @@ class ExactRunner(AllReduceRunner):
         self.tensor_part_reducer = OrderedReducer(
             tuple(p.shape for p in self.parts_for_local_averaging), len(self.sender_peer_ids),
             owners, wire, me=self.sender_peer_ids.index(self.peer_id)
-            if self.peer_id in self.sender_peer_ids and self.weight > 0 else None)
+            if self.peer_id in self.sender_peer_ids and self.weight > 0 else None,
+            excluded={i for i, p in enumerate(self.sender_peer_ids)
+                      if str(p) in excluded and p != self.peer_id})
 
     @property
     def failed(self) -> bool:
@@ -327,7 +327,7 @@ class ExactRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class ExactAverager(DecentralizedAverager):
+class ExactAverager(ExclusionMixin, DecentralizedAverager):
     """DecentralizedAverager (hivemind's matchmaking, DHT, state sharing) running ExactRunner.
 
     `step(gather={"replica": r})` is required: peers are ordered by it. `state_fn` returns
@@ -481,7 +481,8 @@ class ExactAverager(DecentralizedAverager):
                 weight=kwargs["weight"], sender_timeout=kwargs.get("sender_timeout"),
                 reducer_timeout=kwargs.get("reducer_timeout"), wire=self.wire,
                 owners=owners[order.index(self.peer_id)],
-                fail_fast=kwargs.get("fail_fast", False), suspects=self._suspects)
+                fail_fast=kwargs.get("fail_fast", False), suspects=self._suspects,
+                excluded=self._excluded)
             self._running_groups[group_info.group_id].set_result(runner)
             results = []
             async for result in runner:

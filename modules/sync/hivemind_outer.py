@@ -70,6 +70,7 @@ from modules.sync.diloco import OuterState
 from modules.sync.hivemind_background import BackgroundRounds, background_attempt
 from modules.sync.hivemind_checks import part_identity, run_fingerprint
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
+from modules.sync.hivemind_offenders import Offenders
 from modules.sync.hivemind_rounds import ROUND_BITS, RoundsMixin, same_round
 from modules.sync.hivemind_state import SharedStateMixin
 from modules.sync.outer_deadlines import OuterDeadlines, derive
@@ -145,9 +146,9 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
                              list(settings.announce_maddrs), *settings.dht_flags)
         self.addresses = dht_addresses(self.dht)
         log(self._started_line())  # before the rendezvous: the addresses to pass, early
-        self.numel, self.identity, self.offences = 0, "", {}
-        """My part's size, its identity (`attach`: the run's fingerprint, my part, its size),
-        and per peer its contributions left out here (`_note_rejected`)."""
+        self.numel, self.identity = 0, ""  # `attach`: my part's size and identity (part_identity)
+        self.offenders = Offenders(self.what, log, me=str(self.dht.peer_id))
+        """Per peer its contributions left out here, and the peers excluded (`_note_rejected`)."""
         self.averager = None
         self.roster: Roster | None = None
         self.deadlines: OuterDeadlines | None = None
@@ -321,16 +322,14 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
 
     def _note_rejected(self, index: int, gathered: dict) -> None:
         """Name each replica whose contribution to round `index` my averager left out
-        (ExactAverager marks it in the gathered data: wrong size, non-finite, norm bound)."""
-        for v in gathered.values():
-            why = v.get("rejected") if isinstance(v, dict) else None
-            if not why:
-                continue
-            peer = str(v.get("peer", "?"))  # set by my averager (the replica is the sender's word)
-            self.offences[peer] = self.offences.get(peer, 0) + 1
-            self.log(f"outer round {index + 1} of {self.what}: left out the contribution of "
-                     f"replica {str(v.get('replica'))[:20]} (peer {peer}) to the chunks reduced "
-                     f"here: {str(why)[:200]} ({self.offences[peer]} time(s) so far)")
+        (ExactAverager marks it in the gathered data: wrong size, non-finite, norm bound), and
+        tell the averager's process of the peers excluded now (hivemind_offenders): its
+        reducers leave their parts out from the next round on. Not waited for (as `_reach`):
+        the pipe's commands start in order, so the next round's sees it, and the round that
+        just completed must not fail here on a slow averager process."""
+        excluded = self.offenders.note(index, gathered)
+        if excluded and self.averager is not None:
+            self.averager._outer_pipe.send(("_exclude_peers", [excluded], {}))
 
     def _reach(self, index: int) -> None:
         """Tell the averager this rank is at round `index` or past it: roster groups' parts
