@@ -717,8 +717,17 @@ class _FakeDHT:
         self.peer_id = PeerID.from_base58(peer_id)
         self.answers: dict = {}
 
-    def get(self, key, latest=False):
-        return self.answers.get(key)
+    def get(self, key, latest=False, return_future=False):
+        if not return_future:
+            return self.answers.get(key)
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self.answers.get(key))
+        return done  # as hivemind's MPFuture, answered
+
+    def is_alive(self) -> bool:
+        return True
 
     def get_visible_maddrs(self):
         return []
