@@ -48,7 +48,6 @@ from hivemind.utils.asyncio import (
 )
 from hivemind.utils.streaming import combine_from_streaming
 
-from modules.control.dht import hand_over_fds
 from modules.quant.allreduce import (
     SEGMENT,
     chunk_bounds,
@@ -65,6 +64,7 @@ from modules.sync.hivemind_checks import (
     norm_of,
     state_fault,
 )
+from modules.sync.hivemind_dht import hand_over_fds
 
 STATE_BYTES_PER_VALUE = 4 * (4 + 2)
 """Most bytes per parameter a shared state may take: fp32 model, momentum and the averages of
