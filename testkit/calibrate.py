@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from formats.models import ModelSpec
+from modules.model.decoder import StageModel
 from modules.train.checkpoint import check_finite_state
-from modules.train.model import StageModel
 from scheduler.simulator.sharing import slowdown_at
 
 
