@@ -43,11 +43,11 @@ from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402
 from modules.config import OptimConfig, RunConfig  # noqa: E402
 from modules.control.dist import topology  # noqa: E402
+from modules.model.decoder import StageModel  # noqa: E402
 from modules.sync.diloco import DiLoCoOptimizer  # noqa: E402
 from modules.train.checkpoint import load_checkpoint, save_checkpoint, step_path  # noqa: E402
 from modules.train.checkpointing import checkpoint_meta  # noqa: E402
 from modules.train.metrics import read_metrics, replica_metrics_path  # noqa: E402
-from modules.train.model import StageModel  # noqa: E402
 from modules.train.trainer import make_inner_optimizer  # noqa: E402
 
 

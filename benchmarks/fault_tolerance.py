@@ -37,8 +37,8 @@ import torch  # noqa: E402
 
 from formats.models import get_model  # noqa: E402
 from modules.config import RunConfig  # noqa: E402
+from modules.model.decoder import StageModel  # noqa: E402
 from modules.train.checkpoint import AsyncCheckpointer, save_checkpoint, snapshot, step_path  # noqa: E402
-from modules.train.model import StageModel  # noqa: E402
 from modules.train.trainer import make_inner_optimizer  # noqa: E402
 from testkit.fault_harness import (  # noqa: E402
     Ranks,

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from formats.models import get_model  # noqa: E402
 from formats.plan import Plan, save_plan  # noqa: E402
 from modules.config import RunConfig  # noqa: E402
+from modules.model.decoder import StageModel  # noqa: E402
 from modules.train.metrics import read_metrics  # noqa: E402
-from modules.train.model import StageModel  # noqa: E402
 from modules.train.trainer import make_inner_optimizer  # noqa: E402
 
 

@@ -1,5 +1,5 @@
-"""Addresses from flags: `HOST:PORT`, `tcp://HOST:PORT`, and resolving a host name, each with a
-UserError naming the flag.
+"""Addresses from flags: `HOST:PORT`, `tcp://HOST:PORT`, resolving a host name, and hivemind
+multiaddresses, each with a UserError naming the flag.
 
 Resolution failures come in several shapes (socket.gaierror, and UnicodeError for a name
 such as `a..b` that the IDNA codec rejects before any lookup); resolve() turns all of them
@@ -9,6 +9,7 @@ into one message.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from formats import checks
@@ -57,3 +58,27 @@ def resolve(host: str, where: str, family: int = socket.AF_INET) -> str:
         raise UserError(f"{where}: host {checks.shown(host)} does not resolve ({reason})") \
             from None
     return str(infos[0][4][0])
+
+
+def parse_maddrs(text: str | Sequence[str] | None, flag: str,
+                 need_peer_id: bool = True) -> list[str]:
+    """Comma-separated multiaddresses, each checked; UserError naming `flag` and the bad one.
+    `need_peer_id`: each must end in /p2p/<peer id> (an initial peer must)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    items = text.split(",") if isinstance(text, str) else list(text or [])
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        try:
+            addr = Multiaddr(item)
+        except Exception as e:  # noqa: BLE001 - the multiaddr package raises several types
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"{flag}: {item!r} is not a multiaddress ({why}); expected e.g. "
+                            "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
+        if need_peer_id and "/p2p/" not in str(addr):
+            raise UserError(f"{flag}: {item!r} has no /p2p/<peer id> part; copy the whole "
+                            "address a replica or scripts/dht_node.py printed")
+        out.append(str(addr))
+    return out

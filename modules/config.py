@@ -327,7 +327,7 @@ class HivemindConfig:
         if self.run_id is not None and not self.run_id.replace("-", "").isalnum():
             raise UserError(f"--run-id: letters, digits and dashes only, got {self.run_id!r}")
         if self.outer_backend == "hivemind":  # malformed addresses: exit 2 before any start
-            from modules.control.dht import parse_maddrs
+            from formats.addresses import parse_maddrs
 
             parse_maddrs(self.initial_peers, "--initial-peers")
             parse_maddrs(self.host_maddrs, "--host-maddrs", need_peer_id=False)

@@ -61,7 +61,7 @@ def check_reachable(addresses: list[str], timeout_s: float) -> dict[str, str | N
     """Join a throw-away DHT client through each address: address -> None (reachable) or why
     not."""
     from formats.errors import UserError
-    from modules.control.dht import start_dht
+    from modules.sync.hivemind_dht import start_dht
 
     out: dict[str, str | None] = {}
     for addr in addresses:
@@ -78,7 +78,8 @@ def check_reachable(addresses: list[str], timeout_s: float) -> dict[str, str | N
 def main(argv: list[str] | None = None) -> int:
     """Start the node, print its addresses, check them, serve until stopped."""
     args = build_parser().parse_args(argv)
-    from modules.control.dht import parse_maddrs, start_dht, visible_maddrs
+    from formats.addresses import parse_maddrs
+    from modules.sync.hivemind_dht import start_dht, visible_maddrs
 
     host = parse_maddrs(args.host_maddrs, "--host-maddrs", need_peer_id=False)
     announce = parse_maddrs(args.announce_maddrs, "--announce-maddrs", need_peer_id=False)

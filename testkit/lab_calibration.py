@@ -45,7 +45,7 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    from modules.device.calibrate import usable_cores  # the fit's cap: the same count
+    from testkit.calibrate import usable_cores  # the fit's cap: the same count
 
     cores = usable_cores()
     return {"cores": cores, "cpu": name, "load_1min": round(os.getloadavg()[0], 2)}
@@ -64,7 +64,7 @@ class LabCalibration:
     cluster_path: Path
     calibration_path: Path
     sharing: Any
-    """modules.device.calibrate.CoreSharing of the calibration before the runs."""
+    """testkit.calibrate.CoreSharing of the calibration before the runs."""
     machine: dict[str, Any]
     micro_batches: int = 1
     """Micro-batches per measured step (the plans' num_micro_batches)."""
@@ -115,14 +115,14 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
     """The scenario with each device's tflops = one rank training alone, and a calibration file
     (beside the cluster, `calibration.json`) with the cores the ranks share and the other work
     beside them: measured side by side, all ranks at once, 2 at once and one alone, 3 rounds,
-    medians, fitted (modules/device/calibrate.py); each measured step `micro_batches`
+    medians, fitted (testkit/calibrate.py); each measured step `micro_batches`
     micro-batches in the runtime's order (all forwards, then all backwards). `fsdp`: also
     FSDP2's own CPU per unit (for plans with shard groups)."""
-    from modules.device.calibrate import (  # torch: only when measuring
+    from scheduler.simulator import save_calibration
+    from testkit.calibrate import (  # torch: only when measuring
         measure_core_sharing,
         measure_fsdp_cpu,
     )
-    from scheduler.simulator import save_calibration
 
     cluster = make_scenario(scenario, seed)
     m = machine()
@@ -166,7 +166,7 @@ def calibrate_lab(scenario: str, seed: int, model: str, micro_batch_size: int,
 
 def check_after(cal: LabCalibration, model: str, micro_batch_size: int) -> str:
     """Measure again after the runs (the same way, 2 rounds); returns the noise verdict."""
-    from modules.device.calibrate import measure_core_sharing
+    from testkit.calibrate import measure_core_sharing
 
     log("checking the machine's speed again after the runs")
     cal.after = measure_core_sharing(get_model(model), micro_batch_size,

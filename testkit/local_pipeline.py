@@ -17,7 +17,7 @@ from modules.data.dataset import TextData
 from modules.device.compile import maybe_compile
 from modules.device.precision import Precision
 from modules.device.select import to_device
-from modules.train.model import StageModel
+from modules.model.decoder import StageModel
 
 
 class LocalPipeline:

@@ -14,8 +14,8 @@ import torch
 from formats.plan import Plan
 from modules.config import RunConfig
 from modules.data.dataset import FakeData, Sharder, TextData
+from modules.model.decoder import StageModel, tie_weights_
 from modules.sync.diloco import DiLoCoOptimizer
-from modules.train.model import StageModel, tie_weights_
 from modules.train.trainer import make_inner_optimizer, set_lr
 
 

@@ -14,7 +14,7 @@ from formats.models import get_model
 from modules.data.dataset import DEFAULT_CORPUS, TextData, load_tokens
 from modules.device.compile import check_compile_available, maybe_compile
 from modules.device.precision import make_precision
-from modules.train.model import StageModel
+from modules.model.decoder import StageModel
 from testkit.local_pipeline import LocalPipeline, train_losses
 from tests.conftest import ROOT
 

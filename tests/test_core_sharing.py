@@ -15,10 +15,10 @@ from test_simulator_closed_forms import uniform_cluster
 from formats.cluster import Cluster
 from formats.models import get_model
 from formats.plan import SyncConfig
-from modules.device.calibrate import CoreSharing
 from scheduler.layer_split import even_split
 from scheduler.simulator import RUNTIME_PROFILES, load_calibration, save_calibration, simulate
 from scheduler.simulator.sharing import compute_intervals, core_slowdown, work_weighted_slowdown
+from testkit.calibrate import CoreSharing
 
 CPU = RUNTIME_PROFILES["cpu"]
 
@@ -279,7 +279,7 @@ def test_calibration_converts_the_outer_rounds_cpu_seconds_per_parameter():
 def test_calibration_measures_the_outer_rounds_cpu_through_gloo():
     """Two real processes in a gloo group: the runtime's outer round takes CPU, and the int8
     codec adds to the fp32 payload's."""
-    from modules.device.calibrate import measure_core_sharing
+    from testkit.calibrate import measure_core_sharing
 
     c = measure_core_sharing(get_model("gpt-tiny"), 1, 2, rounds=2, repeats=1)
     assert set(c.outer_cpu_s) == {"none", "fp16", "int8"}
@@ -316,7 +316,7 @@ def test_the_calibration_caps_the_cores_at_the_cpu_affinity():
     import sys
 
     code = ("import os; os.sched_setaffinity(0, {0}); "
-            "from modules.device.calibrate import usable_cores; print(usable_cores())")
+            "from testkit.calibrate import usable_cores; print(usable_cores())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
 
@@ -368,7 +368,7 @@ def test_calibration_measures_fsdps_own_cpu():
     """A real measurement (a fresh process, a gloo group of one): FSDP2 adds CPU beside the
     plain model's step in both modes (1.4-2.7 ms per unit and micro-batch on the lab's 2-core
     machine for gpt-tiny)."""
-    from modules.device.calibrate import measure_fsdp_cpu
+    from testkit.calibrate import measure_fsdp_cpu
 
     got = measure_fsdp_cpu(get_model("gpt-tiny"), 2, 2, repeats=7)
     assert set(got) == {"reshard", "gathered"}

@@ -15,11 +15,11 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import ElasticConfig, OuterSyncConfig, RunConfig
 from modules.data.dataset import FakeData, Sharder
+from modules.model.decoder import StageModel
 from modules.sync.diloco import DiLoCoOptimizer, fragment_bounds, outer_param_order, sync_slots
 from modules.sync.overlap import OuterJob
 from modules.train.checkpoint import load_checkpoint, step_path
 from modules.train.metrics import read_metrics, replica_metrics_path
-from modules.train.model import StageModel
 from modules.train.trainer import make_inner_optimizer, set_lr
 from tests.conftest import run_entry
 

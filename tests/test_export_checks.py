@@ -11,8 +11,8 @@ from test_checkpoint_faults import tmpfs
 
 from formats.errors import UserError
 from formats.models import get_model
+from modules.model.decoder import StageModel
 from modules.train.checkpoint import save_checkpoint, step_path
-from modules.train.model import StageModel
 from scripts import export_hf
 
 META = {"model": "gpt-tiny", "stages": [[0, 4]], "rank": 0, "replica": 0, "stage": 0}

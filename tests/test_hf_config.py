@@ -48,7 +48,7 @@ def test_llama_config_maps_every_field(tmp_path):
 
 
 def test_params_and_flops_follow_the_config(tmp_path):
-    from modules.train.model import StageModel, count_params
+    from modules.model.decoder import StageModel, count_params
     spec = resolve_model(write_config(tmp_path / "m", LLAMA))
     assert count_params(StageModel(spec, 0, spec.num_layers)) == spec.total_params()
     mha = dataclasses.replace(spec, n_kv_heads=0)

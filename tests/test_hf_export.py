@@ -13,8 +13,8 @@ from test_hf_config import GPT2, LLAMA, write_config
 from formats.hf_config import resolve_model
 from formats.models import model_record
 from formats.plan import Plan, SyncConfig, save_plan
+from modules.model.decoder import StageModel
 from modules.train.checkpoint import complete_steps, load_checkpoint, step_path
-from modules.train.model import StageModel
 
 transformers = pytest.importorskip("transformers", reason="pip install -e .[dev] installs it")
 

@@ -15,6 +15,7 @@ from test_hf_export import train
 from formats.errors import UserError
 from formats.hf_config import resolve_model
 from modules.data.dataset import FakeData, Sharder
+from modules.model.decoder import StageModel
 from modules.train.checkpoint import complete_steps, load_checkpoint, step_path
 from modules.train.hf_weights import (
     check_init_from,
@@ -23,7 +24,6 @@ from modules.train.hf_weights import (
     to_hf,
 )
 from modules.train.metrics import read_metrics
-from modules.train.model import StageModel
 
 
 def hf_folder(tmp_path, config=LLAMA, seed=5):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from modules.comm import PeerError
-from modules.control.dht import DhtGone, dht_call
+from modules.sync.hivemind_dht import DhtGone, dht_call
 
 
 class _FakeDht:

@@ -1,5 +1,5 @@
 """--outer-backend hivemind (modules/sync/hivemind_outer.py, hivemind_exact.py,
-modules/control/dht.py): our codec inside hivemind gives the store backend's bytes and
+modules/sync/hivemind_dht.py): our codec inside hivemind gives the store backend's bytes and
 result; replicas on loopback end bit-identical; a late joiner loads state and catches up; a
 killed replica is dropped; an unreachable DHT node and malformed multiaddresses are refused by
 name (exit 2); SIGTERM stops a replica without leaving its p2pd. No p2pd outlives a test."""
@@ -18,12 +18,13 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -e .[hivemind])")
 
+from formats.addresses import parse_maddrs  # noqa: E402
 from formats.errors import UserError  # noqa: E402
 from modules.comm import PeerError  # noqa: E402
-from modules.control.dht import SplitGuard, parse_maddrs, start_dht, visible_maddrs  # noqa: E402
 from modules.control.signals import TERM_STATUS  # noqa: E402
 from modules.quant.allreduce import encode_chunk, reference_compressed_mean  # noqa: E402
 from modules.sync.diloco import DiLoCoOptimizer, OuterRoundSkipped, OuterState  # noqa: E402
+from modules.sync.hivemind_dht import SplitGuard, start_dht, visible_maddrs  # noqa: E402
 from modules.sync.hivemind_exact import CodecWire, ExactAverager, reducer_of  # noqa: E402
 from modules.sync.hivemind_offenders import Offenders  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
@@ -485,7 +486,7 @@ def test_ctrl_c_after_the_averager_started_exits_130_without_p2pd(tmp_path, over
 @pytest.mark.timeout(60)
 def test_kill_9_of_the_rank_alone_leaves_no_p2pd(tmp_path):
     """kill -9 of the rank process only (not its session): its DHT process notices, stops its
-    p2pd and exits (modules/control/dht.py's orphan guard)."""
+    p2pd and exits (modules/sync/hivemind_dht.py's orphan guard)."""
     run = HivemindRun(_plan(tmp_path, 2), tmp_path)
     try:
         run.start(0, "--steps", "1000", "--fake-data")
@@ -686,7 +687,7 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
     carries (on the namespace lab libp2p's routing alone did not, and groups never
     formed there); an entry whose addresses do not answer is named in a
     warning, once; a --client-mode replica announces no address (nobody dials it)."""
-    from modules.control.dht import Roster
+    from modules.sync.hivemind_dht import Roster
 
     a = start_dht([], ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
     b = start_dht(visible_maddrs(a), ["/ip4/127.0.0.1/tcp/0"], [], False, 60)
@@ -747,7 +748,7 @@ def test_roster_keeps_an_entry_until_it_expires(monkeypatch):
     not drop a replica whose entry has not expired; an expired one is dropped."""
     import hivemind.utils
 
-    from modules.control.dht import Roster
+    from modules.sync.hivemind_dht import Roster
 
     now = [1000.0]
     monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: now[0])
@@ -958,7 +959,7 @@ def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):
     import hivemind.utils
     from hivemind.utils import ValueWithExpiration
 
-    from modules.control.dht import Roster
+    from modules.sync.hivemind_dht import Roster
 
     monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: 1000.0)
     entries = {0: [FAKE_ID, ["/ip4/1.2.3.4/tcp/1"], ""], 1: [PEER_B, [], ""],

@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -e .[hivemind])")
 
 from modules.comm import PeerError  # noqa: E402
-from modules.control.dht import Roster, RunMismatch, start_dht, visible_maddrs  # noqa: E402
 from modules.sync.hivemind_checks import (  # noqa: E402
     contribution_faults,
     mean_fault,
@@ -24,6 +23,7 @@ from modules.sync.hivemind_checks import (  # noqa: E402
     run_fingerprint,
     state_fault,
 )
+from modules.sync.hivemind_dht import Roster, RunMismatch, start_dht, visible_maddrs  # noqa: E402
 from modules.sync.hivemind_exact import (  # noqa: E402
     CodecWire,
     ExactAverager,

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source: no import cycles, dependencies flow one way
-(formats <- scheduler <- modules <- dist_runner.py, scripts), no private names imported across
-packages, and no function of product code (formats, scheduler, modules, scripts, dist_runner.py,
-udp_hole_punching_test) longer than 60 lines."""
+(formats <- scheduler <- modules <- dist_runner.py, scripts), the sub-packages of modules/
+import one way too, no private names imported across packages, and no function of product code
+(formats, scheduler, modules, scripts, dist_runner.py, udp_hole_punching_test) longer than 60
+lines."""
 
 from __future__ import annotations
 
@@ -100,6 +101,30 @@ def test_dependencies_flow_one_way() -> None:
 def test_no_private_names_imported_across_packages() -> None:
     _, private = _graph()
     assert private == []
+
+
+def _runtime_part(module: str) -> str | None:
+    """The node of a module in the graph of modules/'s parts: its sub-package (modules.comm.nccl
+    -> comm); a module directly in modules/ is a node of its own (modules.config -> config), so
+    a shared base such as config.py importing up into a sub-package counts; None outside."""
+    parts = module.split(".")
+    if parts[0] != "modules":
+        return None
+    return parts[1] if len(parts) > 1 else "modules"
+
+
+def test_runtime_parts_import_one_way() -> None:
+    """An edge A -> B when a module of modules/A imports one of modules/B (lazy imports and
+    TYPE_CHECKING ones included): no pair imports both ways, and no longer cycle either."""
+    g, _ = _graph()
+    parts = nx.DiGraph()
+    for a, b in g.edges:
+        pa, pb = _runtime_part(a), _runtime_part(b)
+        if pa is not None and pb is not None and pa != pb:
+            parts.add_edge(pa, pb)
+    both_ways = sorted((a, b) for a, b in parts.edges if a < b and parts.has_edge(b, a))
+    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(parts) if len(c) > 1)
+    assert (both_ways, cycles) == ([], []), f"two-way: {both_ways}; cycles: {cycles}"
 
 
 def _product_files() -> list[Path]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from formats.models import PRESETS, get_model
-from modules.train.model import StageModel, count_params, tie_weights_
+from modules.model.decoder import StageModel, count_params, tie_weights_
 
 SPLITS = [(0, 1), (1, 2), (0, 2), (2, 4), (1, 3)]
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from modules.comm.errors import CommError
-from modules.control.protocol import member_key, nccl_arrival_prefix
+from modules.comm.keys import member_key, nccl_arrival_prefix
 from tests.fake_nccl import Fabric, install
 
 BOUND_S = 30.0

@@ -16,11 +16,11 @@ from formats.plan import Plan, save_plan
 from modules.comm import CommStats, Posted
 from modules.control.dist import topology
 from modules.device.precision import Precision
+from modules.model.decoder import StageModel
 from modules.pipeline.stage import PipelineStage
 from modules.pipeline.wire import PipelineWire, message_bytes
 from modules.quant.rows import decode_rows, encode_rows, row_message_bytes
 from modules.train.metrics import read_metrics
-from modules.train.model import StageModel
 from tests.conftest import run_entry
 
 EPS = torch.finfo(torch.float32).eps

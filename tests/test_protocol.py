@@ -1,9 +1,11 @@
-"""modules.control.protocol: every store key and tag is named once; no two purposes share a key."""
+"""modules.control.protocol and modules.comm.keys: every store key and tag is named once; no two
+purposes share a key."""
 
 from __future__ import annotations
 
 import itertools
 
+from modules.comm import keys as c
 from modules.control import protocol as p
 
 
@@ -18,7 +20,7 @@ def test_keys_of_different_purposes_never_collide():
     for r in ranks:
         for purpose, fn in (("info", p.info_key), ("heartbeat", p.heartbeat_key),
                             ("done", p.done_key), ("join", p.join_key),
-                            ("device", p.device_key)):
+                            ("device", c.device_key)):
             add(purpose, fn(r))
     for g in gens:
         add("generation", p.generation_key(g))
@@ -30,10 +32,10 @@ def test_keys_of_different_purposes_never_collide():
             for r in ranks:
                 add("commit done", p.commit_done_key(commit, r))
     for g, s, k, r in itertools.product([None, *gens], stages, outers, ranks):
-        add("arrival", p.member_key(p.outer_arrival_prefix(s, k, g), r))
-    add("nccl id", p.nccl_unique_id_key("g1/stage", (0, 2)))
+        add("arrival", c.member_key(p.outer_arrival_prefix(s, k, g), r))
+    add("nccl id", c.nccl_unique_id_key("g1/stage", (0, 2)))
     for r in ranks:
-        add("nccl arrival", p.member_key(p.nccl_arrival_prefix("g1/stage", (0, 2)), r))
+        add("nccl arrival", c.member_key(c.nccl_arrival_prefix("g1/stage", (0, 2)), r))
     assert len(keys) > 100
 
 

@@ -20,9 +20,9 @@ from formats.models import get_model
 from formats.plan import Plan, SyncConfig, save_plan
 from modules.config import RunConfig
 from modules.data.dataset import FakeData
+from modules.model.decoder import StageModel, sync_local_tied_grads
 from modules.quant.allreduce import reference_compressed_mean
 from modules.train.checkpoint import step_path
-from modules.train.model import StageModel, sync_local_tied_grads
 from modules.train.trainer import make_inner_optimizer, set_lr
 from testkit.reference import reference_losses
 from tests.conftest import run_entry

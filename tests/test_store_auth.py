@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from modules.comm.keys import device_key, member_key
 from modules.control.auth import Auth, AuthStore, host_store
 from modules.control.coordinator import RunSettings
 from modules.control.hidden import hidden_store
@@ -26,10 +27,8 @@ from modules.control.protocol import (
     RUN_SETTINGS,
     commit_done_key,
     commit_prefix,
-    device_key,
     done_key,
     generation_key,
-    member_key,
     outer_arrival_prefix,
 )
 from testkit.fault_harness import Ranks, free_port, write_trial_plan

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from formats.errors import UserError
 from modules.comm.errors import CommError, PeerError
+from modules.comm.keys import device_key, wait_keys
 from modules.comm.nccl import load_nccl
 from modules.config import COMM_BACKENDS
-from modules.control.protocol import device_key, wait_keys
 
 REQUESTS = COMM_BACKENDS
 

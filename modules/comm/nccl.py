@@ -2,7 +2,7 @@
 
 The members first meet in the rendezvous TCPStore (a member that does not come is a CommError
 naming it, not a hung NCCL init); the NCCL unique id is then made by the group's first rank and
-handed to the others through the store (keys: modules.control.protocol). Calls take torch CUDA
+handed to the others through the store (keys: modules.comm.keys). Calls take torch CUDA
 tensors (contiguous, on `device`) and are enqueued on torch's current CUDA stream of that device
 unless a torch Stream is given. The torch Stream object is kept for everything torch does around
 an operation (its done-event, the all-gather's copies, the allocator's view of buffers); only
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from modules.comm.base import CommStats, GroupMembership, Posted, check_op, nbytes
 from modules.comm.compressed import mean_all_reduce
 from modules.comm.errors import CommError, first_line
+from modules.comm.keys import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
 from modules.comm.nccl_guard import HostCalls, bounded
 from modules.comm.watchdog import Watchdog
-from modules.control.protocol import member_key, nccl_arrival_prefix, nccl_unique_id_key, wait_keys
 from modules.quant.allreduce import SEGMENT
 from modules.quant.blocks import DEFAULT_BLOCK
 

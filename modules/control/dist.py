@@ -19,10 +19,11 @@ from formats.errors import UserError
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.comm.errors import first_line
+from modules.comm.keys import member_key
 from modules.control.auth import Auth, AuthStore, host_store, load_secret
 from modules.control.flag_wait import FlagWaiter
 from modules.control.hidden import hidden_store
-from modules.control.protocol import generation_prefix, member_key
+from modules.control.protocol import generation_prefix
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,12 @@ Ranks are device ids of the plan. Keys by who writes them:
 - process groups: generation g's default group under the prefix `gen{g}`; an NCCL
   communicator's members meet under `comm/{name}/{ranks}/arrived/{rank}`, then read its unique
   id from `comm/{name}/{ranks}/nccl-unique-id`.
+
+The communicators' own keys (`comm/...`, and `member_key` for any arrival) are named in
+modules.comm.keys, below this layer, so modules.comm never imports modules.control.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
 
 # -- point-to-point tags (gloo matches a pair's messages by tag; NCCL by order) ----------------
 FWD_TAG = 0
@@ -109,14 +108,9 @@ def join_source_key(gen: int, stage: int, shard: int = 0) -> str:
 # -- DiLoCo outer steps (modules.control.elastic) ------------------------------------------
 def outer_arrival_prefix(stage: int, outer: int, gen: int | None = None) -> str:
     """Prefix of the arrival keys of outer step `outer` of `stage` (per generation when
-    elastic); a rank announces itself under `member_key(prefix, rank)`."""
+    elastic); a rank announces itself under `modules.comm.keys.member_key(prefix, rank)`."""
     where = f"g{gen}/" if gen is not None else ""
     return f"diloco/{where}stage{stage}/outer{outer}"
-
-
-def member_key(prefix: str, rank: int) -> str:
-    """One rank's key under a prefix (arrival at an outer step)."""
-    return f"{prefix}/{rank}"
 
 
 def commit_prefix(gen: int, outer: int) -> str:
@@ -132,36 +126,3 @@ def commit_done_key(prefix: str, rank: int) -> str:
 def commit_decision_key(prefix: str) -> str:
     """`commit` or `abort`, written once by whoever decides first (compare_set)."""
     return f"{prefix}/decision"
-
-
-# -- communicators (modules.comm) ---------------------------------------------------------------
-def device_key(rank: int) -> str:
-    """JSON of a rank's device (kind, GPU index and uuid, host, NCCL available)."""
-    return f"comm/device/{rank}"
-
-
-def nccl_unique_id_key(name: str, ranks: Sequence[int]) -> str:
-    """The NCCL unique id of communicator `name` over `ranks` (made by the first rank)."""
-    return f"comm/{name}/{'-'.join(map(str, ranks))}/nccl-unique-id"
-
-
-def nccl_arrival_prefix(name: str, ranks: Sequence[int]) -> str:
-    """Where the members of communicator `name` announce themselves before the NCCL init
-    (`member_key(prefix, rank)`)."""
-    return f"comm/{name}/{'-'.join(map(str, ranks))}/arrived"
-
-
-def wait_keys(store: Any, ranks: Sequence[int], keys: Sequence[str],
-              timeout_s: float) -> tuple[list[int] | None, str] | None:
-    """Wait until every rank's key is set in the store: None when all are, else (the ranks
-    whose key is missing, or None when the store itself stopped answering; the error's first
-    line) after `timeout_s`."""
-    try:
-        store.wait(list(keys), timedelta(seconds=timeout_s))
-        return None
-    except RuntimeError as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    try:
-        return [r for r, k in zip(ranks, keys) if not store.check([k])], why
-    except RuntimeError:
-        return None, why

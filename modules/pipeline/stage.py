@@ -33,8 +33,8 @@ from modules.comm import Communicator, Posted
 from modules.control.dist import Topology
 from modules.control.protocol import BWD_TAG, FWD_TAG
 from modules.device.precision import Precision
+from modules.model.decoder import StageModel
 from modules.pipeline.wire import PipelineWire
-from modules.train.model import StageModel
 
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 """The last stage's loss -> what backward runs on (fp16: loss x the current scale)."""

@@ -48,7 +48,6 @@ from hivemind.utils.asyncio import (
 )
 from hivemind.utils.streaming import combine_from_streaming
 
-from modules.control.dht import hand_over_fds
 from modules.quant.allreduce import (
     SEGMENT,
     chunk_bounds,
@@ -59,6 +58,7 @@ from modules.quant.allreduce import (
 )
 from modules.quant.codec import DEFAULT_BLOCK
 from modules.sync.hivemind_checks import STATE_SOURCES, mean_fault, norm_of, state_fault
+from modules.sync.hivemind_dht import hand_over_fds
 from modules.sync.hivemind_offenders import ExclusionMixin, screened
 
 STATE_BYTES_PER_VALUE = 4 * (4 + 2)

@@ -4,7 +4,7 @@ a replica torch.distributed stays (a store local to the replica).
 
 One `HivemindOuter` per rank: its DHT node (started before the rendezvous, so the addresses
 to pass as --initial-peers are printed early), the roster of live replicas of its stage
-(modules.control.dht), and an `ExactAverager` (modules.sync.hivemind_exact: the store
+(modules.sync.hivemind_dht), and an `ExactAverager` (modules.sync.hivemind_exact: the store
 backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
 - round k's first attempt needs no matchmaking: every replica forms the group of the live
   replicas in the roster it reads anyway, the same members and group id on each (`_fixed`),
@@ -53,22 +53,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from formats.addresses import parse_maddrs
 from formats.cluster import Cluster
 from formats.plan import Plan
 from modules.comm import PeerError
-from modules.control.dht import (
+from modules.sync.diloco import OuterState
+from modules.sync.hivemind_background import BackgroundRounds, background_attempt
+from modules.sync.hivemind_checks import part_identity, run_fingerprint
+from modules.sync.hivemind_dht import (
     Roster,
     SplitGuard,
     install_orphan_guard,
-    parse_maddrs,
     run_id,
     start_dht,
     stop_now,
 )
-from modules.control.dht import visible_maddrs as dht_addresses
-from modules.sync.diloco import OuterState
-from modules.sync.hivemind_background import BackgroundRounds, background_attempt
-from modules.sync.hivemind_checks import part_identity, run_fingerprint
+from modules.sync.hivemind_dht import visible_maddrs as dht_addresses
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
 from modules.sync.hivemind_offenders import Offenders
 from modules.sync.hivemind_rounds import ROUND_BITS, RoundsMixin, same_round
@@ -98,7 +98,7 @@ class HivemindSettings:
     announce_maddrs: tuple[str, ...]
     client_mode: bool
     run: str
-    """Run id (modules.control.dht.run_id)."""
+    """Run id (modules.sync.hivemind_dht.run_id)."""
     timeout_s: float
     """--timeout-s: how long a round may wait for its peers to arrive in all."""
     heartbeat_s: float
@@ -391,7 +391,8 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
 
     def abort(self) -> None:
         """The rank's emergency exit (it os._exits next; any thread, no lock): the DHT and
-        averager processes and their p2pd stop now, silently (modules.control.dht.stop_now)."""
+        averager processes and their p2pd stop now, silently
+        (modules.sync.hivemind_dht.stop_now)."""
         stop_now([p.pid for p in (self.averager, self.dht) if p is not None and p.pid])
 
     def close(self) -> None:

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from modules.comm import PeerError
-from modules.control.dht import RunMismatch, first
 from modules.sync.hivemind_checks import STATE_SOURCES
+from modules.sync.hivemind_dht import RunMismatch, first
 from modules.sync.hivemind_errors import AttemptCancelled, BackendClosed
 from modules.sync.hivemind_state import JOIN_ATTEMPTS
 from modules.sync.outer_deadlines import OuterDeadlines

@@ -10,9 +10,9 @@ import time
 import torch
 
 from modules.comm import PeerError
-from modules.control.dht import dht_call
 from modules.sync.diloco import OuterRoundSkipped, OuterState
 from modules.sync.hivemind_checks import MAX_COUNT
+from modules.sync.hivemind_dht import dht_call
 
 JOIN_ATTEMPTS = 3
 """Tries at loading the state from a peer before a joiner gives up."""

@@ -1,1 +1,1 @@
-"""The training loop and what it holds: model, checkpoints, metrics, trackers."""
+"""The training loop and its parts: checkpoints, metrics, trackers (the model: modules.model)."""

@@ -20,10 +20,10 @@ from modules.comm import CommStats
 from modules.config import ResolvedRun
 from modules.control.elastic import GenerationChange, Handover, Membership
 from modules.control.groups import Groups
+from modules.model.decoder import StageModel
 from modules.sync.average import GroupAverage, make_group_average, no_average
 from modules.sync.diloco import DiLoCoOptimizer, outer_param_order
 from modules.sync.overlap import OverlapSync
-from modules.train.model import StageModel
 
 if TYPE_CHECKING:
     from modules.shard.runtime import ShardRuntime

@@ -25,11 +25,11 @@ from modules.device.compile import maybe_compile
 from modules.device.placement import Placement
 from modules.device.precision import Precision
 from modules.device.select import to_device
+from modules.model.decoder import StageModel
 from modules.pipeline.stage import PipelineStage
 from modules.shard.runtime import ShardRuntime
 from modules.train.checkpointing import Checkpointing, checkpoint_meta
 from modules.train.hf_weights import load_stage_weights
-from modules.train.model import StageModel
 
 if TYPE_CHECKING:
     from modules.sync.hivemind_outer import HivemindOuter

@@ -80,7 +80,7 @@ class SimConfig:
     """Cores that all the cluster's devices share (the CPU lab: every rank a single-thread
     process on one machine); 0: every device has its own (GPU hosts, separate machines). When
     set, a device's tflops is its speed computing alone and ranks computing at once share the
-    cores (simulator/sharing.py); a calibration measures it (modules/device/calibrate.py)."""
+    cores (simulator/sharing.py); a calibration measures it (testkit/calibrate.py)."""
     background_load: float = setting(0.0, lo=0.0, hi=4096.0)
     """With shared_cores: tasks of other work that always run beside the ranks and take their
     share of the cores (a loaded machine); 0: a quiet one."""
@@ -108,7 +108,7 @@ class SimConfig:
     merge), in FLOPs at the device's training speed; 0: not charged (GPU hosts). Charged
     (with R > 1) as compute spread over the round's H steps: the overlapped round's background
     thread takes its CPU beside them, a blocking one all ranks at once (the CPU lab's
-    calibration measures it: modules/device/calibrate.py)."""
+    calibration measures it: testkit/calibrate.py)."""
     outer_fp16_flops_per_param: float = setting(0.0, lo=0.0, hi=1e6)
     """As outer_flops_per_param, for a round with an fp16 payload (the codec's encode and
     decode included)."""
@@ -137,7 +137,7 @@ class SimConfig:
 
 RUNTIME_PROFILES: dict[str, SimConfig] = {
     # This project's CPU runtime (dist_runner.py with gloo), as measured by the end-to-end demo:
-    # the cluster's tflops are the FLOP/s modules/device/calibrate.py measures for the model at
+    # the cluster's tflops are the FLOP/s testkit/calibrate.py measures for the model at
     # hand, so no further derating (mfu 1); fp32 activations; no recomputation; gloo's rendezvous
     # point-to-point costs two latencies per all-reduce step (fp32 all-reduces: gloo's own
     # segmented ring, modelled as it runs); the elastic DiLoCo outer step makes 3 store round

@@ -1,6 +1,6 @@
-"""The hivemind DHT a replica (or a bare `scripts/dht_node.py` node) runs: multiaddress checks,
-a bounded start that names unreachable initial peers, the run id, and the roster of live
-replicas (membership without any central store).
+"""The hivemind DHT a replica (or a bare `scripts/dht_node.py` node) runs: a bounded start
+that names unreachable initial peers, the run id, and the roster of live replicas (membership
+without any central store). Its flags' multiaddresses are checked by formats.addresses.
 
 Roster: every rank of the hivemind outer backend stores `(run id, stage) -> {replica: peer}`
 in the DHT with an expiration of --heartbeat-timeout-s, refreshed every third of it, so a
@@ -29,29 +29,6 @@ from modules.comm.errors import PeerError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 """--host-maddrs default: every interface, a free port (the printed addresses say which)."""
-
-
-def parse_maddrs(text: str | Sequence[str] | None, flag: str,
-                 need_peer_id: bool = True) -> list[str]:
-    """Comma-separated multiaddresses, each checked; UserError naming `flag` and the bad one.
-    `need_peer_id`: each must end in /p2p/<peer id> (an initial peer must)."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    items = text.split(",") if isinstance(text, str) else list(text or [])
-    out = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        try:
-            addr = Multiaddr(item)
-        except Exception as e:  # noqa: BLE001 - the multiaddr package raises several types
-            raise UserError(f"{flag}: {item!r} is not a multiaddress ({first(e)}); expected e.g. "
-                            "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
-        if need_peer_id and "/p2p/" not in str(addr):
-            raise UserError(f"{flag}: {item!r} has no /p2p/<peer id> part; copy the whole "
-                            "address a replica or scripts/dht_node.py printed")
-        out.append(str(addr))
-    return out
 
 
 def first(e: BaseException) -> str:

@@ -13,6 +13,9 @@ spread between rounds says whether the machine was quiet enough to judge by. The
 one gloo group and run the runtime's own DiLoCo outer round per payload, timing each process's
 CPU (the simulator's outer_*flops_per_param). `measure_fsdp_cpu` times FSDP2's own CPU beside
 its collectives (the simulator's fsdp_*flops_per_unit), for plans with shard groups.
+
+It lives beside testkit/lab.py, its user, rather than in modules/device: it builds and checks
+the runtime's own model and step (modules.train), which the device layer sits below.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import numpy as np
 import torch
 
 from formats.models import ModelSpec
+from modules.model.decoder import StageModel
 from modules.train.checkpoint import check_finite_state
-from modules.train.model import StageModel
 from scheduler.simulator.sharing import slowdown_at
 
 
