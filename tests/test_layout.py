@@ -1,20 +1,20 @@
-"""The layout's rules, checked on the source: no import cycles, dependencies flow one way
-(formats <- scheduler <- modules <- dist_runner.py, scripts), the sub-packages of modules/
-import one way too, no private names imported across packages, and no function of product code
-(formats, scheduler, modules, scripts, dist_runner.py, udp_hole_punching_test) longer than 60
-lines."""
+"""The layout's rules, checked on the source by testkit/structure.py (`python -m
+testkit.structure` prints them all): no import cycles, dependencies flow one way (formats <-
+scheduler <- modules <- dist_runner.py, scripts), the parts of modules/ import one way too, no
+private names imported across packages, and in product code (formats, scheduler, modules,
+scripts, dist_runner.py, udp_hole_punching_test) no function over 60 lines, no file over 600,
+no class over 350, the Trainer within 300 and no sync mode compared as a string literal."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("formats", "scheduler", "modules", "scripts", "testkit", "udp_hole_punching_test",
-            "benchmarks", "dist_runner")
+from testkit import structure as st
+
+ROOT = st.ROOT
 MAY_IMPORT = {
     "formats": set(),
     "scheduler": {"formats"},
@@ -24,120 +24,78 @@ MAY_IMPORT = {
     "udp_hole_punching_test": {"formats", "modules"},
     "testkit": {"formats", "scheduler", "modules", "scripts", "dist_runner"},
 }
-MAX_FUNCTION_LINES = 60
-PRODUCT = ("formats", "scheduler", "modules", "scripts", "udp_hole_punching_test")
-"""Product code: what users run (not tests, testkit or benchmarks); plus dist_runner.py."""
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+@pytest.fixture(scope="module")
+def graph() -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
+    """The import graph of the checkout, and the private names imported across packages."""
+    return st.import_graph()
 
 
-def _sources() -> dict[str, Path]:
-    out = {}
-    for pkg in PACKAGES:
-        base = ROOT / pkg
-        paths = [base.with_suffix(".py")] if not base.is_dir() else sorted(base.rglob("*.py"))
-        for p in paths:
-            if ".venv" not in p.parts:
-                out[_module_name(p)] = p
-    return out
+def test_no_import_cycles(graph) -> None:
+    assert st.import_cycles(graph[0]) == [], "import cycles"
 
 
-def _imports(path: Path, name: str, known: set[str]) -> list[tuple[str, list[str]]]:
-    """(imported project module, names taken from it) for every import in the file, lazy
-    imports inside functions included."""
-    out = []
-    is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(a.name, []) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
-                base = ".".join(anchor + ([base] if base else []))
-            for a in node.names:  # `from pkg import module` imports the module
-                sub = f"{base}.{a.name}"
-                out.append((sub, []) if sub in known else (base, [a.name]))
-    return [(m, names) for m, names in out if m.split(".")[0] in PACKAGES]
+def test_dependencies_flow_one_way(graph) -> None:
+    def top(m: str) -> str:
+        return m.split(".")[0]
 
-
-def _graph() -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
-    sources = _sources()
-    known = set(sources)
-    g = nx.DiGraph()
-    private = []
-    for name, path in sources.items():
-        g.add_node(name)
-        for target, names in _imports(path, name, known):
-            while target not in known and "." in target:
-                target = target.rsplit(".", 1)[0]
-            if target in known and target != name:
-                g.add_edge(name, target)
-            top_from, top_to = name.split(".")[0], target.split(".")[0]
-            private += [(name, target, n) for n in names
-                        if n.startswith("_") and not n.startswith("__") and top_from != top_to]
-    return g, private
-
-
-def test_no_import_cycles() -> None:
-    g, _ = _graph()
-    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
-    assert cycles == [], f"import cycles: {cycles}"
-
-
-def test_dependencies_flow_one_way() -> None:
-    g, _ = _graph()
-    bad = sorted((a, b) for a, b in g.edges
-                 if a.split(".")[0] in MAY_IMPORT and b.split(".")[0] != a.split(".")[0]
-                 and b.split(".")[0] not in MAY_IMPORT[a.split(".")[0]])
+    bad = sorted((a, b) for a, b in graph[0].edges if top(a) in MAY_IMPORT
+                 and top(b) != top(a) and top(b) not in MAY_IMPORT[top(a)])
     assert bad == []
 
 
-def test_no_private_names_imported_across_packages() -> None:
-    _, private = _graph()
-    assert private == []
+def test_no_private_names_imported_across_packages(graph) -> None:
+    assert graph[1] == []
 
 
-def _runtime_part(module: str) -> str | None:
-    """The node of a module in the graph of modules/'s parts: its sub-package (modules.comm.nccl
-    -> comm); a module directly in modules/ is a node of its own (modules.config -> config), so
-    a shared base such as config.py importing up into a sub-package counts; None outside."""
-    parts = module.split(".")
-    if parts[0] != "modules":
-        return None
-    return parts[1] if len(parts) > 1 else "modules"
-
-
-def test_runtime_parts_import_one_way() -> None:
+def test_runtime_parts_import_one_way(graph) -> None:
     """An edge A -> B when a module of modules/A imports one of modules/B (lazy imports and
     TYPE_CHECKING ones included): no pair imports both ways, and no longer cycle either."""
-    g, _ = _graph()
-    parts = nx.DiGraph()
-    for a, b in g.edges:
-        pa, pb = _runtime_part(a), _runtime_part(b)
-        if pa is not None and pb is not None and pa != pb:
-            parts.add_edge(pa, pb)
-    both_ways = sorted((a, b) for a, b in parts.edges if a < b and parts.has_edge(b, a))
-    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(parts) if len(c) > 1)
-    assert (both_ways, cycles) == ([], []), f"two-way: {both_ways}; cycles: {cycles}"
+    assert st.two_way_subpackages(graph[0]) == []
 
 
-def _product_files() -> list[Path]:
-    files = [ROOT / "dist_runner.py"]
-    for pkg in PRODUCT:
-        files += [p for p in sorted((ROOT / pkg).rglob("*.py")) if ".venv" not in p.parts]
-    return files
+def test_the_structure_report_sees_a_two_way_pair_and_a_cycle() -> None:
+    """The rule above on a made-up graph, so that it could fail."""
+    g = nx.DiGraph([("modules.a.x", "modules.b.y"), ("modules.b.z", "modules.a.w"),
+                    ("modules.c.x", "modules.d.x"), ("modules.d.x", "modules.e.x"),
+                    ("modules.e.x", "modules.c.x"), ("modules.config", "modules.f.x")])
+    assert st.two_way_subpackages(g) == ["a <-> b", "c -> d -> e"]
 
 
-@pytest.mark.parametrize("path", _product_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", st.product_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_product_functions_fit_on_a_screen(path: Path) -> None:
-    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
-    assert long == []
+    assert st.long_functions(path) == []
+
+
+def test_product_files_and_classes_are_small() -> None:
+    files = st.product_files()
+    big = [f"{p.relative_to(ROOT)}" for p in files
+           if len(p.read_text().splitlines()) > st.MAX_FILE_LINES]
+    classes = [f"{p.relative_to(ROOT)}: {c} ({n})" for p in files
+               for c, n in st.class_lengths(p).items() if n > st.MAX_CLASS_LINES]
+    trainer = st.class_lengths(ROOT / "modules" / "train" / "trainer.py")["Trainer"]
+    assert (big, classes) == ([], [])
+    assert trainer <= st.MAX_TRAINER_LINES
+
+
+def test_sync_modes_are_asked_of_their_rule_not_compared_as_strings() -> None:
+    """formats/sync_rules.py declares what each rule implies; product code asks the rule."""
+    literal = [str(p.relative_to(ROOT)) for p in st.product_files()
+               if st.compares_sync_literals(p)]
+    assert len(literal) <= st.MAX_SYNC_LITERAL_FILES, literal
+
+
+def test_the_structure_report_runs_and_every_rule_holds(capsys) -> None:
+    assert st.main([]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("code, compares", [
+    ('if sync.mode == "diloco":\n    pass\n', True),
+    ('ok = mode in ("allreduce", "x")\n', True),
+    ('local = sync.rule.local_steps\n', False),
+    ('name = "diloco"\nprint(f"--sync {name}")\n', False)])
+def test_a_sync_literal_comparison_is_seen(tmp_path, code, compares) -> None:
+    f = tmp_path / "x.py"
+    f.write_text(code)
+    assert st.compares_sync_literals(f) is compares
