@@ -51,7 +51,8 @@ DILOCO_STEPS = 500
 """Most steps a DiLoCo row trains (it usually stops earlier, at all-reduce's final loss)."""
 RECIPE = ["--lr", "1e-3", "--warmup-steps", "5", "--lr-schedule", "constant",
           "--eval-every", "10", "--eval-sequences", "32"]
-"""The lab benchmarks' training recipe (testkit/lab.py), evaluations every 10 steps."""
+"""The sweep's training recipe: lr 1e-3 after 5 warm-up steps, then constant; an evaluation of
+32 sequences every 10 steps."""
 
 
 @dataclass(frozen=True)
