@@ -49,6 +49,8 @@ MAX_SHARD = 1024
 """Most devices per shard group the planner tries (the model's shard limit also bounds it)."""
 OBJECTIVE_NAMES = ("dtfm", "simulated")
 """The cost models a plan can minimise (OBJECTIVES holds their factories)."""
+DEFAULT_OBJECTIVE = "simulated"
+"""What a PlanRequest, `plan` and `evaluate` use when no objective is named."""
 MAX_TOKENS = 1e15
 """Largest token budget per replica per step."""
 
@@ -68,7 +70,7 @@ class PlanRequest:
     num_micro_batches: int = setting(0, flag="--micro-batches", lo=0, hi=MAX_BATCH_COUNT)
     """micro-batches per replica per step (0: derived from the tokens per replica: tokens /
     (seq_len x micro-batch size), i.e. 61 for gpt3-xl)"""
-    objective: str = setting("dtfm", choices=OBJECTIVE_NAMES, noun="objective")
+    objective: str = setting(DEFAULT_OBJECTIVE, choices=OBJECTIVE_NAMES, noun="objective")
     """cost model to minimise"""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the replicas of a stage keep their parameters in step."""
@@ -187,8 +189,6 @@ OBJECTIVES: dict[str, ObjectiveKind] = {
 """Objectives by name; a new one registers here (its search defaults with it, or the
 fallbacks) and in OBJECTIVE_NAMES."""
 assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
-DEFAULT_OBJECTIVE = "simulated"
-"""What `plan` and `evaluate` use when no objective is named."""
 BASELINE_SHARE = 0.15
 """Part of the time limit kept for scoring the baselines (used only when the search runs
 into the clock; a search ended by its budget leaves them more)."""

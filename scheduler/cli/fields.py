@@ -16,7 +16,7 @@ from typing import Any
 
 from formats import argtypes, settings
 from formats.settings import MAX_SEED
-from scheduler.planning import DEFAULT_OBJECTIVE, OBJECTIVES, PlanRequest, search_defaults
+from scheduler.planning import OBJECTIVES, PlanRequest, search_defaults
 from scheduler.search import SearchConfig
 from scheduler.simulator.config import SimConfig
 from scheduler.sync_search import SyncBounds
@@ -43,8 +43,7 @@ SIM_FLAGS = ("mfu", "activation_bytes", "collective_latency_factor", "allreduce_
 """The SimConfig fields with a generated flag (--runtime, --calibration, --recompute: by
 hand, in scheduler.cli.perf_model)."""
 CLI_DEFAULTS: dict[type, dict[str, Any]] = {
-    PlanRequest: {"num_stages": 0, "num_replicas": 0, "objective": DEFAULT_OBJECTIVE,
-                  "pipeline_compression": None},
+    PlanRequest: {"num_stages": 0, "num_replicas": 0, "pipeline_compression": None},
     SearchConfig: {"budget": None, "window": None, "time_limit_s": 60.0},
     SyncBounds: {"max_inner_steps": None, "max_pipeline_compression": None,
                  "train_steps": None, "target_loss": None},
