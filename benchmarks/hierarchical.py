@@ -32,7 +32,6 @@ the runs: a miss is NOISY, not MISS, when the machine's speed moved by more than
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -127,13 +126,8 @@ RATE_UNITS = {"bit": 1e-3, "kbit": 1.0, "mbit": 1e3, "gbit": 1e6}
 def cross_site_bytes(net: Network, cross_kbit: int) -> int:
     """Bytes every host sent through its htb classes of the cross-site rate so far (tc's text
     output: iproute2 6.1 prints htb classes as text even with -j)."""
-    if not net.active:
-        return 0
-    hosts = json.loads((net.dir / "netns_map.json").read_text())["hosts"]
     total = 0
-    for h in hosts:
-        text = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "class", "show", "dev",
-                   h["iface"]]).stdout
+    for text in net.tc_show(("class", "show")):
         for value, unit, sent in re.findall(
                 r"class htb \S+ .*?rate (\d+(?:\.\d+)?)([KMG]?bit).*?\n\s*Sent (\d+) bytes", text):
             kbit = float(value) * RATE_UNITS[unit.lower()]

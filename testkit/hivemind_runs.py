@@ -146,3 +146,43 @@ def max_param_diff(models: list[dict]) -> float:
     first = models[0]
     return max((float((m[k] - first[k]).abs().max()) for m in models[1:] for k in first),
                default=0.0)
+
+
+FAKE_PEER_ID = "12D3KooWBpJ5MYtL1QxfmJV1CyweZGo8w2zuDEW3J5E9z6P7oJra"
+"""A well-formed libp2p peer id for fakes."""
+
+
+class FakeDHT:
+    """What the roster, HivemindOuter and dht_call use of hivemind's DHT, in one process:
+    `answers[key]` is what get returns; `alive` False is a DHT process that died, `answering`
+    False one that never answers (its futures never resolve)."""
+
+    def __init__(self, peer_id: str = FAKE_PEER_ID, alive: bool = True,
+                 answering: bool = True) -> None:
+        from hivemind.p2p import PeerID
+
+        self.peer_id = PeerID.from_base58(peer_id)
+        self.answers: dict = {}
+        self.alive, self.answering = alive, answering
+        self.pid, self.exitcode = 4242, None if alive else -9
+        self.calls: list[tuple] = []
+
+    def get(self, key, latest=False, return_future=False):
+        """The answer for `key`, or (return_future) a future of it, as hivemind's MPFuture."""
+        import concurrent.futures
+
+        self.calls.append(("get", key, latest))
+        if not return_future:
+            return self.answers.get(key)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.answering and self.alive:
+            future.set_result(self.answers.get(key))
+        return future
+
+    def is_alive(self) -> bool:
+        """Whether the (fake) DHT process runs."""
+        return self.alive
+
+    def get_visible_maddrs(self):
+        """No addresses: a --client-mode peer's."""
+        return []

@@ -98,17 +98,20 @@ class Network:
         return sum(process_cpu_s(pid) or 0.0
                    for pid in load_state(self.prefix).delay_pids.values())
 
+    def tc_show(self, what: tuple[str, ...], after: tuple[str, ...] = ()) -> list[str]:
+        """`tc -s WHAT dev IFACE AFTER` in every host, one stdout per host ([] on loopback),
+        e.g. what ("-j", "qdisc", "show"), after ("root",)."""
+        if not self.active:
+            return []
+        hosts = json.loads((self.dir / "netns_map.json").read_text())["hosts"]
+        return [sh(["ip", "netns", "exec", h["netns"], "tc", "-s", *what, "dev", h["iface"],
+                    *after]).stdout for h in hosts]
+
     def wire_bytes(self) -> int:
         """Bytes every host has sent on its eth0 so far (tc root qdisc counters)."""
-        if not self.active:
-            return 0
-        hosts = json.loads((self.dir / "netns_map.json").read_text())["hosts"]
-        total = 0
-        for h in hosts:
-            p = sh(["ip", "netns", "exec", h["netns"], "tc", "-s", "-j", "qdisc", "show",
-                    "dev", h["iface"], "root"])
-            total += sum(int(q.get("bytes", 0)) for q in json.loads(p.stdout))
-        return total
+        return sum(int(q.get("bytes", 0))
+                   for out in self.tc_show(("-j", "qdisc", "show"), ("root",))
+                   for q in json.loads(out))
 
 
 def netns_unavailable() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 import sys
@@ -35,6 +36,13 @@ MAX_SYNC_LITERAL_FILES = 3
 MAX_DATED_DOC_LINES = 10
 SYNC_MODE_NAMES = frozenset({"allreduce", "diloco"})
 DATED = re.compile(r"(?<!\d)20\d\d-[01]\d-[0-3]\d(?!\d)")
+
+
+@functools.cache
+def _parsed(path: Path) -> tuple[str, ast.Module]:
+    """A source file's text and syntax tree, read and parsed once per process."""
+    text = path.read_text()
+    return text, ast.parse(text)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -68,7 +76,7 @@ def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, list[str]
     imports inside functions included."""
     out = []
     is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parsed(path)[1]):
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -135,7 +143,7 @@ def two_way_subpackages(g: nx.DiGraph) -> list[str]:
 
 def _spans(path: Path, kinds: tuple[type, ...]) -> list[tuple[str, int, int]]:
     return [(n.name, n.lineno, n.end_lineno - n.lineno + 1)
-            for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, kinds)]
+            for n in ast.walk(_parsed(path)[1]) if isinstance(n, kinds)]
 
 
 def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
@@ -161,7 +169,7 @@ def compares_sync_literals(path: Path) -> bool:
         return False
 
     return any(isinstance(n, ast.Compare) and any(literal(x) for x in [n.left, *n.comparators])
-               for n in ast.walk(ast.parse(path.read_text())))
+               for n in ast.walk(_parsed(path)[1]))
 
 
 def dated_doc_lines(root: Path = ROOT) -> list[str]:
@@ -195,13 +203,13 @@ def measure(root: Path = ROOT) -> list[Rule]:
     files = product_files(root)
     cycles = import_cycles(g)
     longf = [f"{_rel(p, root)}: {f}" for p in files for f in long_functions(p)]
-    lines = {p: len(p.read_text().splitlines()) for p in files}
+    lines = {p: len(_parsed(p)[0].splitlines()) for p in files}
     big = [f"{_rel(p, root)} ({n})" for p, n in lines.items() if n > MAX_FILE_LINES]
-    classes = [f"{_rel(p, root)}: {c} ({n})" for p in files
-               for c, n in class_lengths(p).items() if n > MAX_CLASS_LINES]
-    trainer = max((n for p in files for c, n in class_lengths(p).items() if c == "Trainer"),
-                  default=0)
-    flag_map = [_rel(p, root) for p in files if "FLAG_OF_FIELD" in p.read_text()]
+    spans = {p: class_lengths(p) for p in files}
+    classes = [f"{_rel(p, root)}: {c} ({n})" for p, cs in spans.items()
+               for c, n in cs.items() if n > MAX_CLASS_LINES]
+    trainer = max((cs.get("Trainer", 0) for cs in spans.values()), default=0)
+    flag_map = [_rel(p, root) for p in files if "FLAG_OF_FIELD" in _parsed(p)[0]]
     literal = [_rel(p, root) for p in files if compares_sync_literals(p)]
     two_way = two_way_subpackages(g)
     dated = dated_doc_lines(root)

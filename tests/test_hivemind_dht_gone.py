@@ -3,36 +3,18 @@ get/store of the training process is bounded (`dht_call`), and a dead DHT proces
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import pytest
 
 from modules.comm import PeerError
 from modules.sync.hivemind_dht import DhtGone, dht_call
-
-
-class _FakeDht:
-    """What dht_call uses of hivemind's DHT: get/store(return_future=True), is_alive, pid."""
-
-    def __init__(self, alive: bool, answer: object = None) -> None:
-        self.alive, self.answer, self.pid, self.exitcode = alive, answer, 4242, -9
-        self.calls: list[tuple] = []
-
-    def get(self, key, latest=False, return_future=False):
-        assert return_future  # a blocking call is what hung
-        self.calls.append(("get", key, latest))
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self.answer is not None:
-            future.set_result(self.answer)
-        return future
-
-    def is_alive(self) -> bool:
-        return self.alive
+from testkit.hivemind_runs import FakeDHT
 
 
 def test_a_dht_call_returns_what_the_dht_answers() -> None:
-    dht = _FakeDht(True, answer="value")
+    dht = FakeDHT()
+    dht.answers["k"] = "value"
     assert dht_call(dht, "get", "k", latest=True) == "value"
     assert dht.calls == [("get", "k", True)]
 
@@ -40,13 +22,13 @@ def test_a_dht_call_returns_what_the_dht_answers() -> None:
 def test_a_dead_dht_process_is_named_at_once() -> None:
     t0 = time.monotonic()
     with pytest.raises(DhtGone, match=r"DHT process \(pid 4242\) ended \(exit code -9\)"):
-        dht_call(_FakeDht(False), "get", "k", timeout_s=60)
+        dht_call(FakeDHT(alive=False), "get", "k", timeout_s=60)
     assert time.monotonic() - t0 < 10  # not the 60 s deadline
 
 
 def test_a_live_dht_that_does_not_answer_times_out_by_name() -> None:
     with pytest.raises(PeerError, match=r"DHT process \(pid 4242\) within 0.3 s: it is alive"):
-        dht_call(_FakeDht(True), "get", "k", timeout_s=0.3)
+        dht_call(FakeDHT(answering=False), "get", "k", timeout_s=0.3)
 
 
 def _dht_process_of(pid: int) -> int:
@@ -74,8 +56,7 @@ def test_a_replica_whose_dht_process_is_killed_ends_naming_it(tmp_path) -> None:
     from testkit.fault_harness import write_trial_plan
     from testkit.hivemind_runs import HivemindRun
 
-    hivemind = pytest.importorskip("hivemind", reason="the hivemind extra is not installed")
-    assert hivemind
+    pytest.importorskip("hivemind", reason="the hivemind extra is not installed")
     run = HivemindRun(write_trial_plan(tmp_path / "plan.json", 2, 1, "diloco", inner_steps=4),
                       tmp_path)
     flags = ("--steps", "60", "--fake-data", "--heartbeat-timeout-s", "3", "--timeout-s", "15")

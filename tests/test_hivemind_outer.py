@@ -29,6 +29,7 @@ from modules.sync.hivemind_exact import CodecWire, ExactAverager, reducer_of  # 
 from modules.sync.hivemind_offenders import Offenders  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import (  # noqa: E402
+    FakeDHT,
     HivemindRun,
     load_models,
     max_param_diff,
@@ -709,31 +710,6 @@ def test_roster_connects_to_every_replica_at_its_announced_addresses():
             d.shutdown()
 
 
-class _FakeDHT:
-    """What Roster and HivemindOuter read of a DHT: `answers[key]` is what get returns."""
-
-    def __init__(self, peer_id: str = FAKE_ID) -> None:
-        from hivemind.p2p import PeerID
-
-        self.peer_id = PeerID.from_base58(peer_id)
-        self.answers: dict = {}
-
-    def get(self, key, latest=False, return_future=False):
-        if not return_future:
-            return self.answers.get(key)
-        import concurrent.futures
-
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(self.answers.get(key))
-        return done  # as hivemind's MPFuture, answered
-
-    def is_alive(self) -> bool:
-        return True
-
-    def get_visible_maddrs(self):
-        return []
-
-
 def _entries(**replicas):
     """A DHT dictionary value: replica -> (roster entry of a --client-mode peer, expiration)."""
     from hivemind.utils import ValueWithExpiration
@@ -752,7 +728,7 @@ def test_roster_keeps_an_entry_until_it_expires(monkeypatch):
 
     now = [1000.0]
     monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: now[0])
-    dht = _FakeDHT()
+    dht = FakeDHT()
     roster = Roster(dht, "rt", 0, 0, 3.0, log=print, client_mode=True)
     key = "rt_roster_s0"
     dht.answers[key] = _entries(r0=(FAKE_ID, 1003.0), r1=(PEER_B, 1003.0), r2=(PEER_C, 1002.0))
@@ -807,7 +783,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.closing, hv.whole, hv.catching_up = threading.Event(), True, False
     hv.log = hv.lines.append
     hv.offenders = Offenders(hv.what, hv.log)
-    hv.dht = _FakeDHT()
+    hv.dht = FakeDHT()
     hv.averager = _FakeAverager(hv.dht)
     hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
         {PeerID.from_base58(p).to_bytes(): ValueWithExpiration(v, 2e9)
@@ -968,7 +944,7 @@ def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):
                                 1003.0)
     groups = []
     for me, peer in ((0, FAKE_ID), (2, PEER_C)):
-        dht = _FakeDHT(peer)
+        dht = FakeDHT(peer)
         dht.answers["rt_roster_s0"] = value
         roster = Roster(dht, "rt", 0, me, 3.0, log=print, client_mode=True)
         roster._link = lambda entries: None

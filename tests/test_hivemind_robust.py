@@ -32,7 +32,7 @@ from modules.sync.hivemind_exact import (  # noqa: E402
 )
 from modules.sync.hivemind_offenders import EXCLUDE_AFTER, EXCLUDED, Offenders  # noqa: E402
 from testkit.fault_harness import write_trial_plan  # noqa: E402
-from testkit.hivemind_runs import HivemindRun  # noqa: E402
+from testkit.hivemind_runs import FakeDHT, HivemindRun  # noqa: E402
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
 PEER_A = "12D3KooWBpJ5MYtL1QxfmJV1CyweZGo8w2zuDEW3J5E9z6P7oJra"
@@ -84,29 +84,6 @@ def test_the_fingerprint_covers_the_model_and_plan_not_the_hosts():
     assert part_identity(fp, "0", 115008) != part_identity(fp, "0", 867072)
 
 
-class _FakeDHT:
-    def __init__(self, peer_id: str = PEER_A) -> None:
-        from hivemind.p2p import PeerID
-
-        self.peer_id = PeerID.from_base58(peer_id)
-        self.answers: dict = {}
-
-    def get(self, key, latest=False, return_future=False):
-        if not return_future:
-            return self.answers.get(key)
-        import concurrent.futures
-
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(self.answers.get(key))
-        return done  # as hivemind's MPFuture, answered
-
-    def is_alive(self) -> bool:
-        return True
-
-    def get_visible_maddrs(self):
-        return []
-
-
 def _roster_value(records: dict):
     from hivemind.utils import ValueWithExpiration
 
@@ -117,7 +94,7 @@ def test_outsiders_roster_records_are_ignored_and_counted():
     """Records that are no entries of this run (an int() of a word crashed a replica) are
     ignored, counted once each and said once per order of magnitude; the run's own entries
     count."""
-    dht, lines = _FakeDHT(), []
+    dht, lines = FakeDHT(), []
     roster = Roster(dht, "rt", 0, 0, 3.0, log=lines.append, client_mode=True, identity="me")
     roster._link = lambda entries: None
     dht.answers["rt_roster_s0"] = _roster_value({
@@ -131,7 +108,7 @@ def test_outsiders_roster_records_are_ignored_and_counted():
 
 
 def test_an_entry_of_another_run_on_the_run_id_is_refused_by_name():
-    dht = _FakeDHT()
+    dht = FakeDHT()
     roster = Roster(dht, "rt", 0, 0, 3.0, log=print, client_mode=True, identity="me")
     roster._link = lambda entries: None
     dht.answers["rt_roster_s0"] = _roster_value({1: [PEER_B, [], "other"]})

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,6 @@ def dht_call(dht: Any, method: str, *args: Any, timeout_s: float = DHT_CALL_S,
              **kwargs: Any) -> Any:
     """`dht.<method>(*args, **kwargs)` (get, store) within `timeout_s`: DhtGone at once when
     the DHT process has ended, PeerError when it is alive but does not answer in time."""
-    from concurrent.futures import TimeoutError as FutureTimeout
-
     future = getattr(dht, method)(*args, return_future=True, **kwargs)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -48,6 +48,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -344,8 +345,6 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         """Run the averager's `method` in its process (through its control pipe, as hivemind
         runs its own) and wait for it to finish (at most AVERAGER_CALL_S); PeerError naming the
         averager's process when it does not answer (it died, or its p2pd did: seen)."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         from hivemind.utils.mpfuture import MPFuture
 
         future = MPFuture()
