@@ -20,8 +20,6 @@ set the variable. A secret file readable by group or others is refused. Never on
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import socket
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UserError
+from formats.macs import mac_matches, tagged_mac
 
 SECRET_ENV = "ST_RUN_SECRET"
 SECRET_FILE_ENV = "ST_RUN_SECRET_FILE"
@@ -137,8 +136,7 @@ class Auth:
         self._lock = threading.Lock()
 
     def _mac(self, key: str, value: bytes) -> str:
-        msg = b"st-store/1\0" + key.encode() + b"\0" + value
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()
+        return tagged_mac(self._secret, b"st-store/1", key.encode(), value)
 
     def sign(self, key: str, value: str) -> str:
         """The stored form of `value` at `key`."""
@@ -146,16 +144,15 @@ class Auth:
 
     def name(self, key: str) -> str:
         """`key` renamed so only holders of the secret can name it (modules.control.hidden)."""
-        mac = hmac.new(self._secret, b"st-name/1\0" + key.encode(), hashlib.sha256)
-        return f"{key}/#{mac.hexdigest()[:32]}"
+        return f"{key}/#{tagged_mac(self._secret, b'st-name/1', key.encode())[:32]}"
 
     def open(self, key: str, stored: bytes | str) -> str | None:
         """The value if `stored` is a record this run signed for `key`, else None (logged)."""
         raw = stored.encode() if isinstance(stored, str) else bytes(stored)
         head, _, rest = raw.partition(b":")
         mac, _, value = rest.partition(b":")
-        if (head + b":" == TAG.encode() and len(mac) == 64
-                and hmac.compare_digest(mac.decode("ascii", "replace"), self._mac(key, value))):
+        if (head + b":" == TAG.encode()
+                and mac_matches(mac.decode("ascii", "replace"), self._mac(key, value))):
             try:
                 return value.decode()
             except UnicodeDecodeError:

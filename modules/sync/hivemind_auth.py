@@ -15,11 +15,11 @@ yet. Wiring it into the roster, matchmaking and state transfer is the open part 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Any
 
-DOMAIN = b"st-hivemind/1\0"
+from formats.macs import mac_matches, tagged_mac
+
+DOMAIN = b"st-hivemind/1"
 """Separates these proofs from the store's signed records (modules.control.auth: st-store/1)."""
 NOT_A_MEMBER = ("not a member of this run: no valid proof of the run secret (a peer started "
                 "with another ST_RUN_SECRET, or an outsider)")
@@ -37,10 +37,8 @@ class PeerProof:
 
     def of(self, peer: str) -> str:
         """The proof that `peer` (base58 peer id) is a member (hex)."""
-        msg = DOMAIN + self.run.encode() + b"\0" + peer.encode()
-        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
+        return tagged_mac(self._key, DOMAIN, self.run.encode(), peer.encode())
 
     def holds(self, peer: str, proof: Any) -> bool:
         """Whether `proof` (as a peer sent it: any value) proves `peer` a member."""
-        return (isinstance(proof, str) and len(proof) == 64
-                and hmac.compare_digest(proof, self.of(peer)))
+        return mac_matches(proof, self.of(peer))
