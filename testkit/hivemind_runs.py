@@ -98,6 +98,23 @@ class HivemindRun:
         """Exit status of every rank within `timeout` in all (None: still running)."""
         return wait_all(self.procs, timeout)
 
+    def wait_progressing(self, stall_s: float, limit_s: float) -> dict[int, int | None]:
+        """Exit status of every rank (None: still running), waiting while any rank's output
+        grows: at most `stall_s` without a new line from any rank and `limit_s` in all. A
+        loaded machine makes a run slower, not silent; a hang still ends the wait."""
+        deadline = time.monotonic() + limit_s
+        last, quiet_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self.procs.values()):
+                break
+            size = sum((self.out_dir / f"rank{r}.log").stat().st_size for r in self.procs)
+            if size != last:
+                last, quiet_since = size, time.monotonic()
+            elif time.monotonic() - quiet_since > stall_s:
+                break
+            time.sleep(0.5)
+        return {r: p.poll() for r, p in self.procs.items()}
+
     def stop(self) -> None:
         """kill -9 every session still there (ranks that exited included: their children)."""
         for p in self.procs.values():

@@ -393,7 +393,7 @@ def test_overlap_killed_replica_is_dropped_and_outer_models_stay_equal(tmp_path)
     assert run.p2pd_left() == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 def test_late_joiner_loads_state_and_ends_identical(tmp_path):
     """Replicas 0 and 1 start (--replicas 0,1); replica 2 starts with --join while they train:
     it loads the outer model, momentum and round count of a round they completed, takes part
@@ -409,7 +409,8 @@ def test_late_joiner_loads_state_and_ends_identical(tmp_path):
         assert run.wait_for(0, r"outer_step 1:", 90), run.output(0)
         run.start(2, "--steps", steps, "--ckpt-dir", str(tmp_path / "ck"), "--fake-data",
                   "--join", peers=peers)
-        codes = run.wait(200)
+        # 34 s on a quiet machine; the suite's CI had rank 0 at step 119 of 400 after 200 s
+        codes = run.wait_progressing(stall_s=90, limit_s=540)
         logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in (0, 1, 2))
         assert codes == {0: 0, 1: 0, 2: 0}, (codes, logs)
         loaded = run.wait_for(2, r"--join: loaded the outer model, momentum and round count "
@@ -571,7 +572,7 @@ def test_shard_groups_average_shard_by_shard_as_the_store_backend(tmp_path):
         assert max_param_diff([got["hivemind"][a], got["hivemind"][b]]) == 0.0, (a, b)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(660)
 def test_a_sharded_late_joiner_loads_every_shard_and_ends_identical(tmp_path):
     """Replicas 0 and 1 of 2 x D = 2 start; replica 2 (two ranks) starts with --join while they
     train: each of its shards loads the state of its shard's rounds from a peer, the replica
@@ -595,7 +596,7 @@ def test_a_sharded_late_joiner_loads_every_shard_and_ends_identical(tmp_path):
         assert run.wait_for(0, r"outer_step 1:", 120), run.output(0)
         for r in (4, 5):
             run.start(r, *common, "--join", peers=peers)
-        codes = run.wait(360)
+        codes = run.wait_progressing(stall_s=90, limit_s=480)
         logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in range(6))
         assert codes == {r: 0 for r in range(6)}, (codes, logs)
         for r in (4, 5):
