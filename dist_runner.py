@@ -189,6 +189,7 @@ def start_hivemind(run: ResolvedRun, cluster: Cluster | None, topo: Topology,
         return None
     import signal
 
+    from modules.control.auth import load_secret
     from modules.sync.hivemind_outer import HivemindOuter, settings_of
 
     assert run.target is not None
@@ -197,8 +198,8 @@ def start_hivemind(run: ResolvedRun, cluster: Cluster | None, topo: Topology,
                         "DHT; start each with its own --dist-url)")
     # KeyboardInterrupt: a clean stop; from Trainer.run on, SIGTERM saves a checkpoint first
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    return HivemindOuter(settings_of(run), run.plan, cluster, topo.replica, topo.stage, log,
-                         topo.shard)
+    return HivemindOuter(settings_of(run, load_secret()), run.plan, cluster, topo.replica,
+                         topo.stage, log, topo.shard)
 
 
 def on_store(store: dist.Store, run: ResolvedRun, topo: Topology,

@@ -43,10 +43,12 @@ class HivemindRun:
     ifname: str = "eth0"
     """gloo's interface in a namespace host (the replica's own store is on its loopback)."""
 
-    def start(self, rank: int, *args: str, peers: str | None = None) -> None:
+    def start(self, rank: int, *args: str, peers: str | None = None,
+              secret: str | None = None) -> None:
         """Start dist_runner.py --rank rank with --outer-backend hivemind (and --initial-peers
         `peers` when given); the replica's store port is chosen once per replica. Backend
-        "store": every rank on rank 0's store, the outer average through it."""
+        "store": every rank on rank 0's store, the outer average through it. `secret`: the
+        rank's ST_RUN_SECRET (default: this process's environment's)."""
         replica = rank // self.ranks_per_replica
         host = self.addrs.get(replica, "127.0.0.1")
         if self.backend == "store":
@@ -61,6 +63,8 @@ class HivemindRun:
         if peers:
             cmd += ["--initial-peers", peers]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if secret is not None:
+            env["ST_RUN_SECRET"] = secret
         if self.netns:
             env["GLOO_SOCKET_IFNAME"] = self.ifname  # the namespace host's link by default
         with open(self.out_dir / f"rank{rank}.log", "w") as log:

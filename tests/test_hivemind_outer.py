@@ -772,6 +772,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     from hivemind.p2p import PeerID
     from hivemind.utils import ValueWithExpiration
 
+    from modules.sync.hivemind_auth import PeerProof
     from modules.sync.hivemind_outer import HivemindOuter, HivemindSettings
     from modules.sync.outer_deadlines import OuterDeadlines
 
@@ -785,6 +786,7 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
     hv.log = hv.lines.append
     hv.offenders = Offenders(hv.what, hv.log)
     hv.dht = FakeDHT()
+    hv.proof = PeerProof(b"test secret", "run")
     hv.averager = _FakeAverager(hv.dht)
     hv.dht.answers["run_s0.all_averagers"] = ValueWithExpiration(
         {PeerID.from_base58(p).to_bytes(): ValueWithExpiration(v, 2e9)
@@ -796,6 +798,11 @@ def _background_outer(declared: dict[str, float], live: list[str], averaging_s: 
 
         def peers(self, sharing=False):
             return set(live)
+
+        def trusted(self):  # every peer that declared was a member
+            return set(declared)
+
+        unproven: set = set()
 
     hv.roster = Roster()
     return hv
@@ -926,7 +933,8 @@ def test_a_round_starts_in_the_rosters_group_without_matchmaking():
     hv.averager.step = lambda **kw: steps.append(kw["gather"]) or _Step(
         {b"a": _g(0, 8), b"b": _g(1, 8)})
     assert hv._round(8, 1.0) == [0, 1]
-    assert len(calls) == 1 and steps == [_g(0, 8)]
+    mine = {**_g(0, 8), "proof": hv.proof.of(str(hv.dht.peer_id))}  # a member's gather
+    assert len(calls) == 1 and steps == [mine]
 
 
 def test_roster_members_are_the_same_group_on_every_replica(monkeypatch):

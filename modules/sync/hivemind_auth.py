@@ -3,14 +3,15 @@
 hivemind's DHT takes any peer's records and its matchmaking any peer that knows the prefix. A
 libp2p connection does authenticate the peer id (it is the hash of the peer's public key, proved
 in the handshake), so a proof bound to the peer id cannot be replayed by another peer: a member
-would publish
-`HMAC-SHA256(run secret, run id, its peer id)` in its roster entry and in what it gathers at
-matchmaking, and every replica would check it before trusting the peer (in
-modules.sync.hivemind_dht.Roster and ExactAverager._aggregate_with_group), so a peer without
-the secret never enters the roster, never contributes to an average and never supplies a state.
+publishes `HMAC-SHA256(run secret, run id, its peer id)` in its roster entry and in what it
+gathers at matchmaking, and every replica checks it before trusting the peer, so a peer
+without the secret never enters the roster, never contributes to an average and never
+supplies a state.
 
-Status: only the proof itself is here and tested (tests/test_hivemind_auth.py); nothing calls it
-yet. Wiring it into the roster, matchmaking and state transfer is the open part of issue 46.
+Where it is checked: Roster._valid (an entry without a valid proof is refused and counted;
+only proven peers' declarations count: Roster.trusted), ExactAverager._refuse_strangers (a
+matchmaking group with a stranger fails before data moves: `stranger`) and, through the
+roster, every state download. tests/test_hivemind_auth.py.
 """
 
 from __future__ import annotations
@@ -42,3 +43,12 @@ class PeerProof:
     def holds(self, peer: str, proof: Any) -> bool:
         """Whether `proof` (as a peer sent it: any value) proves `peer` a member."""
         return mac_matches(proof, self.of(peer))
+
+    def stranger(self, gathered: dict[str, Any], me: str) -> str | None:
+        """The first peer of `gathered` (peer id -> what it gathered at matchmaking) other
+        than `me` whose data carries no valid proof ({"proof": ...}), else None."""
+        for peer, data in gathered.items():
+            if peer != me and not self.holds(peer, data.get("proof")
+                                             if isinstance(data, dict) else None):
+                return peer
+        return None

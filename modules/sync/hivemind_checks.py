@@ -109,8 +109,9 @@ def contribution_faults(parts: dict[int, torch.Tensor | None], numel: int,
     return faults
 
 
-def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str] | None:
-    """(replica, peer id, addresses, identity) of a well-formed roster record, else None."""
+def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str, str] | None:
+    """(replica, peer id, addresses, identity, membership proof) of a well-formed roster
+    record, else None; a record without a proof (3 fields) has proof "" (never valid)."""
     if isinstance(key, bool) or not isinstance(key, int | str):
         return None
     if isinstance(key, str) and not (key.isascii() and key.isdigit() and len(key) < 10):
@@ -118,11 +119,12 @@ def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str] | Non
     replica = int(key)
     if not 0 <= replica < MAX_COUNT:
         return None
-    if not (isinstance(value, list) and len(value) == 3):
+    if not (isinstance(value, list) and len(value) in (3, 4)):
         return None
-    peer, maddrs, identity = value
+    peer, maddrs, identity, proof = [*value, ""][:4]
     # a libp2p peer id in base58 is 46 (RSA, "Qm...") to 52 (ed25519, "12D3KooW...") long
     if not (isinstance(peer, str) and 40 <= len(peer) <= 64 and isinstance(identity, str)
+            and isinstance(proof, str) and len(proof) <= 64
             and isinstance(maddrs, list) and len(maddrs) < 64
             and all(isinstance(m, str) and len(m) < 300 for m in maddrs)):
         return None
@@ -133,7 +135,7 @@ def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str] | Non
             return None
     except Exception:  # noqa: BLE001 - not a peer id: an outsider's record
         return None
-    return replica, peer, list(maddrs), identity
+    return replica, peer, list(maddrs), identity, proof
 
 
 def _count(meta: dict, key: str) -> int | None:

@@ -5,9 +5,12 @@ without any central store). Its flags' multiaddresses are checked by formats.add
 Roster: every rank of the hivemind outer backend stores `(run id, stage) -> {replica: peer}`
 in the DHT with an expiration of --heartbeat-timeout-s, refreshed every third of it, so a
 replica that dies disappears from the roster within that time and the next round's group is
-formed without waiting for it. A rank that sees fewer replicas than the plan's for longer than
-the matchmaking deadline says so, naming the initial peers it used (the split-DHT guard:
-replicas started with disjoint initial peers form two DHTs and never meet).
+formed without waiting for it. Each entry carries its peer's membership proof
+(modules.sync.hivemind_auth): an entry without a valid one (another run secret, an outsider)
+is counted, named in a warning and never used. A rank that sees fewer replicas than the
+plan's for longer than the matchmaking deadline says so, naming the initial peers it used
+(the split-DHT guard: replicas started with disjoint initial peers form two DHTs and never
+meet).
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formats.errors import UserError
 from modules.comm.errors import PeerError
+from modules.sync.hivemind_auth import NOT_A_MEMBER
+
+if TYPE_CHECKING:
+    from modules.sync.hivemind_auth import PeerProof
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 """--host-maddrs default: every interface, a free port (the printed addresses say which)."""
@@ -233,13 +240,20 @@ class Roster:
 
     def __init__(self, dht: Any, run: str, part: int | str, replica: int, ttl_s: float,
                  log: Callable[[str], None] = print, client_mode: bool = False,
-                 identity: str = "") -> None:
+                 identity: str = "", proof: PeerProof | None = None) -> None:
         """`part`: what the replicas in this roster average together (HivemindOuter.part);
         `identity`: its fingerprint (modules.sync.hivemind_checks.part_identity), which every
-        entry carries: an entry of another identity is another run on this --run-id."""
+        entry carries: an entry of another identity is another run on this --run-id;
+        `proof`: the run's membership proofs (None: every well-formed entry counts, as in
+        tests of the roster alone)."""
         self.dht, self.key, self.replica, self.ttl_s, self.log = (
             dht, f"{run}_roster_s{part}", replica, ttl_s, log)
-        self.run, self.identity = run, identity
+        self.run, self.identity, self.proof = run, identity, proof
+        self.proven: set[str] = {str(dht.peer_id)}
+        """Peer ids (base58) of every entry read whose proof held (and mine): the peers whose
+        declarations and states may be trusted, also after their entry expired."""
+        self.unproven: set[str] = set()
+        """Peer ids of entries whose proof did not hold (at most IGNORED_KEPT kept)."""
         self.ignored: set[str] = set()
         """Subkeys of records read that are no roster entries (an outsider's garbage, at most
         IGNORED_KEPT of them kept): never parsed further."""
@@ -267,8 +281,11 @@ class Roster:
     def _announce(self) -> None:
         from hivemind.utils import get_dht_time
 
-        dht_call(self.dht, "store", self.key, subkey=self.replica,
-                 value=[str(self.dht.peer_id), self.maddrs, self.identity],
+        me = str(self.dht.peer_id)
+        value = [me, self.maddrs, self.identity]
+        if self.proof is not None:
+            value.append(self.proof.of(me))
+        dht_call(self.dht, "store", self.key, subkey=self.replica, value=value,
                  expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
@@ -318,11 +335,12 @@ class Roster:
 
     def _valid(self, records: dict) -> dict[int, tuple[list, float]]:
         """Replica -> (entry, expiration) of the well-formed records of this run; the others
-        counted (`ignored`, said at 1, 10, 100, ...), never parsed further; an entry of
-        another identity sets `conflict`."""
+        counted (`ignored`, said at 1, 10, 100, ...), never parsed further; an entry without
+        a valid membership proof is counted apart (`unproven`), never used; a proven entry
+        of another identity sets `conflict` (an unproven one cannot stop the run)."""
         from modules.sync.hivemind_checks import roster_record
 
-        out, before = {}, len(self.ignored)
+        out, before, refused = {}, len(self.ignored), len(self.unproven)
         for k, e in records.items():
             got = roster_record(k, getattr(e, "value", None))
             exp = getattr(e, "expiration_time", None)
@@ -330,7 +348,13 @@ class Roster:
                 if len(self.ignored) < IGNORED_KEPT:
                     self.ignored.add(repr(k)[:64])
                 continue
-            replica, peer, maddrs, identity = got
+            replica, peer, maddrs, identity, proof = got
+            if self.proof is not None and not self.proof.holds(peer, proof):
+                if len(self.unproven) < IGNORED_KEPT:
+                    self.unproven.add(peer)
+                continue
+            with self.lock:
+                self.proven.add(peer)
             if identity != self.identity and self.conflict is None:
                 self.conflict = RunMismatch(
                     f"--run-id {self.run}: replica {replica} (peer {peer}) in this DHT prefix "
@@ -340,11 +364,21 @@ class Roster:
             if identity == self.identity:
                 out[replica] = ([peer, maddrs], float(exp))
         now = len(self.ignored)
-        if now > before and (not before or len(str(before)) != len(str(now))):
+        if _grew_past_a_power_of_ten(before, now):
             self.log(f"warning: ignored {now} record(s) in the DHT roster "
                      f"{self.key} that are not this run's entries (written from outside "
                      "the run, or by another version)")
+        if _grew_past_a_power_of_ten(refused, len(self.unproven)):
+            self.log(f"warning: refused the DHT roster entries of {len(self.unproven)} "
+                     f"peer(s) in {self.key} (e.g. {sorted(self.unproven)[0]}): "
+                     f"{NOT_A_MEMBER}; they take no part in this run")
         return out
+
+    def trusted(self) -> set[str]:
+        """Peer ids (base58) of every entry read that proved its peer a member, mine included
+        (live or not: a replica that left still declared what it completed)."""
+        with self.lock:
+            return set(self.proven)
 
     def peers(self, sharing: bool = False) -> set[str]:
         """Peer ids (base58) of the replicas `live` last saw, mine excluded; `sharing`: only
@@ -390,6 +424,12 @@ class Roster:
     def close(self) -> None:
         """Stop refreshing (the entry expires by itself)."""
         self.stop.set()
+
+
+def _grew_past_a_power_of_ten(before: int, now: int) -> bool:
+    """Whether a count that went from `before` to `now` is worth a warning: its first one,
+    then at 10, 100, ... (an outsider may write without end; the log stays short)."""
+    return now > before and (not before or len(str(before)) != len(str(now)))
 
 
 class RunMismatch(PeerError):

@@ -57,6 +57,7 @@ from modules.quant.allreduce import (
     segment_bounds,
 )
 from modules.quant.codec import DEFAULT_BLOCK
+from modules.sync.hivemind_auth import NOT_A_MEMBER, PeerProof
 from modules.sync.hivemind_checks import STATE_SOURCES, mean_fault, norm_of, state_fault
 from modules.sync.hivemind_dht import hand_over_fds
 from modules.sync.hivemind_offenders import ExclusionMixin, screened
@@ -331,13 +332,16 @@ class ExactAverager(ExclusionMixin, DecentralizedAverager):
     """DecentralizedAverager (hivemind's matchmaking, DHT, state sharing) running ExactRunner.
 
     `step(gather={"replica": r})` is required: peers are ordered by it. `state_fn` returns
-    what a peer loading state from this one gets: (metadata, tensors)."""
+    what a peer loading state from this one gets: (metadata, tensors). `proof`: the run's
+    membership proofs; a group with a peer whose gather does not carry a valid one
+    ({"proof": ...}) fails before any data moves (None: no check, tests of the averager)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], dht: Any, *, wire: CodecWire,
                  state_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None,
-                 **kwargs: Any) -> None:
+                 proof: PeerProof | None = None, **kwargs: Any) -> None:
         self.wire = wire
         self.state_fn = state_fn
+        self.proof = proof
         self._suspects: set[str] = set()
         """(averager process) Peers whose contribution or mean a round refused (base58)."""
         super().__init__(tensors, dht, **kwargs)
@@ -466,6 +470,7 @@ class ExactAverager(ExclusionMixin, DecentralizedAverager):
         loads = self.serializer.loads
         unpacked = [loads(g) for g in group_info.gathered]  # [bandwidth, mode, user data]
         by_peer = {p: loads(u[2]) for p, u in zip(group_info.peer_ids, unpacked)}
+        self._refuse_strangers(by_peer, self._running_groups.get(group_info.group_id))
         client = {p for p, u in zip(group_info.peer_ids, unpacked)
                   if u[1] == AveragingMode.CLIENT.value}
         order = sorted(group_info.peer_ids, key=lambda p: (by_peer[p]["replica"], p.to_bytes()))
@@ -500,6 +505,20 @@ class ExactAverager(ExclusionMixin, DecentralizedAverager):
             self._state_updated.set()
         return {p: by_peer[p] for p in group_info.peer_ids}
 
+    def _refuse_strangers(self, by_peer: dict, running: asyncio.Future | None = None) -> None:
+        """(averager process) AllreduceException before any data moves, a suspect named
+        (never a source of state here), when a peer's gather proves no membership; `running`
+        (the group's registration) fails too: parts waiting on it end now, not at a timeout."""
+        gathered = {p.to_base58(): data for p, data in by_peer.items()}
+        stranger = self.proof and self.proof.stranger(gathered, self.peer_id.to_base58())
+        if stranger:
+            self._suspects.add(stranger)
+            e = AllreduceException(f"peer {stranger} of the group is {NOT_A_MEMBER}; the "
+                                   "round is not averaged with it")
+            if running is not None and not running.done():
+                running.set_exception(e)
+            raise e
+
     _fixed_wait_s: float = 5.0
     """How long a part for a group formed from the roster waits for its receiver to reach
     that round (set by `_fixed_round`; the replicas' skew at the round's start)."""
@@ -525,8 +544,8 @@ class ExactAverager(ExclusionMixin, DecentralizedAverager):
             dumps = self.serializer.dumps
             modes = {True: AveragingMode.CLIENT.value, False: AveragingMode.NODE.value}
             info = GroupInfo(group_id, tuple(PeerID.from_base58(p) for p, _, _ in members),
-                             tuple(dumps([None, modes[c], dumps({"replica": r})])
-                                   for _, r, c in members))
+                             tuple(dumps([None, modes[c], dumps(self._gathered_of(p, r))])
+                                   for p, r, c in members))
             self._fixed_wait_s = wait_s
             await self._reach_round(index)
             kwargs = dict(self.allreduce_kwargs, fail_fast=True)
@@ -546,6 +565,11 @@ class ExactAverager(ExclusionMixin, DecentralizedAverager):
                                      else AllreduceException(repr(e)))
             if not isinstance(e, Exception):
                 raise
+
+    def _gathered_of(self, peer: str, replica: int) -> dict:
+        """What `peer` (of a group formed from the roster, whose entries' proofs held) would
+        have gathered in matchmaking."""
+        return {"replica": replica, **({"proof": self.proof.of(peer)} if self.proof else {})}
 
     async def rpc_aggregate_part(self, stream: Stream[averaging_pb2.AveragingData],
                                  context: P2PContext) -> Stream[averaging_pb2.AveragingData]:

@@ -5,7 +5,10 @@ a replica torch.distributed stays (a store local to the replica).
 One `HivemindOuter` per rank: its DHT node (started before the rendezvous, so the addresses
 to pass as --initial-peers are printed early), the roster of live replicas of its stage
 (modules.sync.hivemind_dht), and an `ExactAverager` (modules.sync.hivemind_exact: the store
-backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
+backend's codes and arithmetic, so every replica ends bit-identical). Every roster entry and
+every matchmaking gather carries the peer's membership proof (modules.sync.hivemind_auth,
+from the run secret): a peer without one never enters the roster, an average or a state
+download. Rounds:
 - round k's first attempt needs no matchmaking: every replica forms the group of the live
   replicas in the roster it reads anyway, the same members and group id on each (`_fixed`),
   and starts the all-reduce as it reaches the round. Should that group not average it (a
@@ -41,6 +44,7 @@ backend's codes and arithmetic, so every replica ends bit-identical). Rounds:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -49,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +63,7 @@ from formats.cluster import Cluster
 from formats.plan import Plan
 from modules.comm import PeerError
 from modules.sync.diloco import OuterState
+from modules.sync.hivemind_auth import PeerProof
 from modules.sync.hivemind_background import BackgroundRounds, background_attempt
 from modules.sync.hivemind_checks import part_identity, run_fingerprint
 from modules.sync.hivemind_dht import (
@@ -113,6 +118,9 @@ class HivemindSettings:
     fingerprint: str = ""
     """The model's and plan's (modules.sync.hivemind_checks.run_fingerprint): every record a
     replica writes carries it, with its part's parameter count."""
+    secret: bytes = field(default=b"", repr=False)
+    """The run secret (modules.control.auth.load_secret): every replica proves it holds it
+    (modules.sync.hivemind_auth); empty only in tests that never start an averager."""
 
     @property
     def dht_flags(self) -> tuple[bool, float]:
@@ -185,6 +193,12 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         that group fails at once), one whose roster changed (a replica joined, or a dead one's
         entry expired) goes to matchmaking."""
 
+    @functools.cached_property
+    def proof(self) -> PeerProof:
+        """Makes and checks the membership proofs of this run (my roster entry, my gather)."""
+        assert self.cfg.secret, "a hivemind replica needs the run secret (settings_of)"
+        return PeerProof(self.cfg.secret, self.cfg.run)
+
     def _started_line(self) -> str:
         """The line that says the DHT is up and how other replicas join through it."""
         if self.cfg.client_mode:  # it accepts no connections: its addresses lead nowhere
@@ -210,7 +224,7 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         on_int = signal.getsignal(signal.SIGINT)
         self.averager = ExactAverager(
             [torch.zeros(numel)], self.dht, wire=CodecWire(cfg.compression),
-            state_fn=self._shared,
+            state_fn=self._shared, proof=self.proof,
             start=True, prefix=f"{cfg.run}_s{self.part}", target_group_size=self.plan.num_replicas,
             min_group_size=2, min_matchmaking_time=self.deadlines.matchmaking_s,
             request_timeout=self.deadlines.request_s, allreduce_timeout=avg_s,
@@ -222,7 +236,8 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
             signal.signal(signal.SIGINT, on_int)
         self.averager.state_sharing_priority = float(self.completed)
         self.roster = Roster(self.dht, cfg.run, self.part, self.replica, cfg.heartbeat_s,
-                             self.log, client_mode=cfg.client_mode, identity=self.identity)
+                             self.log, client_mode=cfg.client_mode, identity=self.identity,
+                             proof=self.proof)
         if not joining:
             self.roster.start()
         self.guard = SplitGuard(cfg.starting, self.deadlines.matchmaking_s,
@@ -427,8 +442,9 @@ def quiet_hivemind() -> None:
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
-def settings_of(run: ResolvedRun) -> HivemindSettings:
-    """HivemindSettings from a resolved run (its settings' `hivemind` component and plan)."""
+def settings_of(run: ResolvedRun, secret: bytes) -> HivemindSettings:
+    """HivemindSettings from a resolved run (its settings' `hivemind` component and plan) and
+    the run secret (modules.control.auth.load_secret)."""
     cfg, plan = run.cfg, run.plan
     hv = cfg.hivemind
     agreed = {"plan": plan.to_dict(), "compression": plan.sync.compression}
@@ -442,4 +458,5 @@ def settings_of(run: ResolvedRun) -> HivemindSettings:
         compression=plan.sync.compression,
         fingerprint=run_fingerprint(plan.to_dict(), plan.sync.compression),
         starting=len(run.start_replicas or range(plan.num_replicas)),
-        matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s)
+        matchmaking_s=hv.matchmaking_timeout_s, averaging_s=hv.averaging_timeout_s,
+        secret=secret)

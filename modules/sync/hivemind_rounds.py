@@ -36,10 +36,14 @@ class RoundsMixin:
             fixed = fixed and live == self.last_group
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
+                    strangers = len(self.roster.unproven)
                     raise PeerError(f"outer round {index + 1} of {self.what}: only "
                                     f"replicas {sorted(live)} were live in the DHT for "
                                     f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
-                                    f"--min-replicas {cfg.min_replicas}")
+                                    f"--min-replicas {cfg.min_replicas}" + (
+                                        f"; {strangers} peer(s) there hold another run "
+                                        "secret: start every replica with the same "
+                                        "ST_RUN_SECRET" if strangers else ""))
                 time.sleep(0.5)
                 continue
             if live == {self.replica} and self.whole and not self.catching_up:
@@ -181,8 +185,9 @@ class RoundsMixin:
         self._set_group_size(max(2, len(live)), need)
         self._reach(index)
         self.averager.set_group_bits(format(index % (1 << ROUND_BITS), f"0{ROUND_BITS}b"))
+        me = str(self.dht.peer_id)
         return self.averager.step(gather={"replica": self.replica, "round": index,
-                                                  "id": self.identity},
+                                          "id": self.identity, "proof": self.proof.of(me)},
                                   weight=weight, allow_retries=False, **kwargs)
 
 

@@ -117,19 +117,21 @@ class SharedStateMixin:
                       for t in tensors]
 
     def _declared(self, live_only: bool = False, sharing: bool = False) -> dict[bytes, float]:
-        """Peer id -> the rounds that peer of my stage declared done, me excluded;
-        `live_only`: only peers in the roster as `roster.live` last read it (`sharing`: and
-        not in --client-mode)."""
+        """Peer id -> the rounds that peer of my stage declared done, me excluded, of the
+        peers whose roster entry proved them members (`roster.trusted`); `live_only`: only
+        peers in the roster as `roster.live` last read it (`sharing`: and not in
+        --client-mode)."""
         found = dht_call(self.dht, "get", f"{self.averager.prefix}.all_averagers", latest=True)
         mine = self.averager.peer_id.to_bytes()
         if found is None or not isinstance(found.value, dict):
             return {}
-        live = {_peer_bytes(p) for p in self.roster.peers(sharing)} if live_only else set()
-        # a declaration is a count: an outsider's NaN, infinity or 2^60 is none (it would
-        # make every replica look for a state nobody has)
+        # an outsider's declaration (any peer may write one) would make every replica look
+        # for a state nobody has; so would a member's NaN, infinity or 2^60
+        peers = self.roster.peers(sharing) if live_only else self.roster.trusted()
+        known = {_peer_bytes(p) for p in peers}
         return {k: float(v.value) for k, v in found.value.items()
-                if k != mine and isinstance(getattr(v, "value", None), int | float)
-                and 0 <= v.value < MAX_COUNT and (not live_only or k in live)}
+                if k != mine and k in known and isinstance(getattr(v, "value", None), int | float)
+                and 0 <= v.value < MAX_COUNT}
 
     def _best_peer_rounds(self, live_only: bool = False) -> float:
         """The most rounds any other peer of my stage declared done (-1: none declared)."""
