@@ -300,8 +300,9 @@ class HivemindConfig:
     """hivemind: comma-separated multiaddresses of DHT nodes to join through (what another
     replica or scripts/dht_node.py printed; none: this replica is a first node)"""
     host_maddrs: str | None = None
-    """hivemind: multiaddresses this replica's DHT node listens on (default
-    /ip4/0.0.0.0/tcp/0: every interface, a free port)"""
+    """hivemind: multiaddresses this replica's DHT node listens on (default: this host's
+    loopback, /ip4/127.0.0.1/tcp/0, when every --initial-peers is on it; else every interface,
+    /ip4/0.0.0.0/tcp/0; a free port)"""
     announce_maddrs: str | None = None
     """hivemind: multiaddresses to announce instead of the listening ones (a public address
     in front of a NAT or port forward)"""

@@ -64,24 +64,32 @@ def _roster(lines, proof):
 
 
 def test_the_roster_announces_a_proof_and_uses_only_proven_entries():
-    """My entry carries my proof; an entry without a valid proof of its own peer (none, a
-    forged one, one replayed from another peer, one of another secret) is refused, counted
-    and named in one warning, and cannot stop the run with another identity; proven ones
-    count and become the peers whose declarations are trusted."""
+    """My entry is written under a subkey only I can change (my replica and my owner tag) and
+    carries my proof, bound to that tag; an entry without a valid proof of its own peer
+    (none, a forged one, one replayed from another peer or under another subkey's owner, one
+    of another secret, one under a subkey without an owner) is refused, counted and named in
+    one warning, and cannot stop the run with another identity; proven ones count and become
+    the peers whose declarations are trusted."""
     proof, lines = PeerProof(b"k", "rt"), []
     dht, roster, answer = _roster(lines, proof)
     roster._announce()
-    assert dht.calls[-1] == ("store", "rt_roster_s0", 0, [ME, [], "me", proof.of(ME)])
-    answer({1: [PEER, [], "me", proof.of(PEER)],
-            2: [OTHER, [], "other-run", "0" * 64],  # forged; another identity: no RunMismatch
-            3: [OTHER, [], "me"],  # no proof at all (an older version, or an outsider)
-            4: [OTHER, [], "me", proof.of(PEER)],  # PEER's proof replayed by OTHER
-            5: [OTHER, [], "me", PeerProof(b"x", "rt").of(OTHER)]})  # another secret
+    mine = roster.owner
+    assert mine.startswith(b"[owner:") and len(mine) > 200  # an RSA public key
+    assert dht.calls[-1] == ("store", "rt_roster_s0", b"0" + mine,
+                             [ME, [], "me", proof.of(ME, mine)])
+    theirs, outsider = b"[owner:ssh-rsa PEERS-KEY]", b"[owner:ssh-rsa OUTSIDERS-KEY]"
+    answer({b"1" + theirs: [PEER, [], "me", proof.of(PEER, theirs)],
+            b"2" + outsider: [OTHER, [], "other-run", "0" * 64],  # forged, another identity
+            b"3" + outsider: [OTHER, [], "me"],  # no proof at all (an older version)
+            b"4" + outsider: [OTHER, [], "me", proof.of(PEER, theirs)],  # PEER's, replayed
+            b"1" + outsider: [PEER, [], "me", proof.of(PEER, theirs)],  # PEER's entry copied
+            b"5" + outsider: [OTHER, [], "me", PeerProof(b"x", "rt").of(OTHER, outsider)],
+            6: [OTHER, [], "me", proof.of(OTHER)]})  # no owner: no roster proof is unbound
     assert roster.live() == {0, 1} and roster.conflict is None
-    assert roster.unproven == {OTHER} and roster.trusted() == {ME, PEER}
+    assert len(roster.unproven) == 6 and roster.trusted() == {ME, PEER}
     assert roster.peers() == {PEER}
-    assert len(lines) == 1 and "refused the DHT roster entries of 1 peer(s)" in lines[0], lines
-    assert NOT_A_MEMBER in lines[0] and OTHER in lines[0], lines
+    assert len(lines) == 1 and "refused 6 entr(ies) of the DHT roster rt_roster_s0 (e.g. " \
+        f"one naming peer {OTHER}): {NOT_A_MEMBER}" in lines[0], lines
     roster.live()
     assert len(lines) == 1, lines  # said once, not at every read
 
@@ -89,9 +97,9 @@ def test_the_roster_announces_a_proof_and_uses_only_proven_entries():
 def test_a_proven_entry_of_another_identity_still_stops_the_run_by_name():
     from modules.sync.hivemind_dht import RunMismatch
 
-    proof = PeerProof(b"k", "rt")
+    proof, theirs = PeerProof(b"k", "rt"), b"[owner:ssh-rsa PEERS-KEY]"
     _, roster, answer = _roster([], proof)
-    answer({1: [PEER, [], "other-run", proof.of(PEER)]})
+    answer({b"1" + theirs: [PEER, [], "other-run", proof.of(PEER, theirs)]})
     with pytest.raises(RunMismatch, match="replica 1 .* is another run"):
         roster.live()
 
@@ -161,14 +169,60 @@ def test_a_replica_with_another_secret_never_enters_the_run(tmp_path):
         logs = "\n".join(f"[{r}] {run.output(r)[-2500:]}" for r in range(3))
         assert codes == {0: 0, 1: 0, 2: 1}, (codes, logs)
         for r in (0, 1):
-            assert f"refused the DHT roster entries of 1 peer(s) in shared_roster_s0 (e.g. " \
-                   f"{outsider}): {NOT_A_MEMBER}" in run.output(r), logs
-        assert "refused the DHT roster entries of" in run.output(2), logs
+            assert f"refused 1 entr(ies) of the DHT roster shared_roster_s0 (e.g. one naming " \
+                   f"peer {outsider}): {NOT_A_MEMBER}" in run.output(r), logs
+        assert "entr(ies) of the DHT roster shared_roster_s0" in run.output(2), logs
         assert ("only replicas [2] were live in the DHT for 20 s (--timeout-s), fewer than "
-                "--min-replicas 2; 2 peer(s) there hold another run secret: start every "
-                "replica with the same ST_RUN_SECRET") in run.output(2), logs
+                "--min-replicas 2; 2 roster entr(ies) there prove no membership (another "
+                "run secret?): start every replica with the same ST_RUN_SECRET"
+                ) in run.output(2), logs
         assert max_param_diff(load_models(tmp_path / "ck", [0, 1], 20)) == 0.0, logs
         assert "Traceback" not in logs, logs
     finally:
         run.stop()
     assert run.p2pd_left() == []
+
+
+@pytest.mark.timeout(90)
+def test_nobody_else_can_overwrite_a_replicas_roster_entry():
+    """Two real DHT nodes: a replica's entry is under its owned subkey; an outsider's DHT
+    (its own RSA key, or no validator at all) that writes that subkey with a later expiration
+    is refused, and the entry reads back unchanged (before, any later record hid it)."""
+    pytest.importorskip("hivemind", reason="hivemind is not installed (pip install -e .[hivemind])")
+    from hivemind import DHT
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from modules.sync.hivemind_dht import owner_tag, start_dht, visible_maddrs
+
+    loop = ["/ip4/127.0.0.1/tcp/0"]
+    member = start_dht([], loop, [], False, 30)
+    peers = visible_maddrs(member)
+    other = start_dht(peers, loop, [], False, 30)  # another replica's node
+    outsiders = [DHT(initial_peers=peers, host_maddrs=loop, start=True,
+                     record_validators=[RSASignatureValidator(RSAPrivateKey())]),
+                 DHT(initial_peers=peers, host_maddrs=loop, start=True)]
+    try:
+        subkey, now = b"1" + owner_tag(), get_dht_time()
+        assert member.store("rt_roster_s0", ["mine"], now + 30, subkey=subkey)
+        for i, outsider in enumerate(outsiders):
+            outsider.store("rt_roster_s0", [f"forged {i}"], now + 300 + i, subkey=subkey)
+            outsider.store("rt_roster_s0", ["theirs"], now + 300, subkey=b"2")  # unowned: ok
+        for reader in (member, other):  # what the run's replicas read
+            got = reader.get("rt_roster_s0", latest=True).value
+            assert got[subkey].value == ["mine"] and got[b"2"].value == ["theirs"], got
+    finally:
+        for dht in (*outsiders, other, member):
+            dht.shutdown()
+
+
+def test_a_local_replica_listens_on_loopback_only():
+    """--host-maddrs not given: loopback when every initial peer is on this host's loopback;
+    every interface for a first node or when an initial peer is elsewhere."""
+    from modules.sync.hivemind_dht import DEFAULT_LISTEN, LOOPBACK_LISTEN, default_listen
+
+    here, there = f"/ip4/127.0.0.1/tcp/4001/p2p/{ME}", f"/ip4/192.0.2.7/tcp/4001/p2p/{ME}"
+    assert default_listen([here, f"/ip6/::1/tcp/4002/p2p/{ME}"]) == [LOOPBACK_LISTEN]
+    assert default_listen([]) == [DEFAULT_LISTEN] == default_listen([here, there])
+    assert default_listen([f"/dns4/localhost/tcp/4001/p2p/{ME}"]) == [DEFAULT_LISTEN]

@@ -36,13 +36,14 @@ class PeerProof:
     def __repr__(self) -> str:  # never the secret, in a log or a traceback
         return f"PeerProof(run={self.run!r})"
 
-    def of(self, peer: str) -> str:
-        """The proof that `peer` (base58 peer id) is a member (hex)."""
-        return tagged_mac(self._key, DOMAIN, self.run.encode(), peer.encode())
+    def of(self, peer: str, *bound: bytes) -> str:
+        """The proof that `peer` (base58 peer id) is a member (hex), valid only with `bound`
+        (a roster entry's: its subkey's owner key, so a copy under another subkey fails)."""
+        return tagged_mac(self._key, DOMAIN, self.run.encode(), peer.encode(), *bound)
 
-    def holds(self, peer: str, proof: Any) -> bool:
+    def holds(self, peer: str, proof: Any, *bound: bytes) -> bool:
         """Whether `proof` (as a peer sent it: any value) proves `peer` a member."""
-        return mac_matches(proof, self.of(peer))
+        return mac_matches(proof, self.of(peer, *bound))
 
     def stranger(self, gathered: dict[str, Any], me: str) -> str | None:
         """The first peer of `gathered` (peer id -> what it gathered at matchmaking) other

@@ -109,9 +109,20 @@ def contribution_faults(parts: dict[int, torch.Tensor | None], numel: int,
     return faults
 
 
-def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str, str] | None:
-    """(replica, peer id, addresses, identity, membership proof) of a well-formed roster
-    record, else None; a record without a proof (3 fields) has proof "" (never valid)."""
+OWNER_MARK = b"[owner:"
+"""Where an owned subkey's owner key starts (hivemind's RSASignatureValidator)."""
+
+
+def roster_record(key: Any, value: Any
+                  ) -> tuple[int, str, list[str], str, str, bytes] | None:
+    """(replica, peer id, addresses, identity, membership proof, subkey owner) of a
+    well-formed roster record, else None. The subkey is the replica (int or digits), or its
+    digits then an owner tag (b"3[owner:...]"; owner b"" without one); a record without a
+    proof (3 fields) has proof "" (never valid)."""
+    owner = b""
+    if isinstance(key, bytes) and OWNER_MARK in key[:10]:
+        digits, owner = key[:key.index(OWNER_MARK)], key[key.index(OWNER_MARK):]
+        key = digits.decode("ascii", "replace")
     if isinstance(key, bool) or not isinstance(key, int | str):
         return None
     if isinstance(key, str) and not (key.isascii() and key.isdigit() and len(key) < 10):
@@ -135,7 +146,7 @@ def roster_record(key: Any, value: Any) -> tuple[int, str, list[str], str, str] 
             return None
     except Exception:  # noqa: BLE001 - not a peer id: an outsider's record
         return None
-    return replica, peer, list(maddrs), identity, proof
+    return replica, peer, list(maddrs), identity, proof, owner
 
 
 def _count(meta: dict, key: str) -> int | None:

@@ -36,7 +36,24 @@ if TYPE_CHECKING:
     from modules.sync.hivemind_auth import PeerProof
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
-"""--host-maddrs default: every interface, a free port (the printed addresses say which)."""
+"""Where a DHT node listens by default: every interface, a free port (the printed addresses
+say which); a replica of a local run listens on LOOPBACK_LISTEN instead (`default_listen`)."""
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+def default_listen(initial_peers: Sequence[str]) -> list[str]:
+    """A replica's --host-maddrs when none is given: this host's loopback when every initial
+    peer is on it (a local run: nothing outside the host can reach its p2pd), else every
+    interface (a first node, whom replicas anywhere may join, or a run across hosts)."""
+    local = bool(initial_peers) and all(_on_loopback(m) for m in initial_peers)
+    return [LOOPBACK_LISTEN if local else DEFAULT_LISTEN]
+
+
+def _on_loopback(maddr: str) -> bool:
+    """Whether a multiaddress (/ip4/A/tcp/P/...) names a loopback address."""
+    parts = maddr.split("/")
+    return len(parts) > 2 and ((parts[1] == "ip4" and parts[2].startswith("127."))
+                               or (parts[1] == "ip6" and parts[2] == "::1"))
 
 
 def first(e: BaseException) -> str:
@@ -79,11 +96,14 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
               client_mode: bool, timeout_s: float, flag: str = "--initial-peers",
               identity_path: str | None = None) -> Any:
     """A started hivemind DHT (its p2pd included), or UserError within `timeout_s` naming the
-    initial peers that could not be reached (exit 2)."""
+    initial peers that could not be reached (exit 2). It signs and checks owned records
+    (`owner_tag`): only their writer can change them, in every node of the run."""
     from hivemind import DHT
+    from hivemind.dht.crypto import RSASignatureValidator
 
     kwargs: dict[str, Any] = {"host_maddrs": host_maddrs or [DEFAULT_LISTEN],
-                              "client_mode": client_mode, "startup_timeout": timeout_s}
+                              "client_mode": client_mode, "startup_timeout": timeout_s,
+                              "record_validators": [RSASignatureValidator()]}
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
     if identity_path:
@@ -99,6 +119,15 @@ def start_dht(initial_peers: list[str], host_maddrs: list[str], announce_maddrs:
         raise UserError(f"{flag}: could not join the DHT through {peers} within {timeout_s:g} s "
                         f"({first(e)}); is that node running and reachable from here?") from None
     return dht
+
+
+def owner_tag() -> bytes:
+    """This process's `[owner:<RSA public key>]` (hivemind's RSASignatureValidator, the key
+    start_dht's DHT signs with): a DHT subkey holding it can be written by this process only,
+    so nobody can hide a replica's roster entry under a record of their own."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    return RSASignatureValidator().local_public_key
 
 
 def _stop(dht: Any) -> None:
@@ -252,8 +281,9 @@ class Roster:
         self.proven: set[str] = {str(dht.peer_id)}
         """Peer ids (base58) of every entry read whose proof held (and mine): the peers whose
         declarations and states may be trusted, also after their entry expired."""
-        self.unproven: set[str] = set()
-        """Peer ids of entries whose proof did not hold (at most IGNORED_KEPT kept)."""
+        self.unproven: dict[str, str] = {}
+        """Subkey -> the peer id claimed, of entries whose proof did not hold (at most
+        IGNORED_KEPT kept)."""
         self.ignored: set[str] = set()
         """Subkeys of records read that are no roster entries (an outsider's garbage, at most
         IGNORED_KEPT of them kept): never parsed further."""
@@ -262,6 +292,8 @@ class Roster:
         # a --client-mode replica (behind a NAT) announces no address: dialling its LAN
         # address from outside only costs the others LINK_TIMEOUT_S (seen on the NAT lab)
         self.maddrs = [] if client_mode else visible_maddrs(dht)
+        self.owner = owner_tag() if proof is not None else b""
+        """My entry's subkey is `<replica><owner>`: hivemind refuses anyone else's write."""
         self.linked: set[str] = {str(dht.peer_id)}
         """Peers this rank's p2pd was told to connect to (itself: nothing to do)."""
         self.seen: dict[int, tuple[Any, float]] = {}
@@ -283,9 +315,10 @@ class Roster:
 
         me = str(self.dht.peer_id)
         value = [me, self.maddrs, self.identity]
-        if self.proof is not None:
-            value.append(self.proof.of(me))
-        dht_call(self.dht, "store", self.key, subkey=self.replica, value=value,
+        if self.proof is not None:  # bound to my subkey's owner: a copy elsewhere is no proof
+            value.append(self.proof.of(me, self.owner))
+        subkey = str(self.replica).encode() + self.owner if self.owner else self.replica
+        dht_call(self.dht, "store", self.key, subkey=subkey, value=value,
                  expiration_time=get_dht_time() + self.ttl_s)
 
     def _beat(self) -> None:
@@ -348,10 +381,10 @@ class Roster:
                 if len(self.ignored) < IGNORED_KEPT:
                     self.ignored.add(repr(k)[:64])
                 continue
-            replica, peer, maddrs, identity, proof = got
-            if self.proof is not None and not self.proof.holds(peer, proof):
+            replica, peer, maddrs, identity, proof, owner = got
+            if self.proof is not None and not self.proof.holds(peer, proof, owner):
                 if len(self.unproven) < IGNORED_KEPT:
-                    self.unproven.add(peer)
+                    self.unproven.setdefault(repr(k)[:200], peer)
                 continue
             with self.lock:
                 self.proven.add(peer)
@@ -369,9 +402,10 @@ class Roster:
                      f"{self.key} that are not this run's entries (written from outside "
                      "the run, or by another version)")
         if _grew_past_a_power_of_ten(refused, len(self.unproven)):
-            self.log(f"warning: refused the DHT roster entries of {len(self.unproven)} "
-                     f"peer(s) in {self.key} (e.g. {sorted(self.unproven)[0]}): "
-                     f"{NOT_A_MEMBER}; they take no part in this run")
+            example = next(iter(self.unproven.values()))
+            self.log(f"warning: refused {len(self.unproven)} entr(ies) of the DHT roster "
+                     f"{self.key} (e.g. one naming peer {example}): {NOT_A_MEMBER}; "
+                     "they take no part in this run")
         return out
 
     def trusted(self) -> set[str]:

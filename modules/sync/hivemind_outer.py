@@ -67,8 +67,10 @@ from modules.sync.hivemind_auth import PeerProof
 from modules.sync.hivemind_background import BackgroundRounds, background_attempt
 from modules.sync.hivemind_checks import part_identity, run_fingerprint
 from modules.sync.hivemind_dht import (
+    LOOPBACK_LISTEN,
     Roster,
     SplitGuard,
+    default_listen,
     install_orphan_guard,
     run_id,
     start_dht,
@@ -204,8 +206,12 @@ class HivemindOuter(RoundsMixin, SharedStateMixin):
         if self.cfg.client_mode:  # it accepts no connections: its addresses lead nowhere
             return (f"hivemind DHT up (run id {self.cfg.run}) in --client-mode: other replicas "
                     "cannot join through this one; give them a full peer's --initial-peers")
-        return (f"hivemind DHT up (run id {self.cfg.run}); other replicas can join with "
-                f"--initial-peers {','.join(self.addresses)}")
+        # the addresses end the line: launchers and people copy them from there
+        local = (", listening on this host's loopback only (give --host-maddrs "
+                 "/ip4/0.0.0.0/tcp/0 to take replicas from other hosts)"
+                 if self.cfg.host_maddrs == (LOOPBACK_LISTEN,) else "")
+        return (f"hivemind DHT up (run id {self.cfg.run}){local}; other replicas can join "
+                f"with --initial-peers {','.join(self.addresses)}")
 
     def attach(self, numel: int, outer: OuterState, joining: bool = False) -> None:
         """Create the averager for a stage of `numel` values whose outer state is `outer` now;
@@ -448,9 +454,11 @@ def settings_of(run: ResolvedRun, secret: bytes) -> HivemindSettings:
     cfg, plan = run.cfg, run.plan
     hv = cfg.hivemind
     agreed = {"plan": plan.to_dict(), "compression": plan.sync.compression}
+    peers = parse_maddrs(hv.initial_peers, "--initial-peers")
     return HivemindSettings(
-        initial_peers=tuple(parse_maddrs(hv.initial_peers, "--initial-peers")),
-        host_maddrs=tuple(parse_maddrs(hv.host_maddrs, "--host-maddrs", need_peer_id=False)),
+        initial_peers=tuple(peers),
+        host_maddrs=tuple(parse_maddrs(hv.host_maddrs, "--host-maddrs", need_peer_id=False)
+                          or default_listen(peers)),
         announce_maddrs=tuple(parse_maddrs(hv.announce_maddrs, "--announce-maddrs",
                                            need_peer_id=False)),
         client_mode=hv.client_mode, run=run_id(agreed, hv.run_id), timeout_s=cfg.timeout_s,

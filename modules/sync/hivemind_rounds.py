@@ -41,9 +41,10 @@ class RoundsMixin:
                                     f"replicas {sorted(live)} were live in the DHT for "
                                     f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
                                     f"--min-replicas {cfg.min_replicas}" + (
-                                        f"; {strangers} peer(s) there hold another run "
-                                        "secret: start every replica with the same "
-                                        "ST_RUN_SECRET" if strangers else ""))
+                                        f"; {strangers} roster entr(ies) there prove no "
+                                        "membership (another run secret?): start every "
+                                        "replica with the same ST_RUN_SECRET"
+                                        if strangers else ""))
                 time.sleep(0.5)
                 continue
             if live == {self.replica} and self.whole and not self.catching_up:
