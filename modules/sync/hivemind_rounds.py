@@ -36,15 +36,7 @@ class RoundsMixin:
             fixed = fixed and live == self.last_group
             if len(live) < cfg.min_replicas:  # the others may still be starting
                 if time.monotonic() > give_up:
-                    strangers = len(self.roster.unproven)
-                    raise PeerError(f"outer round {index + 1} of {self.what}: only "
-                                    f"replicas {sorted(live)} were live in the DHT for "
-                                    f"{cfg.timeout_s:g} s (--timeout-s), fewer than "
-                                    f"--min-replicas {cfg.min_replicas}" + (
-                                        f"; {strangers} roster entr(ies) there prove no "
-                                        "membership (another run secret?): start every "
-                                        "replica with the same ST_RUN_SECRET"
-                                        if strangers else ""))
+                    raise self._too_few(index, live)
                 time.sleep(0.5)
                 continue
             if live == {self.replica} and self.whole and not self.catching_up:
@@ -173,6 +165,15 @@ class RoundsMixin:
                     with contextlib.suppress(Exception):  # already over
                         control.cancel()
                     raise AttemptCancelled(why) from None
+
+    def _too_few(self, index: int, live: set[int]) -> PeerError:
+        """Round `index` found fewer live replicas than --min-replicas for --timeout-s."""
+        cfg, strangers = self.cfg, len(self.roster.unproven)
+        hint = (f"; {strangers} roster entr(ies) there prove no membership (another run "
+                "secret?): start every replica with the same ST_RUN_SECRET" if strangers else "")
+        return PeerError(f"outer round {index + 1} of {self.what}: only replicas "
+                         f"{sorted(live)} were live in the DHT for {cfg.timeout_s:g} s "
+                         f"(--timeout-s), fewer than --min-replicas {cfg.min_replicas}{hint}")
 
     def _step(self, index: int, live: set[int], weight: float, need: int = 2,
               **kwargs: Any) -> Any:
