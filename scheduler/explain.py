@@ -365,8 +365,9 @@ def _flops_causes(rows: list[RankRow], config: SimConfig,
                "parameters in and out of its buffers, its hooks) counts as compute, and the "
                "model does not charge it" if sharded and g > 1 else ""),
             f"take this run's speeds (explain ... --write-cluster FILE, then plan --cluster "
-            f"FILE), or measure this model's FLOP/s on the devices (testkit/calibrate.py) "
-            f"and re-plan with --calibration FILE ({_flops_flag(config.mfu / g, g)})"))
+            f"FILE), or measure this model's FLOP/s on the hosts (python scripts/measure.py "
+            f"--hosts FILE --model MODEL --out cluster.json, then plan --cluster cluster.json) "
+            f"({_flops_flag(config.mfu / g, g)})"))
     for x in rows:
         if _ratio(x) > STRAGGLER_FACTOR * g and x.stage not in slow_stages:
             excess = x.measured.compute_s - g * x.predicted.compute_s
