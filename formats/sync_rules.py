@@ -48,7 +48,8 @@ def sync_rule(name: str, field: str = "sync.mode") -> SyncRule:
     """The rule a plan names; UserError naming the field and the choices when it is unknown."""
     rule = _RULES.get(name) if isinstance(name, str) else None
     if rule is None:
-        raise UserError(f"{field}: {name!r} is not one of {', '.join(_RULES)}")
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."  # one line
+        raise UserError(f"{field}: {shown} is not one of {', '.join(_RULES)}")
     return rule
 
 

@@ -44,6 +44,12 @@ def test_an_unknown_mode_is_refused_by_field_with_the_choices(mode) -> None:
         SyncConfig(mode).validate()
 
 
+def test_a_very_long_unknown_mode_is_shown_cut_to_one_line() -> None:
+    with pytest.raises(UserError) as e:
+        SyncConfig("x" * 10_000).validate()
+    assert len(str(e.value)) < 160 and "'xxx" in str(e.value) and "..." in str(e.value)
+
+
 @pytest.mark.parametrize("name", ["diloco", "allreduce", "auto"])
 def test_a_taken_or_reserved_name_cannot_be_registered(name) -> None:
     with pytest.raises(ValueError, match=name):
