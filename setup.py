@@ -10,8 +10,11 @@ setup(
         "badly connected GPUs"
     ),
     python_requires=">=3.10",
+    # testkit, benchmarks and the NAT lab too: their scripts import through the installed
+    # packages (no sys.path edits), as the entry points' do
     packages=find_packages(include=["formats", "formats.*", "scheduler", "scheduler.*", "modules",
-                                    "modules.*", "scripts", "scripts.*"]),
+                                    "modules.*", "scripts", "scripts.*", "testkit", "testkit.*",
+                                    "benchmarks", "udp_hole_punching_test"]),
     package_data={"modules": ["quant/*.cu"]},
     py_modules=["dist_runner"],
     # the same commands as `python scheduler/scheduler.py ...`, `python dist_runner.py ...`, ...

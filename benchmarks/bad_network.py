@@ -33,13 +33,11 @@ likewise) and prints the tables.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from formats.errors import UserError, run_main  # noqa: E402
 from testkit.lab_network import netns_unavailable, process_cpu_s  # noqa: E402

@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.models import get_model  # noqa: E402

@@ -24,14 +24,11 @@ import argparse
 import random
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

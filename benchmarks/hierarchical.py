@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import Cluster, load_cluster  # noqa: E402

@@ -21,9 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch  # noqa: E402
 
 from formats.atomic_io import atomic_write_json  # noqa: E402

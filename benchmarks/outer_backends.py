@@ -52,9 +52,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from testkit.fault_harness import ROOT, write_trial_plan  # noqa: E402
 from testkit.hivemind_runs import PEERS, HivemindRun, load_models, max_param_diff  # noqa: E402

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats.models import get_model  # noqa: E402
 from formats.plan import PIPELINE_COMPRESSIONS, Plan, save_plan  # noqa: E402

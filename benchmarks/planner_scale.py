@@ -34,7 +34,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
@@ -45,8 +44,7 @@ ACCESS_TIERS = ((10.0, 0.1), (5.0, 0.5), (2.0, 1.0))
 """(extra latency ms, bandwidth cap Gbit/s) of the slower access lines."""
 
 LOAD_SNIPPET = """
-import json, sys, time
-sys.path.insert(0, {root!r})
+import json, time
 from formats.cluster import load_cluster
 start = time.perf_counter()
 cluster = load_cluster({path!r})
@@ -90,7 +88,7 @@ def load_seconds(path: Path, repeats: int) -> float:
     """Best of `repeats` load_cluster times, each in a fresh process."""
     best = float("inf")
     for _ in range(repeats):
-        code = LOAD_SNIPPET.format(root=str(ROOT), path=str(path))
+        code = LOAD_SNIPPET.format(path=str(path))
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True)
         best = min(best, json.loads(out.stdout)["load_s"])

@@ -35,8 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.plan import Plan, SyncConfig, save_plan  # noqa: E402

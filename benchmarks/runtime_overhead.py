@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats.atomic_io import atomic_write_json  # noqa: E402
 from formats.cluster import load_cluster, save_cluster  # noqa: E402

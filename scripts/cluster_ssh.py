@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes, checks  # noqa: E402
 from formats.atomic_io import check_output_dir  # noqa: E402

@@ -19,12 +19,9 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
 # before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.addresses import host_port, resolve  # noqa: E402

@@ -29,10 +29,6 @@ import subprocess
 import sys
 import time
 from itertools import count
-from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:
     from formats.errors import UserError

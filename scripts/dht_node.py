@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 # before anything imports torch: c10d's C++ stack traces stay out of our one-line errors
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.errors import run_main  # noqa: E402

@@ -13,11 +13,6 @@ output names the exact delay_line.py command to run there.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats.errors import UserError, run_main  # noqa: E402
 from scripts.netemu.cli import add_cluster_args, resolve  # noqa: E402

@@ -28,6 +28,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import pkgutil
 import re
 import shutil
@@ -42,7 +43,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if not __package__:
+    # a GPU host runs this from a checkout, offline and without installing it (no pip): the
+    # checkout on the path, here and for the scripts it starts (launch_local.py, gpu_multi.py)
     sys.path.insert(0, str(ROOT))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT),
+                                                           os.environ.get("PYTHONPATH")) if p)
 
 from formats.errors import run_main  # noqa: E402
 from formats.models import get_model  # noqa: E402

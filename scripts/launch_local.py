@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats import argtypes, checks  # noqa: E402
 from formats.addresses import resolve  # noqa: E402

@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats import argtypes, checks  # noqa: E402
 from formats.atomic_io import atomic_write_bytes, check_output_path  # noqa: E402

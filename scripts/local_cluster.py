@@ -20,12 +20,8 @@ reported, never silent) and writes into --out-dir (default out/local_cluster/PRE
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.atomic_io import (  # noqa: E402

@@ -26,14 +26,10 @@ from __future__ import annotations
 import argparse
 import posixpath
 import shlex
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import paramiko  # noqa: E402
 

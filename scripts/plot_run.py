@@ -10,13 +10,10 @@ Default --out: RUN_DIR/run.png. The file is written atomically. Bad input exits 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats.atomic_io import atomic_write_with, check_output_path  # noqa: E402
 from formats.errors import UserError, run_main  # noqa: E402

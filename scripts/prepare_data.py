@@ -12,11 +12,7 @@ Exit 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats.errors import run_main  # noqa: E402
 from modules.config import DataConfig  # noqa: E402

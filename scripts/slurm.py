@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    sys.path.insert(0, str(ROOT))
 
 from formats import argtypes  # noqa: E402
 from formats.atomic_io import atomic_write_bytes, check_output_dir  # noqa: E402

@@ -18,11 +18,7 @@ as a cluster file (--out measured.json), with configured vs measured printed sid
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402

@@ -14,13 +14,9 @@ Runs locally, offline. Exit 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-if not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.atomic_io import atomic_write_bytes, check_output_path  # noqa: E402

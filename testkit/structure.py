@@ -34,6 +34,10 @@ MAX_CLASS_LINES = 350
 MAX_TRAINER_LINES = 300
 MAX_SYNC_LITERAL_FILES = 3
 MAX_DATED_DOC_LINES = 10
+PATH_EDITS_ALLOWED = ("dist_runner.py", "scheduler/scheduler.py", "scripts/gpu_check.py",
+                      "scripts/gpu_multi.py")
+"""The files that may put the checkout on sys.path: the two documented entry points, and the
+GPU host's check, which runs from a checkout without installing it (no pip index there)."""
 SYNC_MODE_NAMES = frozenset({"allreduce", "diloco"})
 DATED = re.compile(r"(?<!\d)20\d\d-[01]\d-[0-3]\d(?!\d)")
 
@@ -172,6 +176,22 @@ def compares_sync_literals(path: Path) -> bool:
                for n in ast.walk(_parsed(path)[1]))
 
 
+def edits_sys_path(path: Path) -> bool:
+    """Whether the file calls sys.path.insert / append / extend (or assigns into sys.path)."""
+    for node in ast.walk(_parsed(path)[1]):
+        target = node.func if isinstance(node, ast.Call) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Subscript):
+            target = target.value
+        while isinstance(target, ast.Attribute) and target.attr in ("insert", "append",
+                                                                    "extend"):
+            target = target.value
+        if (isinstance(target, ast.Attribute) and target.attr == "path"
+                and isinstance(target.value, ast.Name) and target.value.id == "sys"):
+            return True
+    return False
+
+
 def dated_doc_lines(root: Path = ROOT) -> list[str]:
     """'file:line' of every line of the guides (docs/*.md, not docs/results/) with a date."""
     return [f"{p.relative_to(root)}:{i}" for p in sorted((root / "docs").glob("*.md"))
@@ -213,6 +233,8 @@ def measure(root: Path = ROOT) -> list[Rule]:
     literal = [_rel(p, root) for p in files if compares_sync_literals(p)]
     two_way = two_way_subpackages(g)
     dated = dated_doc_lines(root)
+    path_edits = [r for r in (_rel(p, root) for p in sources(root).values()
+                              if edits_sys_path(p)) if r not in PATH_EDITS_ALLOWED]
     return [
         Rule("import cycles", len(cycles), 0, [" ".join(c) for c in cycles]),
         Rule(f"product functions over {MAX_FUNCTION_LINES} lines", len(longf), 0, longf),
@@ -224,6 +246,8 @@ def measure(root: Path = ROOT) -> list[Rule]:
              MAX_SYNC_LITERAL_FILES, literal),
         Rule("two-way imports or cycles between modules/ parts", len(two_way), 0, two_way),
         Rule("dated lines in docs/*.md", len(dated), MAX_DATED_DOC_LINES, dated),
+        Rule("files editing sys.path besides " + ", ".join(PATH_EDITS_ALLOWED),
+             len(path_edits), 0, path_edits),
     ]
 
 

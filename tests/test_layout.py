@@ -99,3 +99,15 @@ def test_a_sync_literal_comparison_is_seen(tmp_path, code, compares) -> None:
     f = tmp_path / "x.py"
     f.write_text(code)
     assert st.compares_sync_literals(f) is compares
+
+
+@pytest.mark.parametrize("code, edits", [
+    ("import sys\nsys.path.insert(0, 'x')\n", True),
+    ("import sys\nsys.path[0] = 'x'\n", True),
+    ("import sys\nsys.path.append('x')\n", True),
+    ("import sys\nprint(sys.path)\nother.path.insert(0, 'x')\n", False)])
+def test_a_sys_path_edit_is_seen(tmp_path, code, edits) -> None:
+    """Scripts import through the installed packages; only PATH_EDITS_ALLOWED edit sys.path."""
+    f = tmp_path / "x.py"
+    f.write_text(code)
+    assert st.edits_sys_path(f) is edits

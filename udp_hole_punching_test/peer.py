@@ -26,9 +26,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from formats import argtypes  # noqa: E402
 from formats.addresses import host_port, resolve  # noqa: E402
 from formats.atomic_io import check_output_path  # noqa: E402

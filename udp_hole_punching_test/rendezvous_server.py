@@ -32,10 +32,6 @@ import socket
 import sys
 import time
 from collections import Counter
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.addresses import host_port, resolve  # noqa: E402

@@ -24,11 +24,7 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from formats import argtypes  # noqa: E402
 from formats.addresses import resolve, tcp_url  # noqa: E402
