@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     check_stage_memory(plan, topo.stage, placement.device)  # before anything is allocated
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
-    log = lambda msg: print(f"rank {rank}: {msg}", flush=True)
+    # one write per line, newline included: with PYTHONUNBUFFERED (the launchers set it)
+    # print writes the text and its newline apart, and srun merged two ranks' lines into one
+    log = lambda msg: print(f"rank {rank}: {msg}\n", end="", flush=True)
     log(f"device {describe_device(placement.device)}, precision {cfg.device.precision}, "
         f"{'compiled' if placement.compile else 'eager'}, --comm {cfg.device.comm}, "
         f"pipeline compression {plan.pipeline_compression}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,8 +119,8 @@ def test_requeued_job_resumes_then_ctrl_c_cancels(slurm, plan2, tmp_path) -> Non
             assert subprocess.run(["scontrol", "requeue", job], **ctl).returncode == 0
             _start_now(job, ctl)
             resumed = 0
-        elif line.startswith("rank 0: resumed from step "):
-            resumed = int(line.split()[-1])
+        elif found := re.search(r"rank 0: resumed from step (\d+)", line):
+            resumed = int(found.group(1))  # (also where another rank's output shares the line)
         elif resumed and f"rank 0: step {resumed + 2}/400" in line:
             p.send_signal(signal.SIGINT)  # Ctrl+C
             break

@@ -301,8 +301,8 @@ class Monitor(threading.Thread):
                                f"{cfg.timeout_s:g} s ({first_line(e)})")
                     return
             except Exception as e:  # a bug here must not go unnoticed
-                print(f"rank {cfg.rank}: heartbeat thread failed: {e!r}", file=sys.stderr,
-                      flush=True)
+                print(f"rank {cfg.rank}: heartbeat thread failed: {e!r}\n", end="",
+                      file=sys.stderr, flush=True)
                 raise
             self._halt.wait(cfg.interval_s)
 

@@ -47,7 +47,7 @@ class Failures:
 
     def fatal(self, reason: str, status: int = 1) -> None:
         """Say why, checkpoint what can be checkpointed, and leave with `status` (any thread)."""
-        print(f"rank {self.rank}: error: {reason}", file=sys.stderr, flush=True)
+        print(f"rank {self.rank}: error: {reason}\n", end="", file=sys.stderr, flush=True)
         try:
             saved = self.emergency()
         except Exception as e:  # never let a failed save keep a dying rank alive
