@@ -1166,6 +1166,10 @@ def test_widened_deadlines_reach_the_averagers_process():
         for a in avs:
             a.matchmaking_kwargs["min_matchmaking_time"] = 4.0
         took, errors = _round_of(avs, 30)
+        if errors and all("could not find a group" in e for e in errors):
+            # seen once in a full suite run (7 of 7 alone passed): the two missed each other
+            # in matchmaking; the next attempt still shows which deadline the process holds
+            took, errors = _round_of(avs, 30)
         assert not errors and 3.8 < took < 6.5, (took, errors)
 
 

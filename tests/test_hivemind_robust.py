@@ -105,6 +105,8 @@ def test_outsiders_roster_records_are_ignored_and_counted():
     assert len(lines) == 1 and "ignored 6 record(s)" in lines[0], lines
     assert roster_record(True, [PEER_B, [], "me"]) is None
     assert roster_record("2", [PEER_B, ["/ip4/1.2.3.4/tcp/1"], "me"])[0] == 2
+    owned = roster_record(b"1234567[owner:ssh-rsa K]", [PEER_B, [], "me", "p"])
+    assert owned is not None and owned[0] == 1234567 and owned[5] == b"[owner:ssh-rsa K]"
 
 
 def test_an_entry_of_another_run_on_the_run_id_is_refused_by_name():

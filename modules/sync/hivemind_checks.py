@@ -120,7 +120,7 @@ def roster_record(key: Any, value: Any
     digits then an owner tag (b"3[owner:...]"; owner b"" without one); a record without a
     proof (3 fields) has proof "" (never valid)."""
     owner = b""
-    if isinstance(key, bytes) and OWNER_MARK in key[:10]:
+    if isinstance(key, bytes) and OWNER_MARK in key[:10 + len(OWNER_MARK)]:  # <= 10 digits
         digits, owner = key[:key.index(OWNER_MARK)], key[key.index(OWNER_MARK):]
         key = digits.decode("ascii", "replace")
     if isinstance(key, bool) or not isinstance(key, int | str):
