@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from formats.checks import shown
 from formats.errors import UserError
 
 
@@ -48,8 +49,7 @@ def sync_rule(name: str, field: str = "sync.mode") -> SyncRule:
     """The rule a plan names; UserError naming the field and the choices when it is unknown."""
     rule = _RULES.get(name) if isinstance(name, str) else None
     if rule is None:
-        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."  # one line
-        raise UserError(f"{field}: {shown} is not one of {', '.join(_RULES)}")
+        raise UserError(f"{field}: {shown(name)} is not one of {', '.join(_RULES)}")
     return rule
 
 

@@ -90,24 +90,18 @@ def test_the_structure_report_runs_and_every_rule_holds(capsys) -> None:
     assert st.main([]) == 0, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("code, compares", [
-    ('if sync.mode == "diloco":\n    pass\n', True),
-    ('ok = mode in ("allreduce", "x")\n', True),
-    ('local = sync.rule.local_steps\n', False),
-    ('name = "diloco"\nprint(f"--sync {name}")\n', False)])
-def test_a_sync_literal_comparison_is_seen(tmp_path, code, compares) -> None:
+@pytest.mark.parametrize("check, code, seen", [
+    (st.compares_sync_literals, 'if sync.mode == "diloco":\n    pass\n', True),
+    (st.compares_sync_literals, 'ok = mode in ("allreduce", "x")\n', True),
+    (st.compares_sync_literals, 'local = sync.rule.local_steps\n', False),
+    (st.compares_sync_literals, 'name = "diloco"\nprint(f"--sync {name}")\n', False),
+    (st.edits_sys_path, "import sys\nsys.path.insert(0, 'x')\n", True),
+    (st.edits_sys_path, "import sys\nsys.path[0] = 'x'\n", True),
+    (st.edits_sys_path, "import sys\nsys.path.append('x')\n", True),
+    (st.edits_sys_path, "import sys\nprint(sys.path)\nother.path.insert(0, 'x')\n", False)])
+def test_a_rule_sees_what_it_counts(tmp_path, check, code, seen) -> None:
+    """A sync-mode literal compared as a string; an edit of sys.path (scripts import through
+    the installed packages; only PATH_EDITS_ALLOWED edit it)."""
     f = tmp_path / "x.py"
     f.write_text(code)
-    assert st.compares_sync_literals(f) is compares
-
-
-@pytest.mark.parametrize("code, edits", [
-    ("import sys\nsys.path.insert(0, 'x')\n", True),
-    ("import sys\nsys.path[0] = 'x'\n", True),
-    ("import sys\nsys.path.append('x')\n", True),
-    ("import sys\nprint(sys.path)\nother.path.insert(0, 'x')\n", False)])
-def test_a_sys_path_edit_is_seen(tmp_path, code, edits) -> None:
-    """Scripts import through the installed packages; only PATH_EDITS_ALLOWED edit sys.path."""
-    f = tmp_path / "x.py"
-    f.write_text(code)
-    assert st.edits_sys_path(f) is edits
+    assert check(f) is seen
